@@ -1,0 +1,133 @@
+"""The embedded default: a tiny Llama-style model, a character-level tokenizer and a small task
+dataset, all made locally so that the project runs and is tested with no model or dataset hub.
+
+The model is written with `save_pretrained` and read back by the same `from_pretrained` call a hub
+id takes, so the tiny run exercises the real loading path. Assets are written once into
+FINETUNE_CACHE (default ~/.cache/finetune) through a temporary directory and a rename, so that
+concurrent ranks never see half-written files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+ASSET_VERSION = "v1"
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+BUILTIN_MODELS = {"tiny-llama": "tiny-llama"}
+BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")).expanduser()
+
+
+def _publish(build, target: Path) -> Path:
+    """Build into a temporary sibling and rename it into place; the first writer wins."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        built = build(tmp)
+        try:
+            os.rename(built, target)
+        except OSError:
+            if not target.exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(string.printable)
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + [c for c in chars if c not in SPECIALS])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=SPECIALS[4:], model_max_length=4096,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model_dir() -> Path:
+    def build(tmp: Path) -> Path:
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = build_tokenizer()
+        config = LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=False, rms_norm_eps=1e-5,
+        )
+        assert len(tok) <= config.vocab_size
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            model = LlamaForCausalLM(config)
+        out = tmp / "model"
+        model.save_pretrained(out)
+        tok.save_pretrained(out)
+        return out
+
+    return _publish(build, cache_root() / ASSET_VERSION / "tiny-llama")
+
+
+def _task(rng: random.Random) -> dict:
+    kind = rng.randrange(4)
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7)))
+    if kind == 0:
+        a, b = rng.randint(0, 49), rng.randint(0, 49)
+        return {"instruction": "Add the two numbers.", "input": f"{a} + {b}", "output": str(a + b)}
+    if kind == 1:
+        return {"instruction": "Reverse the word.", "input": word, "output": word[::-1]}
+    if kind == 2:
+        return {"instruction": "Write the word in capitals.", "input": word, "output": word.upper()}
+    n = rng.randint(1, 9)
+    return {"instruction": "Repeat the letter.", "input": f"{word[0]} x {n}", "output": word[0] * n}
+
+
+def tiny_tasks_file(n: int = 4000) -> Path:
+    """Four tiny tasks (add, reverse, capitalise, repeat) in alpaca format: learnable by a tiny model."""
+
+    def build(tmp: Path) -> Path:
+        rng = random.Random(1234)
+        out = tmp / "tiny-tasks.jsonl"
+        with out.open("w") as f:
+            for _ in range(n):
+                f.write(json.dumps(_task(rng)) + "\n")
+        return out
+
+    return _publish(build, cache_root() / ASSET_VERSION / "tiny-tasks.jsonl")
+
+
+def resolve_model(name: str) -> str:
+    """builtin:NAME -> a local directory made on first use; anything else unchanged."""
+    if name.startswith("builtin:"):
+        assert name[len("builtin:"):] == "tiny-llama", name
+        return str(tiny_model_dir())
+    return name
+
+
+def resolve_dataset(name: str) -> str:
+    if name.startswith("builtin:"):
+        assert name[len("builtin:"):] == "tiny-tasks", name
+        return str(tiny_tasks_file())
+    return name

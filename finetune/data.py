@@ -1,0 +1,418 @@
+"""Datasets -> formatted, tokenized, masked (and optionally packed) rows -> per-rank micro-batches.
+
+Which rows global step N consumes on which rank is a pure function of (seed, N, world size,
+micro batch, accumulation): `BatchSchedule` answers it without reading the data before N, which is
+what makes resume O(1). The global batch at step N is the same set of rows whatever its split into
+processes and accumulation steps, so runs on different world sizes see identical batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.recipe import DATA_EXTENSIONS, Recipe, RecipeError, looks_local
+
+IGNORE = -100
+FORMAT_FIELDS = {
+    "alpaca": ("instruction", "output"),
+    "prompt_completion": ("prompt", "completion"),
+    "messages": ("messages",),
+    "text": ("text",),
+}
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+PIPELINE_VERSION = "1"  # bump when tokenization/packing output changes, to invalidate caches
+
+
+class DataError(RecipeError):
+    """Bad dataset content: reported like any recipe error, one line naming file and row."""
+
+
+# ---------------------------------------------------------------- formats
+
+
+def detect_format(columns, where: str) -> str:
+    cols = set(columns)
+    if "messages" in cols:
+        return "messages"
+    if {"instruction", "output"} <= cols:
+        return "alpaca"
+    if {"prompt", "completion"} <= cols:
+        return "prompt_completion"
+    if "text" in cols:
+        return "text"
+    raise DataError(
+        f"{where}: cannot tell the dataset format from its fields {sorted(cols)}; expected messages, "
+        "instruction+output (alpaca), prompt+completion, or text; or set dataset_format=..."
+    )
+
+
+def check_row(row, fmt: str, where: str) -> None:
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for name in FORMAT_FIELDS[fmt]:
+        if name not in row or row[name] is None:
+            raise DataError(f"{where}: missing field {name!r} (dataset_format={fmt} needs "
+                            f"{', '.join(FORMAT_FIELDS[fmt])})")
+    if fmt == "messages":
+        msgs = row["messages"]
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: each message needs string 'role' and 'content', got {m!r:.80}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise DataError(f"{where}: no assistant message to learn from")
+    else:
+        for name in FORMAT_FIELDS[fmt]:
+            if not isinstance(row[name], str):
+                raise DataError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in DATA_EXTENSIONS)
+    if not files:
+        raise DataError(f"{path}: directory holds no {'/'.join(DATA_EXTENSIONS)} files")
+    return files
+
+
+def prevalidate(source: str, fmt: str, key: str = "dataset") -> str:
+    """Scan local JSON/JSONL files row by row before anything expensive: names file and line.
+
+    Returns the resolved format. Parquet/CSV are checked by their column names; hub datasets cannot
+    be checked before they are downloaded.
+    """
+    if not looks_local(source):
+        return fmt
+    rows_seen = 0
+    for path in _data_files(Path(source).expanduser()):
+        suffix = path.suffix.lower()
+        if suffix == ".jsonl" or suffix == ".json":
+            text = path.read_text(encoding="utf-8")
+            stripped = text.lstrip()
+            if suffix == ".json" and stripped.startswith("["):
+                try:
+                    rows = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}: not valid JSON: {e.msg} at line {e.lineno}") from None
+                numbered = ((f"{path} item {i}", r) for i, r in enumerate(rows))
+            else:
+                numbered = _jsonl_rows(path, text)
+            for where, row in numbered:
+                if fmt == "auto":
+                    fmt = detect_format(row.keys() if isinstance(row, dict) else [], where)
+                check_row(row, fmt, where)
+                rows_seen += 1
+        else:
+            columns = _columns(path)
+            if fmt == "auto":
+                fmt = detect_format(columns, str(path))
+            missing = [c for c in FORMAT_FIELDS[fmt] if c not in columns]
+            if missing:
+                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}")
+            rows_seen += _num_rows(path)
+    if rows_seen == 0:
+        raise DataError(f"{key}={source}: the dataset is empty")
+    return fmt
+
+
+def _jsonl_rows(path: Path, text: str):
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+        yield f"{path} line {lineno}", row
+
+
+def _columns(path: Path) -> list[str]:
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_schema(path).names)
+    with path.open(encoding="utf-8") as f:
+        return [c.strip() for c in f.readline().rstrip("\n").split(",")]
+
+
+def _num_rows(path: Path) -> int:
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    with path.open(encoding="utf-8") as f:
+        return max(0, sum(1 for _ in f) - 1)
+
+
+# ---------------------------------------------------------------- tokenization
+
+
+def _bos(tokenizer) -> list[int]:
+    """The BOS id to prepend, unless the tokenizer adds it by itself or has none."""
+    if tokenizer.bos_token_id is None:
+        return []
+    probe = tokenizer("a").input_ids
+    return [] if probe and probe[0] == tokenizer.bos_token_id else [tokenizer.bos_token_id]
+
+
+def encode_prompt_completion(tokenizer, prompt: str, completion: str, train_on_prompt: bool, max_len: int):
+    prompt_ids = _bos(tokenizer) + tokenizer(prompt, add_special_tokens=False).input_ids
+    completion_ids = tokenizer(completion, add_special_tokens=False).input_ids
+    if tokenizer.eos_token_id is not None:
+        completion_ids = completion_ids + [tokenizer.eos_token_id]
+    ids = (prompt_ids + completion_ids)[:max_len]
+    labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + completion_ids
+    return ids, labels[:max_len]
+
+
+def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_len: int):
+    """Render with the chat template and label the assistant turns, found as character spans.
+
+    Character spans (template rendered on growing prefixes of the conversation) are mapped to tokens
+    with the tokenizer's offsets, which holds for any template whose rendering of a prefix is a
+    prefix of the full rendering, as chat templates are.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set tokenizer=... to "
+                        "one that has it, or use dataset_format=prompt_completion")
+    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
+    full = render(messages, False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before, through = render(messages[:i], True), render(messages[: i + 1], False)
+        if not (full.startswith(through) and through.startswith(before)):
+            raise DataError("the chat template does not render conversations prefix by prefix, so assistant "
+                            "turns cannot be located; set train_on_prompt=true")
+        spans.append((len(before), len(through)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc.input_ids[:max_len]
+    if train_on_prompt:
+        return ids, list(ids)
+    labels = [
+        tok if any(lo <= start < hi for lo, hi in spans) else IGNORE
+        for tok, (start, _end) in zip(ids, enc.offset_mapping)
+    ]
+    return ids, labels
+
+
+def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: int):
+    if fmt == "messages":
+        return encode_messages(tokenizer, row["messages"], train_on_prompt, max_len)
+    if fmt == "text":
+        ids = (_bos(tokenizer) + tokenizer(row["text"], add_special_tokens=False).input_ids)
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        ids = ids[:max_len]
+        return ids, list(ids)
+    if fmt == "alpaca":
+        template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
+        prompt = template.format(instruction=row["instruction"], input=row.get("input") or "")
+        return encode_prompt_completion(tokenizer, prompt, row["output"], train_on_prompt, max_len)
+    return encode_prompt_completion(tokenizer, row["prompt"], row["completion"], train_on_prompt, max_len)
+
+
+def pack_rows(input_ids: list[list[int]], labels: list[list[int]], max_len: int, pad_id: int) -> dict:
+    """Greedy packing into rows of exactly max_len.
+
+    Each example keeps its own position ids (restarting at 0), which is how the model's attention
+    masks keep examples from attending to one another; the first token of each example is never a
+    target of the previous example's last token.
+    """
+    out = {"input_ids": [], "labels": [], "position_ids": []}
+    cur_ids, cur_labels, cur_pos = [], [], []
+
+    def flush():
+        pad = max_len - len(cur_ids)
+        out["input_ids"].append(cur_ids + [pad_id] * pad)
+        out["labels"].append(cur_labels + [IGNORE] * pad)
+        out["position_ids"].append(cur_pos + list(range(pad)))
+
+    for ids, labs in zip(input_ids, labels):
+        if cur_ids and len(cur_ids) + len(ids) > max_len:
+            flush()
+            cur_ids, cur_labels, cur_pos = [], [], []
+        cur_ids = cur_ids + ids
+        cur_labels = cur_labels + [IGNORE] + labs[1:]
+        cur_pos = cur_pos + list(range(len(ids)))
+    if cur_ids:
+        flush()
+    return out
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _load(source: str, split: str):
+    import datasets
+
+    try:
+        if looks_local(source):
+            path = Path(source).expanduser()
+            files = [str(p) for p in _data_files(path)]
+            suffix = Path(files[0]).suffix.lower().lstrip(".")
+            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[suffix]
+            return datasets.load_dataset(builder, data_files=files, split="train")
+        return datasets.load_dataset(source, split=split)
+    except DataError:
+        raise
+    except Exception as e:  # network, missing split, unreadable file: all the user's to fix
+        raise DataError(f"could not load dataset {source!r} (split {split!r}): {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else repr(tokenizer.get_vocab())
+    return _fingerprint(body, getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token)
+
+
+def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str):
+    """Format, tokenize, drop examples with no target token, and pack; cached by content fingerprint."""
+    if len(ds) == 0:
+        raise DataError(f"{where}: the dataset is empty")
+    if fmt == "auto":
+        fmt = detect_format(ds.column_names, where)
+    missing = [c for c in FORMAT_FIELDS[fmt] if c not in ds.column_names]
+    if missing:
+        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}")
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    max_len, train_on_prompt = recipe.max_seq_len, recipe.train_on_prompt
+
+    def encode(batch):
+        out = {"input_ids": [], "labels": []}
+        for i in range(len(batch[ds.column_names[0]])):
+            row = {k: batch[k][i] for k in batch}
+            ids, labels = encode_row(row, fmt, tokenizer, train_on_prompt, max_len)
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+        return out
+
+    fp = _fingerprint(PIPELINE_VERSION, ds._fingerprint, fmt, tok_fp, max_len, train_on_prompt)
+    ds = ds.map(encode, batched=True, remove_columns=ds.column_names, new_fingerprint=fp, desc=f"tokenize {where}")
+    ds = ds.filter(lambda labels: any(x != IGNORE for x in labels[1:]), input_columns="labels",
+                   new_fingerprint=_fingerprint(fp, "filter"), desc="drop rows without targets")
+    if len(ds) == 0:
+        raise DataError(f"{where}: no example has a response token left within max_seq_len={max_len}; "
+                        "raise max_seq_len or set train_on_prompt=true")
+    if recipe.packing:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ds = ds.map(lambda b: pack_rows(b["input_ids"], b["labels"], max_len, pad), batched=True, batch_size=1000,
+                    new_fingerprint=_fingerprint(fp, "pack"), desc=f"pack {where}")
+    return ds
+
+
+@dataclass
+class Datasets:
+    train: object
+    eval: object | None
+    format: str
+
+
+def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
+    """Load, split and tokenize. The loop runs it on each machine's main process first; the other
+    ranks then find every step in the datasets cache (fingerprints are content-derived)."""
+    from finetune.assets import resolve_dataset
+
+    source = resolve_dataset(recipe.dataset)
+    raw = _load(source, recipe.dataset_split)
+    fmt = recipe.dataset_format if recipe.dataset_format != "auto" else detect_format(raw.column_names, source)
+    if recipe.eval_dataset:
+        raw_eval = _load(resolve_dataset(recipe.eval_dataset), recipe.dataset_split)
+    elif recipe.eval_fraction > 0 and len(raw) >= 2:
+        split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
+        raw, raw_eval = split["train"], split["test"]
+    else:
+        raw_eval = None
+    train = tokenize_dataset(raw, fmt, tokenizer, recipe, source)
+    evals = (tokenize_dataset(raw_eval, fmt, tokenizer, recipe, (recipe.eval_dataset or source) + " (eval)")
+             if raw_eval is not None else None)
+    return Datasets(train=train, eval=evals, format=fmt)
+
+
+# ---------------------------------------------------------------- batches
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Which rows each rank reads at each step: a pure function of its fields."""
+
+    num_rows: int
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_rows // self.global_batch
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_rows, generator=g)
+
+    def rows(self, step: int, rank: int) -> list[list[int]]:
+        """The micro-batches (lists of row indices) that `rank` runs at optimizer step `step`."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        perm = self.permutation(epoch)[within * self.global_batch:(within + 1) * self.global_batch].tolist()
+        m, w = self.micro_batch_size, self.world_size
+        return [perm[(a * w + rank) * m:(a * w + rank + 1) * m] for a in range(self.grad_accum)]
+
+
+def collate(rows: list[dict], pad_id: int, packed: bool) -> dict:
+    """Pad right to the longest row; packed rows are all full length and carry position ids instead of
+    an attention mask, from which the model builds one block-causal mask per example."""
+    width = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key, fill):
+        return torch.tensor([r[key] + [fill] * (width - len(r[key])) for r in rows], dtype=torch.long)
+
+    batch = {"input_ids": padded("input_ids", pad_id), "labels": padded("labels", IGNORE)}
+    if packed:
+        batch["position_ids"] = padded("position_ids", 0)
+    else:
+        batch["attention_mask"] = torch.tensor(
+            [[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows], dtype=torch.long)
+    return batch
+
+
+def target_tokens(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def fetch(ds, indices: list[int], pad_id: int, packed: bool) -> dict:
+    """Rows by index; index -1 is a placeholder (keeps ranks in lock-step) that carries no targets."""
+    real = [i if i >= 0 else 0 for i in indices]
+    cols = ds[real]
+    rows = [{k: cols[k][j] for k in cols} for j in range(len(real))]
+    for j, i in enumerate(indices):
+        if i < 0:
+            rows[j]["labels"] = [IGNORE] * len(rows[j]["labels"])
+    return collate(rows, pad_id, packed)
+
+
+def eval_batches(ds, micro_batch_size: int, rank: int, world_size: int, max_batches: int = 0) -> list[list[int]]:
+    """Every eval row once across ranks, each rank the same number of batches (sharded models need
+    every rank in every forward)."""
+    n = len(ds)
+    per_rank = -(-n // world_size)
+    mine = [i if i < n else -1 for i in range(rank, per_rank * world_size, world_size)]
+    batches = [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    return batches[:max_batches] if max_batches else batches

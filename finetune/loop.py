@@ -1,0 +1,168 @@
+"""The one training loop, for every strategy. It asks the other modules and reads top to bottom."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from finetune import data as D
+from finetune.export import save_final_model
+from finetune.metrics import MetricsFile, Progress, log, setup_logging
+from finetune.model import load_config, load_model, load_tokenizer, loss_sum, no_split_modules
+from finetune.plan import Plan
+from finetune.recipe import RecipeError
+from finetune.strategy import build_accelerator, build_optimizer_and_scheduler
+
+
+@dataclass
+class LoopState:
+    """Everything besides model/optimizer/scheduler that a resume needs to continue exactly."""
+
+    step: int = 0          # optimizer steps done
+    tokens: int = 0        # target tokens seen, all ranks
+    samples: int = 0       # rows seen, all ranks
+    best_eval_loss: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def main_first(accelerator, fn):
+    """Run fn on each machine's main process, then on the others (which then hit its caches).
+
+    A failure on the main process is shared with every rank, so all exit with the same message
+    instead of the others waiting at a barrier until a timeout.
+    """
+    result, error = None, None
+    if accelerator.is_local_main_process:
+        try:
+            result = fn()
+        except Exception as e:  # re-raised below on this rank, reported to the others
+            error = e
+    errors = [None] * accelerator.num_processes
+    torch.distributed.all_gather_object(errors, None if error is None else (type(error).__name__, str(error)))
+    if error is not None:
+        raise error
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:
+        kind, message = failed
+        raise RecipeError(message) if kind in ("RecipeError", "DataError") else RuntimeError(
+            f"the main process failed: {kind}: {message}")
+    return result if accelerator.is_local_main_process else fn()
+
+
+def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> float:
+    """Mean loss per target token over the whole eval set, exact across ranks."""
+    model.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for rows in batches:
+            batch = {k: v.to(device) for k, v in D.fetch(ds, rows, pad_id, packed).items()}
+            total[0] += loss_sum(model, batch).double()
+            total[1] += D.target_tokens(batch)
+    model.train()
+    total = reduce(total)
+    return float(total[0] / total[1])
+
+
+def train(plan: Plan) -> dict:
+    r = plan.recipe
+    out = Path(r.output_dir)
+    setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
+    model_path, config = load_config(r)
+    wrap = no_split_modules(config) if r.strategy == "fsdp" else []
+    accelerator = build_accelerator(plan, config.hidden_size, wrap)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    is_main = accelerator.is_main_process
+    log.info(plan.describe())
+    torch.manual_seed(r.seed)
+
+    tokenizer = load_tokenizer(r, model_path)
+    datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
+    packed = r.packing
+    pad_id = tokenizer.pad_token_id
+    schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, world, r.seed)
+    if schedule.steps_per_epoch == 0:
+        raise RecipeError(f"the dataset has {len(datasets.train)} training rows, fewer than one global batch of "
+                          f"{schedule.global_batch}; lower micro_batch_size or grad_accum, or add data")
+    total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
+    eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, rank, world, r.eval_max_batches) \
+        if datasets.eval is not None else None
+    log.info(f"{len(datasets.train)} training rows ({datasets.format}{', packed' if packed else ''}), "
+             f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
+
+    model = load_model(r, model_path)
+    optimizer, scheduler = build_optimizer_and_scheduler(plan, model, total_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    def reduce_sum(t):
+        return accelerator.reduce(t, reduction="sum")
+
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
+                                  "global_batch_size": plan.global_batch_size}
+        (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
+    metrics = MetricsFile(out / "metrics.jsonl", is_main)
+    state = LoopState()  # checkpoint seam: a resumed run restores this and the prepared objects here
+
+    progress = Progress(total_steps, state.step, is_main)
+    last_eval = None
+    window_tokens, window_t0 = 0, time.perf_counter()
+    train_t0 = time.perf_counter()
+    model.train()
+    while state.step < total_steps:
+        micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]
+        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches)], device=device))
+        global_tokens = int(counts.item())
+        scale = world * plan.grad_accum / global_tokens  # the framework averages over ranks and micro-steps
+        step_loss = torch.zeros((), dtype=torch.float64, device=device)
+        for batch in micro_batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            with accelerator.accumulate(model):
+                loss = loss_sum(model, batch)
+                accelerator.backward(loss * scale)
+            step_loss += loss.detach().double()
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens += global_tokens
+        state.samples += schedule.global_batch
+        window_tokens += global_tokens
+
+        step_loss = float(reduce_sum(step_loss) / global_tokens)
+        record = None
+        if state.step % r.log_every == 0 or state.step == total_steps:
+            now = time.perf_counter()
+            record = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+                      "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                      "tokens": state.tokens, "tokens_per_s": window_tokens / (now - window_t0),
+                      "epoch": (state.step - 1) // schedule.steps_per_epoch}
+            metrics.write(record)
+            window_tokens, window_t0 = 0, now
+        progress.update(state.step, record)
+
+        end = state.step == total_steps
+        if eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
+            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
+            state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
+            metrics.write({"step": state.step, "eval_loss": last_eval})
+            progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
+        # checkpoint seam: periodic and on-signal saves of (model, optimizer, scheduler, state) go here
+    progress.close()
+    train_seconds = time.perf_counter() - train_t0
+
+    final = save_final_model(accelerator, model, tokenizer, out / "final")
+    summary = {"steps": state.step, "train_seconds": round(train_seconds, 2), "tokens": state.tokens,
+               "tokens_per_s": state.tokens / train_seconds if train_seconds else 0.0,
+               "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss, "final_model": str(final)}
+    if is_main:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.info("done: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+    accelerator.end_training()
+    return summary

@@ -1,0 +1,68 @@
+"""Model and tokenizer loading: a hub id, a local directory, or a builtin asset, all through
+`from_pretrained`, so the embedded default exercises the same path as a 70B hub model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from finetune.assets import resolve_model
+from finetune.data import IGNORE
+from finetune.recipe import Recipe, RecipeError
+
+
+def load_config(recipe: Recipe):
+    """Only the config: cheap, and enough to size DeepSpeed buckets and name FSDP's wrap units."""
+    from transformers import AutoConfig
+
+    path = resolve_model(recipe.model)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except OSError as e:
+        raise RecipeError(f"model={recipe.model}: cannot read its config ({str(e).splitlines()[0]}); "
+                          "offline? set HF_HUB_OFFLINE=0 or give a local directory") from None
+    return path, config
+
+
+def no_split_modules(config) -> list[str]:
+    """The decoder-layer class names, which FSDP wraps as its units."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = list(getattr(skeleton, "_no_split_modules", None) or [])
+    if not names:
+        raise RecipeError(f"model type {config.model_type} does not name its decoder layers (_no_split_modules); "
+                          "FSDP cannot tell what to wrap: use a ZeRO strategy")
+    return names
+
+
+def load_tokenizer(recipe: Recipe, model_path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.tokenizer) if recipe.tokenizer else model_path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(recipe: Recipe, model_path: str):
+    """fp32 master weights always; mixed precision is autocast (DDP/FSDP) or DeepSpeed's bf16 engine."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=recipe.attn_implementation)
+    model.config.use_cache = False
+    if recipe.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def loss_sum(model, batch: dict) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over target tokens: the caller divides by the
+    target tokens of the whole global batch, so every split of that batch gives the same update."""
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs).logits
+    labels = batch["labels"][:, 1:].to(logits.device)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
+                           ignore_index=IGNORE, reduction="sum")

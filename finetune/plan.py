@@ -1,0 +1,107 @@
+"""Derived facts about a run, from the recipe and the launch environment, before anything is loaded.
+
+The plan is where the recipe meets the machine: world size, accumulation, global batch, device, and
+whether the launcher agrees with the recipe. Everything here is cheap and raises RecipeError.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from finetune.recipe import Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class Plan:
+    recipe: Recipe
+    world_size: int
+    num_machines: int
+    grad_accum: int
+    device: str  # "cuda" or "cpu"
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.recipe.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def is_deepspeed(self) -> bool:
+        return self.recipe.strategy.startswith("zero")
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.recipe.strategy[-1]) if self.is_deepspeed else 0
+
+    def describe(self) -> str:
+        r = self.recipe
+        offload = []
+        if r.offload_params != "none":
+            offload.append(f"params->{r.offload_params}")
+        if r.offload_optimizer != "none":
+            offload.append(f"optimizer->{r.offload_optimizer}")
+        return (f"{r.strategy} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
+                f"global batch {self.global_batch_size} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
+                f"{self.world_size}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}")
+
+
+def world_size_from_env(env=os.environ) -> int:
+    return int(env.get("WORLD_SIZE", "1"))
+
+
+def derive_grad_accum(recipe: Recipe, world_size: int) -> int:
+    """Keep the global batch fixed when asked to (global_batch_size > 0), whatever the world size."""
+    if not recipe.global_batch_size:
+        return recipe.grad_accum
+    per_step = recipe.micro_batch_size * world_size
+    if recipe.global_batch_size % per_step:
+        below = recipe.global_batch_size // per_step * per_step
+        nearest = " or ".join(str(v) for v in (below, below + per_step) if v > 0)
+        raise RecipeError(
+            f"global_batch_size={recipe.global_batch_size} is not a multiple of micro_batch_size x processes = "
+            f"{recipe.micro_batch_size} x {world_size} = {per_step}; use global_batch_size={nearest}, "
+            "or a micro_batch_size that divides it"
+        )
+    return recipe.global_batch_size // per_step
+
+
+def check_launcher(recipe: Recipe, env=os.environ) -> None:
+    """The recipe decides the strategy; a launcher config that says otherwise is an error, not a vote."""
+    fix = ("the recipe decides the strategy; launch with a plain multi-process config such as "
+           "accelerate_configs/multi_gpu_8.yaml, or change strategy= to match")
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        if not recipe.strategy.startswith("zero"):
+            raise RecipeError(f"the launcher config enables DeepSpeed but strategy={recipe.strategy}; {fix}")
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        if stage and stage.isdigit() and f"zero{stage}" != recipe.strategy:
+            raise RecipeError(f"the launcher config asks for ZeRO stage {stage} but strategy={recipe.strategy}; {fix}")
+        if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+            raise RecipeError("the launcher config names a deepspeed_config_file, but the DeepSpeed config is built "
+                              "from the recipe; remove deepspeed_config_file from the launcher config")
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and recipe.strategy != "fsdp":
+        raise RecipeError(f"the launcher config enables FSDP but strategy={recipe.strategy}; {fix}")
+    launched_mp = env.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched_mp != "no" and launched_mp != recipe.mixed_precision:
+        raise RecipeError(f"the launcher says mixed_precision={launched_mp} but the recipe says "
+                          f"mixed_precision={recipe.mixed_precision}; the recipe decides: drop it from the launcher "
+                          "config or set the same value in the recipe")
+
+
+def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None) -> Plan:
+    check_launcher(recipe, env)
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    if not cuda_available and recipe.mixed_precision != "no":
+        raise RecipeError(f"mixed_precision={recipe.mixed_precision} needs a CUDA GPU and this machine has none; "
+                          "use mixed_precision=no (fp32) on CPU")
+    if recipe.attn_implementation == "flash_attention_2" and not cuda_available:
+        raise RecipeError("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
+    world_size = world_size_from_env(env)
+    return Plan(
+        recipe=recipe,
+        world_size=world_size,
+        num_machines=int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1),
+        grad_accum=derive_grad_accum(recipe, world_size),
+        device="cuda" if cuda_available else "cpu",
+    )

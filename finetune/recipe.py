@@ -1,0 +1,312 @@
+"""The recipe: what to train, on what, and how. Every user error is caught here or in plan.py.
+
+A recipe is a frozen dataclass so that recipe files stay plain, diffable specs and a derived recipe
+is just `dataclasses.replace(base, ...)`. Field metadata carries the allowed choices and ranges so
+that one generic validator can name the key, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RECIPES_DIR = REPO_ROOT / "recipes"
+DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv")
+BUILTIN_PREFIX = "builtin:"
+
+
+class RecipeError(ValueError):
+    """A mistake the user can fix by editing the recipe or the command line; printed as one line."""
+
+
+def _opt(default, *, choices=None, min=None, max=None, help=""):
+    return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
+
+
+@dataclass(frozen=True)
+class Recipe:
+    # What to train
+    model: str = _opt("builtin:tiny-llama", help="hub id, local directory, or builtin:tiny-llama")
+    tokenizer: str = _opt("", help="hub id or directory; empty means the model's own")
+    attn_implementation: str = _opt("sdpa", choices=("sdpa", "eager", "flash_attention_2"))
+    # On what
+    dataset: str = _opt("builtin:tiny-tasks", help="hub id, local json/jsonl/parquet/csv file or directory")
+    dataset_split: str = _opt("train")
+    dataset_format: str = _opt("auto", choices=("auto", "alpaca", "messages", "prompt_completion", "text"))
+    eval_dataset: str = _opt("", help="like dataset; empty means hold out eval_fraction of dataset")
+    eval_fraction: float = _opt(0.05, min=0.0, max=0.5)
+    max_seq_len: int = _opt(2048, min=8)
+    packing: bool = _opt(False)
+    train_on_prompt: bool = _opt(False, help="false: loss on the responses only")
+    # How
+    strategy: str = _opt("zero3", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"))
+    fsdp_version: int = _opt(2, choices=(1, 2))
+    ddp_shard_optimizer: bool = _opt(False, help="ddp only: torch ZeroRedundancyOptimizer")
+    offload_optimizer: str = _opt("none", choices=("none", "cpu", "nvme"))
+    offload_params: str = _opt("none", choices=("none", "cpu", "nvme"))
+    nvme_path: str = _opt("", help="directory on a fast local disk for offload=nvme")
+    mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
+    activation_checkpointing: bool = _opt(False)
+    # Hyper-parameters
+    micro_batch_size: int = _opt(1, min=1)
+    grad_accum: int = _opt(1, min=1)
+    global_batch_size: int = _opt(0, min=0, help="0: micro_batch_size x grad_accum x processes; "
+                                  "else fixed, and grad_accum is derived from it")
+    lr: float = _opt(2e-5, min=0.0)
+    lr_scheduler: str = _opt("cosine", choices=("constant", "constant_with_warmup", "linear", "cosine"))
+    warmup_steps: int = _opt(0, min=0)
+    weight_decay: float = _opt(0.0, min=0.0)
+    adam_beta1: float = _opt(0.9, min=0.0, max=1.0)
+    adam_beta2: float = _opt(0.999, min=0.0, max=1.0)
+    adam_eps: float = _opt(1e-8, min=0.0)
+    max_grad_norm: float = _opt(1.0, min=0.0, help="0 disables clipping")
+    epochs: int = _opt(1, min=1)
+    max_steps: int = _opt(0, min=0, help="0: run `epochs` epochs")
+    seed: int = _opt(42, min=0)
+    # Outputs
+    output_dir: str = _opt("runs/default")
+    log_every: int = _opt(10, min=1)
+    eval_every: int = _opt(100, min=0, help="0: evaluate only at the end")
+    eval_max_batches: int = _opt(0, min=0, help="0: the whole eval set")
+    save_every: int = _opt(0, min=0, help="0: no periodic checkpoints")
+    keep_last: int = _opt(2, min=1)
+    log_level: str = _opt("warning", choices=("debug", "info", "warning", "error"))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+
+
+# ---------------------------------------------------------------- loading
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def recipe_path(name: str) -> Path:
+    if name.endswith(".py"):
+        path = Path(name).expanduser()
+        if not path.is_file():
+            raise RecipeError(f"recipe file {name} does not exist")
+        return path.resolve()
+    path = RECIPES_DIR / f"{name}.py"
+    if not path.is_file():
+        close = difflib.get_close_matches(name, available_recipes(), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise RecipeError(
+            f"unknown recipe {name!r}{hint}; available: {', '.join(available_recipes())}; "
+            "or pass a path to a .py file that defines `recipe`"
+        )
+    return path
+
+
+def load_recipe_module(name: str) -> Recipe:
+    """Import recipes/<name>.py (or a file) and return its `recipe`.
+
+    The repository root goes on sys.path so that a recipe can derive from another with
+    `from recipes.tiny import recipe as tiny`.
+    """
+    path = recipe_path(name)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    module_name = f"recipes.{path.stem}" if path.parent == RECIPES_DIR else f"_user_recipe_{path.stem}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except RecipeError:
+        raise
+    except SyntaxError as e:
+        raise RecipeError(f"recipe {path}: syntax error on line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # a user's Python file can fail in any way; say where
+        raise RecipeError(f"recipe {path} failed to import: {type(e).__name__}: {e}") from None
+    recipe = getattr(module, "recipe", None)
+    if not isinstance(recipe, Recipe):
+        raise RecipeError(f"recipe {path} must define `recipe = Recipe(...)` (found {type(recipe).__name__})")
+    return recipe
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def _type_of(name: str):
+    hints = typing.get_type_hints(Recipe)
+    return hints[name]
+
+
+def parse_value(key: str, text: str):
+    kind = _type_of(key)
+    origin = typing.get_origin(kind)
+    if kind is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise RecipeError(f"{key}={text}: expected a boolean (true or false)")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            try:
+                as_float = float(text)  # accept 1e3 written for an int
+            except ValueError:
+                as_float = None
+            if as_float is not None and as_float.is_integer():
+                return int(as_float)
+            raise RecipeError(f"{key}={text}: expected an integer") from None
+    if kind is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise RecipeError(f"{key}={text}: expected a number such as 1e-5") from None
+    if origin in (list, tuple):
+        items = tuple(s.strip() for s in text.split(",") if s.strip())
+        return items if origin is tuple else list(items)
+    return text
+
+
+def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
+    changes = {}
+    for item in overrides:
+        if "=" not in item:
+            raise RecipeError(f"override {item!r} is not key=value (for example lr=1e-5)")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if key not in FIELDS:
+            close = difflib.get_close_matches(key, FIELDS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise RecipeError(f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)")
+        changes[key] = parse_value(key, value)
+    return dataclasses.replace(recipe, **changes)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _check_field(name: str, value) -> None:
+    meta = FIELDS[name].metadata
+    kind = _type_of(name)
+    if kind is bool and not isinstance(value, bool):
+        raise RecipeError(f"{name}={value!r}: expected true or false")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise RecipeError(f"{name}={value!r}: expected an integer")
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise RecipeError(f"{name}={value!r}: expected a number")
+    if kind is str and not isinstance(value, str):
+        raise RecipeError(f"{name}={value!r}: expected a string")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise RecipeError(f"{name}={value}: must be one of {', '.join(map(str, choices))}")
+    low, high = meta.get("min"), meta.get("max")
+    if low is not None and value < low:
+        raise RecipeError(f"{name}={value}: must be >= {low}")
+    if high is not None and value > high:
+        raise RecipeError(f"{name}={value}: must be <= {high}")
+
+
+def looks_local(source: str) -> bool:
+    """A dataset/model reference is local if it exists, or if it is shaped like a path, not a hub id."""
+    if source.startswith(BUILTIN_PREFIX):
+        return False
+    p = Path(source).expanduser()
+    return (
+        p.exists()
+        or source.startswith(("/", "./", "../", "~"))
+        or source.lower().endswith(DATA_EXTENSIONS)
+        or source.count("/") > 1
+    )
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Check every field and every combination; cheap, touches no model or data content."""
+    for name in FIELDS:
+        _check_field(name, getattr(recipe, name))
+
+    r = recipe
+    zero = r.strategy.startswith("zero")
+    if r.offload_params != "none" and r.strategy not in ("zero3", "fsdp"):
+        raise RecipeError(
+            f"offload_params={r.offload_params} with strategy={r.strategy}: parameters can only be offloaded "
+            "when they are sharded; use strategy=zero3 (cpu or nvme) or strategy=fsdp (cpu), or offload_params=none"
+        )
+    if r.offload_params == "nvme" and r.strategy == "fsdp":
+        raise RecipeError("offload_params=nvme with strategy=fsdp: FSDP offloads to cpu only; use offload_params=cpu "
+                          "or strategy=zero3")
+    if r.offload_optimizer != "none" and not zero:
+        fix = "offload_params=cpu (FSDP then runs the optimizer on the CPU)" if r.strategy == "fsdp" else "strategy=zero2 or zero3"
+        raise RecipeError(
+            f"offload_optimizer={r.offload_optimizer} with strategy={r.strategy}: optimizer offload is a DeepSpeed "
+            f"feature; use {fix}, or offload_optimizer=none"
+        )
+    if r.offload_optimizer == "nvme" and r.strategy != "zero3":
+        raise RecipeError(f"offload_optimizer=nvme with strategy={r.strategy}: DeepSpeed offloads the optimizer to "
+                          "nvme only under ZeRO-3; use strategy=zero3 or offload_optimizer=cpu")
+    if "nvme" in (r.offload_optimizer, r.offload_params) and not r.nvme_path:
+        raise RecipeError("offload to nvme needs nvme_path=/a/directory/on/a/local/nvme/disk")
+    if r.ddp_shard_optimizer and r.strategy != "ddp":
+        raise RecipeError(f"ddp_shard_optimizer=true with strategy={r.strategy}: it applies to strategy=ddp only "
+                          "(ZeRO and FSDP shard the optimizer already)")
+    if r.fsdp_version == 1 and r.strategy == "fsdp" and r.offload_params == "nvme":
+        raise RecipeError("fsdp_version=1 cannot offload to nvme; use offload_params=cpu")
+    if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
+        raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
+    _check_source("dataset", r.dataset)
+    if r.eval_dataset:
+        _check_source("eval_dataset", r.eval_dataset)
+    if looks_local(r.model) and not Path(r.model).expanduser().is_dir():
+        raise RecipeError(f"model={r.model}: no such directory; give a hub id (org/name), a directory written "
+                          "by save_pretrained, or builtin:tiny-llama")
+    if r.model.startswith(BUILTIN_PREFIX):
+        from finetune.assets import BUILTIN_MODELS
+
+        if r.model[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+            raise RecipeError(f"model={r.model}: unknown builtin; available: "
+                              + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS))
+    return recipe
+
+
+def _check_source(key: str, source: str) -> None:
+    if not source:
+        raise RecipeError(f"{key} is empty; give a hub id, a local json/jsonl/parquet/csv file or directory")
+    if source.startswith(BUILTIN_PREFIX):
+        from finetune.assets import BUILTIN_DATASETS
+
+        if source[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
+            raise RecipeError(f"{key}={source}: unknown builtin; available: "
+                              + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS))
+        return
+    if looks_local(source):
+        p = Path(source).expanduser()
+        if not p.exists():
+            raise RecipeError(f"{key}={source}: no such file or directory")
+        if p.is_file() and not source.lower().endswith(DATA_EXTENSIONS):
+            raise RecipeError(f"{key}={source}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}")
+
+
+def resolve(name: str, overrides: list[str]) -> Recipe:
+    return validate(apply_overrides(load_recipe_module(name), overrides))
+
+
+def describe_fields() -> str:
+    lines = []
+    for name, f in FIELDS.items():
+        meta = f.metadata
+        allowed = f" ({'|'.join(map(str, meta['choices']))})" if meta.get("choices") else ""
+        help_text = f"  {meta['help']}" if meta.get("help") else ""
+        lines.append(f"  {name}={f.default!r}{allowed}{help_text}")
+    return "\n".join(lines)
+
+
+__all__ = ["Recipe", "RecipeError", "resolve", "load_recipe_module", "apply_overrides", "validate",
+           "available_recipes", "describe_fields"]

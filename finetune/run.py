@@ -1,0 +1,74 @@
+"""Command line: `[accelerate launch ...] finetune/run.py --recipe NAME [key=value ...]`.
+
+Every mistake a user can make in the recipe, the command line or the data files is reported here as
+one line on stderr with exit code 2, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from finetune.recipe import RecipeError, available_recipes, describe_fields  # noqa: E402
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="finetune/run.py",
+        description="Fine-tune a causal LM from a recipe. Recipes: " + ", ".join(available_recipes()),
+        epilog="recipe keys (override with key=value):\n" + describe_fields(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the plan, do not train")
+    parser.add_argument("overrides", nargs="*", help="key=value, typed by the recipe field")
+    return parser.parse_args(argv)
+
+
+def prepare(args):
+    """Everything cheap that can be wrong, checked in order; returns the plan."""
+    from finetune.data import prevalidate
+    from finetune.plan import make_plan
+    from finetune.recipe import resolve
+
+    recipe = resolve(args.recipe, args.overrides)
+    plan = make_plan(recipe)
+    prevalidate(recipe.dataset, recipe.dataset_format)
+    if recipe.eval_dataset:
+        prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")
+    final = Path(recipe.output_dir) / "final"
+    if final.exists() and not args.dry_run:
+        raise RecipeError(f"output_dir={recipe.output_dir} already holds a finished model ({final}); choose another "
+                          "output_dir, or move that one away")
+    return plan
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        plan = prepare(args)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(plan.describe())
+        return 0
+    from finetune.loop import train
+
+    try:
+        train(plan)
+    except RecipeError as e:  # found only once data or model were reached (hub datasets, for example)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Plan -> an Accelerator that shards the model the way the recipe says (DDP, FSDP, DeepSpeed ZeRO),
+plus the optimizer and scheduler that strategy needs.
+
+This is the only module that knows Accelerate's and DeepSpeed's knobs, and the only place with the
+CPU/gloo workaround (see ../shared/reference/cpu-distributed.md): on a machine without a GPU,
+Accelerate does not turn FSDP or DeepSpeed on by itself, so we start the gloo process group first
+and tell Accelerate which distributed type to take.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from finetune.plan import Plan
+
+
+def ensure_process_env() -> None:
+    """Make a plain `python finetune/run.py` a one-process group, so every strategy takes the same
+    code path as under a launcher (ZeRO-3 with offload on one GPU is a real use)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def deepspeed_config(plan: Plan, hidden_size: int) -> dict:
+    """A complete DeepSpeed config: nothing left as "auto", so what runs is what is written here."""
+    r = plan.recipe
+    h2 = hidden_size * hidden_size
+    zero = {
+        "stage": plan.zero_stage,
+        "overlap_comm": plan.device == "cuda",
+        "contiguous_gradients": True,
+        "reduce_scatter": True,
+        "reduce_bucket_size": h2,
+        "allgather_bucket_size": max(h2, 5 * 10**7) if plan.zero_stage < 3 else h2,
+    }
+    if plan.zero_stage == 3:
+        zero.update({
+            "stage3_prefetch_bucket_size": int(0.9 * h2),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": 10**9,
+            "stage3_max_reuse_distance": 10**9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+    pin = plan.device == "cuda"
+    if r.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": r.offload_optimizer, "pin_memory": pin}
+        if r.offload_optimizer == "nvme":
+            zero["offload_optimizer"]["nvme_path"] = r.nvme_path
+    if r.offload_params != "none":
+        zero["offload_param"] = {"device": r.offload_params, "pin_memory": pin}
+        if r.offload_params == "nvme":
+            zero["offload_param"]["nvme_path"] = r.nvme_path
+    config = {
+        "train_micro_batch_size_per_gpu": r.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        "train_batch_size": plan.global_batch_size,
+        "gradient_clipping": r.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": r.mixed_precision == "bf16"},
+        "fp16": {"enabled": r.mixed_precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    if r.offload_optimizer != "none":
+        # Offloaded optimizer steps run in DeepSpeed's own CPU Adam; it is built from this section.
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": r.lr, "betas": [r.adam_beta1, r.adam_beta2], "eps": r.adam_eps, "weight_decay": r.weight_decay}}
+    return config
+
+
+def _fsdp_plugin(plan: Plan, no_split_modules: list[str]):
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
+
+    r = plan.recipe
+    common = dict(
+        fsdp_version=r.fsdp_version,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=list(no_split_modules),
+        state_dict_type="SHARDED_STATE_DICT",
+        cpu_ram_efficient_loading=True,  # rank 0 reads the weights, the others start on the meta device
+        activation_checkpointing=False,  # done by the model (model.py), the same way for every strategy
+    )
+    if r.fsdp_version == 2:
+        return FullyShardedDataParallelPlugin(
+            reshard_after_forward=True,
+            cpu_offload=CPUOffloadPolicy(pin_memory=plan.device == "cuda") if r.offload_params == "cpu" else OffloadPolicy(),
+            **common)
+    return FullyShardedDataParallelPlugin(
+        sharding_strategy="FULL_SHARD", use_orig_params=True, sync_module_states=True,
+        cpu_offload=CPUOffload(offload_params=r.offload_params == "cpu"), **common)
+
+
+def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str]):
+    """Create the process group and the Accelerator for the recipe's strategy.
+
+    Must run before the model is loaded: under ZeRO-3 the Accelerator's DeepSpeed config is what makes
+    `from_pretrained` partition weights as they load, and under FSDP it is what makes ranks other
+    than 0 load on the meta device.
+    """
+    from accelerate import Accelerator, DeepSpeedPlugin, DistributedType, PartialState
+    from accelerate.utils import GradientAccumulationPlugin
+
+    ensure_process_env()
+    r = plan.recipe
+    on_cpu = plan.device == "cpu"
+    ds_plugin = fsdp_plugin = None
+    if plan.is_deepspeed:
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        ds_plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan, hidden_size))
+    elif r.strategy == "fsdp":
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+        fsdp_plugin = _fsdp_plugin(plan, no_split_modules)
+
+    if on_cpu:
+        if r.strategy == "ddp":
+            PartialState(cpu=True, backend="gloo")  # MULTI_CPU: Accelerate wraps DDP without device ids
+        else:
+            state = PartialState(backend="gloo")
+            if r.strategy == "fsdp":
+                # Accelerate enables FSDP only for GPU-like types; FSDP itself runs on CPU tensors.
+                state.distributed_type = DistributedType.MULTI_GPU
+
+    accelerator = Accelerator(
+        cpu=on_cpu and r.strategy == "ddp",
+        mixed_precision=r.mixed_precision,
+        deepspeed_plugin=ds_plugin,
+        fsdp_plugin=fsdp_plugin,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=plan.grad_accum, sync_with_dataloader=False, adjust_scheduler=False),
+        step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
+    )
+    if accelerator.num_processes != plan.world_size:
+        raise RuntimeError(f"Accelerate formed a group of {accelerator.num_processes} processes but the launcher "
+                           f"started {plan.world_size}; see docs on launching")
+    return accelerator
+
+
+def _param_groups(model, weight_decay: float):
+    """No weight decay on norms and biases; by name, because ZeRO-3 partitioned params are flat."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if "norm" in name or name.endswith(".bias") else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_scheduler(recipe, optimizer, total_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(recipe.lr_scheduler, optimizer, num_warmup_steps=recipe.warmup_steps,
+                         num_training_steps=total_steps)
+
+
+def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):
+    """AdamW, sharded or offloaded as the strategy says, and a step-based LR schedule."""
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    r = plan.recipe
+    groups = _param_groups(model, r.weight_decay)
+    adam = dict(lr=r.lr, betas=(r.adam_beta1, r.adam_beta2), eps=r.adam_eps)
+    if plan.is_deepspeed and r.offload_optimizer != "none":
+        optimizer = DummyOptim(groups, **adam)  # DeepSpeed builds its CPU Adam from the config
+        scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: build_scheduler(r, opt, total_steps))
+        return optimizer, scheduler
+    if r.strategy == "ddp" and r.ddp_shard_optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                            weight_decay=r.weight_decay, **adam)
+        optimizer.add_param_group(groups[1])
+    else:
+        optimizer = torch.optim.AdamW(groups, foreach=plan.device == "cuda", **adam)
+    return optimizer, build_scheduler(r, optimizer, total_steps)
