@@ -16,7 +16,7 @@ from finetune.metrics import MetricsFile, Progress, log, setup_logging
 from finetune.model import load_config, load_model, load_tokenizer, loss_sum, no_split_modules
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
-from finetune.strategy import build_accelerator, build_optimizer_and_scheduler
+from finetune.strategy import build_accelerator, prepare
 
 
 @dataclass
@@ -94,9 +94,8 @@ def train(plan: Plan) -> dict:
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{', packed' if packed else ''}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
 
-    model = load_model(r, model_path)
-    optimizer, scheduler = build_optimizer_and_scheduler(plan, model, total_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model = load_model(r, model_path, config, weights_on_this_rank=r.strategy != "fsdp" or is_main)
+    model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
 
     def reduce_sum(t):
         return accelerator.reduce(t, reduction="sum")

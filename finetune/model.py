@@ -46,12 +46,24 @@ def load_tokenizer(recipe: Recipe, model_path: str):
     return tokenizer
 
 
-def load_model(recipe: Recipe, model_path: str):
-    """fp32 master weights always; mixed precision is autocast (DDP/FSDP) or DeepSpeed's bf16 engine."""
+def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bool = True):
+    """fp32 master weights always; mixed precision is autocast (DDP/FSDP) or DeepSpeed's bf16 engine.
+
+    Under ZeRO-3 `from_pretrained` partitions weights as it reads them (the Accelerator made before
+    this call switched on deepspeed.zero.Init). Under FSDP only rank 0 reads them: the other ranks
+    build the skeleton with parameters on the meta device (buffers stay real, they are not
+    broadcast) and receive their shards from rank 0 when Accelerate prepares the model.
+    """
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation=recipe.attn_implementation)
+    if weights_on_this_rank:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation=recipe.attn_implementation)
+    else:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(
+                config, dtype=torch.float32, attn_implementation=recipe.attn_implementation)
     model.config.use_cache = False
     if recipe.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

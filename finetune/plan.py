@@ -95,6 +95,8 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     if not cuda_available and recipe.mixed_precision != "no":
         raise RecipeError(f"mixed_precision={recipe.mixed_precision} needs a CUDA GPU and this machine has none; "
                           "use mixed_precision=no (fp32) on CPU")
+    if recipe.strategy == "fsdp" and recipe.fsdp_version == 1 and not cuda_available:
+        raise RecipeError("fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2")
     if recipe.attn_implementation == "flash_attention_2" and not cuda_available:
         raise RecipeError("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
     world_size = world_size_from_env(env)

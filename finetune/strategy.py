@@ -148,12 +148,14 @@ def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str])
 
 def _param_groups(model, weight_decay: float):
     """No weight decay on norms and biases; by name, because ZeRO-3 partitioned params are flat."""
-    decay, no_decay = [], []
+    groups = [{"params": [], "param_names": [], "weight_decay": weight_decay},
+              {"params": [], "param_names": [], "weight_decay": 0.0}]
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if "norm" in name or name.endswith(".bias") else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if p.requires_grad:
+            group = groups[1] if "norm" in name or name.endswith(".bias") else groups[0]
+            group["params"].append(p)
+            group["param_names"].append(name)
+    return groups
 
 
 def build_scheduler(recipe, optimizer, total_steps: int):
@@ -179,7 +181,33 @@ def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):
 
         optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                             weight_decay=r.weight_decay, **adam)
-        optimizer.add_param_group(groups[1])
+        optimizer.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
     else:
         optimizer = torch.optim.AdamW(groups, foreach=plan.device == "cuda", **adam)
     return optimizer, build_scheduler(r, optimizer, total_steps)
+
+
+def prepare(accelerator, plan: Plan, model, total_steps: int):
+    """Wrap/shard the model, and the optimizer and scheduler with it."""
+    optimizer, scheduler = build_optimizer_and_scheduler(plan, model, total_steps)
+    if plan.recipe.ddp_shard_optimizer:
+        # Accelerate's optimizer wrapper reads state_dict() on one rank, which ZeroRedundancyOptimizer
+        # only allows after a collective consolidation; the loop needs no wrapper for it.
+        model, scheduler = accelerator.prepare(model, scheduler)
+        return model, optimizer, scheduler
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    if plan.recipe.strategy == "fsdp":
+        _point_optimizer_at(optimizer.optimizer, accelerator.unwrap_model(model))
+    return model, optimizer, scheduler
+
+
+def _point_optimizer_at(optimizer, model) -> None:
+    """Re-point the optimizer at the sharded parameters by name.
+
+    Accelerate maps old to new parameters by storage address, and ranks that built the model on the
+    meta device (all but rank 0, see model.load_model) have no addresses to tell parameters apart.
+    The optimizer holds no state yet, so swapping the references is all it takes.
+    """
+    named = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [named[name] for name in group["param_names"]]
