@@ -408,11 +408,10 @@ def fetch(ds, indices: list[int], pad_id: int, packed: bool) -> dict:
     return collate(rows, pad_id, packed)
 
 
-def eval_batches(ds, micro_batch_size: int, rank: int, world_size: int, max_batches: int = 0) -> list[list[int]]:
-    """Every eval row once across ranks, each rank the same number of batches (sharded models need
-    every rank in every forward)."""
-    n = len(ds)
+def eval_batches(ds, micro_batch_size: int, rank: int, world_size: int, max_samples: int = 0) -> list[list[int]]:
+    """The first `max_samples` eval rows (all if 0), each once across ranks, every rank the same number
+    of batches (sharded models need every rank in every forward); the same rows whatever the world size."""
+    n = min(len(ds), max_samples) if max_samples else len(ds)
     per_rank = -(-n // world_size)
     mine = [i if i < n else -1 for i in range(rank, per_rank * world_size, world_size)]
-    batches = [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
-    return batches[:max_batches] if max_batches else batches
+    return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

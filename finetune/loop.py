@@ -89,7 +89,7 @@ def train(plan: Plan) -> dict:
         raise RecipeError(f"the dataset has {len(datasets.train)} training rows, fewer than one global batch of "
                           f"{schedule.global_batch}; lower micro_batch_size or grad_accum, or add data")
     total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
-    eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, rank, world, r.eval_max_batches) \
+    eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, rank, world, r.eval_max_samples) \
         if datasets.eval is not None else None
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{', packed' if packed else ''}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
@@ -112,6 +112,10 @@ def train(plan: Plan) -> dict:
     last_eval = None
     window_tokens, window_t0 = 0, time.perf_counter()
     train_t0 = time.perf_counter()
+    if eval_rows is not None and r.eval_at_start and state.step == 0:
+        last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
+        metrics.write({"step": 0, "eval_loss": last_eval})
+        progress.note(f"step 0: eval_loss {last_eval:.4f}")
     model.train()
     while state.step < total_steps:
         micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]

@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         print(plan.describe())
         return 0
+    if plan.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn it guessed
     from finetune.loop import train
 
     try:

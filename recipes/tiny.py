@@ -24,10 +24,11 @@ recipe = Recipe(
     warmup_steps=10,
     weight_decay=0.0,
     max_grad_norm=1.0,
-    epochs=1,
+    epochs=2,
     max_steps=0,
     seed=42,
     output_dir="runs/tiny",
     log_every=10,
-    eval_every=50,
+    eval_every=40,
+    eval_at_start=True,
 )

@@ -1,0 +1,107 @@
+"""Real multi-process launches over gloo: `accelerate launch --multi_gpu --num_processes N`, the exact
+command a CPU user types. The tiny model, tokenizer and data are built once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from finetune.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Small and fast, but long enough for the curves to say something: 12 optimizer steps of a global
+# batch of 16 rows, evaluated twice.
+FAST = ["max_steps=12", "log_every=1", "eval_every=6", "eval_max_samples=32", "global_batch_size=16",
+        "micro_batch_size=4", "warmup_steps=2", "mixed_precision=no"]
+
+
+@dataclass
+class Run:
+    output_dir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+    env: dict
+
+    @property
+    def train_records(self) -> list[dict]:
+        return [r for r in read_metrics(self.output_dir / "metrics.jsonl") if "loss" in r]
+
+    @property
+    def eval_records(self) -> list[dict]:
+        return [r for r in read_metrics(self.output_dir / "metrics.jsonl") if "eval_loss" in r]
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.train_records]
+
+
+@pytest.fixture(scope="session")
+def launch_env(tmp_path_factory) -> dict:
+    """One cache for every launch of the session: the tiny assets and tokenized data are made once."""
+    from finetune import assets
+
+    cache = tmp_path_factory.mktemp("finetune-cache")
+    env = dict(os.environ, FINETUNE_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               HF_DATASETS_CACHE=str(cache / "datasets"), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(REPO))
+    old = os.environ.get("FINETUNE_CACHE")
+    os.environ["FINETUNE_CACHE"] = str(cache)
+    try:
+        assets.tiny_model_dir()
+        assets.tiny_tasks_file()
+    finally:
+        if old is None:
+            os.environ.pop("FINETUNE_CACHE")
+        else:
+            os.environ["FINETUNE_CACHE"] = old
+    return env
+
+
+@pytest.fixture(scope="session")
+def launch(launch_env, tmp_path_factory):
+    """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`."""
+
+    def run(nprocs: int, *overrides: str, recipe: str = "tiny", output_dir: Path | None = None,
+            check: bool = True, timeout: int = 600) -> Run:
+        out = output_dir or tmp_path_factory.mktemp("run")
+        args = ["--recipe", recipe, *FAST, f"output_dir={out}", *overrides]
+        if nprocs == 1:
+            cmd = [sys.executable, "finetune/run.py", *args]
+        else:
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
+                   str(nprocs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", str(_free_port()), "finetune/run.py", *args]
+        proc = subprocess.run(cmd, cwd=REPO, env=launch_env, capture_output=True, text=True, timeout=timeout)
+        result = Run(Path(out), proc.returncode, proc.stdout, proc.stderr, launch_env)
+        if check and proc.returncode != 0:
+            raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
+        return result
+
+    return run
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def reference(launch):
+    """One process, plain PyTorch data parallel of one: the curve every strategy must reproduce."""
+    return launch(1, "strategy=ddp")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "distributed" in str(item.fspath):
+            item.add_marker(pytest.mark.distributed)
