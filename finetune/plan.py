@@ -19,6 +19,7 @@ class Plan:
     num_machines: int
     grad_accum: int
     device: str  # "cuda" or "cpu"
+    unchecked: tuple[str, ...] = ()  # machine-dependent problems a dry run reports instead of raising
 
     @property
     def global_batch_size(self) -> int:
@@ -39,9 +40,10 @@ class Plan:
             offload.append(f"params->{r.offload_params}")
         if r.offload_optimizer != "none":
             offload.append(f"optimizer->{r.offload_optimizer}")
+        notes = "".join(f"\nnot runnable on this machine: {p}" for p in self.unchecked)
         return (f"{r.strategy} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
                 f"global batch {self.global_batch_size} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
-                f"{self.world_size}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}")
+                f"{self.world_size}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}{notes}")
 
 
 def world_size_from_env(env=os.environ) -> int:
@@ -86,19 +88,29 @@ def check_launcher(recipe: Recipe, env=os.environ) -> None:
                           "config or set the same value in the recipe")
 
 
-def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None) -> Plan:
+def gpu_only_problems(recipe: Recipe) -> list[str]:
+    problems = []
+    if recipe.mixed_precision != "no":
+        problems.append(f"mixed_precision={recipe.mixed_precision} needs a CUDA GPU and this machine has none; "
+                        "use mixed_precision=no (fp32) on CPU")
+    if recipe.strategy == "fsdp" and recipe.fsdp_version == 1:
+        problems.append("fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2")
+    if recipe.attn_implementation == "flash_attention_2":
+        problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
+    return problems
+
+
+def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None, dry_run: bool = False) -> Plan:
+    """dry_run: a plan made on a machine other than the one that will train (a laptop planning for a
+    GPU node) lists what needs a GPU instead of refusing."""
     check_launcher(recipe, env)
     if cuda_available is None:
         import torch
 
         cuda_available = torch.cuda.is_available()
-    if not cuda_available and recipe.mixed_precision != "no":
-        raise RecipeError(f"mixed_precision={recipe.mixed_precision} needs a CUDA GPU and this machine has none; "
-                          "use mixed_precision=no (fp32) on CPU")
-    if recipe.strategy == "fsdp" and recipe.fsdp_version == 1 and not cuda_available:
-        raise RecipeError("fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2")
-    if recipe.attn_implementation == "flash_attention_2" and not cuda_available:
-        raise RecipeError("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
+    problems = [] if cuda_available else gpu_only_problems(recipe)
+    if problems and not dry_run:
+        raise RecipeError(problems[0])
     world_size = world_size_from_env(env)
     return Plan(
         recipe=recipe,
@@ -106,4 +118,5 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
         num_machines=int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1),
         grad_accum=derive_grad_accum(recipe, world_size),
         device="cuda" if cuda_available else "cpu",
+        unchecked=tuple(problems),
     )

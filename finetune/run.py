@@ -37,7 +37,7 @@ def prepare(args):
     from finetune.recipe import resolve
 
     recipe = resolve(args.recipe, args.overrides)
-    plan = make_plan(recipe)
+    plan = make_plan(recipe, dry_run=args.dry_run)
     prevalidate(recipe.dataset, recipe.dataset_format)
     if recipe.eval_dataset:
         prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")

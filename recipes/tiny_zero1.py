@@ -1,0 +1,10 @@
+"""The tiny default under strategy=zero1 (CPU, 2 processes):
+
+    accelerate launch --multi_gpu --num_processes 2 finetune/run.py --recipe tiny_zero1
+"""
+
+from dataclasses import replace
+
+from recipes.tiny import recipe as tiny
+
+recipe = replace(tiny, strategy="zero1", output_dir="runs/tiny_zero1")
