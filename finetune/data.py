@@ -66,7 +66,7 @@ def check_row(row, fmt: str, where: str) -> None:
         for m in msgs:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: each message needs string 'role' and 'content', got {m!r:.80}")
-        if False:
+        if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message to learn from")
     else:
         for name in FORMAT_FIELDS[fmt]:
@@ -131,7 +131,7 @@ def _jsonl_rows(path: Path, text: str):
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-        yield f"{path} row {lineno}", row
+        yield f"{path} line {lineno}", row
 
 
 def _columns(path: Path) -> list[str]:
@@ -394,7 +394,7 @@ def collate(rows: list[dict], pad_id: int, packed: bool) -> dict:
 
 
 def target_tokens(batch: dict) -> int:
-    return int((batch["labels"] != IGNORE).sum())
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
 def fetch(ds, indices: list[int], pad_id: int, packed: bool) -> dict:

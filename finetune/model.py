@@ -77,4 +77,4 @@ def loss_sum(model, batch: dict) -> torch.Tensor:
     logits = model(**inputs).logits
     labels = batch["labels"][:, 1:].to(logits.device)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels.flatten(),
-                           ignore_index=IGNORE, reduction="mean")
+                           ignore_index=IGNORE, reduction="sum")
