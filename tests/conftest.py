@@ -1,0 +1,31 @@
+"""Shared test setup: no hub access, and the builtin assets made in a per-session temporary cache."""
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def finetune_cache(tmp_path_factory):
+    """FINETUNE_CACHE in a temporary directory, so that tests never write into ~/.cache."""
+    path = tmp_path_factory.mktemp("finetune-cache")
+    old = os.environ.get("FINETUNE_CACHE")
+    os.environ["FINETUNE_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("FINETUNE_CACHE", None)
+    else:
+        os.environ["FINETUNE_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(finetune_cache):
+    """The builtin tokenizer (finetune.assets.build_tokenizer), read back through from_pretrained."""
+    from transformers import AutoTokenizer
+
+    from finetune.assets import tiny_model_dir
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir())

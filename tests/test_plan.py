@@ -1,0 +1,202 @@
+"""The plan (recipe x launch environment) and the DeepSpeed config built from it."""
+
+import pytest
+
+from finetune.plan import make_plan
+from finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe_module
+from finetune.strategy import deepspeed_config
+
+
+def recipe(*overrides) -> Recipe:
+    """The tiny recipe in fp32 (runs on CPU), with overrides."""
+    return apply_overrides(load_recipe_module("tiny"), ["mixed_precision=no", *overrides])
+
+
+def plan(*overrides, env=None, cuda=False):
+    return make_plan(recipe(*overrides), env=env or {}, cuda_available=cuda)
+
+
+# ---------------------------------------------------------------- world size and batch
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_world_size_and_global_batch_from_env(world):
+    p = plan("micro_batch_size=3", "grad_accum=5", env={"WORLD_SIZE": str(world)})
+    assert p.world_size == world
+    assert p.grad_accum == 5
+    assert p.global_batch_size == 3 * 5 * world
+    assert p.device == "cpu"
+    assert f"global batch {15 * world} = micro 3 x accum 5 x {world}" in p.describe()
+
+
+def test_no_world_size_means_one_process():
+    p = plan()
+    assert p.world_size == 1 and p.num_machines == 1
+    assert p.global_batch_size == p.recipe.micro_batch_size * p.recipe.grad_accum
+
+
+def test_num_machines_from_env():
+    assert plan(env={"WORLD_SIZE": "4", "ACCELERATE_NUM_MACHINES": "2"}).num_machines == 2
+    assert plan(env={"WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2"}).num_machines == 2
+
+
+@pytest.mark.parametrize("world,accum", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_global_batch_size_derives_grad_accum(world, accum):
+    p = plan("global_batch_size=32", "micro_batch_size=4", "grad_accum=99", env={"WORLD_SIZE": str(world)})
+    assert p.grad_accum == accum
+    assert p.global_batch_size == 32
+
+
+def test_global_batch_size_not_divisible_names_working_values():
+    with pytest.raises(RecipeError) as info:
+        plan("global_batch_size=12", "micro_batch_size=2", env={"WORLD_SIZE": "4"})
+    msg = str(info.value)
+    assert "global_batch_size=12" in msg
+    assert "2 x 4 = 8" in msg
+    assert "global_batch_size=8 or 16" in msg
+
+
+def test_global_batch_size_below_one_step_suggests_the_smallest():
+    with pytest.raises(RecipeError) as info:
+        plan("global_batch_size=4", "micro_batch_size=4", env={"WORLD_SIZE": "2"})
+    msg = str(info.value)
+    assert "global_batch_size=8" in msg and "global_batch_size=0" not in msg
+
+
+def test_is_deepspeed_and_zero_stage():
+    assert plan("strategy=zero2").zero_stage == 2
+    assert plan("strategy=zero3").is_deepspeed
+    fsdp = plan("strategy=fsdp")
+    assert not fsdp.is_deepspeed and fsdp.zero_stage == 0
+
+
+# ---------------------------------------------------------------- launcher conflicts
+
+
+@pytest.mark.parametrize("strategy,env,fragment", [
+    ("fsdp", {"ACCELERATE_USE_DEEPSPEED": "true"}, "enables DeepSpeed but strategy=fsdp"),
+    ("ddp", {"ACCELERATE_USE_DEEPSPEED": "TRUE"}, "enables DeepSpeed but strategy=ddp"),
+    ("zero3", {"ACCELERATE_USE_FSDP": "true"}, "enables FSDP but strategy=zero3"),
+    ("zero3", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+     "ZeRO stage 2 but strategy=zero3"),
+    ("zero2", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds.json"},
+     "deepspeed_config_file"),
+    ("zero3", {"ACCELERATE_MIXED_PRECISION": "bf16"}, "launcher says mixed_precision=bf16"),
+])
+def test_launcher_conflicts(strategy, env, fragment):
+    with pytest.raises(RecipeError) as info:
+        plan(f"strategy={strategy}", env=env)
+    assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("strategy,env", [
+    ("zero3", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}),
+    ("zero2", {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}),
+    ("fsdp", {"ACCELERATE_USE_FSDP": "true"}),
+    ("ddp", {"ACCELERATE_USE_DEEPSPEED": "false", "ACCELERATE_USE_FSDP": "false"}),
+    ("zero3", {"ACCELERATE_MIXED_PRECISION": "no"}),
+])
+def test_matching_launcher_passes(strategy, env):
+    p = plan(f"strategy={strategy}", env=dict(env, WORLD_SIZE="2"))
+    assert p.recipe.strategy == strategy and p.world_size == 2
+
+
+def test_launcher_mixed_precision_matching_recipe_passes():
+    p = plan("mixed_precision=bf16", env={"ACCELERATE_MIXED_PRECISION": "bf16"}, cuda=True)
+    assert p.device == "cuda" and p.recipe.mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_needs_cuda(precision):
+    with pytest.raises(RecipeError) as info:
+        plan(f"mixed_precision={precision}", cuda=False)
+    assert f"mixed_precision={precision} needs a CUDA GPU" in str(info.value)
+    assert "mixed_precision=no" in str(info.value)
+
+
+def test_flash_attention_needs_cuda():
+    with pytest.raises(RecipeError, match="flash_attention_2 needs a CUDA GPU"):
+        plan("attn_implementation=flash_attention_2")
+
+
+# ---------------------------------------------------------------- DeepSpeed config
+
+
+H = 4096
+
+
+def ds(*overrides, world=4):
+    p = plan(*overrides, env={"WORLD_SIZE": str(world)})
+    return p, deepspeed_config(p, hidden_size=H)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_stage_and_batch(stage):
+    p, cfg = ds(f"strategy=zero{stage}", "micro_batch_size=3", "grad_accum=5", "max_grad_norm=0.7", world=4)
+    assert cfg["zero_optimization"]["stage"] == stage
+    assert cfg["train_micro_batch_size_per_gpu"] == 3
+    assert cfg["gradient_accumulation_steps"] == 5
+    assert cfg["train_batch_size"] == 3 * 5 * 4 == p.global_batch_size
+    assert cfg["gradient_clipping"] == 0.7
+    assert cfg["bf16"]["enabled"] is False and cfg["fp16"]["enabled"] is False
+    assert "optimizer" not in cfg
+    assert "offload_optimizer" not in cfg["zero_optimization"]
+    assert "offload_param" not in cfg["zero_optimization"]
+    assert "auto" not in repr(cfg)
+
+
+def test_deepspeed_zero3_buckets():
+    _, cfg = ds("strategy=zero3")
+    z = cfg["zero_optimization"]
+    assert z["reduce_bucket_size"] == H * H
+    assert z["stage3_prefetch_bucket_size"] == int(0.9 * H * H)
+    assert z["stage3_param_persistence_threshold"] == 10 * H
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+def test_deepspeed_zero2_has_no_stage3_keys():
+    _, cfg = ds("strategy=zero2")
+    z = cfg["zero_optimization"]
+    assert z["reduce_bucket_size"] == H * H
+    assert not any(k.startswith("stage3_") for k in z)
+
+
+def test_deepspeed_global_batch_size_derivation_reaches_config():
+    _, cfg = ds("strategy=zero3", "global_batch_size=64", "micro_batch_size=2", world=4)
+    assert cfg["gradient_accumulation_steps"] == 8
+    assert cfg["train_batch_size"] == 64
+
+
+def test_deepspeed_offload_cpu_sections_and_optimizer():
+    _, cfg = ds("strategy=zero3", "offload_optimizer=cpu", "offload_params=cpu", "lr=1e-4",
+                "weight_decay=0.1", "adam_beta2=0.95", "adam_eps=1e-6")
+    z = cfg["zero_optimization"]
+    assert z["offload_optimizer"]["device"] == "cpu" and "nvme_path" not in z["offload_optimizer"]
+    assert z["offload_param"]["device"] == "cpu"
+    assert z["offload_optimizer"]["pin_memory"] is False  # plan.device is cpu
+    assert cfg["optimizer"]["type"] == "AdamW"
+    params = cfg["optimizer"]["params"]
+    assert params["lr"] == 1e-4 and params["weight_decay"] == 0.1
+    assert params["betas"] == [0.9, 0.95] and params["eps"] == 1e-6
+
+
+def test_deepspeed_offload_params_only_has_no_optimizer_section():
+    _, cfg = ds("strategy=zero3", "offload_params=cpu")
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert "offload_optimizer" not in cfg["zero_optimization"]
+    assert "optimizer" not in cfg
+
+
+def test_deepspeed_offload_nvme_paths(tmp_path):
+    _, cfg = ds("strategy=zero3", "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={tmp_path}")
+    z = cfg["zero_optimization"]
+    assert z["offload_optimizer"] == {"device": "nvme", "pin_memory": False, "nvme_path": str(tmp_path)}
+    assert z["offload_param"] == {"device": "nvme", "pin_memory": False, "nvme_path": str(tmp_path)}
+    assert "optimizer" in cfg
+
+
+def test_deepspeed_precision_flags_follow_recipe():
+    p = make_plan(recipe("strategy=zero3", "mixed_precision=bf16"), env={}, cuda_available=True)
+    cfg = deepspeed_config(p, hidden_size=H)
+    assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
+    assert cfg["zero_optimization"]["overlap_comm"] is True
