@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune import data as D
+from finetune.checkpoint import Checkpointer, StopRequest, check_model, ensure_universal, fault_point
 from finetune.export import save_final_model
 from finetune.metrics import MetricsFile, Progress, log, setup_logging
 from finetune.model import load_config, load_model, load_tokenizer, loss_sum, no_split_modules
@@ -27,7 +28,6 @@ class LoopState:
     tokens: int = 0        # target tokens seen, all ranks
     samples: int = 0       # rows seen, all ranks
     best_eval_loss: float | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def main_first(accelerator, fn):
@@ -73,6 +73,10 @@ def train(plan: Plan) -> dict:
     out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
     model_path, config = load_config(r)
+    if plan.resume is not None:
+        check_model(plan.resume, model_path)
+        if plan.is_deepspeed and plan.resumes_on_other_world_size:
+            ensure_universal(plan.resume, int(os.environ.get("RANK", "0")))
     wrap = no_split_modules(config) if r.strategy == "fsdp" else []
     accelerator = build_accelerator(plan, config.hidden_size, wrap)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -106,7 +110,17 @@ def train(plan: Plan) -> dict:
                                   "global_batch_size": plan.global_batch_size}
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
     metrics = MetricsFile(out / "metrics.jsonl", is_main)
-    state = LoopState()  # checkpoint seam: a resumed run restores this and the prepared objects here
+    checkpoints = Checkpointer(out, accelerator, r, model_path, plan.global_batch_size, r.keep_last, config, tokenizer)
+    state = LoopState()
+    if plan.resume is not None:
+        t0 = time.perf_counter()
+        state = checkpoints.load(plan.resume, optimizer, LoopState)
+        seconds = time.perf_counter() - t0
+        log.info(f"resumed from {plan.resume.path} at step {state.step} "
+                 f"({plan.resume.world_size} -> {world} processes) in {seconds:.2f}s")
+        metrics.write({"step": state.step, "resumed_from": str(plan.resume.path), "world_size": world,
+                       "resume_seconds": round(seconds, 3)})
+    stop = StopRequest()
 
     progress = Progress(total_steps, state.step, is_main)
     last_eval = None
@@ -119,8 +133,10 @@ def train(plan: Plan) -> dict:
     model.train()
     while state.step < total_steps:
         micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]
-        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches)], device=device))
-        global_tokens = int(counts.item())
+        # one all-reduce carries the batch's target tokens and whether any rank was asked to stop
+        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches), stop.requested],
+                                         device=device)).tolist()
+        global_tokens, stopping = int(counts[0]), counts[1] > 0
         scale = world * plan.grad_accum / global_tokens  # the framework averages over ranks and micro-steps
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for batch in micro_batches:
@@ -137,6 +153,7 @@ def train(plan: Plan) -> dict:
         state.tokens += global_tokens
         state.samples += schedule.global_batch
         window_tokens += global_tokens
+        fault_point("after_step", rank, state.step)
 
         step_loss = float(reduce_sum(step_loss) / global_tokens)
         record = None
@@ -156,7 +173,15 @@ def train(plan: Plan) -> dict:
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
-        # checkpoint seam: periodic and on-signal saves of (model, optimizer, scheduler, state) go here
+        if (r.save_every and state.step % r.save_every == 0) or end or stopping:
+            t0 = time.perf_counter()
+            path = checkpoints.save(state, optimizer)
+            progress.note(f"step {state.step}: checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+        if stopping:
+            progress.close()
+            log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
+            accelerator.end_training()
+            return {"steps": state.step, "stopped": True}
     progress.close()
     train_seconds = time.perf_counter() - train_t0
 

@@ -65,6 +65,17 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def run_history(records: list[dict]) -> list[dict]:
+    """The records of the run as it finally went: a resume record ({"step": s, "resumed_from": ...})
+    drops what an interrupted attempt logged after step s, which the resumed run logs again."""
+    history: list[dict] = []
+    for record in records:
+        if "resumed_from" in record:
+            history = [r for r in history if r["step"] <= record["step"]]
+        history.append(record)
+    return history
+
+
 class Progress:
     """A tqdm bar on a terminal; otherwise one compact line per logged step (CI, SLURM logs)."""
 

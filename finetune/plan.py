@@ -20,6 +20,11 @@ class Plan:
     grad_accum: int
     device: str  # "cuda" or "cpu"
     unchecked: tuple[str, ...] = ()  # machine-dependent problems a dry run reports instead of raising
+    resume: object | None = None  # checkpoint.ResumePoint this run continues from
+
+    @property
+    def resumes_on_other_world_size(self) -> bool:
+        return self.resume is not None and self.resume.world_size != self.world_size
 
     @property
     def global_batch_size(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
@@ -25,6 +26,10 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
+    parser.add_argument("--resume", metavar="auto|PATH",
+                        help="auto: the newest complete checkpoint in output_dir (else start fresh); or a checkpoint")
+    parser.add_argument("--allow-data-change", action="store_true",
+                        help="resume even though dataset, format, sequence length or seed differ from the checkpoint")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan, do not train")
     parser.add_argument("overrides", nargs="*", help="key=value, typed by the recipe field")
     return parser.parse_args(argv)
@@ -32,6 +37,7 @@ def parse_args(argv):
 
 def prepare(args):
     """Everything cheap that can be wrong, checked in order; returns the plan."""
+    from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point
     from finetune.data import prevalidate
     from finetune.plan import make_plan
     from finetune.recipe import resolve
@@ -45,7 +51,20 @@ def prepare(args):
     if final.exists() and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} already holds a finished model ({final}); choose another "
                           "output_dir, or move that one away")
-    return plan
+    if not args.resume and complete_checkpoints(Path(recipe.output_dir) / "checkpoints") and not args.dry_run:
+        raise RecipeError(f"output_dir={recipe.output_dir} holds checkpoints of an earlier run; continue it with "
+                          "--resume auto, or choose another output_dir")
+    quiet = os.environ.get("RANK", "0") != "0"
+    point = find_resume_point(args.resume, Path(recipe.output_dir), log=(lambda m: None) if quiet else
+                              (lambda m: print(m, file=sys.stderr)))
+    if point is None:
+        return plan
+    check_fits(point, recipe, args.allow_data_change)
+    if point.global_batch_size != plan.global_batch_size:
+        # keep the checkpoint's global batch on a new world size: accumulation is recomputed
+        recipe = replace(recipe, global_batch_size=point.global_batch_size)
+        plan = make_plan(recipe, dry_run=args.dry_run)
+    return replace(plan, resume=point)
 
 
 def main(argv=None) -> int:
@@ -54,7 +73,8 @@ def main(argv=None) -> int:
     try:
         plan = prepare(args)
     except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # every rank checks the same things; one says so
+            print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
         print(plan.describe())

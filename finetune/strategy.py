@@ -71,6 +71,8 @@ def deepspeed_config(plan: Plan, hidden_size: int) -> dict:
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
+    if plan.resumes_on_other_world_size:
+        config["checkpoint"] = {"load_universal": True}  # see checkpoint.ensure_universal
     if r.offload_optimizer != "none":
         # Offloaded optimizer steps run in DeepSpeed's own CPU Adam; it is built from this section.
         config["optimizer"] = {"type": "AdamW", "params": {

@@ -1,0 +1,392 @@
+"""Sharded checkpoints with one narrow interface: `Checkpointer.save(state)` and `.load(point)`;
+`find_resume_point` answers, before anything is loaded, which checkpoint a run continues from.
+
+Layout: output_dir/checkpoints/step_000000120/ (names sort by step). A checkpoint is written into a
+hidden `.step_000000120.partial/` and renamed into place by rank 0 only after every rank has finished
+writing and a manifest (every file and its size) is inside. A crash at any moment therefore leaves
+either a complete checkpoint or a `.partial` directory that is never mistaken for one.
+
+Model, optimizer, scheduler and RNG states go through Accelerate's save_state/load_state: FSDP
+writes distributed-checkpoint shards (which load resharded on any world size), DeepSpeed its
+per-rank files (converted to a universal checkpoint for another world size, see
+`ensure_universal`). The loop's own state is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from finetune.recipe import Recipe, RecipeError
+
+PREFIX = "step_"
+MANIFEST = "manifest.json"
+LOOP_STATE = "loop_state.json"
+ZERO_REDUNDANCY_OPTIMIZER = "zero_redundancy_optimizer.pt"
+HF_DIR = "hf"  # config and tokenizer, for export
+RNG_DIR = "rng"  # rank_<i>.safetensors: each rank's torch (and CUDA) generator states
+# Keys that must match for a checkpoint to continue this run; the first group can never differ.
+HARD_KEYS = ("model", "strategy", "lora")
+DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
+             "packing", "train_on_prompt", "seed")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:09d}"
+
+
+def fingerprint(recipe: Recipe, model_path: str | None = None) -> dict:
+    values = recipe.to_dict()
+    fp = {k: values.get(k) for k in HARD_KEYS + DATA_KEYS}
+    if model_path is not None:
+        fp["model"] = model_path
+    return fp
+
+
+# ---------------------------------------------------------------- finding and checking
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
+
+
+def partial_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".partial"))
+
+
+def verify(path: Path) -> dict:
+    """The manifest, after checking that every file it lists is there with its size."""
+    manifest_path = path / MANIFEST
+    if not path.is_dir():
+        raise RecipeError(f"no checkpoint directory at {path}")
+    if not manifest_path.is_file():
+        raise RecipeError(f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); "
+                          "resume from another one, or --resume auto to take the newest complete one")
+    manifest = json.loads(manifest_path.read_text())
+    for rel, size in manifest["files"].items():
+        f = path / rel
+        if not f.is_file():
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} is missing; nothing was deleted; resume from an "
+                              "earlier checkpoint with --resume PATH")
+        if f.stat().st_size != size:
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} has {f.stat().st_size} bytes, the manifest says "
+                              f"{size}; nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+    return manifest
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    step: int
+    world_size: int
+    global_batch_size: int
+    strategy: str
+
+
+def find_resume_point(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
+    """--resume auto: the newest complete checkpoint (incomplete ones are named and skipped), else None.
+    --resume PATH: that checkpoint, verified."""
+    if not resume:
+        return None
+    root = output_dir / "checkpoints"
+    if resume == "auto":
+        for partial in partial_checkpoints(root):
+            log(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
+        candidates = complete_checkpoints(root)
+        if not candidates:
+            log(f"--resume auto: no complete checkpoint in {root}; starting fresh")
+            return None
+        path = candidates[-1]
+    else:
+        path = Path(resume).expanduser()
+        if not path.is_dir():
+            raise RecipeError(f"--resume {resume}: no such checkpoint directory")
+    manifest = verify(path)
+    return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
+                       global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"])
+
+
+def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> None:
+    """Refuse a checkpoint of another model or strategy; other data only when asked to."""
+    saved = verify(point.path)["fingerprint"]
+    current = fingerprint(recipe)
+    for key in HARD_KEYS:
+        if key == "model":
+            continue  # compared as resolved paths once the model is located (see loop)
+        if saved.get(key) != current.get(key):
+            raise RecipeError(f"checkpoint {point.path} was written with {key}={saved.get(key)}, this run has "
+                              f"{key}={current.get(key)}: its shards cannot be loaded; set {key}={saved.get(key)}, "
+                              "or export it (python -m finetune.export) and fine-tune the export in a new run")
+    changed = [k for k in DATA_KEYS if saved.get(k) != current.get(k)]
+    if changed and not allow_data_change:
+        what = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed)
+        raise RecipeError(f"checkpoint {point.path} was trained on other data ({what}); the data position would not "
+                          "mean the same; restore those values, or pass --allow-data-change to continue anyway")
+
+
+def check_model(point: ResumePoint, model_path: str) -> None:
+    saved = verify(point.path)["fingerprint"]["model"]
+    if saved != model_path:
+        raise RecipeError(f"checkpoint {point.path} holds a fine-tune of {saved}, this run loads {model_path}; "
+                          f"set model={saved}")
+
+
+# ---------------------------------------------------------------- DeepSpeed on another world size
+
+
+def ensure_universal(point: ResumePoint, rank: int, timeout_s: float = 3600) -> Path:
+    """Convert a ZeRO checkpoint to DeepSpeed's universal format, once, next to it.
+
+    Rank 0 converts (a separate CPU job, before the process group exists); the other ranks wait for
+    the result or its failure marker. The universal copy is published by rename like a checkpoint.
+    """
+    target = point.path / "universal"
+    failed = point.path / "universal.failed"
+    if rank == 0 and not target.is_dir():
+        failed.unlink(missing_ok=True)
+        tmp = point.path / ".universal.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "pytorch_model").parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "finetune.checkpoint", "to-universal",
+               "--input_folder", str(point.path / "pytorch_model"),
+               "--output_folder", str(tmp / "pytorch_model"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                        os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            failed.write_text(proc.stderr[-2000:])
+            raise RecipeError(f"converting {point.path} to a universal checkpoint failed: "
+                              f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        for item in point.path.iterdir():  # everything Accelerate reads besides the ZeRO shards
+            if item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        (tmp / "latest").write_text("pytorch_model")
+        os.rename(tmp, target)
+    deadline = time.monotonic() + timeout_s
+    while not target.is_dir():
+        if failed.is_file():
+            raise RecipeError(f"converting {point.path} to a universal checkpoint failed on rank 0")
+        if time.monotonic() > deadline:
+            raise RecipeError(f"timed out waiting for rank 0 to convert {point.path} to a universal checkpoint")
+        time.sleep(0.5)
+    return target
+
+
+# ---------------------------------------------------------------- loading without unpickling code
+
+
+def _trusted_deepspeed_globals() -> list:
+    """The only non-tensor classes DeepSpeed pickles into its ZeRO files (found by loading real
+    zero1/2/3 and offload checkpoints with weights_only=True)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+@contextmanager
+def weights_only_torch_load():
+    """DeepSpeed calls torch.load(weights_only=False) on every checkpoint file; within this block
+    those calls load weights_only, with DeepSpeed's own few classes allowed, so that a checkpoint
+    from elsewhere cannot run code when it is read."""
+    import torch
+
+    original = torch.load
+    trusted = _trusted_deepspeed_globals()
+
+    def load(*args, **kwargs):
+        kwargs["weights_only"] = True
+        with torch.serialization.safe_globals(trusted):
+            return original(*args, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
+
+
+# ---------------------------------------------------------------- RNG states (safetensors, not pickle)
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            tensors[f"cuda_{i}"] = torch.cuda.get_rng_state(i)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / f"rank_{rank}.safetensors"))
+
+
+def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
+    """Restore this rank's generators. A rank that did not exist in the saved run (resuming on more
+    processes) gets a fresh generator derived from (seed, rank, step); returns whether it was restored."""
+    import torch
+    from safetensors.torch import load_file
+
+    path = directory / f"rank_{rank}.safetensors"
+    if not path.is_file():
+        torch.manual_seed(seed * 1_000_003 + rank * 7919 + step)
+        return False
+    tensors = load_file(str(path))
+    torch.set_rng_state(tensors["torch"])
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            if f"cuda_{i}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"cuda_{i}"], i)
+    return True
+
+
+# ---------------------------------------------------------------- saving and loading
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (what schedulers send before preemption) ask for a checkpoint and a clean exit;
+    the loop checks `requested` between steps, agreed across ranks."""
+
+    def __init__(self):
+        self.requested = 0
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = signum
+
+
+class Checkpointer:
+    def __init__(self, output_dir: Path, accelerator, recipe: Recipe, model_path: str, global_batch_size: int,
+                 keep_last: int, model_config=None, tokenizer=None):
+        self.root = Path(output_dir) / "checkpoints"
+        self.model_config, self.tokenizer = model_config, tokenizer  # copied in, so export needs nothing else
+        self.accelerator = accelerator
+        self.recipe = recipe
+        self.fingerprint = fingerprint(recipe, model_path)
+        self.global_batch_size = global_batch_size
+        self.keep_last = keep_last
+
+    def save(self, state, optimizer) -> Path:
+        """Collective: every rank calls it. Returns the committed checkpoint directory."""
+        acc = self.accelerator
+        name = checkpoint_name(state.step)
+        final, tmp = self.root / name, self.root / f".{name}.partial"
+        if acc.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        t0 = time.perf_counter()
+        if acc.distributed_type.name == "DEEPSPEED":
+            # lets ds_to_universal convert it for another world size (Megatron-free models need no patterns)
+            acc.save_state(str(tmp), client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+        else:
+            acc.save_state(str(tmp))
+        save_rng(tmp / RNG_DIR, acc.process_index)
+        if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: gather shards on rank 0
+            import torch
+
+            optimizer.consolidate_state_dict(to=0)
+            if acc.is_main_process:
+                torch.save(optimizer.state_dict(), tmp / ZERO_REDUNDANCY_OPTIMIZER)
+        fault_point("during_save", acc.process_index, state.step)
+        if acc.is_main_process:
+            (tmp / LOOP_STATE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+            (tmp / "recipe.json").write_text(json.dumps(self.recipe.to_dict(), indent=2) + "\n")
+            if self.model_config is not None:
+                self.model_config.save_pretrained(tmp / HF_DIR)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp / HF_DIR)
+        if acc.local_process_index == 0:
+            os.sync()
+        acc.wait_for_everyone()  # every rank's shards are on disk
+        if acc.is_main_process:
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            manifest = {"step": state.step, "world_size": acc.num_processes,
+                        "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
+                        "files": files, "seconds": round(time.perf_counter() - t0, 3)}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            if final.exists():  # a checkpoint of this step from an earlier attempt: replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._rotate(keep=final)
+        acc.wait_for_everyone()
+        return final
+
+    def _rotate(self, keep: Path) -> None:
+        """Drop the oldest complete checkpoints beyond keep_last, never the one just committed."""
+        complete = complete_checkpoints(self.root)
+        for old in complete[: max(0, len(complete) - self.keep_last)]:
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def load(self, point: ResumePoint, optimizer, state_cls):
+        """Collective. Restores model, optimizer, scheduler and RNG in place; returns the loop state."""
+        import torch
+
+        acc = self.accelerator
+        source = point.path
+        if point.world_size != acc.num_processes and self.recipe.strategy.startswith("zero"):
+            source = point.path / "universal"  # made by ensure_universal before the engine was built
+        with weights_only_torch_load():
+            acc.load_state(str(source))
+        # DeepSpeed's ZeRO-3 universal load gives every parameter group one shared `step` tensor; torch's
+        # Adam increments it in place once per group, so bias correction would run ahead. One each:
+        for param_state in _innermost(optimizer).state.values():
+            if torch.is_tensor(param_state.get("step")):
+                param_state["step"] = param_state["step"].clone()
+        zro = point.path / ZERO_REDUNDANCY_OPTIMIZER
+        if hasattr(optimizer, "consolidate_state_dict") and zro.is_file():
+            optimizer.load_state_dict(torch.load(zro, map_location="cpu", weights_only=True))
+        state = state_cls(**json.loads((point.path / LOOP_STATE).read_text()))
+        load_rng(point.path / RNG_DIR, acc.process_index, self.recipe.seed, state.step)
+        return state
+
+
+def _innermost(optimizer):
+    """Accelerate wraps DeepSpeed's optimizer, which wraps the torch optimizer that holds the groups."""
+    while hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fault_point(where: str, rank: int, step: int) -> None:
+    """Fault injection for the crash tests, real signals at exact places:
+    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there."""
+    spec = os.environ.get("FINETUNE_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[:3] == [where, str(rank), str(step)]:
+        os.kill(os.getpid(), getattr(signal, parts[3] if len(parts) > 3 else "SIGKILL"))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["to-universal"]:
+    # DeepSpeed's ds_to_universal, reading the ZeRO files weights_only (see ensure_universal)
+    from deepspeed.checkpoint import ds_to_universal
+
+    sys.argv = [sys.argv[0], *sys.argv[2:]]
+    with weights_only_torch_load():
+        ds_to_universal.main(ds_to_universal.parse_arguments())
