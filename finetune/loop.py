@@ -122,6 +122,7 @@ def train(plan: Plan) -> dict:
                        "resume_seconds": round(seconds, 3)})
     stop = StopRequest()
 
+    tokens_at_start = state.tokens  # a resumed run's speed counts only what it trained itself
     progress = Progress(total_steps, state.step, is_main)
     last_eval = None
     window_tokens, window_t0 = 0, time.perf_counter()
@@ -187,7 +188,7 @@ def train(plan: Plan) -> dict:
 
     final = save_final_model(accelerator, model, tokenizer, out / "final")
     summary = {"steps": state.step, "train_seconds": round(train_seconds, 2), "tokens": state.tokens,
-               "tokens_per_s": state.tokens / train_seconds if train_seconds else 0.0,
+               "tokens_per_s": (state.tokens - tokens_at_start) / train_seconds if train_seconds else 0.0,
                "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss, "final_model": str(final)}
     if is_main:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.metrics import read_metrics
+from finetune.metrics import read_metrics, run_history
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,11 +31,11 @@ class Run:
 
     @property
     def train_records(self) -> list[dict]:
-        return [r for r in read_metrics(self.output_dir / "metrics.jsonl") if "loss" in r]
+        return [r for r in run_history(read_metrics(self.output_dir / "metrics.jsonl")) if "loss" in r]
 
     @property
     def eval_records(self) -> list[dict]:
-        return [r for r in read_metrics(self.output_dir / "metrics.jsonl") if "eval_loss" in r]
+        return [r for r in run_history(read_metrics(self.output_dir / "metrics.jsonl")) if "eval_loss" in r]
 
     @property
     def losses(self) -> list[float]:
@@ -69,7 +69,7 @@ def launch(launch_env, tmp_path_factory):
     """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`."""
 
     def run(nprocs: int, *overrides: str, recipe: str = "tiny", output_dir: Path | None = None,
-            check: bool = True, timeout: int = 600) -> Run:
+            check: bool = True, timeout: int = 600, extra_env: dict | None = None) -> Run:
         out = output_dir or tmp_path_factory.mktemp("run")
         args = ["--recipe", recipe, *FAST, f"output_dir={out}", *overrides]
         if nprocs == 1:
@@ -78,7 +78,8 @@ def launch(launch_env, tmp_path_factory):
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",
                    str(nprocs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), "finetune/run.py", *args]
-        proc = subprocess.run(cmd, cwd=REPO, env=launch_env, capture_output=True, text=True, timeout=timeout)
+        env = dict(launch_env, **(extra_env or {}))
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         result = Run(Path(out), proc.returncode, proc.stdout, proc.stderr, launch_env)
         if check and proc.returncode != 0:
             raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")

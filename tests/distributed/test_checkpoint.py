@@ -1,0 +1,234 @@
+"""Checkpoints under real faults, on real processes: a run that is killed (SIGKILL mid-training, a kill
+in the middle of a save, SIGTERM from a scheduler) and resumed with `--resume auto` logs the same
+losses, bit for bit, as the run that was never interrupted; a checkpoint moves between 2 and 1
+processes (FSDP by resharding, ZeRO by universal conversion) within fp32 tolerance; any checkpoint
+exports to the same Hugging Face model as `final/`; damaged or foreign checkpoints are refused."""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+
+REPO = Path(__file__).resolve().parents[2]
+SAVE = ["save_every=4", "keep_last=3"]
+# Where each strategy is interrupted, and how (FINETUNE_FAULT=where:rank:step[:signal], see
+# finetune.checkpoint.fault_point), and the checkpoint the resumed run must continue from.
+FAULTS = {
+    "ddp": ("after_step:1:6:SIGTERM", 7),   # a scheduler's SIGTERM: checkpoint at the next step, clean exit
+    "fsdp": ("after_step:1:6", 4),          # SIGKILL of one rank mid-training
+    "zero2": ("during_save:1:8", 4),        # SIGKILL while writing step 8: that checkpoint must not count
+    "zero3": ("after_step:0:10", 8),        # SIGKILL of rank 0
+}
+KEPT = {  # saves every 4 steps, at the end, and at a SIGTERM stop (step 7 for ddp)
+    "ddp": ["step_000000007", "step_000000008", "step_000000012"],
+    "fsdp": ["step_000000004", "step_000000008", "step_000000012"],
+    "zero2": ["step_000000004", "step_000000008", "step_000000012"],
+    "zero3": ["step_000000004", "step_000000008", "step_000000012"],
+}
+CROSS_RTOL = 1e-5  # another world size sums in another order; fp32 curves agree to ~1e-8 here
+
+
+def records(run):
+    return [(r["step"], r.get("loss"), r.get("eval_loss"), r.get("tokens"))
+            for r in run.train_records + run.eval_records]
+
+
+def weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def assert_same_weights(a, b):
+    wa, wb = weights(a), weights(b)
+    assert sorted(wa) == sorted(wb)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(launch):
+    cache = {}
+
+    def get(strategy: str, nprocs: int = 2):
+        if (strategy, nprocs) not in cache:
+            cache[strategy, nprocs] = launch(nprocs, f"strategy={strategy}", *SAVE)
+        return cache[strategy, nprocs]
+
+    return get
+
+
+def resume_copy(run, step, tmp_path_factory):
+    """A new output_dir holding only `run`'s checkpoint of `step` (as if the run had stopped there)."""
+    out = tmp_path_factory.mktemp("resume")
+    name = f"step_{step:09d}"
+    shutil.copytree(run.output_dir / "checkpoints" / name, out / "checkpoints" / name)
+    return out
+
+
+@pytest.mark.parametrize("strategy", list(FAULTS))
+def test_interrupted_run_resumes_exactly(strategy, launch, uninterrupted, tmp_path_factory):
+    reference = uninterrupted(strategy)
+    fault, resume_step = FAULTS[strategy]
+    out = tmp_path_factory.mktemp(f"fault-{strategy}")
+    first = launch(2, f"strategy={strategy}", *SAVE, output_dir=out, check=False, extra_env={"FINETUNE_FAULT": fault})
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    if fault.endswith("SIGTERM"):
+        assert first.returncode == 0, first.stderr[-3000:]
+        assert "stopped by signal at step 7" in first.stderr
+        assert not (out / "final").exists()
+    else:
+        assert first.returncode != 0, "a killed rank must fail the launch"
+    assert f"step_{resume_step:09d}" in checkpoints, checkpoints
+
+    second = launch(2, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
+    assert f"resumed from {out / 'checkpoints' / f'step_{resume_step:09d}'} at step {resume_step}" in second.stderr
+    if strategy == "zero2":
+        assert f"ignoring incomplete checkpoint {out / 'checkpoints' / '.step_000000008.partial'}" in second.stderr
+    assert records(second) == records(reference), "a resumed run must log exactly what the uninterrupted one did"
+    assert_same_weights(out / "final", reference.output_dir / "final")
+    resumes = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "resumed_from" in line]
+    assert [r["step"] for r in resumes] == [resume_step]
+    # keep_last=3: the three newest complete checkpoints, nothing half-written left behind
+    left = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert left == KEPT[strategy], left
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
+def test_two_processes_to_one(strategy, launch, uninterrupted, tmp_path_factory):
+    reference = uninterrupted(strategy)
+    out = resume_copy(reference, 4, tmp_path_factory)
+    resumed = launch(1, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
+    assert "(2 -> 1 processes)" in resumed.stderr
+    recipe = json.loads((out / "recipe.json").read_text())
+    assert (recipe["world_size"], recipe["grad_accum"], recipe["global_batch_size"]) == (1, 4, 16)
+    assert_close_after(resumed, reference, 4)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_one_process_to_two(strategy, launch, uninterrupted, tmp_path_factory):
+    reference = uninterrupted(strategy, nprocs=1)
+    out = resume_copy(reference, 4, tmp_path_factory)
+    resumed = launch(2, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
+    assert "(1 -> 2 processes)" in resumed.stderr
+    assert_close_after(resumed, reference, 4)
+
+
+def assert_close_after(resumed, reference, step):
+    want = [r for r in records(reference) if r[0] > step]
+    got = records(resumed)
+    assert [(r[0], r[3]) for r in got] == [(r[0], r[3]) for r in want], "same steps, same global batches"
+    for g, w in zip(got, want):
+        for a, b in ((g[1], w[1]), (g[2], w[2])):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert math.isclose(a, b, rel_tol=CROSS_RTOL), (got, want)
+
+
+@pytest.mark.parametrize("strategy", list(FAULTS))
+def test_export_of_last_checkpoint_equals_final(strategy, uninterrupted, tmp_path):
+    run = uninterrupted(strategy)
+    out = tmp_path / "exported"
+    proc = export(run.output_dir / "checkpoints" / "step_000000012", out, run.env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "probe logits identical" in proc.stdout
+    assert_same_weights(out, run.output_dir / "final")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out)
+    assert AutoTokenizer.from_pretrained(out).chat_template
+
+
+def export(ckpt, out, env):
+    return subprocess.run([sys.executable, "-m", "finetune.export", str(ckpt), str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+# ------------------------------------------------------------------ refusals: cheap, no training starts
+
+
+def damaged_copy(run, tmp_path, damage):
+    out = tmp_path / "out"
+    shutil.copytree(run.output_dir / "checkpoints" / "step_000000012", out / "checkpoints" / "step_000000012")
+    ckpt = out / "checkpoints" / "step_000000012"
+    shard = sorted((ckpt / "pytorch_model").glob("*optim_states.pt"))[1]
+    damage(shard)
+    return out, ckpt, shard
+
+
+@pytest.mark.parametrize("damage,words", [
+    (lambda f: f.unlink(), "is missing"),
+    (lambda f: f.write_bytes(f.read_bytes()[:1000]), "has 1000 bytes"),
+])
+def test_damaged_checkpoint_is_refused_and_kept(damage, words, launch, uninterrupted, tmp_path):
+    run = uninterrupted("zero3")
+    out, ckpt, shard = damaged_copy(run, tmp_path, damage)
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    refused = launch(1, "strategy=zero3", "--resume", str(ckpt), output_dir=out, check=False)
+    assert refused.returncode == 2
+    message = refused.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: checkpoint") and words in message and shard.name in message
+    assert "nothing was deleted" in message and "Traceback" not in refused.stderr
+    assert sorted(p.name for p in ckpt.rglob("*")) == before
+    exported = export(ckpt, tmp_path / "exported", run.env)
+    assert exported.returncode == 2 and words in exported.stderr and not (tmp_path / "exported").exists()
+
+
+def test_foreign_checkpoints_are_refused(launch, uninterrupted, tmp_path):
+    run = uninterrupted("zero3")
+    ckpt = run.output_dir / "checkpoints" / "step_000000012"
+    other_strategy = launch(1, "strategy=zero2", "--resume", str(ckpt), "--dry-run",
+                            output_dir=tmp_path / "a", check=False)
+    assert other_strategy.returncode == 2
+    assert "written with strategy=zero3, this run has strategy=zero2" in other_strategy.stderr
+    other_data = launch(1, "strategy=zero3", "max_seq_len=96", "--resume", str(ckpt), "--dry-run",
+                        output_dir=tmp_path / "b", check=False)
+    assert other_data.returncode == 2 and "max_seq_len: 128 -> 96" in other_data.stderr
+    assert "--allow-data-change" in other_data.stderr
+    allowed = launch(1, "strategy=zero3", "max_seq_len=96", "--resume", str(ckpt), "--dry-run",
+                     "--allow-data-change", output_dir=tmp_path / "c")
+    assert allowed.returncode == 0
+    old = tmp_path / "old"
+    shutil.copytree(ckpt, old / "checkpoints" / ckpt.name)
+    fresh_over_old = launch(1, "strategy=zero3", output_dir=old, check=False)
+    assert fresh_over_old.returncode == 2 and "--resume auto" in fresh_over_old.stderr
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(launch, tmp_path):
+    dry = launch(1, "strategy=ddp", "--resume", "auto", "--dry-run", output_dir=tmp_path / "new")
+    assert "no complete checkpoint" in dry.stderr and "starting fresh" in dry.stderr
+
+
+def test_checkpoint_files_are_never_unpickled(uninterrupted, tmp_path):
+    """A ZeRO file replaced by a pickle that would run code: export (which reads every ZeRO file)
+    refuses it, and the code never runs."""
+    run = uninterrupted("zero3")
+    marker = tmp_path / "code-ran"
+
+    def poison(shard):
+        shard.write_bytes(pickle.dumps(_RunsCode(str(marker))))
+
+    out, ckpt, shard = damaged_copy(run, tmp_path, poison)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"][str(shard.relative_to(ckpt))] = shard.stat().st_size
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    proc = export(ckpt, tmp_path / "exported", run.env)
+    assert proc.returncode != 0
+    assert not marker.exists(), "a checkpoint file ran code while being loaded"
+    assert "Weights only load failed" in proc.stderr or "weights_only" in proc.stderr
+
+
+class _RunsCode:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
