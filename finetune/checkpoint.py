@@ -34,7 +34,7 @@ ZERO_REDUNDANCY_OPTIMIZER = "zero_redundancy_optimizer.pt"
 HF_DIR = "hf"  # config and tokenizer, for export
 RNG_DIR = "rng"  # rank_<i>.safetensors: each rank's torch (and CUDA) generator states
 # Keys that must match for a checkpoint to continue this run; the first group can never differ.
-HARD_KEYS = ("model", "strategy", "lora")
+HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
              "packing", "train_on_prompt", "seed")
 
@@ -48,7 +48,7 @@ def fingerprint(recipe: Recipe, model_path: str | None = None) -> dict:
     fp = {k: values.get(k) for k in HARD_KEYS + DATA_KEYS}
     if model_path is not None:
         fp["model"] = model_path
-    return fp
+    return json.loads(json.dumps(fp))  # tuples as lists, as they come back from the manifest
 
 
 # ---------------------------------------------------------------- finding and checking
@@ -219,6 +219,26 @@ def weights_only_torch_load():
         torch.load = original
 
 
+@contextmanager
+def adapter_only_fsdp(enabled: bool):
+    """Accelerate's FSDP save/load with adapter_only=True, so that a LoRA checkpoint holds the adapter
+    (and its optimizer state) but not the frozen base, which every run reloads from the model."""
+    if not enabled:
+        yield
+        return
+    import functools
+
+    import accelerate.accelerator as accelerator_module
+
+    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
+    accelerator_module.save_fsdp_model = functools.partial(saved[0], adapter_only=True)
+    accelerator_module.load_fsdp_model = functools.partial(saved[1], adapter_only=True)
+    try:
+        yield
+    finally:
+        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
+
+
 # ---------------------------------------------------------------- RNG states (safetensors, not pickle)
 
 
@@ -274,6 +294,8 @@ class Checkpointer:
                  keep_last: int, model_config=None, tokenizer=None):
         self.root = Path(output_dir) / "checkpoints"
         self.model_config, self.tokenizer = model_config, tokenizer  # copied in, so export needs nothing else
+        if recipe.lora and accelerator.distributed_type.name not in ("DEEPSPEED", "FSDP"):
+            accelerator.register_save_state_pre_hook(_keep_trainable_weights)
         self.accelerator = accelerator
         self.recipe = recipe
         self.fingerprint = fingerprint(recipe, model_path)
@@ -290,11 +312,14 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         t0 = time.perf_counter()
-        if acc.distributed_type.name == "DEEPSPEED":
-            # lets ds_to_universal convert it for another world size (Megatron-free models need no patterns)
-            acc.save_state(str(tmp), client_state={"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
-        else:
-            acc.save_state(str(tmp))
+        with adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
+            if acc.distributed_type.name == "DEEPSPEED":
+                # universal_checkpoint_info lets ds_to_universal convert it for another world size (models
+                # without tensor parallelism need no patterns); a LoRA run leaves its frozen base out
+                acc.save_state(str(tmp), exclude_frozen_parameters=self.recipe.lora, client_state={
+                    "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+            else:
+                acc.save_state(str(tmp))
         save_rng(tmp / RNG_DIR, acc.process_index)
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: gather shards on rank 0
             import torch
@@ -342,8 +367,13 @@ class Checkpointer:
         source = point.path
         if point.world_size != acc.num_processes and self.recipe.strategy.startswith("zero"):
             source = point.path / "universal"  # made by ensure_universal before the engine was built
-        with weights_only_torch_load():
-            acc.load_state(str(source))
+        with weights_only_torch_load(), adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
+            if self.recipe.lora and acc.distributed_type.name == "DEEPSPEED":
+                acc.load_state(str(source), load_module_strict=False)  # the frozen base comes from the model
+            elif self.recipe.lora and acc.distributed_type.name != "FSDP":
+                acc.load_state(str(source), strict=False)
+            else:
+                acc.load_state(str(source))
         # DeepSpeed's ZeRO-3 universal load gives every parameter group one shared `step` tensor; torch's
         # Adam increments it in place once per group, so bias correction would run ahead. One each:
         for param_state in _innermost(optimizer).state.values():
@@ -355,6 +385,15 @@ class Checkpointer:
         state = state_cls(**json.loads((point.path / LOOP_STATE).read_text()))
         load_rng(point.path / RNG_DIR, acc.process_index, self.recipe.seed, state.step)
         return state
+
+
+def _keep_trainable_weights(models, weights, output_dir) -> None:
+    """Accelerate save_state hook for DDP LoRA runs: write the adapter, not the frozen base."""
+    for i, model in enumerate(models):
+        inner = getattr(model, "module", model)
+        trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
+        if i < len(weights) and trainable:
+            weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
 
 
 def _innermost(optimizer):
@@ -374,13 +413,17 @@ def _fsync_dir(path: Path) -> None:
 
 def fault_point(where: str, rank: int, step: int) -> None:
     """Fault injection for the crash tests, real signals at exact places:
-    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there."""
+    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
+    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank)."""
     spec = os.environ.get("FINETUNE_FAULT")
     if not spec:
         return
     parts = spec.split(":")
     if parts[:3] == [where, str(rank), str(step)]:
-        os.kill(os.getpid(), getattr(signal, parts[3] if len(parts) > 3 else "SIGKILL"))
+        how = parts[3] if len(parts) > 3 else "SIGKILL"
+        if how == "RAISE":
+            raise RuntimeError(f"injected fault ({spec})")
+        os.kill(os.getpid(), getattr(signal, how))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["to-universal"]:

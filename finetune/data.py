@@ -397,6 +397,13 @@ def target_tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
+def input_tokens(batch: dict) -> int:
+    """Real tokens the model computes on: padding excluded (a packed row's tail pad is counted; it is
+    shorter than one example)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
 def fetch(ds, indices: list[int], pad_id: int, packed: bool) -> dict:
     """Rows by index; index -1 is a placeholder (keeps ranks in lock-step) that carries no targets."""
     real = [i if i >= 0 else 0 for i in indices]

@@ -15,6 +15,7 @@ import argparse
 import json
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
@@ -22,7 +23,10 @@ if __package__ in (None, ""):  # python finetune/export.py: make the repository 
 
 
 def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB") -> Path:
-    """Gather the full weights (ZeRO-3 and FSDP hold shards) and write them on the main process."""
+    """Gather the full weights (ZeRO-3 and FSDP hold shards) and write them on the main process.
+    A LoRA model writes its adapter only (see save_final_adapter)."""
+    if is_lora(accelerator.unwrap_model(model)):
+        return save_final_adapter(accelerator, model, tokenizer, out_dir)
     state_dict = accelerator.get_state_dict(model)  # collective: every rank must call it
     out_dir = Path(out_dir)
     if accelerator.is_main_process:
@@ -35,6 +39,81 @@ def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_siz
         _publish(tmp, out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def is_lora(model) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def trainable_state_dict(accelerator, model) -> dict:
+    """Full tensors of the trainable parameters only (a LoRA adapter), on the main process: gathering
+    them is cheap, unlike the frozen base. Collective: every rank must call it."""
+    import torch
+
+    unwrapped = accelerator.unwrap_model(model)
+    named = [(n, p) for n, p in unwrapped.named_parameters() if p.requires_grad]
+    out = {}
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            if accelerator.is_main_process:
+                out = {n: p.detach().to("cpu", copy=True) for n, p in named}
+        return out
+    from torch.distributed.tensor import DTensor
+
+    for name, param in named:
+        full = param.full_tensor() if isinstance(param, DTensor) else param  # collective for FSDP2 shards
+        if accelerator.is_main_process:
+            out[name] = full.detach().to("cpu", torch.float32, copy=True)
+    return out
+
+
+def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
+    """final/ of a LoRA run: the adapter in peft's own format (PeftModel.from_pretrained(base, final))."""
+    state_dict = trainable_state_dict(accelerator, model)
+    out_dir = Path(out_dir)
+    if accelerator.is_main_process:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _publish(tmp, out_dir)
+    accelerator.wait_for_everyone()
+    return out_dir
+
+
+def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: str = "float32") -> Path:
+    """final_merged/: the base with the adapter folded in, as one plain model. Done on one process
+    from the files alone, with plain transformers and peft, which also proves the adapter loads."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _without_zero3_init():
+        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    tmp = Path(out_dir).with_name(Path(out_dir).name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+    _publish(tmp, Path(out_dir))
+    return Path(out_dir)
+
+
+@contextmanager
+def _without_zero3_init():
+    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init, which partitions
+    it with collectives; a load on the main process alone would then wait for the other ranks forever."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _publish(tmp: Path, out_dir: Path) -> None:

@@ -12,8 +12,9 @@ import torch
 
 from finetune import data as D
 from finetune.checkpoint import Checkpointer, StopRequest, check_model, ensure_universal, fault_point
-from finetune.export import save_final_model
-from finetune.metrics import MetricsFile, Progress, log, setup_logging
+from finetune.export import merge_adapter, save_final_model
+from finetune.metrics import (MetricsFile, Progress, flops_per_token, format_summary, log, peak_flops,
+                              peak_memory_bytes, plot_losses, setup_logging, start_trackers)
 from finetune.model import load_config, load_model, load_tokenizer, loss_sum, no_split_modules
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
@@ -69,6 +70,7 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> f
 
 
 def train(plan: Plan) -> dict:
+    wall_t0 = time.perf_counter()
     r = plan.recipe
     out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
@@ -109,7 +111,9 @@ def train(plan: Plan) -> dict:
         resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
                                   "global_batch_size": plan.global_batch_size}
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    metrics = MetricsFile(out / "metrics.jsonl", is_main)
+    metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
+    start_trackers(accelerator, r, out)
+    plot = out / "loss.png"
     checkpoints = Checkpointer(out, accelerator, r, model_path, plan.global_batch_size, r.keep_last, config, tokenizer)
     state = LoopState()
     if plan.resume is not None:
@@ -125,7 +129,9 @@ def train(plan: Plan) -> dict:
     tokens_at_start = state.tokens  # a resumed run's speed counts only what it trained itself
     progress = Progress(total_steps, state.step, is_main)
     last_eval = None
-    window_tokens, window_t0 = 0, time.perf_counter()
+    window_tokens, window_inputs, window_t0 = 0, 0, time.perf_counter()
+    peak = peak_flops(device, r.mixed_precision)  # MFU where the GPU's peak is known
+    flops = flops_per_token(config, r.max_seq_len) if peak else 0.0
     train_t0 = time.perf_counter()
     if eval_rows is not None and r.eval_at_start and state.step == 0:
         last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
@@ -135,9 +141,9 @@ def train(plan: Plan) -> dict:
     while state.step < total_steps:
         micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]
         # one all-reduce carries the batch's target tokens and whether any rank was asked to stop
-        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches), stop.requested],
-                                         device=device)).tolist()
-        global_tokens, stopping = int(counts[0]), counts[1] > 0
+        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches), stop.requested,
+                                          sum(D.input_tokens(b) for b in micro_batches)], device=device)).tolist()
+        global_tokens, stopping, global_inputs = int(counts[0]), counts[1] > 0, int(counts[2])
         scale = world * plan.grad_accum / global_tokens  # the framework averages over ranks and micro-steps
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         for batch in micro_batches:
@@ -154,18 +160,23 @@ def train(plan: Plan) -> dict:
         state.tokens += global_tokens
         state.samples += schedule.global_batch
         window_tokens += global_tokens
+        window_inputs += global_inputs
         fault_point("after_step", rank, state.step)
 
         step_loss = float(reduce_sum(step_loss) / global_tokens)
         record = None
         if state.step % r.log_every == 0 or state.step == total_steps:
             now = time.perf_counter()
+            memory = accelerator.gather(torch.tensor([peak_memory_bytes(device)], device=device)).tolist()
             record = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "tokens": state.tokens, "tokens_per_s": window_tokens / (now - window_t0),
-                      "epoch": (state.step - 1) // schedule.steps_per_epoch}
+                      "epoch": (state.step - 1) // schedule.steps_per_epoch,
+                      "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
+            if peak and flops:  # model FLOPs of the real (non-padding) input tokens, per GPU, over the GPU's peak
+                record["mfu"] = window_inputs / (now - window_t0) * flops / (world * peak)
             metrics.write(record)
-            window_tokens, window_t0 = 0, now
+            window_tokens, window_inputs, window_t0 = 0, 0, now
         progress.update(state.step, record)
 
         end = state.step == total_steps
@@ -174,6 +185,8 @@ def train(plan: Plan) -> dict:
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
+            if is_main:
+                plot_losses(out / "metrics.jsonl", plot)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             t0 = time.perf_counter()
             path = checkpoints.save(state, optimizer)
@@ -187,11 +200,26 @@ def train(plan: Plan) -> dict:
     train_seconds = time.perf_counter() - train_t0
 
     final = save_final_model(accelerator, model, tokenizer, out / "final")
-    summary = {"steps": state.step, "train_seconds": round(train_seconds, 2), "tokens": state.tokens,
+    if r.merge_lora:
+        if is_main:
+            merge_adapter(model_path, final, out / "final_merged",
+                          "bfloat16" if r.mixed_precision == "bf16" else "float32")
+        accelerator.wait_for_everyone()
+    peaks = [0] * world
+    torch.distributed.all_gather_object(peaks, peak_memory_bytes(device))
+    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    summary = {"steps": state.step, "resumed_at": plan.resume.step if plan.resume else None,
+               "train_seconds": round(train_seconds, 2), "wall_seconds": round(time.perf_counter() - wall_t0, 2),
+               "tokens": state.tokens,
                "tokens_per_s": (state.tokens - tokens_at_start) / train_seconds if train_seconds else 0.0,
-               "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss, "final_model": str(final)}
+               "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
+               "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
+               else "process resident",
+               "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
+               "loss_plot": None, "metrics": str(out / "metrics.jsonl")}
     if is_main:
+        summary["loss_plot"] = str(plot_losses(out / "metrics.jsonl", plot) or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.info("done: " + ", ".join(f"{k} {v}" for k, v in summary.items()))
+        log.info(format_summary(summary))
     accelerator.end_training()
     return summary

@@ -28,6 +28,7 @@ def setup_logging(level: str, rank: int) -> None:
         # torch.distributed's deprecation notices fire on every collective DeepSpeed issues
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
         warnings.filterwarnings("ignore", message=r".*OMP_NUM_THREADS.*")
+        warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed", "accelerate", "transformers", "datasets", "torch.distributed"):
         logging.getLogger(name).setLevel(noisy)
     try:
@@ -51,14 +52,20 @@ def setup_logging(level: str, rank: int) -> None:
 class MetricsFile:
     """metrics.jsonl: one JSON object per line, appended and flushed, never truncated."""
 
-    def __init__(self, path: Path, enabled: bool):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool, accelerator=None):
+        self.path, self.enabled, self.accelerator = path, enabled, accelerator
 
     def write(self, record: dict) -> None:
+        """On the main process; the numbers also go to the recipe's trackers (report_to)."""
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.accelerator is not None and self.accelerator.trackers:
+            values = {("eval/loss" if k == "eval_loss" else f"train/{k}"): v for k, v in record.items()
+                      if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if values and "resumed_from" not in record:
+                self.accelerator.log(values, step=record["step"])
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -113,3 +120,137 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+# ---------------------------------------------------------------- trackers
+
+
+def start_trackers(accelerator, recipe, output_dir: Path) -> None:
+    """Accelerate's trackers, named after output_dir. A resumed run continues the same tracker run
+    where the tracker allows it: TensorBoard appends to the same log directory, Weights & Biases
+    resumes the run id kept in output_dir/wandb_run_id; MLflow starts a new run in the same experiment."""
+    trackers = [t for t in recipe.report_to if t != "none"]
+    if not trackers:
+        return
+    init_kwargs = {}
+    if "wandb" in trackers:
+        id_file = output_dir / "wandb_run_id"
+        if accelerator.is_main_process and not id_file.exists():
+            import uuid
+
+            output_dir.mkdir(parents=True, exist_ok=True)
+            id_file.write_text(uuid.uuid4().hex[:12])
+        accelerator.wait_for_everyone()
+        init_kwargs["wandb"] = {"id": id_file.read_text().strip(), "resume": "allow", "name": output_dir.name}
+    if "mlflow" in trackers:
+        init_kwargs["mlflow"] = {"run_name": output_dir.name}
+    config = {k: (",".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
+              for k, v in recipe.to_dict().items()}
+    # project "finetune": the W&B project / MLflow experiment; TensorBoard writes to output_dir/finetune/
+    accelerator.init_trackers("finetune", config=config, init_kwargs=init_kwargs)
+
+
+# ---------------------------------------------------------------- the loss plot
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
+    """loss.png: training and eval loss, and the learning rate on a second axis, against steps."""
+    records = run_history(read_metrics(metrics_path)) if Path(metrics_path).exists() else []
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    if not train and not evals:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    if train:
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue",
+                linewidth=1.2)
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss",
+                color="tab:orange", linewidth=1.5, markersize=4)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (mean per target token)")
+    ax.grid(alpha=0.3)
+    lines, labels = ax.get_legend_handles_labels()
+    if train:
+        lr_ax = ax.twinx()
+        lr_ax.plot([r["step"] for r in train], [r["lr"] for r in train], label="learning rate", color="tab:green",
+                   linestyle="--", linewidth=1)
+        lr_ax.set_ylabel("learning rate")
+        lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+        more_lines, more_labels = lr_ax.get_legend_handles_labels()
+        lines, labels = lines + more_lines, labels + more_labels
+    ax.legend(lines, labels, loc="upper right")
+    ax.set_title(f"{Path(metrics_path).parent.name}: loss and learning rate")
+    fig.tight_layout()
+    tmp = Path(png_path).with_suffix(".tmp.png")
+    points = {"train_loss": len(train), "eval_loss": len(evals), "last_step": max(r["step"] for r in records)}
+    fig.savefig(tmp, metadata={"Description": json.dumps(points)})  # lets a test count what was drawn
+    plt.close(fig)
+    tmp.replace(png_path)
+    return Path(png_path)
+
+
+# ---------------------------------------------------------------- memory and the end-of-run summary
+
+
+def peak_memory_bytes(device) -> int:
+    """Peak GPU memory allocated on a GPU run; peak resident memory of the process on CPU."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# Dense 16-bit peak FLOP/s of the GPUs we know (vendor datasheets, without sparsity), for MFU.
+PEAK_FLOPS_16BIT = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+def peak_flops(device, mixed_precision: str) -> float | None:
+    """None where MFU would mean nothing: CPU, fp32 runs, GPUs not in the table."""
+    import torch
+
+    if getattr(device, "type", str(device)) != "cuda" or mixed_precision == "no":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS_16BIT.items() if key in name), None)
+
+
+def flops_per_token(config, seq_len: int) -> float:
+    """6 N + 12 L H Q T (PaLM appendix B), N without the input embedding, which is a lookup, not a matmul.
+    A LoRA run is counted as if it trained the whole model: its backward skips only the weight gradients."""
+    from finetune.memory import EstimateError, architecture_from_config
+
+    try:
+        arch = architecture_from_config(config)
+    except EstimateError:  # not a Llama-layout decoder: no MFU rather than a wrong one
+        return 0.0
+    n = arch.num_parameters() - arch.embedding_parameters
+    return 6 * n + 12 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_size * seq_len
+
+
+def format_summary(summary: dict) -> str:
+    gib = 2**30
+    peaks = summary.get("peak_memory_per_rank") or []
+    kind = summary.get("peak_memory_kind", "")
+    rows = [
+        ("steps", f"{summary['steps']}" + (f" (resumed at {summary['resumed_at']})" if summary.get("resumed_at") else "")),
+        ("time", f"{summary['train_seconds']:.1f} s training, {summary['wall_seconds']:.1f} s in all"),
+        ("tokens", f"{summary['tokens']:,} target tokens, {summary['tokens_per_s']:,.0f} tokens/s"),
+        ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
+         f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
+        (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
+        ("model", summary.get("final_model", "")),
+        ("checkpoints", summary.get("checkpoints") or "none written"),
+        ("loss plot", summary.get("loss_plot") or "n/a"),
+        ("metrics", summary.get("metrics", "")),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["=" * 72, "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["=" * 72])

@@ -57,7 +57,9 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    if weights_on_this_rank:
+    if recipe.load_in_4bit:
+        model = _load_4bit(recipe, model_path)
+    elif weights_on_this_rank:
         model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch.float32, attn_implementation=recipe.attn_implementation)
     else:
@@ -67,7 +69,55 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     model.config.use_cache = False
     if recipe.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if recipe.lora:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    if recipe.lora:
+        model = add_lora(model, recipe)
     return model
+
+
+def _load_4bit(recipe: Recipe, model_path: str):
+    """QLoRA: the frozen base in 4-bit NF4 on this process's GPU, computing in the recipe's precision."""
+    import os
+
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    compute = torch.bfloat16 if recipe.mixed_precision == "bf16" else torch.float16
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=compute)
+    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant,
+                                                 device_map={"": int(os.environ.get("LOCAL_RANK", "0"))},
+                                                 attn_implementation=recipe.attn_implementation)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.activation_checkpointing)
+
+
+def lora_targets(model, recipe: Recipe) -> list[str]:
+    """The recipe's modules, else every Linear inside the decoder layers (attention and MLP projections)."""
+    if recipe.lora_target_modules:
+        return list(recipe.lora_target_modules)
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+             if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}"}
+    if not names:
+        raise RecipeError(f"found no Linear layers inside {type(model).__name__}'s decoder layers to put LoRA on; "
+                          "name them with lora_target_modules=")
+    return sorted(names)
+
+
+def add_lora(model, recipe: Recipe):
+    """peft LoRA on the frozen base. Works on a meta-device skeleton too (FSDP ranks other than 0):
+    the adapter weights then arrive with rank 0's broadcast like every other weight."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora_targets(model, recipe)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in present]
+    if missing:
+        raise RecipeError(f"lora_target_modules: {', '.join(missing)} not found in {type(model).__name__}; "
+                          f"it has for example {', '.join(sorted(present - {''})[:8])}")
+    config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM", bias="none")
+    return get_peft_model(model, config)
 
 
 def loss_sum(model, batch: dict) -> torch.Tensor:

@@ -19,6 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv")
 BUILTIN_PREFIX = "builtin:"
+TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 class RecipeError(ValueError):
@@ -53,6 +55,15 @@ class Recipe:
     nvme_path: str = _opt("", help="directory on a fast local disk for offload=nvme")
     mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
     activation_checkpointing: bool = _opt(False)
+    # LoRA (peft): only the adapters train; the base model stays frozen and sharded
+    lora: bool = _opt(False)
+    lora_r: int = _opt(16, min=1)
+    lora_alpha: float = _opt(32.0, min=0.0)
+    lora_dropout: float = _opt(0.05, min=0.0, max=0.99)
+    lora_target_modules: tuple[str, ...] = _opt((), help="module names, comma-separated; empty: every "
+                                                "attention and MLP projection")
+    merge_lora: bool = _opt(False, help="also write final_merged/: base + adapter as one plain model")
+    load_in_4bit: bool = _opt(False, help="QLoRA: 4-bit base through bitsandbytes (CUDA, strategy=ddp)")
     # Hyper-parameters
     micro_batch_size: int = _opt(1, min=1)
     grad_accum: int = _opt(1, min=1)
@@ -78,6 +89,8 @@ class Recipe:
     save_every: int = _opt(0, min=0, help="0: no periodic checkpoints")
     keep_last: int = _opt(2, min=1)
     log_level: str = _opt("warning", choices=("debug", "info", "warning", "error"))
+    report_to: tuple[str, ...] = _opt(("none",), choices=TRACKERS,
+                                      help="trackers, comma-separated: tensorboard, wandb, mlflow, or none")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -207,6 +220,13 @@ def _check_field(name: str, value) -> None:
     if kind is str and not isinstance(value, str):
         raise RecipeError(f"{name}={value!r}: expected a string")
     choices = meta.get("choices")
+    if typing.get_origin(kind) is tuple:
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, str) for v in value):
+            raise RecipeError(f"{name}={value!r}: expected a comma-separated list")
+        bad = [v for v in value if choices and v not in choices]
+        if bad:
+            raise RecipeError(f"{name}={','.join(value)}: {bad[0]!r} is not one of {', '.join(choices)}")
+        return
     if choices and value not in choices:
         raise RecipeError(f"{name}={value}: must be one of {', '.join(map(str, choices))}")
     low, high = meta.get("min"), meta.get("max")
@@ -260,8 +280,21 @@ def validate(recipe: Recipe) -> Recipe:
                           "(ZeRO and FSDP shard the optimizer already)")
     if r.fsdp_version == 1 and r.strategy == "fsdp" and r.offload_params == "nvme":
         raise RecipeError("fsdp_version=1 cannot offload to nvme; use offload_params=cpu")
+    if not r.lora:
+        for key, default in (("merge_lora", False), ("load_in_4bit", False)):
+            if getattr(r, key) != default:
+                raise RecipeError(f"{key}={getattr(r, key)} applies to LoRA runs only; set lora=true or {key}=false")
+    if r.load_in_4bit and r.strategy != "ddp":
+        raise RecipeError(f"load_in_4bit=true with strategy={r.strategy}: 4-bit (QLoRA) bases are supported with "
+                          "strategy=ddp (one GPU per process); use strategy=ddp, or load_in_4bit=false")
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
+    trackers = [t for t in r.report_to if t != "none"]
+    for tracker in trackers:
+        if importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is None:
+            raise RecipeError(f"report_to={tracker}, but {TRACKER_PACKAGES[tracker]} is not installed; "
+                              f"pip install {TRACKER_PACKAGES[tracker]} (or pip install -e .[{tracker}]), "
+                              "or drop it from report_to")
     _check_source("dataset", r.dataset)
     if r.eval_dataset:
         _check_source("eval_dataset", r.eval_dataset)

@@ -89,7 +89,31 @@ def main(argv=None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a bug or a machine fault: say where, then exit so the launcher stops the others
+        import traceback
+
+        rank = os.environ.get("RANK", "0")
+        traceback.print_exc()
+        print(f"error: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: teardown could block in a collective the other ranks never join
+    _close_process_group()
     return 0
+
+
+def _close_process_group():
+    """Join gloo/NCCL worker threads before the interpreter exits.
+
+    Left to interpreter teardown, a still-joinable C++ thread in the process group can abort the
+    process ("terminate called without an active exception") after the run has finished, which the
+    launcher reports as a failed run.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str])
         gradient_accumulation_plugin=GradientAccumulationPlugin(
             num_steps=plan.grad_accum, sync_with_dataloader=False, adjust_scheduler=False),
         step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
+        log_with=[t for t in r.report_to if t != "none"] or None,
+        project_dir=r.output_dir,
     )
     if accelerator.num_processes != plan.world_size:
         raise RuntimeError(f"Accelerate formed a group of {accelerator.num_processes} processes but the launcher "
@@ -157,7 +159,7 @@ def _param_groups(model, weight_decay: float):
             group = groups[1] if "norm" in name or name.endswith(".bias") else groups[0]
             group["params"].append(p)
             group["param_names"].append(name)
-    return groups
+    return [g for g in groups if g["params"]]  # LoRA trains no norms: DeepSpeed drops empty groups
 
 
 def build_scheduler(recipe, optimizer, total_steps: int):
@@ -182,8 +184,9 @@ def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                            weight_decay=r.weight_decay, **adam)
-        optimizer.add_param_group({"params": groups[1]["params"], "weight_decay": 0.0})
+                                            weight_decay=groups[0]["weight_decay"], **adam)
+        for group in groups[1:]:
+            optimizer.add_param_group({"params": group["params"], "weight_decay": group["weight_decay"]})
     else:
         optimizer = torch.optim.AdamW(groups, foreach=plan.device == "cuda", **adam)
     return optimizer, build_scheduler(r, optimizer, total_steps)

@@ -108,6 +108,8 @@ def test_outputs_written(reference):
     for record in reference.train_records:
         assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= record.keys()
         assert record["tokens_per_s"] > 0 and math.isfinite(record["grad_norm"])
+        assert len(record["peak_memory_gib"]) == 1 and all(g > 0 for g in record["peak_memory_gib"])
+        assert "mfu" not in record  # no GPU peak to divide by on CPU
     tokens = [r["tokens"] for r in reference.train_records]
     assert tokens == sorted(tokens) and tokens[0] > 0
     summary = json.loads((out / "summary.json").read_text())

@@ -1,0 +1,57 @@
+"""What a person watching a run sees: tracker files readable by TensorBoard's own reader, a loss plot
+with every point, a summary naming the right paths, quiet logs, and a failing rank that ends the
+whole launch promptly instead of leaving the others hanging in a collective."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from PIL import Image
+
+
+def test_tensorboard_plot_and_summary(launch):
+    run = launch(2, "strategy=zero3", "report_to=tensorboard")
+    out = run.output_dir
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    event_files = sorted((out / "finetune").rglob("events.out.tfevents.*"))
+    assert event_files, "TensorBoard wrote no event file"
+    scalars = {}
+    for f in event_files:
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    assert [s for s, _ in sorted(scalars["train/loss"])] == list(range(1, 13))
+    assert [s for s, _ in sorted(scalars["eval/loss"])] == [0, 6, 12]
+    logged = {r["step"]: r["loss"] for r in run.train_records}
+    for step, value in scalars["train/loss"]:
+        assert abs(value - logged[step]) < 1e-5 * abs(logged[step])
+    assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(scalars)
+
+    png = Image.open(out / "loss.png")
+    assert png.format == "PNG" and png.size[0] >= 600 and png.size[1] >= 400
+    assert json.loads(png.text["Description"]) == {"train_loss": 12, "eval_loss": 3, "last_step": 12}
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_model"] == str(out / "final") and (out / "final" / "config.json").is_file()
+    assert summary["loss_plot"] == str(out / "loss.png")
+    assert summary["metrics"] == str(out / "metrics.jsonl")
+    assert summary["checkpoints"].startswith(str(out / "checkpoints"))
+    assert len(summary["peak_memory_per_rank"]) == 2 and all(b > 0 for b in summary["peak_memory_per_rank"])
+    assert summary["final_eval_loss"] == run.eval_records[-1]["eval_loss"]
+    assert "run summary" in run.stderr and str(out / "final") in run.stderr and str(out / "loss.png") in run.stderr
+    # quiet by default: no INFO chatter from DeepSpeed or Accelerate, no tracebacks
+    noisy = [line for line in run.stderr.splitlines() if "[INFO]" in line or "Traceback" in line]
+    assert not noisy, noisy[:5]
+
+
+def test_failing_rank_ends_the_launch(launch):
+    t0 = time.monotonic()
+    run = launch(2, "strategy=zero3", check=False, extra_env={"FINETUNE_FAULT": "after_step:1:3:RAISE"}, timeout=300)
+    seconds = time.monotonic() - t0
+    assert run.returncode != 0
+    assert "error: rank 1 failed: RuntimeError: injected fault" in run.stderr
+    assert seconds < 150, f"the launch took {seconds:.0f}s to end after rank 1 failed"

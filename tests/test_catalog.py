@@ -1,0 +1,152 @@
+"""The shipped catalog: every recipe in recipes/ loads and validates offline through the loading
+finetune/run.py uses, dry-runs (in-process, so the whole catalog costs one torch import), and states
+in its header a launch command and the planner's current estimate; every launcher config in
+accelerate_configs/ is valid YAML that accelerate accepts, says in its first comment what it is for,
+and passes check_launcher with every recipe (the recipe decides the strategy)."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune import memory as M
+from finetune.plan import check_launcher, derive_grad_accum
+from finetune.recipe import RECIPES_DIR, Recipe, available_recipes, resolve
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
+RECIPES = available_recipes()
+PLANNED = re.compile(r"python -m finetune\.plan --recipe (\S+) --gpus (\d+) --gpu-mem (\S+?)\)")
+TOTAL = re.compile(r"= total ([0-9.]+) GiB")
+OFFLOADED = re.compile(r"offloaded to CPU ([0-9.]+) GiB")
+
+
+def docstring(name: str) -> str:
+    return ast.get_docstring(ast.parse((RECIPES_DIR / f"{name}.py").read_text())) or ""
+
+
+def test_catalog_is_there():
+    for name in ("llama7b_zero3", "llama7b_fsdp", "llama7b_zero2", "llama7b_zero3_offload", "llama7b_fsdp_offload",
+                 "llama8b_lora_fsdp", "llama70b_lora_zero3_offload", "mistral7b_zero3", "qwen7b_fsdp"):
+        assert name in RECIPES
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_loads_and_validates_offline(name):
+    recipe = resolve(name, [])  # what run.py's --recipe does: import, overrides, validate
+    assert isinstance(recipe, Recipe)
+    assert M.load_architecture(recipe.model).num_parameters() > 0  # its config is readable offline
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    """A plain `python finetune/run.py` of a user: no launcher variables, run from elsewhere."""
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("ACCELERATE_") or key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_dry_run_exits_0(name, clean_env, capsys):
+    """`python finetune/run.py --recipe NAME --dry-run`, in-process: GPU-only settings are reported on a
+    CPU machine, not refused."""
+    from finetune import run
+
+    assert run.main(["--recipe", name, "--dry-run"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    recipe = resolve(name, [])
+    assert recipe.strategy in out
+
+
+CATALOG = [n for n in RECIPES if PLANNED.search(docstring(n))]
+
+
+def test_catalog_recipes_state_their_estimate():
+    """Every non-tiny recipe says which GPUs it was sized for and the planner's estimate."""
+    big = [n for n in RECIPES if not n.startswith("tiny")]
+    assert big and set(big) <= set(CATALOG), set(big) - set(CATALOG)
+
+
+@pytest.mark.parametrize("name", CATALOG)
+def test_header_launch_command_and_estimate_are_current(name):
+    doc = docstring(name)
+    assert re.search(rf"(accelerate launch .*|python )finetune/run\.py --recipe {name}\b", doc), doc
+    assert "planner's estimate" in doc
+    assert re.search(r"Sized for \d+ x \d+ GB", doc), doc
+    planned_name, gpus, mem = PLANNED.search(doc).groups()
+    assert planned_name == name
+    recipe = resolve(name, [])
+    gpus = int(gpus)
+    derive_grad_accum(recipe, gpus)  # its global batch splits over those GPUs
+    e = M.recipe_estimate(recipe, gpus, M.load_architecture(recipe.model))
+    stated = float(TOTAL.search(doc).group(1))
+    assert stated == pytest.approx(e.total / M.GiB, abs=0.006), f"{name}: header says {stated}, planner {e.total / M.GiB:.2f}"
+    off = OFFLOADED.search(doc)
+    assert (float(off.group(1)) if off else 0.0) == pytest.approx((e.cpu + e.nvme) / M.GiB, abs=0.006)
+    assert e.fits(M.parse_size(mem)), f"{name} does not fit the {mem} GPUs its header names"
+    for word in ("accelerate_configs/",):
+        for path in re.findall(rf"{word}\S+\.yaml", doc):
+            assert (REPO / path).is_file(), path
+
+
+def test_lora_recipes_are_lora():
+    for name in ("llama8b_lora_fsdp", "llama70b_lora_zero3_offload"):
+        recipe = resolve(name, [])
+        if "lora" not in Recipe.__dataclass_fields__:
+            pytest.skip("this finetune.recipe has no LoRA fields yet")
+        assert recipe.lora and recipe.lora_r == 16
+        e = M.recipe_estimate(recipe, 8, M.load_architecture(recipe.model))
+        assert e.trained_parameters < e.num_parameters / 100
+
+
+# ---------------------------------------------------------------- launcher configs
+
+
+def test_there_are_launcher_configs_for_each_use():
+    names = {p.name for p in CONFIGS}
+    assert {"cpu_2proc.yaml", "multi_gpu_8.yaml", "multi_node_2x8.yaml", "ddp_8gpu.yaml", "fsdp_8gpu.yaml",
+            "deepspeed_8gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_launcher_config_parses_and_says_what_it_is_for(path):
+    text = path.read_text()
+    assert text.startswith("# ") and len(text.splitlines()[0]) > 10, "first line must be a comment saying its use"
+    cfg = yaml.safe_load(text)
+    for key in ("compute_environment", "distributed_type", "num_processes", "num_machines"):
+        assert key in cfg, key
+    assert isinstance(cfg["num_processes"], int) and cfg["num_processes"] >= 1
+    assert isinstance(cfg["num_machines"], int) and cfg["num_machines"] >= 1
+    assert cfg["num_processes"] % cfg["num_machines"] == 0
+    # the recipe decides the strategy: no launcher turns FSDP or DeepSpeed on
+    assert cfg["distributed_type"] in ("MULTI_GPU", "MULTI_CPU", "NO")
+    assert "fsdp_config" not in cfg and "deepspeed_config" not in cfg
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    assert ClusterConfig.from_yaml_file(str(path)).num_processes == cfg["num_processes"]
+
+
+def _launcher_env(path: Path) -> dict:
+    """The environment `accelerate launch --config_file PATH` gives each process (without starting any)."""
+    try:
+        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+        from accelerate.utils.launch import prepare_multi_gpu_env
+    except ImportError:
+        pytest.skip("this accelerate version moved its launch internals")
+    args = launch_command_parser().parse_args(["--config_file", str(path), "finetune/run.py"])
+    args, _, _ = _validate_launch_command(args)
+    return prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_launcher_config_agrees_with_every_recipe(path):
+    env = _launcher_env(path)
+    for name in RECIPES:
+        check_launcher(resolve(name, []), env)

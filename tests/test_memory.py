@@ -1,0 +1,491 @@
+"""The memory planner (finetune/memory.py, python -m finetune.plan): exact parameter counts, the ZeRO
+paper's model-state formulas (../shared/reference/figures.md), activations, offload, LoRA, the cheapest
+setup that fits, the command line, and held_bytes on live one-process models."""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from finetune import memory as M
+from finetune.recipe import Recipe, RecipeError, resolve
+
+REPO = Path(__file__).resolve().parents[1]
+GIB = 2**30
+
+
+def arch(model: str) -> M.Architecture:
+    return M.load_architecture(model)
+
+
+# ---------------------------------------------------------------- parameter counts
+
+
+@pytest.mark.parametrize("model,count", [
+    ("meta-llama/Llama-2-7b-hf", 6_738_415_616),
+    ("meta-llama/Llama-2-13b-hf", 13_015_864_320),
+    ("meta-llama/Llama-2-70b-hf", 68_976_648_192),
+    ("meta-llama/Meta-Llama-3-8B", 8_030_261_248),
+    ("meta-llama/Meta-Llama-3.1-8B-Instruct", 8_030_261_248),
+    ("meta-llama/Meta-Llama-3-70B", 70_553_706_496),
+    ("mistralai/Mistral-7B-v0.1", 7_241_732_096),
+    ("Qwen/Qwen2.5-7B", 7_615_616_512),
+    ("Qwen/Qwen2.5-14B", 14_770_033_664),
+])
+def test_parameter_count_of_known_models(model, count):
+    a = arch(model)
+    assert a.num_parameters() == count
+    assert "table" in a.source
+
+
+def test_table_lookup_ignores_case():
+    assert arch("META-LLAMA/llama-2-7b-HF").num_parameters() == 6_738_415_616
+
+
+def _numel_of_real_model(config) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())  # tied weights are one parameter
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied_biased", "qwen2", "mistral"])
+def test_count_matches_transformers(kind):
+    """The formula, against the numel of the real transformers model of small configs of each family."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=1000, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
+                  num_attention_heads=6, num_key_value_heads=2)
+    config = {
+        "llama": lambda: LlamaConfig(**common),
+        "llama_tied_biased": lambda: LlamaConfig(**common, tie_word_embeddings=True, attention_bias=True,
+                                                 mlp_bias=True),
+        "qwen2": lambda: Qwen2Config(**common),
+        "mistral": lambda: MistralConfig(**common),
+    }[kind]()
+    a = M.architecture_from_config(config.to_dict(), kind)
+    assert a.num_parameters() == _numel_of_real_model(config)
+
+
+def test_builtin_tiny_llama_counts_its_real_parameters():
+    from transformers import AutoConfig
+
+    from finetune.assets import tiny_model_dir
+
+    a = arch("builtin:tiny-llama")
+    assert a.num_parameters() == _numel_of_real_model(AutoConfig.from_pretrained(tiny_model_dir()))
+
+
+def test_local_directory_config(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008,
+           "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    a = arch(str(tmp_path))
+    assert a.num_parameters() == 6_738_415_616
+    assert str(tmp_path) in a.source
+
+
+def test_local_directory_without_config(tmp_path):
+    with pytest.raises(M.EstimateError, match="no config.json"):
+        arch(str(tmp_path))
+
+
+def test_unknown_hub_id_offline_says_what_and_how(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(M.EstimateError) as e:
+        arch("some-org/some-unknown-model")
+    msg = str(e.value)
+    assert "model=some-org/some-unknown-model" in msg and "config.json" in msg
+    assert "HF_HUB_OFFLINE=1" in msg and "local directory" in msg
+    assert isinstance(e.value, RecipeError)  # printed as one `error:` line by the command lines
+
+
+def test_mixture_of_experts_is_refused():
+    cfg = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+           "vocab_size": 32000, "num_attention_heads": 32, "num_local_experts": 8}
+    with pytest.raises(M.EstimateError, match="mixture of experts"):
+        M.architecture_from_config(cfg)
+
+
+# ---------------------------------------------------------------- model states: the ZeRO paper / figures.md
+
+
+def test_zero_paper_figure_1_example():
+    """ZeRO paper figure 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (K=12):
+    120 GB, 31.4 GB, 16.6 GB, 1.9 GB per GPU."""
+    psi, n = 7.5e9, 64
+    assert M.paper_model_states("ddp", "bf16", psi, n) / 1e9 == pytest.approx(120)
+    assert M.paper_model_states("zero1", "bf16", psi, n) / 1e9 == pytest.approx(31.4, abs=0.05)
+    assert M.paper_model_states("zero2", "bf16", psi, n) / 1e9 == pytest.approx(16.6, abs=0.05)
+    assert M.paper_model_states("zero3", "bf16", psi, n) / 1e9 == pytest.approx(1.9, abs=0.05)
+    assert M.paper_model_states("fsdp", "bf16", psi, n) == M.paper_model_states("zero3", "bf16", psi, n)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_figures_md_formulas(n):
+    p = 1000
+    assert M.paper_model_states("ddp", "bf16", p, n) == 16 * p
+    assert M.paper_model_states("zero1", "bf16", p, n) == pytest.approx(4 * p + 12 * p / n)
+    assert M.paper_model_states("zero2", "bf16", p, n) == pytest.approx(2 * p + 14 * p / n)
+    assert M.paper_model_states("zero3", "bf16", p, n) == pytest.approx(16 * p / n)
+    assert M.paper_model_states("zero1", "no", p, n) == pytest.approx(8 * p + 8 * p / n)
+    assert M.paper_model_states("zero2", "no", p, n) == pytest.approx(4 * p + 12 * p / n)
+    assert M.paper_model_states("zero3", "no", p, n) == pytest.approx(16 * p / n)
+
+
+LLAMA7B = M.KNOWN_ARCHITECTURES["meta-llama/Llama-2-7b-hf"]
+
+
+def est(setup, n=8, precision="bf16", **kw):
+    return M.estimate(LLAMA7B, setup, world_size=n, mixed_precision=precision, **kw)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("n", [1, 8, 64])
+def test_deepspeed_16bit_model_states_are_the_papers(strategy, n):
+    p = LLAMA7B.num_parameters()
+    e = est(M.Setup(strategy), n)
+    assert e.model_states == pytest.approx(M.paper_model_states(strategy, "bf16", p, n), abs=2)
+    split = {"zero1": (2 * p, 2 * p, 12 * p / n), "zero2": (2 * p, 2 * p / n, 12 * p / n),
+             "zero3": (2 * p / n, 2 * p / n, 12 * p / n)}[strategy]
+    assert (e.params, e.grads, e.optimizer) == pytest.approx(split, abs=1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "no"])
+@pytest.mark.parametrize("n", [1, 8])
+def test_ddp_and_fsdp_totals_are_the_papers(precision, n):
+    """ddp and fsdp hold fp32 weights and gradients (autocast / FSDP's mixed-precision policy):
+    4 + 4 + 8 bytes per parameter, the paper's total of 16."""
+    p = LLAMA7B.num_parameters()
+    ddp, fsdp = est(M.Setup("ddp"), n, precision), est(M.Setup("fsdp"), n, precision)
+    assert ddp.model_states == M.paper_model_states("ddp", precision, p, n)
+    assert fsdp.model_states == pytest.approx(M.paper_model_states("fsdp", precision, p, n), abs=2)
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (4 * p, 4 * p, 8 * p)
+    assert (fsdp.params, fsdp.grads, fsdp.optimizer) == pytest.approx((4 * p / n, 4 * p / n, 8 * p / n), abs=1)
+
+
+def test_ddp_sharded_optimizer_shards_only_adam_states():
+    p, n = LLAMA7B.num_parameters(), 8
+    e = est(M.Setup("ddp", ddp_shard_optimizer=True), n)
+    assert (e.params, e.grads, e.optimizer) == pytest.approx((4 * p, 4 * p, 8 * p / n), abs=1)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_deepspeed_fp32_keeps_a_separate_master_copy(strategy):
+    """Documented deviation from the paper's fp32 split: DeepSpeed clones an fp32 master partition
+    even when the weights are fp32, so the optimizer holds 12 bytes per parameter / N."""
+    p, n = LLAMA7B.num_parameters(), 8
+    e = est(M.Setup(strategy), n, "no")
+    assert e.optimizer == pytest.approx(12 * p / n, abs=1)
+    assert e.model_states == pytest.approx(M.paper_model_states(strategy, "no", p, n) + 4 * p / n, abs=2)
+
+
+# ---------------------------------------------------------------- offload
+
+
+def test_zero3_offload_both_leaves_no_model_states_on_the_gpu():
+    p, n = LLAMA7B.num_parameters(), 8
+    e = est(M.Setup("zero3", offload_optimizer="cpu", offload_params="cpu"), n)
+    assert e.model_states == 0
+    # bf16 partition + (bf16 gradient buffer + fp32 gradient for CPU Adam) + fp32 master, m, v
+    assert e.cpu == pytest.approx((2 + 2 + 4 + 12) * p / n, abs=2)
+    assert e.buffers > 0  # gathered layers still pass through the GPU
+
+
+def test_zero3_offload_optimizer_only_keeps_the_parameter_partition():
+    p, n = LLAMA7B.num_parameters(), 8
+    e = est(M.Setup("zero3", offload_optimizer="cpu"), n)
+    assert (e.params, e.grads, e.optimizer) == pytest.approx((2 * p / n, 0, 0), abs=1)
+
+
+def test_zero2_offload_optimizer():
+    p, n = LLAMA7B.num_parameters(), 8
+    e = est(M.Setup("zero2", offload_optimizer="cpu"), n)
+    assert (e.params, e.grads, e.optimizer) == pytest.approx((2 * p, 0, 0), abs=1)
+    assert e.cpu == pytest.approx((4 + 12) * p / n, abs=2)
+
+
+def test_nvme_offload_goes_to_nvme():
+    e = est(M.Setup("zero3", offload_optimizer="nvme", offload_params="nvme"))
+    assert e.nvme > e.cpu > 0 and e.model_states == 0
+
+
+def test_fsdp_cpu_offload_moves_params_grads_and_optimizer():
+    p, n = LLAMA7B.num_parameters(), 8
+    e = est(M.Setup("fsdp", offload_params="cpu"), n)
+    assert e.model_states == 0
+    assert e.cpu == pytest.approx(16 * p / n, abs=2)
+
+
+# ---------------------------------------------------------------- activations
+
+
+def test_activation_formula():
+    a = M.Architecture(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=100,
+                       num_attention_heads=4)
+    b, t, h, heads, layers, v = 2, 16, 64, 4, 4, 100
+    one_layer = 34 * b * t * h + 5 * b * heads * t * t
+    logits16 = b * t * v * (2 + 4 + 4)
+    assert M.activation_bytes(a, b, t, "bf16", False) == layers * one_layer + logits16
+    assert M.activation_bytes(a, b, t, "bf16", True) == layers * 2 * b * t * h + one_layer + logits16
+    logits32 = b * t * v * (4 + 4 + 4)
+    assert M.activation_bytes(a, b, t, "no", False) == 2 * layers * one_layer + logits32
+
+
+def test_checkpointing_saves_most_activations():
+    full = est(M.Setup("zero3"), micro_batch_size=4, seq_len=2048, activation_checkpointing=False)
+    ckpt = est(M.Setup("zero3"), micro_batch_size=4, seq_len=2048, activation_checkpointing=True)
+    assert ckpt.activations < full.activations / 10
+    assert full.model_states == ckpt.model_states  # activations are not sharded or offloaded
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def test_lora_adapter_count_llama3_8b_all_projections():
+    """r=16 on q/k/v/o/gate/up/down of Llama-3-8B: 41.9 M adapter parameters (peft's count)."""
+    assert M.lora_parameters(arch("meta-llama/Meta-Llama-3-8B"), 16) == 41_943_040
+
+
+def test_lora_adapter_count_attention_only():
+    a = LLAMA7B  # q and v: r * (4096 + 4096) each, 32 layers
+    assert M.lora_parameters(a, 8, ("q_proj", "v_proj")) == 32 * 2 * 8 * 8192
+
+
+def test_lora_unknown_target_is_an_error():
+    with pytest.raises(M.EstimateError, match="lora_target_modules: 'qkv'"):
+        M.lora_parameters(LLAMA7B, 8, ("qkv",))
+
+
+def test_lora_estimate_full_frozen_params_adapter_only_states():
+    p, n = LLAMA7B.num_parameters(), 8
+    adapters = M.lora_parameters(LLAMA7B, 16)
+    z3 = est(M.Setup("zero3"), n, lora_params=adapters)
+    assert z3.params == pytest.approx((2 * p + 2 * adapters) / n, abs=1)  # frozen base in bf16, sharded
+    assert z3.grads == pytest.approx(2 * adapters / n, abs=1)
+    assert z3.optimizer == pytest.approx(12 * adapters / n, abs=1)
+    assert z3.trained_parameters == adapters
+    fsdp = est(M.Setup("fsdp"), n, lora_params=adapters)
+    assert fsdp.params == pytest.approx(4 * (p + adapters) / n, abs=1)  # FSDP keeps fp32 shards
+
+
+def test_recipe_estimate_reads_lora_fields():
+    base = resolve("llama7b_zero3", [])
+    a = LLAMA7B
+    if "lora" not in Recipe.__dataclass_fields__:
+        pytest.skip("this finetune.recipe has no LoRA fields")
+    lora = replace(base, lora=True, lora_r=8, lora_target_modules=("q_proj", "v_proj"))
+    e = M.recipe_estimate(lora, 8, a)
+    assert e.trained_parameters == M.lora_parameters(a, 8, ("q_proj", "v_proj"))
+
+
+def test_qlora_base_is_4bit_and_ddp_only():
+    if "load_in_4bit" not in Recipe.__dataclass_fields__:
+        pytest.skip("this finetune.recipe has no QLoRA field")
+    recipe = resolve("llama8b_lora_fsdp", ["strategy=ddp", "load_in_4bit=true"])
+    a = arch(recipe.model)
+    rows = M.all_estimates(recipe, 1, a)
+    assert {e.setup.strategy for _, e in rows} == {"ddp"}
+    plain = M.recipe_estimate(replace(recipe, load_in_4bit=False), 1, a)
+    q = M.recipe_estimate(recipe, 1, a)
+    linear = a.num_hidden_layers * sum(i * o for i, o, _ in a.projections().values())
+    assert plain.params - q.params == pytest.approx(linear * (4 - 0.5625), abs=2)
+    assert (q.grads, q.optimizer) == (plain.grads, plain.optimizer)
+
+
+# ---------------------------------------------------------------- the cheapest setup that fits
+
+
+def _rows(recipe_name="llama7b_zero3", n=8, overrides=()):
+    recipe = resolve(recipe_name, list(overrides))
+    return recipe, M.all_estimates(recipe, n, arch(recipe.model))
+
+
+def test_cheapest_fit_prefers_less_communication():
+    recipe, rows = _rows()
+    big = M.cheapest_fit(rows, 1000 * GIB, prefer=recipe.strategy)
+    assert big.setup == M.Setup("ddp")
+    at80 = M.cheapest_fit(rows, M.parse_size("80GB"), prefer=recipe.strategy)
+    assert at80.setup == M.Setup("zero1")  # ddp (134 GiB) does not fit; zero1 (46 GiB) does
+
+
+def test_cheapest_fit_goes_to_offload_when_it_must():
+    recipe, rows = _rows(n=1)
+    pick = M.cheapest_fit(rows, M.parse_size("24GB"), prefer=recipe.strategy)
+    assert pick.setup.offload_params != "none" and pick.setup.strategy == "zero3"
+    assert M.cheapest_fit(rows, M.parse_size("4GB"), prefer=recipe.strategy) is None
+
+
+def test_cheapest_fit_respects_headroom():
+    recipe, rows = _rows()
+    zero1 = next(e for _, e in rows if e.setup == M.Setup("zero1"))
+    exactly = zero1.total
+    assert M.cheapest_fit(rows, exactly, headroom=0.0, prefer=recipe.strategy).setup == M.Setup("zero1")
+    assert M.cheapest_fit(rows, exactly, headroom=0.10, prefer=recipe.strategy).setup != M.Setup("zero1")
+
+
+def test_cheapest_fit_ties_go_to_the_recipes_framework():
+    """fsdp and zero3 cost the same: a DeepSpeed recipe stays on DeepSpeed, a PyTorch one on FSDP."""
+    budget = M.parse_size("24GB")
+    for strategy, expected in (("zero3", "zero3"), ("fsdp", "fsdp")):
+        recipe, rows = _rows(overrides=[f"strategy={strategy}", "micro_batch_size=1"])
+        pick = M.cheapest_fit(rows, budget, prefer=recipe.strategy)
+        assert pick.setup.strategy == expected, [(r, e.setup.label, e.total / GIB) for r, e in rows]
+
+
+@pytest.mark.parametrize("text,value", [("80GB", 80 * 10**9), ("40GiB", 40 * 2**30), ("24G", 24 * 2**30),
+                                        ("1.5TB", 1.5e12), ("512MiB", 512 * 2**20), ("80 gb", 80 * 10**9)])
+def test_parse_size(text, value):
+    assert M.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["80", "lots", "", "-5GB", "80XB", "0GB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(M.EstimateError, match="--gpu-mem"):
+        M.parse_size(text)
+
+
+# ---------------------------------------------------------------- reports
+
+
+def test_memory_report_for_a_dry_run():
+    text = M.memory_report(resolve("llama7b_zero3", []), 8, "llama7b_zero3")
+    assert "memory per GPU (planner estimate, zero3 on 8 process(es))" in text
+    assert "total 24.86 GiB" in text
+    assert "not checked:" in text and "config.json" in text and "--recipe llama7b_zero3 --gpus 8" in text
+
+
+def test_memory_report_never_raises_for_an_unknown_model(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    text = M.memory_report(resolve("llama7b_zero3", ["model=some-org/unknown"]), 8)
+    assert text.startswith("memory per GPU: not estimated: model=some-org/unknown")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _plan(*args, env_extra=None):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(HF_HUB_OFFLINE="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "finetune.plan", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_table():
+    proc = _plan("--recipe", "llama7b_zero3", "--gpus", "8", "--gpu-mem", "80GB")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "6,738,415,616 parameters" in out
+    header = next(line for line in out.splitlines() if line.startswith("per GPU"))
+    for col in ("params", "grads", "optimizer", "activations", "total", "fits"):
+        assert col in header
+    labels = [M.Setup(s).label for s in ("ddp", "zero1", "zero2", "zero3", "fsdp")]
+    for label in labels + ["zero3, optimizer->cpu, params->cpu", "fsdp, params->cpu", "ddp + sharded optimizer"]:
+        assert any(line[2:].startswith(label) for line in out.splitlines()), label
+    own = next(line for line in out.splitlines() if line.startswith("* zero3 "))
+    assert own.split()[-1] == "yes" and "24.86" in own
+    assert "cheapest that fits: zero1 (45.72 GiB per GPU); override with strategy=zero1" in out
+    assert "global batch 128 = micro 4 x accum 4 x 8 GPUs" in out
+    assert proc.stderr == ""
+
+
+def test_cli_overrides_and_nothing_fits():
+    proc = _plan("--recipe", "llama7b_zero3", "--gpus", "1", "--gpu-mem", "2GiB", "micro_batch_size=1",
+                 "global_batch_size=0")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing fits" in proc.stdout
+    assert "micro batch 1 x 2048" in proc.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["--recipe", "llama7b_zero3", "--gpus", "8", "--gpu-mem", "80"], "--gpu-mem 80: give a unit"),
+    (["--recipe", "llama7b_zero3", "--gpu-mem", "lots"], "--gpu-mem lots: not a size"),
+    (["--recipe", "llama7b_zero3", "--gpus", "0"], "--gpus 0: must be at least 1"),
+    (["--recipe", "llama7b_zero3", "--gpus", "three"], "--gpus: invalid int value"),
+    (["--recipe", "llama7b_zero3", "--gpus", "3"], "global_batch_size=128 is not a multiple"),
+    (["--recipe", "lama7b_zero3"], "unknown recipe 'lama7b_zero3' (did you mean llama7b_zero3?)"),
+    (["--recipe", "llama7b_zero3", "lrr=1"], "unknown recipe key 'lrr'"),
+    (["--recipe", "llama7b_zero3", "model=some-org/unknown"], "model=some-org/unknown: cannot read its config.json"),
+    (["--gpus", "2"], "required: --recipe"),
+    (["--recipe", "llama7b_zero3", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_cli_errors_are_one_line_and_exit_2(args, fragment):
+    proc = _plan(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert fragment in lines[0]
+    assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------- held_bytes on live models
+
+
+def _tiny_llama(tie=False):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    return LlamaForCausalLM(config), config
+
+
+def _step(model, optimizer):
+    import torch
+
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_held_bytes_plain_module_and_adamw(tie):
+    import torch
+
+    model, config = _tiny_llama(tie)
+    p = sum(t.numel() for t in model.parameters())
+    a = M.architecture_from_config(config.to_dict())
+    assert a.num_parameters() == p
+    optimizer = torch.optim.AdamW(model.parameters())
+    assert M.held_bytes(model, optimizer)["total"] == 4 * p  # before the first backward: weights only
+    _step(model, optimizer)
+    held = M.held_bytes(model, optimizer)
+    assert (held["params"], held["grads"], held["optimizer"]) == (4 * p, 4 * p, 8 * p)
+    assert held["device"] == "cpu" and held["cpu_total"] == 0
+    planned = M.estimate(a, M.Setup("ddp"), world_size=1, mixed_precision="no")
+    assert (planned.params, planned.grads, planned.optimizer) == (held["params"], held["grads"], held["optimizer"])
+
+
+def test_held_bytes_counts_shared_storage_once_and_meta_as_zero():
+    import torch
+
+    with torch.device("meta"):
+        meta = torch.nn.Linear(1000, 1000)
+    assert M.held_bytes(meta)["total"] == 0
+    lin = torch.nn.Linear(10, 10, bias=False)
+    twin = torch.nn.Linear(10, 10, bias=False)
+    twin.weight = lin.weight
+    both = torch.nn.Sequential(lin, twin)
+    assert M.held_bytes(both)["params"] == 10 * 10 * 4
+
+
+def test_held_bytes_unwraps_optimizer_wrappers():
+    """Accelerate's AcceleratedOptimizer (and DeepSpeedOptimizerWrapper) keep the real one in .optimizer."""
+    import torch
+
+    class Wrapper:  # the shape of accelerate.optimizer.AcceleratedOptimizer, without an Accelerator
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    model, _ = _tiny_llama()
+    p = sum(t.numel() for t in model.parameters())
+    optimizer = torch.optim.AdamW(model.parameters())
+    _step(model, optimizer)
+    assert M.held_bytes(model, Wrapper(Wrapper(optimizer)))["optimizer"] == 8 * p
