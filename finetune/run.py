@@ -77,7 +77,10 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        from finetune.memory import memory_report
+
         print(plan.describe())
+        print(memory_report(plan.recipe, plan.world_size, args.recipe))
         return 0
     if plan.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn it guessed

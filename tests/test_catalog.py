@@ -150,3 +150,12 @@ def test_launcher_config_agrees_with_every_recipe(path):
     env = _launcher_env(path)
     for name in RECIPES:
         check_launcher(resolve(name, []), env)
+
+
+def test_slurm_script_is_valid_bash_and_resumes():
+    import subprocess
+
+    script = REPO / "scripts" / "slurm_multinode.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    assert "--resume auto" in text and "--machine_rank" in text and "#SBATCH --requeue" in text

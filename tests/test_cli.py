@@ -100,6 +100,8 @@ def test_dry_run_prints_the_plan(runs):
     assert out.startswith(f"{tiny.strategy} on 1 ")
     assert f"global batch {micro * accum} = micro {micro} x accum {accum} x 1" in out
     assert "precision no" in out and "offload none" in out
+    assert f"memory per GPU (planner estimate, {tiny.strategy} on 1 process(es)): params " in out
+    assert "parameters; config from builtin:tiny-llama" in out
 
 
 def test_dry_run_with_overrides_and_local_dataset(runs):

@@ -106,3 +106,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "distributed" in str(item.fspath):
             item.add_marker(pytest.mark.distributed)
+
+
+@pytest.fixture(scope="session")
+def fast_overrides() -> list[str]:
+    """The overrides every launch here uses, for tests that build their own launcher command."""
+    return list(FAST)
+
+
+@pytest.fixture
+def free_port() -> str:
+    return str(_free_port())
