@@ -1,0 +1,344 @@
+"""docs/benchmarks.md: the measured tables of one run of bench/run.py, with the machine, the versions
+and the command. The GPU section (bench/run.py --gpu) is kept between CPU runs and replaced only by a
+GPU run, since the two run on different machines."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import checkpoints as C
+import memory as M
+import packing as P
+import throughput as T
+from common import fmt, mib, table
+
+GPU_BEGIN, GPU_END = "<!-- gpu-section:begin -->", "<!-- gpu-section:end -->"
+GPU_PLACEHOLDER = ("Not yet measured: no CUDA GPU has run `python bench/run.py --gpu` for this report. It trains a "
+                   "0.95B Llama-style model (hidden 2048, 16 layers, 32 heads, intermediate 5632, vocab 32000) in "
+                   "bf16 on one GPU through `python finetune/run.py` (strategy=ddp) and reports tokens/s, MFU "
+                   "(6 N + 12 L H Q T FLOPs per token over the GPU's dense bf16 peak) and peak memory.")
+
+
+def _gpu_block(doc: Path) -> str:
+    if doc.is_file():
+        m = re.search(re.escape(GPU_BEGIN) + r"\n(.*?)\n" + re.escape(GPU_END), doc.read_text(), re.S)
+        if m:
+            return m.group(1)
+    return GPU_PLACEHOLDER
+
+
+def write_gpu_section(doc: Path, section: str) -> None:
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.is_file() else _skeleton()
+    if GPU_BEGIN not in text:
+        text = text.rstrip() + "\n\n## 6. One GPU, 1B model, bf16\n\n" + GPU_BEGIN + "\n" + GPU_PLACEHOLDER + "\n" + GPU_END + "\n"
+    text = re.sub(re.escape(GPU_BEGIN) + r"\n.*?\n" + re.escape(GPU_END),
+                  lambda _: GPU_BEGIN + "\n" + section + "\n" + GPU_END, text, flags=re.S)
+    doc.write_text(text)
+
+
+def _skeleton() -> str:
+    return ("# Benchmarks\n\nThe CPU sections have not been generated yet: run `python bench/run.py --quick`.\n")
+
+
+def _verdict(met) -> str:
+    return {True: "met", False: "**missed**", None: "not measured",
+            "within noise": "**missed**, within the run's noise (per-step ratios straddle 1.0)"}[met]
+
+
+def _targets(results: dict) -> str:
+    rows = []
+    for part in ("memory", "throughput", "packing", "checkpoints"):
+        for t in (results.get(part) or {}).get("targets", []):
+            measured = t["measured"]
+            shown = "-" if measured is None else (f"{measured:.3f} x 16P/N" if part == "memory" else f"{measured:.2f}x")
+            rows.append([part, t["setup"], t["what"], shown, _verdict(t["met"])])
+    return table(["part", "setup", "target", "measured", "verdict"], rows)
+
+
+def recompute(results: dict) -> None:
+    """Derived figures and verdicts again from the raw per-run data (after a change to how they are
+    derived); measures nothing."""
+    if "memory" in results:
+        results["memory"]["targets"] = M.targets(results["memory"]["rows"])
+    if "throughput" in results:
+        r = results["throughput"]
+        for row in r["rows"]:
+            row["ours"].setdefault("warmup", r["warmup"])
+            row.update(T.compare(row["ours"], row["trainer"]))
+        r["targets"] = T.targets(r["rows"])
+
+
+def hung_runs(results: dict) -> list[str]:
+    out = []
+    for row in (results.get("memory") or {}).get("rows", []):
+        if row.get("hung_at_exit"):
+            out.append(f"memory probe {row['setup']}")
+    for row in (results.get("throughput") or {}).get("rows", []):
+        for side in ("ours", "trainer"):
+            if row[side].get("hung_at_exit"):
+                out.append(f"{'finetune' if side == 'ours' else 'Trainer'} {row['strategy']}")
+    p = results.get("packing") or {}
+    if (p.get("on") or {}).get("hung_at_exit"):
+        out.append("finetune packing=true")
+    for row in (results.get("checkpoints") or {}).get("rows", []):
+        for i, hung in enumerate(row.get("hung_at_exit") or []):
+            if hung:
+                out.append(f"finetune {row['strategy']} {'resume at' if i else 'to'} step {row['step']}")
+    return out
+
+
+def write_cpu_report(doc: Path, results: dict) -> str:
+    out = []
+    add = out.append
+    m, v = results["machine"], results["versions"]
+    add("# Benchmarks\n")
+    add(f"Measured by `{results['command']}` on {results['started']}, {results['wall_seconds']:.0f} s in all "
+        f"({results['mode']} mode). Every number below comes from that run; raw results were written to "
+        f"`{results['work']}/results.json`. Re-run it to refresh this file; `python bench/run.py` (no --quick) runs "
+        "the ~100M-parameter memory model, a larger training model, more steps and more strategies.\n")
+    add(f"- machine: {m['cpu']}, {m['cores']} cores, {m['memory']}, {m['os']}; no GPU. 2 processes "
+        "(`accelerate launch --multi_gpu --num_processes 2`, gloo), 1 thread each (OMP_NUM_THREADS=1), fp32.")
+    add(f"- versions: Python {m['python']}, " + ", ".join(f"{k} {x}" for k, x in v.items()) +
+        f"; finetune at git {results['git']}.")
+    add("- CPU timings on a small shared machine are noisy (another job may be running): read ratios between "
+        "runs made back to back, not absolute speeds.\n")
+    add("## Targets\n")
+    add(_targets(results) + "\n")
+
+    if "memory" in results:
+        r = results["memory"]
+        add("## 1. Model-state memory per rank\n")
+        add(f"Model: {r['model']} ({r['model_description']}, {r['parameters']:,} parameters = P), "
+            f"{r['world_size']} processes, fp32, micro batch 1 x {r['seq_len']} tokens, 2 accumulation steps. "
+            "`bench/memory_probe.py` builds each setup with finetune's own functions (make_plan, build_accelerator, "
+            "load_model, prepare, loss_sum, accelerator.accumulate/backward), trains one optimizer step so that "
+            "Adam's states exist, then reads `finetune.memory.held_bytes` (tensor storage of parameters, gradients "
+            "and optimizer states held by the rank) after the next step's first micro-step (DeepSpeed: Accelerate "
+            "steps and frees its gradients at the accumulation boundary) and after its last one (DDP, FSDP: the "
+            "reduced gradients), and keeps the larger. Per-rank figures are the larger of the two ranks. "
+            "\"Toolkit estimate\" is `finetune.memory.estimate` (the planner of `python -m finetune.plan`); "
+            "\"ZeRO formula\" is the paper's fp32 line of ../shared/reference/figures.md "
+            "(`finetune.memory.paper_model_states`): ddp 16P, zero1 8P + 8P/N, zero2 4P + 12P/N, zero3 and fsdp "
+            "16P/N; offload rows use their strategy's line. Peak RSS is the process's `ru_maxrss`.\n")
+        add(M.render(r) + "\n")
+        add(memory_notes(r))
+        add("Commands (one per setup): `" + "`, `".join(x["command"] for x in r["rows"][:1]) + "` and the same with "
+            + ", ".join(" ".join(x["overrides"]) for x in r["rows"][1:]) + ".\n")
+
+    if "throughput" in results:
+        r = results["throughput"]
+        add("## 2. Throughput against the Hugging Face Trainer\n")
+        add(f"Model: {r['model']} ({r['model_description']}, {r['parameters']:,} parameters). Data: "
+            "3,000 generated prompt/completion rows of widely varying length (bench/common.py varlen_dataset), "
+            f"max_seq_len {r['seq_len']}, loss on the completions only, padding to the longest row of each micro "
+            f"batch; micro batch {r['micro_batch_size']}, {r['grad_accum']} accumulation steps, 2 processes; "
+            f"AdamW lr 1e-3, cosine schedule with 2 warm-up steps, clipping at 1.0; {r['steps']} optimizer steps. "
+            "The Trainer (`bench/trainer_baseline.py`) gets the same recipe-derived settings, the same tokenized "
+            "rows in the same order on the same ranks, the same padding, and for ZeRO the very DeepSpeed config "
+            "finetune builds (`finetune.strategy.deepspeed_config`); for FSDP, FSDP2 wrapping the decoder layers, "
+            "reshard after forward, and the same CPU offload setting.\n")
+        add(f"tokens/s: target tokens (labels[:, 1:] != -100, all ranks) of steps {r['warmup'] + 1}..{r['steps']} "
+            "over their wall time, from the end of one optimizer step to the end of the next (finetune: each "
+            "metrics.jsonl record's tokens / tokens_per_s; Trainer: a TrainerCallback's clock at on_step_end and "
+            "its own num_items_in_batch). \"same rows\": both counted the same target tokens at every step. Loss "
+            "is the mean per target token of each step as each logs it.\n")
+        add(T.render(r) + "\n")
+        add(throughput_notes(r, results.get("loss_overhead")))
+        add(loss_overhead_text(results.get("loss_overhead")))
+        add("Commands: " + "; ".join(f"`{x['ours']['command']}` against `{x['trainer']['command']}`"
+                                     for x in r["rows"][:1]) +
+            "; the other rows change only strategy= / offload settings.\n")
+
+    if "packing" in results:
+        r = results["packing"]
+        add("## 3. Packing\n")
+        add(f"finetune/run.py, strategy={r['strategy']}, the data and settings of part 2, packing=false against "
+            "packing=true (rows filled to max_seq_len with whole examples, each with its own position ids, from "
+            "which the model builds a block-diagonal causal mask). Target tokens never include padding, so this "
+            "is real tokens/s.\n")
+        add(P.render(r) + "\n")
+        add(packing_notes(r))
+        add(f"Command: `{r['on']['command']}` (and the same with packing=false).\n")
+
+    if "checkpoints" in results:
+        r = results["checkpoints"]
+        add("## 4. Checkpoints\n")
+        add(f"The tiny recipe (builtin tiny Llama, 2 layers), 2 processes: train N steps (a checkpoint is written at "
+            f"the end), then `--resume auto max_steps=N+1` in the same output_dir, for N = {r['early']} and "
+            f"N = {r['late']}. \"save s\" is manifest.json's \"seconds\" (every rank's shards written and synced); "
+            "\"resume s\" is the resumed run's metrics.jsonl record resume_seconds (model, optimizer, scheduler, "
+            "RNG and loop state loaded); the whole-wall column is the resumed launch from process start to exit.\n")
+        add(C.render(r) + "\n")
+        add(checkpoint_notes(r))
+        add("Commands: " + "; ".join(f"`{x['command']}` then `{x.get('resume_command', '')}`" for x in r["rows"][:1])
+            + ".\n")
+
+    hung = hung_runs(results)
+    if hung:
+        add("## Runs that did not exit\n")
+        add(f"{len(hung)} launch(es) finished their work (summary written) but a process never exited: "
+            + ", ".join(hung) + ". The bench killed them 60 s after their result files appeared; their "
+            "measurements stand. This is a finetune bug (see the note below), not a bench artefact.\n")
+        add(HANG_NOTE)
+    add("## 5. What the loop logs\n")
+    add(loop_log_notes(results))
+
+    add("## 6. One GPU, 1B model, bf16\n")
+    add(GPU_BEGIN + "\n" + _gpu_block(doc) + "\n" + GPU_END + "\n")
+    text = "\n".join(out)
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------- notes that depend on what was measured
+
+
+def memory_notes(r: dict) -> str:
+    notes = []
+    rows = {x["setup"]: x for x in r["rows"] if x["ok"]}
+    per = r["parameters"] / r["world_size"]  # parameters in one rank's partition
+    z3 = rows.get("zero3")
+    if z3 and z3["vs_paper"] > 1 + M.TOLERANCE:
+        extra = z3["held"] - z3["paper"]
+        notes.append(
+            f"- **zero3 misses the 5% target ({z3['vs_paper']:.3f} x 16P/N) because of DeepSpeed, not finetune.** The "
+            f"excess, {mib(extra)} MiB per rank = {extra / per:.2f} bytes per parameter of the partition, is a second "
+            "fp32 copy of the parameter partition. In fp32 training ZeRO-3 means to use the partition itself as the "
+            "fp32 master (deepspeed/runtime/zero/stage3.py, `_create_fp32_partitions`: \"we don't need another copy "
+            "of the weights\"), but its test is `self.fp16_partitioned_groups_flat[i].device == self.device`, and "
+            "`self.device` is the string from `get_accelerator().current_device_name()` ('cpu', or 'cuda:0' on a GPU): "
+            "a torch.device never equals a str (`torch.device('cpu') == 'cpu'` is False), so it always clones, "
+            "20P/N instead of 16P/N. In bf16/fp16 training (every GPU recipe) the fp32 master is needed anyway and "
+            "the paper's 16P/N holds. finetune could drop the copy only by patching DeepSpeed; the toolkit's "
+            "estimate already counts it (held / estimate = "
+            f"{z3['vs_estimate']:.3f}).")
+    for name in ("zero1", "zero2"):
+        x = rows.get(name)
+        if x and x["vs_paper"] > 1 + M.TOLERANCE:
+            notes.append(f"- {name} holds {x['vs_paper']:.3f} x the paper's fp32 line for the same reason by design: "
+                         "ZeRO-1/2 always clone an fp32 master partition (deepspeed/runtime/zero/stage_1_and_2.py: "
+                         "\"cloned and detached from the origin params\"), 4 bytes per parameter / N more than fp32 "
+                         "Adam needs; the paper's line assumes 16-bit training.")
+    fs = rows.get("fsdp")
+    if fs:
+        notes.append(f"- fsdp holds {fs['vs_paper']:.3f} x 16P/N: the fp32 parameter, gradient and two Adam shards, "
+                     "nothing else (shards are padded to a multiple of the world size).")
+    off = [k for k in rows if "cpu" in k]
+    if off:
+        notes.append("- Offload rows: on a CPU-only machine \"offloaded\" states stay in the same memory, so the held "
+                     "bytes are what the rank holds wherever they live. DeepSpeed's CPU-Adam path keeps an fp32 "
+                     "master, an fp32 gradient partition for CPU Adam and (ZeRO-3) its gradient buffer, which is why "
+                     "the zero3 offload rows are above zero3 and the toolkit estimate counts them; FSDP with "
+                     "params->cpu holds exactly what fsdp holds.")
+    if rows:
+        worst = max(rows.values(), key=lambda x: abs(x["vs_estimate"] - 1))
+        notes.append(f"- The toolkit's planner (`python -m finetune.plan`) matched every measured row within "
+                     f"{abs(worst['vs_estimate'] - 1):.1%} (largest difference: {worst['setup']}).")
+        notes.append("- Peak RSS is far above the model states: every rank but FSDP's and ZeRO-3's loads the full "
+                     "fp32 model before wrapping it, DDP keeps gradient buckets, and the process itself (torch, "
+                     "DeepSpeed, transformers, gloo) takes several hundred MiB.")
+    return "\n".join(notes) + ("\n" if notes else "")
+
+
+def throughput_notes(r: dict, loss: dict | None) -> str:
+    notes = []
+    for x in r["rows"]:
+        t = x["trainer"]
+        if not t["ok"]:
+            notes.append(f"- {x['strategy']}: the Trainer did not run on this CPU machine: `{t.get('error')}` "
+                         f"(log: {t['output_dir']}.log).")
+        if not x["ours"]["ok"]:
+            notes.append(f"- {x['strategy']}: finetune failed: `{x['ours'].get('error')}`.")
+        if x.get("ratio") is not None and x["ratio"] < 1.0:
+            spread = x.get("step_ratio") or {}
+            why = [f"- {x['strategy']}: finetune at {x['ratio']:.2f}x the Trainer"]
+            if spread:
+                why.append(f"; step by step (the same rows) the Trainer/finetune time ratio has its middle half "
+                           f"between {spread['q1']:.2f} and {spread['q3']:.2f}")
+            if (x.get("noise") or 0) > T.NOISE_LIMIT:
+                why.append(f"; other processes used {x['noise']:.2f} cores on average during this pair, so the "
+                           "machine was shared")
+            if loss and loss.get("ratio"):
+                why.append(f". A cause that is finetune's own: `finetune.model.loss_sum` copies the logits (see "
+                           f"below; {loss['ratio']:.2f}x the forward+backward time of the Trainer's way on the same "
+                           "batch)")
+            notes.append("".join(why) + ".")
+        if x.get("same_tokens") is False:
+            notes.append(f"- {x['strategy']}: the two runs did not count the same target tokens per step.")
+        if x.get("losses_match") is False and x["ours"]["ok"] and t["ok"]:
+            notes.append(f"- {x['strategy']}: losses differ by up to {x['max_rel_loss_diff']:.1e} (relative), above "
+                         f"the {T.LOSS_TOLERANCE:.0e} allowed for reduction order.")
+    return "\n".join(notes) + ("\n" if notes else "")
+
+
+def loss_overhead_text(loss: dict | None) -> str:
+    if not loss:
+        return ""
+    if "ratio" not in loss:
+        return f"The loss-overhead probe failed: `{loss.get('error')}` (`{loss.get('command')}`).\n"
+    return (f"**A cost in finetune that the Trainer does not pay.** `finetune.model.loss_sum` computes "
+            "`cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:])`: slicing the logits and flattening the "
+            "slice copies the whole batch x length x vocab tensor, and its backward materialises a zero-filled "
+            "gradient of the full logits and copies into it. transformers' ForCausalLMLoss (what the Trainer runs) "
+            "shifts the labels instead (pad them with one -100, drop the first) and flattens the logits as they "
+            f"are. `{loss['command']}` times both on the quick training model (batch {loss['batch'][0]} x "
+            f"{loss['batch'][1]}, vocab {loss['vocab']}), one thread, alternately, median of {loss['repeats']}: "
+            f"loss_sum {loss['loss_sum_ms']:.0f} ms forward+backward against {loss['shifted_ms']:.0f} ms, "
+            f"{loss['ratio']:.2f}x, with identical losses ({loss['loss_sum']:.4f} and {loss['shifted']:.4f}). "
+            "The fix belongs in finetune/model.py: `target = F.pad(batch[\"labels\"], (0, 1), value=IGNORE)[:, 1:]` "
+            "and `F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, "
+            "reduction=\"sum\")`, the same sum; this benchmark does not edit finetune.\n")
+
+
+HANG_NOTE = (
+    "- Cause, read with py-spy from a hung rank: when `train()` returns, finetune/run.py "
+    "(in main()) drops the last reference to the DDP model; its `c10d::Reducer` destructor releases the gloo process group, "
+    "whose destructor joins its worker threads while holding the GIL, and a worker thread is at the same time "
+    "destroying a finished `AsyncAllgatherWork` whose tensor needs the GIL to be freed: a deadlock. The allgathers are "
+    "the loop's per-record `accelerator.gather(peak memory)` and the end-of-run `all_gather_object(peaks)` (new in "
+    "finetune/loop.py); `_close_process_group()` in run.py (barrier, destroy) would come after the model is freed, "
+    "too late. Possible fixes in finetune (not tried here): tear the process group down (barrier, then destroy) inside `train()` "
+    "while the model is still referenced, or end it with a collective that holds no Python tensors.\n")
+
+
+def packing_notes(r: dict) -> str:
+    ratio = r.get("ratio")
+    if ratio is None:
+        return ""
+    on, off = r["on"], r["off"]
+    return (f"- With packing each step carries {on['mean_tokens_per_step'] / off['mean_tokens_per_step']:.2f}x the "
+            f"target tokens in {on['mean_seconds_per_step'] / off['mean_seconds_per_step']:.2f}x the time: padded "
+            "micro-batches spend compute on padding up to their longest row, packed rows are full; the packed step "
+            "costs more per row (full-length rows, a block-diagonal attention mask).\n")
+
+
+def checkpoint_notes(r: dict) -> str:
+    notes = []
+    for t in r["targets"]:
+        if t["measured"] is not None:
+            notes.append(f"- {t['setup']}: resume at step {r['late']} took {t['measured']:.2f}x the time of the "
+                         f"resume at step {r['early']}: the data position is computed, not replayed "
+                         "(finetune.data.BatchSchedule), so nothing grows with the step count; checkpoint size "
+                         "is the same at both steps.")
+    return "\n".join(notes) + ("\n" if notes else "")
+
+
+def loop_log_notes(results: dict) -> str:
+    rows = []
+    for x in (results.get("throughput") or {}).get("rows", []):
+        o = x["ours"]
+        if o.get("ok"):
+            fields = o.get("loop_fields") or {}
+            rows.append([x["strategy"], fmt(o["summary"].get("tokens_per_s")),
+                         ", ".join(f"{k}={v}" for k, v in fields.items()) or "(none)",
+                         "yes" if any("mfu" in k for k in fields) else "no (no known peak FLOP/s for a CPU)"])
+    if not rows:
+        return "No finetune runs in this benchmark run.\n"
+    return ("Every finetune run writes metrics.jsonl (one record per step with step, loss, lr, grad_norm, tokens, "
+            "tokens_per_s, and whatever else the loop adds) and summary.json. From the throughput runs above "
+            "(summary tokens/s covers the whole loop, first steps, the final evaluation and checkpoint included):\n\n"
+            + table(["strategy", "summary.json tokens/s", "extra fields in the last metrics.jsonl record", "MFU logged"],
+                    rows) + "\n")

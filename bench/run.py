@@ -1,0 +1,153 @@
+"""The benchmark: `python bench/run.py [--quick] [--gpu]`.
+
+Without --gpu it runs on this machine's CPU with 2 processes (gloo) and measures
+  1. model-state memory per rank for every strategy and offload setting (bench/memory.py),
+  2. target tokens/s of finetune/run.py against the Hugging Face Trainer (bench/throughput.py),
+  3. packing on against off (bench/packing.py),
+  4. checkpoint save and resume cost at two step counts (bench/checkpoints.py),
+  5. what the loop itself logs (read from the runs of 2 and 3),
+prints the tables and writes docs/benchmarks.md. --quick uses smaller models and fewer steps and
+finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu.py)
+and rewrites only the GPU section of docs/benchmarks.md.
+
+Run outputs go to /tmp/bench-<time>/ (or --work); the models and data it builds are cached in
+bench/.cache/ (or $BENCH_CACHE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+from common import MODELS, build_model, save_json, varlen_dataset  # noqa: E402
+
+QUICK = {"memory_model": "llama-20m", "train_model": "llama-7m",
+         "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp"],
+         "steps": 7, "warmup": 2, "seq_len": 256, "micro": 4, "accum": 2,
+         "checkpoint_strategies": ["ddp"], "checkpoint_steps": (5, 300), "loss_repeats": 7}
+FULL = {"memory_model": "llama-100m", "train_model": "llama-20m",
+        "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3, optimizer+params->cpu", "fsdp, params->cpu"],
+        "steps": 20, "warmup": 5, "seq_len": 256, "micro": 4, "accum": 2,
+        "checkpoint_strategies": ["zero3", "fsdp", "ddp"], "checkpoint_steps": (5, 300), "loss_repeats": 15}
+PARTS = ("memory", "throughput", "packing", "checkpoints")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smaller models, fewer steps: under 10 minutes on 2 cores")
+    p.add_argument("--gpu", action="store_true", help="the 1B bf16 run on one CUDA GPU (part 6) only")
+    p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--work", help="where run outputs go (default /tmp/bench-<time>)")
+    p.add_argument("--doc", default=str(common.REPO / "docs" / "benchmarks.md"), help="the report to write")
+    p.add_argument("--render", metavar="RESULTS_JSON", help="rewrite the report from a run's results.json, measuring "
+                   "nothing (for changes to the report's wording)")
+    p.add_argument("--gpu-smoke", action="store_true", help=argparse.SUPPRESS)  # the --gpu pipeline on CPU, tiny
+    return p.parse_args(argv)
+
+
+def command_line(args) -> str:
+    return "python bench/run.py" + (" --quick" if args.quick else "") + (" --gpu" if args.gpu else "") + \
+        ("" if args.only == ",".join(PARTS) else f" --only {args.only}")
+
+
+def main(argv=None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    t0 = time.perf_counter()
+    started = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    work = Path(args.work or f"/tmp/bench-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    work.mkdir(parents=True, exist_ok=True)
+    import report
+
+    if args.render:
+        import json
+
+        results = json.loads(Path(args.render).read_text())
+        report.recompute(results)
+        report.write_cpu_report(Path(args.doc), results)
+        print(f"rewrote {args.doc} from {args.render}")
+        return 0
+    if args.gpu or args.gpu_smoke:
+        import gpu
+
+        print(f"GPU benchmark; outputs in {work}", flush=True)
+        res = gpu.measure(work, smoke=args.gpu_smoke)
+        res["wall_seconds"] = round(time.perf_counter() - t0, 1)
+        save_json(work / "gpu.json", res)
+        section = gpu.render(res, command_line(args), started, common.versions())
+        print(section)
+        if res.get("ok") and not args.gpu_smoke:
+            report.write_gpu_section(Path(args.doc), section)
+            print(f"wrote the GPU section of {args.doc}")
+        return 0 if res.get("ok") else 1
+
+    cfg = QUICK if args.quick else FULL
+    parts = [p for p in args.only.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        print(f"error: unknown part(s) {', '.join(sorted(unknown))}; choose from {', '.join(PARTS)}", file=sys.stderr)
+        return 2
+    print(f"{'quick' if args.quick else 'full'} CPU benchmark, 2 processes; outputs in {work}", flush=True)
+    results = {"mode": "quick" if args.quick else "full", "config": cfg, "command": command_line(args),
+               "started": started, "machine": common.machine(), "versions": common.versions(),
+               "git": common.git_state(), "work": str(work)}
+    # everything it builds, built once up front (cached across runs)
+    train_dir = build_model(MODELS[cfg["train_model"]])
+    dataset = varlen_dataset()
+
+    if "memory" in parts:
+        import memory
+
+        print("1. memory per rank", flush=True)
+        results["memory"] = memory.measure(cfg["memory_model"], work / "memory")
+    throughput_result = None
+    if "throughput" in parts:
+        import throughput
+
+        print("2. throughput against the Hugging Face Trainer", flush=True)
+        throughput_result = throughput.measure(cfg["strategies"], train_dir, dataset, cfg["steps"], cfg["seq_len"],
+                                               cfg["micro"], cfg["accum"], work / "throughput", cfg["warmup"])
+        throughput_result["model"] = cfg["train_model"]
+        throughput_result["model_description"] = MODELS[cfg["train_model"]].describe()
+        throughput_result["parameters"] = MODELS[cfg["train_model"]].num_parameters()
+        results["throughput"] = throughput_result
+        import loss_overhead
+
+        results["loss_overhead"] = loss_overhead.measure(work / "throughput", cfg["loss_repeats"])
+    if "packing" in parts:
+        import packing
+        import throughput
+
+        print("3. packing", flush=True)
+        base = throughput.common_overrides(train_dir, dataset, cfg["steps"], cfg["seq_len"], cfg["micro"],
+                                           cfg["accum"])
+        off = None
+        if throughput_result:  # the throughput part's ddp run had these very settings with packing off
+            ddp = next((r for r in throughput_result["rows"] if r["strategy"] == "ddp"), None)
+            if ddp and ddp["ours"].get("ok"):
+                off = dict(ddp["ours"], reused=True)
+        results["packing"] = packing.measure(base, work / "packing", cfg["warmup"], off=off, strategy="ddp")
+    if "checkpoints" in parts:
+        import checkpoints
+
+        print("4. checkpoints", flush=True)
+        early, late = cfg["checkpoint_steps"]
+        results["checkpoints"] = checkpoints.measure(cfg["checkpoint_strategies"], early, late, work / "checkpoints")
+
+    results["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    save_json(work / "results.json", results)
+    text = report.write_cpu_report(Path(args.doc), results)
+    print()
+    print(text)
+    print(f"\nwrote {args.doc} (raw results: {work / 'results.json'}); {results['wall_seconds']:.0f}s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

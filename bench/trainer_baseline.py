@@ -1,0 +1,190 @@
+"""The Hugging Face Trainer given what finetune/run.py is given: same model, data, sequence length,
+batch, AdamW hyper-parameters, LR schedule, clipping, and the same DeepSpeed config (built by
+finetune.strategy.deepspeed_config) or FSDP2 settings.
+
+Launched by bench/throughput.py exactly like finetune/run.py:
+    accelerate launch --multi_gpu --num_processes 2 bench/trainer_baseline.py OUT_DIR --recipe NAME key=value ...
+
+What is shared with the toolkit, and why it is fair:
+- the recipe (finetune.recipe.resolve) and plan (finetune.plan.make_plan): the same numbers;
+- the tokenized rows (finetune.data.build_datasets) and the padding (finetune.data.collate): the
+  same tensors reach the model;
+- the row order: a sampler that yields finetune.data.BatchSchedule's order, so that Accelerate's
+  batch sharding (batch k to rank k mod N) hands every rank the rows it gets in finetune at every
+  step: the two loss curves can be compared step by step;
+- the CPU process-group shim of finetune/strategy.py (see ../shared/reference/cpu-distributed.md).
+  finetune.strategy.ensure_process_env is imported; the PartialState lines are repeated in
+  `form_cpu_group` because finetune has them inside build_accelerator, not as a function.
+The Trainer's own code does everything else: model wrapping, loss (the model's ForCausalLMLoss with
+num_items_in_batch over all ranks: the same sum / global target tokens), accumulation, clipping,
+optimizer, scheduler, logging.
+
+Writes OUT_DIR/trainer_summary.json on rank 0: per-step wall-clock times (TrainerCallback.on_step_end),
+per-step target tokens (the Trainer's own num_items_in_batch: labels[..., 1:] != -100 over all
+ranks), per-step losses (the Trainer's logs), and train_runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def form_cpu_group(strategy: str) -> bool:
+    """finetune/strategy.py's CPU shim for DeepSpeed and FSDP; returns whether the Trainer must use the
+    configured state. DDP needs none: the Trainer's use_cpu=True + ddp_backend=gloo is the same."""
+    from accelerate import DistributedType, PartialState
+
+    if strategy == "ddp":
+        return False
+    if strategy.startswith("zero"):
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(backend="gloo")
+    elif strategy == "fsdp":
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+        state = PartialState(backend="gloo")
+        state.distributed_type = DistributedType.MULTI_GPU  # Accelerate turns FSDP on only for GPU-like types
+    return True
+
+
+class ScheduleSampler:
+    """finetune.data.BatchSchedule's row order as one flat sequence of micro-batches: for each step, for
+    each accumulation index a, for each rank r, the rows rank r runs at micro-step a. Accelerate gives
+    batch k to rank k mod world, which is exactly that split."""
+
+    def __init__(self, schedule, steps: int):
+        self.order = []
+        for step in range(steps):
+            per_rank = [schedule.rows(step, r) for r in range(schedule.world_size)]
+            for a in range(schedule.grad_accum):
+                for r in range(schedule.world_size):
+                    self.order.extend(per_rank[r][a])
+
+    def __iter__(self):
+        return iter(self.order)
+
+    def __len__(self):
+        return len(self.order)
+
+
+def main(argv: list[str]) -> int:
+    out = Path(argv[0])
+    args = argv[1:]
+    recipe_name = args[args.index("--recipe") + 1]
+    overrides = [a for i, a in enumerate(args) if a != "--recipe" and (i == 0 or args[i - 1] != "--recipe")]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    from finetune.recipe import resolve
+    from finetune.plan import make_plan
+    from finetune.strategy import ensure_process_env
+
+    recipe = resolve(recipe_name, overrides)
+    ensure_process_env()
+    plan = make_plan(recipe)
+    r = recipe
+    t_wall = time.perf_counter()
+
+    import torch
+    from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    from finetune import data as D
+    from finetune.model import load_config, load_tokenizer, no_split_modules
+    from finetune.strategy import deepspeed_config
+
+    hf_logging.set_verbosity_warning()
+    model_path, config = load_config(r)
+    configured = form_cpu_group(r.strategy)
+    kw = {}
+    if r.strategy.startswith("zero"):
+        kw["deepspeed"] = deepspeed_config(plan, config.hidden_size)
+    elif r.strategy == "fsdp":
+        kw["fsdp"] = True
+        kw["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": no_split_modules(config),
+                             "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
+                             "activation_checkpointing": False, "cpu_offload": r.offload_params == "cpu",
+                             "cpu_ram_efficient_loading": False}
+    else:
+        kw["use_cpu"] = True
+        kw["ddp_backend"] = "gloo"
+    if configured:
+        kw["accelerator_config"] = {"use_configured_state": True}
+    targs = TrainingArguments(
+        output_dir=str(out / "trainer"), per_device_train_batch_size=r.micro_batch_size,
+        gradient_accumulation_steps=plan.grad_accum, learning_rate=r.lr, adam_beta1=r.adam_beta1,
+        adam_beta2=r.adam_beta2, adam_epsilon=r.adam_eps, weight_decay=r.weight_decay,
+        max_grad_norm=r.max_grad_norm, lr_scheduler_type=r.lr_scheduler, warmup_steps=r.warmup_steps,
+        max_steps=r.max_steps, seed=r.seed, optim="adamw_torch", logging_steps=1, logging_first_step=True,
+        save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
+        dataloader_num_workers=0, dataloader_pin_memory=False, bf16=False, fp16=False,
+        **kw)
+
+    tokenizer = load_tokenizer(r, model_path)
+    with targs.main_process_first():
+        datasets = D.build_datasets(r, tokenizer)
+    world = targs.world_size
+    schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, world, r.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 attn_implementation=r.attn_implementation)
+    model.config.use_cache = False
+    pad_id = tokenizer.pad_token_id
+
+    def collator(rows):
+        rows = [{k: (list(v) if not isinstance(v, list) else v) for k, v in row.items()} for row in rows]
+        return D.collate(rows, pad_id, r.packing)
+
+    step_end: list[float] = []
+    losses: dict[int, float] = {}
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            step_end.append(time.perf_counter())  # step 0's "end": training starts here
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_end.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses[state.global_step] = float(logs["loss"])
+
+    items: list = []
+
+    class SameRowsTrainer(Trainer):
+        def _get_train_sampler(self, train_dataset=None):
+            return ScheduleSampler(schedule, r.max_steps)
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+            items.append(num_items)  # a tensor; read once training is over
+            return batch_samples, num_items
+
+    trainer = SameRowsTrainer(model=model, args=targs, train_dataset=datasets.train, data_collator=collator,
+                              callbacks=[Clock()])
+    result = trainer.train()
+    tokens = [int(t.item()) if torch.is_tensor(t) else int(t or 0) for t in items]
+    if trainer.is_world_process_zero():
+        summary = {
+            "strategy": r.strategy, "world_size": world, "grad_accum": plan.grad_accum,
+            "engine": type(trainer.model_wrapped).__name__, "optimizer": type(trainer.optimizer).__name__,
+            "steps": trainer.state.global_step, "train_runtime": result.metrics.get("train_runtime"),
+            "step_seconds": [b - a for a, b in zip(step_end, step_end[1:])], "tokens": tokens,
+            "losses": [losses.get(s) for s in range(1, trainer.state.global_step + 1)],
+            "wall_seconds": time.perf_counter() - t_wall,
+            "deepspeed_config": kw.get("deepspeed"), "fsdp_config": kw.get("fsdp_config"),
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    sys.exit(main(sys.argv[1:]))
