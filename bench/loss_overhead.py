@@ -1,12 +1,13 @@
-"""What finetune.model.loss_sum costs against the same loss computed the way transformers' ForCausalLMLoss
-does it (shift the labels, not the logits), in one process, forward + backward of a real batch.
+"""What the loss used to cost: finetune.model.loss_sum against the way it computed the same sum before
+(slicing the logits), in one process, forward + backward of a real batch.
 
     python bench/loss_overhead.py [REPEATS] [MODEL_DIR]
 
-loss_sum slices `logits[:, :-1]` and flattens it, which copies the whole (batch x length x vocab) logits
-tensor (and its gradient in backward); padding the labels by one IGNORE position and flattening the
-logits as they are gives the identical sum without the copy. The two are timed alternately (A B A B
-...) so that a busy machine slows both alike; prints the medians and checks the losses are equal.
+The old loss sliced `logits[:, :-1]` and flattened it, which copies the whole (batch x length x vocab)
+logits tensor (and its gradient in backward); loss_sum now pads the labels by one IGNORE position and
+flattens the logits as they are, as transformers' ForCausalLMLoss does: the identical sum without the
+copy. The two are timed alternately (A B A B ...) so that a busy machine slows both alike; prints the
+medians and checks the losses are equal.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def main(argv: list[str]) -> int:
     labels[:, :100] = IGNORE  # a prompt
     batch = {"input_ids": ids, "labels": labels, "attention_mask": torch.ones_like(ids)}
 
-    def shifted_labels(model, batch):
+    def sliced_logits(model, batch):  # finetune's loss_sum before the fix
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs).logits
-        target = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:]
-        return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, reduction="sum")
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                               ignore_index=IGNORE, reduction="sum")
 
     def timed(fn):
         model.zero_grad(set_to_none=True)
@@ -53,34 +54,22 @@ def main(argv: list[str]) -> int:
         loss.backward()
         return time.perf_counter() - t0, float(loss)
 
-    for fn in (loss_sum, shifted_labels):  # warm-up
+    for fn in (sliced_logits, loss_sum):  # warm-up
         timed(fn)
     a, b = [], []
     for _ in range(repeats):
-        ta, la = timed(loss_sum)
-        tb, lb = timed(shifted_labels)
+        ta, la = timed(sliced_logits)
+        tb, lb = timed(loss_sum)
         a.append(ta)
         b.append(tb)
     ma, mb = statistics.median(a), statistics.median(b)
-    print(f"loss_sum (slices logits):       {ma * 1000:8.1f} ms forward+backward (median of {repeats})")
-    print(f"shifted labels (no logits copy): {mb * 1000:8.1f} ms")
-    print(f"loss_sum takes {ma / mb:.3f}x; losses {la:.6f} vs {lb:.6f} (relative difference {abs(la - lb) / lb:.1e})")
-    print("RESULT " + json.dumps({"loss_sum_ms": ma * 1000, "shifted_ms": mb * 1000, "ratio": ma / mb,
-                                  "loss_sum": la, "shifted": lb, "repeats": repeats, "batch": list(ids.shape),
+    print(f"sliced logits (before):          {ma * 1000:8.1f} ms forward+backward (median of {repeats})")
+    print(f"finetune loss_sum (shifts labels): {mb * 1000:8.1f} ms")
+    print(f"the old way took {ma / mb:.3f}x; losses {la:.6f} vs {lb:.6f} (relative difference {abs(la - lb) / lb:.1e})")
+    print("RESULT " + json.dumps({"sliced_ms": ma * 1000, "loss_sum_ms": mb * 1000, "ratio": ma / mb,
+                                  "sliced": la, "loss_sum": lb, "repeats": repeats, "batch": list(ids.shape),
                                   "vocab": model.config.vocab_size, "model": model_dir}))
     return 0
-
-
-def measure(work: Path, repeats: int) -> dict:
-    """Run this file as its own process (one thread, like one rank) and read its result."""
-    from common import PY, run, shown
-
-    cmd = [PY, "bench/loss_overhead.py", str(repeats)]
-    launch = run(cmd, work / "loss_overhead.log", timeout=600)
-    lines = [ln for ln in launch.log.read_text().splitlines() if ln.startswith("RESULT ")]
-    res = json.loads(lines[-1][7:]) if launch.ok and lines else {"error": launch.error()}
-    res["command"] = shown(cmd)
-    return res
 
 
 if __name__ == "__main__":

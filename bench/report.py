@@ -146,7 +146,7 @@ def write_cpu_report(doc: Path, results: dict) -> str:
             "is the mean per target token of each step as each logs it.\n")
         add(T.render(r) + "\n")
         add(throughput_notes(r, results.get("loss_overhead")))
-        add(loss_overhead_text(results.get("loss_overhead")))
+        add(LOSS_FIX_NOTE)
         add("Commands: " + "; ".join(f"`{x['ours']['command']}` against `{x['trainer']['command']}`"
                                      for x in r["rows"][:1]) +
             "; the other rows change only strategy= / offload settings.\n")
@@ -180,7 +180,7 @@ def write_cpu_report(doc: Path, results: dict) -> str:
         add("## Runs that did not exit\n")
         add(f"{len(hung)} launch(es) finished their work (summary written) but a process never exited: "
             + ", ".join(hung) + ". The bench killed them 60 s after their result files appeared; their "
-            "measurements stand. This is a finetune bug (see the note below), not a bench artefact.\n")
+            "measurements stand. This is a finetune bug, not a bench artefact.\n")
         add(HANG_NOTE)
     add("## 5. What the loop logs\n")
     add(loop_log_notes(results))
@@ -261,10 +261,6 @@ def throughput_notes(r: dict, loss: dict | None) -> str:
             if (x.get("noise") or 0) > T.NOISE_LIMIT:
                 why.append(f"; other processes used {x['noise']:.2f} cores on average during this pair, so the "
                            "machine was shared")
-            if loss and loss.get("ratio"):
-                why.append(f". A cause that is finetune's own: `finetune.model.loss_sum` copies the logits (see "
-                           f"below; {loss['ratio']:.2f}x the forward+backward time of the Trainer's way on the same "
-                           "batch)")
             notes.append("".join(why) + ".")
         if x.get("same_tokens") is False:
             notes.append(f"- {x['strategy']}: the two runs did not count the same target tokens per step.")
@@ -274,34 +270,22 @@ def throughput_notes(r: dict, loss: dict | None) -> str:
     return "\n".join(notes) + ("\n" if notes else "")
 
 
-def loss_overhead_text(loss: dict | None) -> str:
-    if not loss:
-        return ""
-    if "ratio" not in loss:
-        return f"The loss-overhead probe failed: `{loss.get('error')}` (`{loss.get('command')}`).\n"
-    return (f"**A cost in finetune that the Trainer does not pay.** `finetune.model.loss_sum` computes "
-            "`cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:])`: slicing the logits and flattening the "
-            "slice copies the whole batch x length x vocab tensor, and its backward materialises a zero-filled "
-            "gradient of the full logits and copies into it. transformers' ForCausalLMLoss (what the Trainer runs) "
-            "shifts the labels instead (pad them with one -100, drop the first) and flattens the logits as they "
-            f"are. `{loss['command']}` times both on the quick training model (batch {loss['batch'][0]} x "
-            f"{loss['batch'][1]}, vocab {loss['vocab']}), one thread, alternately, median of {loss['repeats']}: "
-            f"loss_sum {loss['loss_sum_ms']:.0f} ms forward+backward against {loss['shifted_ms']:.0f} ms, "
-            f"{loss['ratio']:.2f}x, with identical losses ({loss['loss_sum']:.4f} and {loss['shifted']:.4f}). "
-            "The fix belongs in finetune/model.py: `target = F.pad(batch[\"labels\"], (0, 1), value=IGNORE)[:, 1:]` "
-            "and `F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE, "
-            "reduction=\"sum\")`, the same sum; this benchmark does not edit finetune.\n")
+LOSS_FIX_NOTE = (
+    "An earlier run of this benchmark found a cost in finetune that the Trainer does not pay: `loss_sum` sliced "
+    "`logits[:, :-1]` before the cross-entropy, which copies the batch x length x vocab logits (and fills a second "
+    "full-size gradient in backward). It now shifts the labels instead, as transformers' ForCausalLMLoss does, the "
+    "same sum. `python bench/loss_overhead.py 15` times the old way against finetune's loss_sum on the quick "
+    "training model (batch 4 x 256, vocab 8192, one thread, alternately, median of 15; the last run: 794 ms against 719 ms, 1.10x, identical losses).\n")
 
 
 HANG_NOTE = (
-    "- Cause, read with py-spy from a hung rank: when `train()` returns, finetune/run.py "
-    "(in main()) drops the last reference to the DDP model; its `c10d::Reducer` destructor releases the gloo process group, "
-    "whose destructor joins its worker threads while holding the GIL, and a worker thread is at the same time "
-    "destroying a finished `AsyncAllgatherWork` whose tensor needs the GIL to be freed: a deadlock. The allgathers are "
-    "the loop's per-record `accelerator.gather(peak memory)` and the end-of-run `all_gather_object(peaks)` (new in "
-    "finetune/loop.py); `_close_process_group()` in run.py (barrier, destroy) would come after the model is freed, "
-    "too late. Possible fixes in finetune (not tried here): tear the process group down (barrier, then destroy) inside `train()` "
-    "while the model is still referenced, or end it with a collective that holds no Python tensors.\n")
+    "- An earlier run of this benchmark caught one such launch and read the cause with py-spy: a gloo worker "
+    "thread held the last reference to a finished all-gather whose tensors were made in Python (freeing them needs "
+    "the GIL) while the main thread, freeing the DDP model as train() returned, destroyed the process group with "
+    "the GIL held and waited for that worker (pytorch/pytorch#190489). finetune now ends the process group inside "
+    "train(), while the model is still referenced: a barrier, a pause that releases the GIL, then "
+    "destroy_process_group (finetune.loop.release_process_group). A launch listed here means that did not "
+    "suffice.\n")
 
 
 def packing_notes(r: dict) -> str:
@@ -311,8 +295,9 @@ def packing_notes(r: dict) -> str:
     on, off = r["on"], r["off"]
     return (f"- With packing each step carries {on['mean_tokens_per_step'] / off['mean_tokens_per_step']:.2f}x the "
             f"target tokens in {on['mean_seconds_per_step'] / off['mean_seconds_per_step']:.2f}x the time: padded "
-            "micro-batches spend compute on padding up to their longest row, packed rows are full; the packed step "
-            "costs more per row (full-length rows, a block-diagonal attention mask).\n")
+            "micro-batches spend compute on padding up to their longest row; packed rows are nearly full "
+            "(finetune.data.plan_packing: best-fit decreasing, longest examples first, each into the fullest row it "
+            "fits) but every row is max_seq_len long, so a packed step costs more per row.\n")
 
 
 def checkpoint_notes(r: dict) -> str:
@@ -339,6 +324,7 @@ def loop_log_notes(results: dict) -> str:
         return "No finetune runs in this benchmark run.\n"
     return ("Every finetune run writes metrics.jsonl (one record per step with step, loss, lr, grad_norm, tokens, "
             "tokens_per_s, and whatever else the loop adds) and summary.json. From the throughput runs above "
-            "(summary tokens/s covers the whole loop, first steps, the final evaluation and checkpoint included):\n\n"
+            "(summary tokens/s covers every step including the first, slower ones; evaluation and checkpoint time "
+            "are left out of it and reported on their own as eval_seconds and checkpoint_seconds):\n\n"
             + table(["strategy", "summary.json tokens/s", "extra fields in the last metrics.jsonl record", "MFU logged"],
                     rows) + "\n")

@@ -30,11 +30,11 @@ from common import MODELS, build_model, save_json, varlen_dataset  # noqa: E402
 QUICK = {"memory_model": "llama-20m", "train_model": "llama-7m",
          "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp"],
          "steps": 7, "warmup": 2, "seq_len": 256, "micro": 4, "accum": 2,
-         "checkpoint_strategies": ["ddp"], "checkpoint_steps": (5, 300), "loss_repeats": 7}
+         "checkpoint_strategies": ["ddp"], "checkpoint_steps": (5, 300)}
 FULL = {"memory_model": "llama-100m", "train_model": "llama-20m",
         "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3, optimizer+params->cpu", "fsdp, params->cpu"],
         "steps": 20, "warmup": 5, "seq_len": 256, "micro": 4, "accum": 2,
-        "checkpoint_strategies": ["zero3", "fsdp", "ddp"], "checkpoint_steps": (5, 300), "loss_repeats": 15}
+        "checkpoint_strategies": ["zero3", "fsdp", "ddp"], "checkpoint_steps": (5, 300)}
 PARTS = ("memory", "throughput", "packing", "checkpoints")
 
 
@@ -117,9 +117,6 @@ def main(argv=None) -> int:
         throughput_result["model_description"] = MODELS[cfg["train_model"]].describe()
         throughput_result["parameters"] = MODELS[cfg["train_model"]].num_parameters()
         results["throughput"] = throughput_result
-        import loss_overhead
-
-        results["loss_overhead"] = loss_overhead.measure(work / "throughput", cfg["loss_repeats"])
     if "packing" in parts:
         import packing
         import throughput

@@ -8,6 +8,7 @@ processes and accumulation steps, so runs on different world sizes see identical
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 from dataclasses import dataclass
@@ -221,31 +222,45 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
     return encode_prompt_completion(tokenizer, row["prompt"], row["completion"], train_on_prompt, max_len)
 
 
+def plan_packing(lengths: list[int], max_len: int) -> list[list[int]]:
+    """Which examples share a row: best-fit decreasing, rows in the order they were opened.
+
+    Longest examples first, each into the fullest row it still fits in, else a new row. Rows end
+    up nearly full (packing in arrival order leaves about half an average example of padding per
+    row), so a step carries more real tokens for the same compute. Deterministic: ties keep the
+    examples' original order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (space left, row index), sorted: the best fit is a bisect
+    for i in order:
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            rows.append([i])
+            bisect.insort(free, (max_len - lengths[i], len(rows) - 1))
+        else:
+            space, row = free.pop(at)
+            rows[row].append(i)
+            bisect.insort(free, (space - lengths[i], row))
+    return rows
+
+
 def pack_rows(input_ids: list[list[int]], labels: list[list[int]], max_len: int, pad_id: int) -> dict:
-    """Greedy packing into rows of exactly max_len.
+    """Whole examples packed into rows of exactly max_len (plan_packing decides which share a row).
 
     Each example keeps its own position ids (restarting at 0), which is how the model's attention
     masks keep examples from attending to one another; the first token of each example is never a
     target of the previous example's last token.
     """
     out = {"input_ids": [], "labels": [], "position_ids": []}
-    cur_ids, cur_labels, cur_pos = [], [], []
-
-    def flush():
-        pad = max_len - len(cur_ids)
-        out["input_ids"].append(cur_ids + [pad_id] * pad)
-        out["labels"].append(cur_labels + [IGNORE] * pad)
-        out["position_ids"].append(cur_pos + list(range(pad)))
-
-    for ids, labs in zip(input_ids, labels):
-        if cur_ids and len(cur_ids) + len(ids) > max_len:
-            flush()
-            cur_ids, cur_labels, cur_pos = [], [], []
-        cur_ids = cur_ids + ids
-        cur_labels = cur_labels + [IGNORE] + labs[1:]
-        cur_pos = cur_pos + list(range(len(ids)))
-    if cur_ids:
-        flush()
+    for row in plan_packing([len(ids) for ids in input_ids], max_len):
+        ids = [t for i in row for t in input_ids[i]]
+        labs = [t for i in row for t in [IGNORE] + labels[i][1:]]
+        pos = [p for i in row for p in range(len(input_ids[i]))]
+        pad = max_len - len(ids)
+        out["input_ids"].append(ids + [pad_id] * pad)
+        out["labels"].append(labs + [IGNORE] * pad)
+        out["position_ids"].append(pos + list(range(pad)))
     return out
 
 

@@ -132,6 +132,7 @@ def train(plan: Plan) -> dict:
     window_tokens, window_inputs, window_t0 = 0, 0, time.perf_counter()
     peak = peak_flops(device, r.mixed_precision)  # MFU where the GPU's peak is known
     flops = flops_per_token(config, r.max_seq_len) if peak else 0.0
+    eval_seconds = checkpoint_seconds = 0.0  # inside the loop but not training: left out of tokens/s
     train_t0 = time.perf_counter()
     if eval_rows is not None and r.eval_at_start and state.step == 0:
         last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
@@ -181,7 +182,11 @@ def train(plan: Plan) -> dict:
 
         end = state.step == total_steps
         if eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
+            t0 = time.perf_counter()
             last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
+            seconds = time.perf_counter() - t0
+            eval_seconds += seconds
+            window_t0 += seconds  # the next record's tokens/s is training speed, as the summary's is
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
@@ -190,14 +195,19 @@ def train(plan: Plan) -> dict:
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             t0 = time.perf_counter()
             path = checkpoints.save(state, optimizer)
-            progress.note(f"step {state.step}: checkpoint {path} ({time.perf_counter() - t0:.2f}s)")
+            seconds = time.perf_counter() - t0
+            checkpoint_seconds += seconds
+            window_t0 += seconds
+            progress.note(f"step {state.step}: checkpoint {path} ({seconds:.2f}s)")
         if stopping:
             progress.close()
             log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
             accelerator.end_training()
+            release_process_group()
             return {"steps": state.step, "stopped": True}
     progress.close()
     train_seconds = time.perf_counter() - train_t0
+    step_seconds = train_seconds - eval_seconds - checkpoint_seconds
 
     final = save_final_model(accelerator, model, tokenizer, out / "final")
     if r.merge_lora:
@@ -209,9 +219,10 @@ def train(plan: Plan) -> dict:
     torch.distributed.all_gather_object(peaks, peak_memory_bytes(device))
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     summary = {"steps": state.step, "resumed_at": plan.resume.step if plan.resume else None,
-               "train_seconds": round(train_seconds, 2), "wall_seconds": round(time.perf_counter() - wall_t0, 2),
-               "tokens": state.tokens,
-               "tokens_per_s": (state.tokens - tokens_at_start) / train_seconds if train_seconds else 0.0,
+               "train_seconds": round(train_seconds, 2), "eval_seconds": round(eval_seconds, 2),
+               "checkpoint_seconds": round(checkpoint_seconds, 2),
+               "wall_seconds": round(time.perf_counter() - wall_t0, 2), "tokens": state.tokens,
+               "tokens_per_s": (state.tokens - tokens_at_start) / step_seconds if step_seconds > 0 else 0.0,
                "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
@@ -222,4 +233,21 @@ def train(plan: Plan) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary))
     accelerator.end_training()
+    release_process_group()
     return summary
+
+
+def release_process_group() -> None:
+    """End the process group here, while the model (and DDP's reducer) is still referenced.
+
+    A gloo worker thread can hold the last reference to a finished collective whose tensors were
+    made in Python (the loop's gathers); dropping it needs the GIL. If the main thread meanwhile
+    destroys the process group with the GIL held, as freeing the DDP model on return from train()
+    can, each waits for the other and a finished run never exits (pytorch/pytorch#190489; seen
+    once in the benchmark). So: a barrier, a pause that releases the GIL for those workers, then
+    destroy_process_group while nothing is in flight.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        time.sleep(0.2)
+        torch.distributed.destroy_process_group()

@@ -242,8 +242,9 @@ def format_summary(summary: dict) -> str:
     kind = summary.get("peak_memory_kind", "")
     rows = [
         ("steps", f"{summary['steps']}" + (f" (resumed at {summary['resumed_at']})" if summary.get("resumed_at") else "")),
-        ("time", f"{summary['train_seconds']:.1f} s training, {summary['wall_seconds']:.1f} s in all"),
-        ("tokens", f"{summary['tokens']:,} target tokens, {summary['tokens_per_s']:,.0f} tokens/s"),
+        ("time", f"{summary['train_seconds']:.1f} s training (of which eval {summary.get('eval_seconds', 0):.1f} s, "
+                 f"checkpoints {summary.get('checkpoint_seconds', 0):.1f} s), {summary['wall_seconds']:.1f} s in all"),
+        ("tokens", f"{summary['tokens']:,} target tokens, {summary['tokens_per_s']:,.0f} tokens/s while training"),
         ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
          f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),

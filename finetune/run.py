@@ -104,7 +104,8 @@ def main(argv=None) -> int:
 
 
 def _close_process_group():
-    """Join gloo/NCCL worker threads before the interpreter exits.
+    """Join gloo/NCCL worker threads before the interpreter exits (train() normally has already;
+    this covers the paths that return before it).
 
     Left to interpreter teardown, a still-joinable C++ thread in the process group can abort the
     process ("terminate called without an active exception") after the run has finished, which the

@@ -359,46 +359,59 @@ PAD = 0
 @pytest.mark.parametrize("max_len,seed", [(20, 0), (32, 1), (64, 2)])
 def test_pack_rows_layout(max_len, seed):
     examples = random_examples(40, seed=seed, high=max_len)
+    plan = D.plan_packing([len(e[0]) for e in examples], max_len)
+    assert sorted(i for row in plan for i in row) == list(range(len(examples)))  # each example exactly once
     packed = D.pack_rows([e[0] for e in examples], [e[1] for e in examples], max_len, PAD)
-    rows = list(zip(packed["input_ids"], packed["labels"], packed["position_ids"]))
-    assert len(rows) >= 2
-    it = iter(range(len(examples)))
-    k = next(it, None)
-    for row_ids, row_labels, row_pos in rows:
+    assert len(packed["input_ids"]) == len(plan) >= 2
+    for row, row_ids, row_labels, row_pos in zip(plan, packed["input_ids"], packed["labels"], packed["position_ids"]):
         assert len(row_ids) == len(row_labels) == len(row_pos) == max_len
         at = 0
-        placed = 0
-        while k is not None and at + len(examples[k][0]) <= max_len:
+        for k in row:
             ids, labels = examples[k]
             end = at + len(ids)
-            assert row_ids[at:end] == ids
+            assert row_ids[at:end] == ids  # whole, never split
             assert row_pos[at:end] == list(range(len(ids)))  # positions restart at each example
             assert row_labels[at] == IGNORE  # never a target of the previous example's last token
             assert row_labels[at + 1:end] == labels[1:]
-            at, placed, k = end, placed + 1, next(it, None)
-        assert placed >= 1  # greedy: a row is flushed only when the next example does not fit
+            at = end
         pad = max_len - at
         assert row_ids[at:] == [PAD] * pad
         assert row_labels[at:] == [IGNORE] * pad
         assert row_pos[at:] == list(range(pad))
-    assert k is None  # every example placed, in order
-    assert sum(1 for row in packed["input_ids"] for t in row if t != PAD) == sum(len(e[0]) for e in examples)
+
+
+@pytest.mark.parametrize("max_len,seed", [(20, 0), (64, 2), (256, 5)])
+def test_plan_packing_fills_rows(max_len, seed):
+    """Best-fit decreasing: a row is opened only when its first example fits in no earlier row,
+    and it never uses more rows than packing in arrival order."""
+    lengths = [len(e[0]) for e in random_examples(300, seed=seed, high=max_len)]
+    plan = D.plan_packing(lengths, max_len)
+    used = [sum(lengths[i] for i in row) for row in plan]
+    assert all(u <= max_len for u in used)
+    for j, row in enumerate(plan):
+        assert all(max_len - used[i] < lengths[row[0]] for i in range(j))
+    arrival_rows, fill = 0, max_len
+    for n in lengths:
+        if fill + n > max_len:
+            arrival_rows, fill = arrival_rows + 1, 0
+        fill += n
+    assert -(-sum(lengths) // max_len) <= len(plan) <= arrival_rows
 
 
 def test_pack_rows_preserves_tokens_and_targets():
     examples = random_examples(50, seed=3, high=30)
     packed = D.pack_rows([e[0] for e in examples], [e[1] for e in examples], 64, PAD)
-    non_pad = [t for row in packed["input_ids"] for t in row if t != PAD]
-    assert non_pad == list(chain.from_iterable(e[0] for e in examples))  # ids never include PAD here
+    non_pad = sorted(t for row in packed["input_ids"] for t in row if t != PAD)
+    assert non_pad == sorted(chain.from_iterable(e[0] for e in examples))  # ids never include PAD here
     targets = sum(1 for row in packed["labels"] for lab in row if lab != IGNORE)
     assert targets == sum(sum(1 for lab in e[1][1:] if lab != IGNORE) for e in examples)
 
 
 def test_pack_rows_exact_fit_has_no_pad():
     packed = D.pack_rows([[5] * 4, [6] * 4, [7] * 8], [[5] * 4, [6] * 4, [7] * 8], 8, PAD)
-    assert packed["input_ids"] == [[5] * 4 + [6] * 4, [7] * 8]
-    assert packed["position_ids"] == [[0, 1, 2, 3, 0, 1, 2, 3], list(range(8))]
-    assert packed["labels"] == [[IGNORE, 5, 5, 5, IGNORE, 6, 6, 6], [IGNORE] + [7] * 7]
+    assert packed["input_ids"] == [[7] * 8, [5] * 4 + [6] * 4]
+    assert packed["position_ids"] == [list(range(8)), [0, 1, 2, 3, 0, 1, 2, 3]]
+    assert packed["labels"] == [[IGNORE] + [7] * 7, [IGNORE, 5, 5, 5, IGNORE, 6, 6, 6]]
 
 
 # ---------------------------------------------------------------- packing isolation, real model
@@ -452,15 +465,15 @@ def test_packing_isolation_in_a_batch_of_packed_rows(tiny_model, tiny_tokenizer)
     batch = D.collate(rows, tok.pad_token_id, packed=True)
     with torch.no_grad():
         logits = tiny_model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    k = 0
-    for r, row in enumerate(rows):
+    plan = D.plan_packing([len(e[0]) for e in enc], 32)
+    for r, row in enumerate(plan):
         at = 0
-        while k < len(enc) and at + len(enc[k][0]) <= 32:
+        for k in row:
             n = len(enc[k][0])
             alone = _logits(tiny_model, D.collate([{"input_ids": enc[k][0], "labels": enc[k][1]}], 0, False))
             torch.testing.assert_close(logits[r, at:at + n], alone, atol=1e-5, rtol=0)
-            at, k = at + n, k + 1
-    assert k == len(enc)
+            at += n
+    assert sorted(k for row in plan for k in row) == list(range(len(enc)))
 
 
 # ---------------------------------------------------------------- BatchSchedule
