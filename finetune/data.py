@@ -326,7 +326,7 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str):
     if recipe.packing:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         ds = ds.map(lambda b: pack_rows(b["input_ids"], b["labels"], max_len, pad), batched=True, batch_size=1000,
-                    new_fingerprint=_fingerprint(fp, "pack"), desc=f"pack {where}")
+                    new_fingerprint=_fingerprint(fp, "pack", "best-fit decreasing"), desc=f"pack {where}")
     return ds
 
 

@@ -69,6 +69,12 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> f
     return float(total[0] / total[1])
 
 
+# The wrapped model holds the process group (DDP's reducer holds the last reference to it). Freed
+# on return from train(), it would tear the group down, which can deadlock (see run._exit); kept
+# here, it lives until run.py ends the process.
+KEEP_UNTIL_EXIT: list = []
+
+
 def train(plan: Plan) -> dict:
     wall_t0 = time.perf_counter()
     r = plan.recipe
@@ -102,6 +108,7 @@ def train(plan: Plan) -> dict:
 
     model = load_model(r, model_path, config, weights_on_this_rank=r.strategy != "fsdp" or is_main)
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
+    KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
 
     def reduce_sum(t):
         return accelerator.reduce(t, reduction="sum")
@@ -203,7 +210,7 @@ def train(plan: Plan) -> dict:
             progress.close()
             log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
             accelerator.end_training()
-            release_process_group()
+            finish_together()
             return {"steps": state.step, "stopped": True}
     progress.close()
     train_seconds = time.perf_counter() - train_t0
@@ -233,21 +240,12 @@ def train(plan: Plan) -> dict:
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary))
     accelerator.end_training()
-    release_process_group()
+    finish_together()
     return summary
 
 
-def release_process_group() -> None:
-    """End the process group here, while the model (and DDP's reducer) is still referenced.
-
-    A gloo worker thread can hold the last reference to a finished collective whose tensors were
-    made in Python (the loop's gathers); dropping it needs the GIL. If the main thread meanwhile
-    destroys the process group with the GIL held, as freeing the DDP model on return from train()
-    can, each waits for the other and a finished run never exits (pytorch/pytorch#190489; seen
-    once in the benchmark). So: a barrier, a pause that releases the GIL for those workers, then
-    destroy_process_group while nothing is in flight.
-    """
+def finish_together() -> None:
+    """Every rank has written its part (metrics, checkpoint, final model) before any rank exits;
+    run.py then ends the process without tearing the process group down (see its _exit)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        time.sleep(0.2)
-        torch.distributed.destroy_process_group()

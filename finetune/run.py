@@ -99,26 +99,31 @@ def main(argv=None) -> int:
         traceback.print_exc()
         print(f"error: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: teardown could block in a collective the other ranks never join
-    _close_process_group()
     return 0
 
 
-def _close_process_group():
-    """Join gloo/NCCL worker threads before the interpreter exits (train() normally has already;
-    this covers the paths that return before it).
+def _exit(code: int) -> None:
+    """End the process without tearing down the distributed process group.
 
-    Left to interpreter teardown, a still-joinable C++ thread in the process group can abort the
-    process ("terminate called without an active exception") after the run has finished, which the
-    launcher reports as a failed run.
+    Teardown deadlocks now and then: a gloo worker thread frees a finished all-gather's tensors
+    (which needs the GIL) while the main thread, freeing the DDP model whose reducer holds the last
+    reference to the group, joins that thread with the GIL held (py-spy dumps of finished runs
+    that never exited; pytorch/pytorch#190489). So the loop keeps the model alive
+    (loop.KEEP_UNTIL_EXIT) and nothing here frees it. Left to
+    interpreter shutdown instead, the still-joinable worker threads can abort the process
+    ("terminate called without an active exception"). train() ends with a barrier, so every rank
+    has written everything; there is nothing left for a teardown to do.
     """
-    import torch.distributed as dist
+    import logging
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
