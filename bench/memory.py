@@ -40,7 +40,7 @@ def _setup_of(overrides: list[str]):
                  kv.get("offload_params", "none"))
 
 
-def measure(model_name: str, work: Path, seq_len: int = 32) -> dict:
+def measure(model_name: str, work: Path, seq_len: int = 32, with_offload: bool = True) -> dict:
     from finetune.memory import estimate, paper_model_states
 
     spec = MODELS[model_name]
@@ -49,6 +49,8 @@ def measure(model_name: str, work: Path, seq_len: int = 32) -> dict:
     arch = spec.architecture()
     rows = []
     for label, overrides in SETUPS:
+        if not with_offload and any(o.startswith("offload_") for o in overrides):
+            continue
         out = fresh_dir(work / label.replace(" ", "").replace(",", "_").replace("+", "_").replace(">", ""))
         args = [str(out), f"model={model_dir}", f"max_seq_len={seq_len}", "micro_batch_size=1", "grad_accum=2",
                 *overrides]
@@ -77,7 +79,7 @@ def measure(model_name: str, work: Path, seq_len: int = 32) -> dict:
                                        f"formula), {launch.seconds:.0f}s" if row["ok"] else f"FAILED: {row['error']}"),
               flush=True)
     return {"model": model_name, "model_description": spec.describe(), "parameters": params, "world_size": WORLD,
-            "seq_len": seq_len, "rows": rows, "targets": targets(rows)}
+            "seq_len": seq_len, "with_offload": with_offload, "rows": rows, "targets": targets(rows)}
 
 
 def targets(rows: list[dict]) -> list[dict]:

@@ -67,6 +67,12 @@ def recompute(results: dict) -> None:
         for row in r["rows"]:
             row["ours"].setdefault("warmup", r["warmup"])
             row.update(T.compare(row["ours"], row["trainer"]))
+            if row.get("round_pairs"):  # several rounds: the row's ratio is their median
+                for g in row["round_pairs"]:
+                    g["ours"].setdefault("warmup", r["warmup"])
+                row.update({k: v for k, v in T.combine(row["strategy"], [
+                    {**g, **T.compare(g["ours"], g["trainer"])} for g in row["round_pairs"]]).items()
+                    if k not in ("ours", "trainer")})
         r["targets"] = T.targets(r["rows"])
 
 
@@ -121,7 +127,9 @@ def write_cpu_report(doc: Path, results: dict) -> str:
             "\"Toolkit estimate\" is `finetune.memory.estimate` (the planner of `python -m finetune.plan`); "
             "\"ZeRO formula\" is the paper's fp32 line of ../shared/reference/figures.md "
             "(`finetune.memory.paper_model_states`): ddp 16P, zero1 8P + 8P/N, zero2 4P + 12P/N, zero3 and fsdp "
-            "16P/N; offload rows use their strategy's line. Peak RSS is the process's `ru_maxrss`.\n")
+            "16P/N; offload rows use their strategy's line. Peak RSS is the process's `ru_maxrss`."
+            + ("" if r.get("with_offload", True) else " Quick mode leaves out the offload rows (each costs a "
+               "DeepSpeed CPU-Adam launch); `python bench/run.py` measures them.") + "\n")
         add(M.render(r) + "\n")
         add(memory_notes(r))
         add("Commands (one per setup): `" + "`, `".join(x["command"] for x in r["rows"][:1]) + "` and the same with "
@@ -144,6 +152,15 @@ def write_cpu_report(doc: Path, results: dict) -> str:
             "metrics.jsonl record's tokens / tokens_per_s; Trainer: a TrainerCallback's clock at on_step_end and "
             "its own num_items_in_batch). \"same rows\": both counted the same target tokens at every step. Loss "
             "is the mean per target token of each step as each logs it.\n")
+        rounds = r.get("rounds", 1)
+        if rounds > 1:
+            add(f"Each pair of launches ran {rounds} times, round after round, who goes first alternating; "
+                "\"finetune / Trainer\" is the median of the rounds' ratios (each listed), and the tokens/s and "
+                "losses shown are the round nearest to that median.\n")
+        else:
+            add("One pair of launches per strategy (quick mode). On this 2-core machine one pair's ratio moves by "
+                "up to about 20% from one run to the next, for both toolkits alike; `python bench/run.py` "
+                "(full mode) runs every pair 3 times and reports the median with each round's ratio.\n")
         add(T.render(r) + "\n")
         add(throughput_notes(r, results.get("loss_overhead")))
         add(LOSS_FIX_NOTE)
@@ -279,13 +296,13 @@ LOSS_FIX_NOTE = (
 
 
 HANG_NOTE = (
-    "- An earlier run of this benchmark caught one such launch and read the cause with py-spy: a gloo worker "
-    "thread held the last reference to a finished all-gather whose tensors were made in Python (freeing them needs "
-    "the GIL) while the main thread, freeing the DDP model as train() returned, destroyed the process group with "
-    "the GIL held and waited for that worker (pytorch/pytorch#190489). finetune now ends the process group inside "
-    "train(), while the model is still referenced: a barrier, a pause that releases the GIL, then "
-    "destroy_process_group (finetune.loop.release_process_group). A launch listed here means that did not "
-    "suffice.\n")
+    "- An earlier run of this benchmark caught such launches and read the cause with py-spy: the DDP model's "
+    "Reducer held the last reference to the process group; freeing it as train() returned destroyed the gloo "
+    "process group with the GIL held and waited for a gloo worker, which waited for the GIL to free a finished "
+    "all-gather's Python-made tensors. finetune now keeps the accelerator, model and optimizer referenced until "
+    "the process ends (finetune.loop.KEEP_UNTIL_EXIT), ends train() with a barrier, and leaves through "
+    "os._exit once its files are flushed (finetune/run.py), so no destructor runs. A launch listed here means "
+    "that did not suffice.\n")
 
 
 def packing_notes(r: dict) -> str:

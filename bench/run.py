@@ -6,7 +6,8 @@ Without --gpu it runs on this machine's CPU with 2 processes (gloo) and measures
   3. packing on against off (bench/packing.py),
   4. checkpoint save and resume cost at two step counts (bench/checkpoints.py),
   5. what the loop itself logs (read from the runs of 2 and 3),
-prints the tables and writes docs/benchmarks.md. --quick uses smaller models and fewer steps and
+prints the tables and writes docs/benchmarks.md. --quick uses smaller models, fewer steps, no offload
+rows in part 1 and one pair of launches per strategy in part 2 (the full mode: three, median), and
 finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu.py)
 and rewrites only the GPU section of docs/benchmarks.md.
 
@@ -29,11 +30,11 @@ from common import MODELS, build_model, save_json, varlen_dataset  # noqa: E402
 
 QUICK = {"memory_model": "llama-20m", "train_model": "llama-7m",
          "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp"],
-         "steps": 7, "warmup": 2, "seq_len": 256, "micro": 4, "accum": 2,
+         "steps": 7, "warmup": 2, "seq_len": 256, "micro": 4, "accum": 2, "rounds": 1, "memory_offload": False,
          "checkpoint_strategies": ["ddp"], "checkpoint_steps": (5, 300)}
 FULL = {"memory_model": "llama-100m", "train_model": "llama-20m",
         "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3, optimizer+params->cpu", "fsdp, params->cpu"],
-        "steps": 20, "warmup": 5, "seq_len": 256, "micro": 4, "accum": 2,
+        "steps": 20, "warmup": 5, "seq_len": 256, "micro": 4, "accum": 2, "rounds": 3, "memory_offload": True,
         "checkpoint_strategies": ["zero3", "fsdp", "ddp"], "checkpoint_steps": (5, 300)}
 PARTS = ("memory", "throughput", "packing", "checkpoints")
 
@@ -105,14 +106,15 @@ def main(argv=None) -> int:
         import memory
 
         print("1. memory per rank", flush=True)
-        results["memory"] = memory.measure(cfg["memory_model"], work / "memory")
+        results["memory"] = memory.measure(cfg["memory_model"], work / "memory", with_offload=cfg["memory_offload"])
     throughput_result = None
     if "throughput" in parts:
         import throughput
 
         print("2. throughput against the Hugging Face Trainer", flush=True)
         throughput_result = throughput.measure(cfg["strategies"], train_dir, dataset, cfg["steps"], cfg["seq_len"],
-                                               cfg["micro"], cfg["accum"], work / "throughput", cfg["warmup"])
+                                               cfg["micro"], cfg["accum"], work / "throughput", cfg["warmup"],
+                                               rounds=cfg["rounds"])
         throughput_result["model"] = cfg["train_model"]
         throughput_result["model_description"] = MODELS[cfg["train_model"]].describe()
         throughput_result["parameters"] = MODELS[cfg["train_model"]].num_parameters()

@@ -13,6 +13,7 @@ Both durations run from the end of one optimizer step (after its logging) to the
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from common import accelerate_launch, fmt, fresh_dir, read_jsonl, run, shown, table, wait_quiet
@@ -134,28 +135,50 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 
 def measure(names: list[str], model_dir: Path, dataset: Path, steps: int, seq_len: int, micro: int, accum: int,
-            work: Path, warmup: int) -> dict:
+            work: Path, warmup: int, rounds: int = 1) -> dict:
+    """Each strategy's pair of launches `rounds` times, round after round (so that a slow drift of the
+    shared machine spreads over every strategy), who goes first alternating; the ratio is the median
+    over the rounds, since on a 2-core machine one pair can be off by 20% either way."""
     base = common_overrides(model_dir, dataset, steps, seq_len, micro, accum)
-    rows = []
-    for i, name in enumerate(names):
-        overrides = base + STRATEGIES[name]
-        # alternate who goes first, so that a slow drift of the shared machine does not favour one side
-        ours, theirs = pair(name, overrides, work, warmup, ours_first=i % 2 == 0)
-        retried = False
-        if noise(ours, theirs) > NOISE_LIMIT:  # something else ran meanwhile: measure the pair once more
-            retried = True
-            again = pair(name + " again", overrides, work, warmup, ours_first=i % 2 == 1)
-            if noise(*again) < noise(ours, theirs):
-                ours, theirs = again
-        row = {"strategy": name, "ours": ours, "trainer": theirs, "retried": retried, "noise": noise(ours, theirs),
-               **compare(ours, theirs)}
-        rows.append(row)
-        print(f"  throughput {name}: finetune {fmt(ours.get('tokens_per_s'))} tok/s, Trainer "
-              f"{fmt(theirs.get('tokens_per_s'))} tok/s" + (f", ratio {row['ratio']:.2f}" if "ratio" in row else "")
-              + ("" if theirs["ok"] else f" (Trainer failed: {theirs['error'][:200]})")
-              + ("" if ours["ok"] else f" (finetune failed: {ours['error'][:200]})"), flush=True)
+    pairs: dict[str, list[dict]] = {name: [] for name in names}
+    for k in range(rounds):
+        for i, name in enumerate(names):
+            overrides = base + STRATEGIES[name]
+            tag = name if rounds == 1 else f"{name} round {k + 1}"
+            ours, theirs = pair(tag, overrides, work, warmup, ours_first=(i + k) % 2 == 0)
+            retried = False
+            if rounds == 1 and noise(ours, theirs) > NOISE_LIMIT:  # something else ran: measure once more
+                retried = True
+                again = pair(name + " again", overrides, work, warmup, ours_first=i % 2 == 1)
+                if noise(*again) < noise(ours, theirs):
+                    ours, theirs = again
+            got = {"ours": ours, "trainer": theirs, "retried": retried, "noise": noise(ours, theirs),
+                   **compare(ours, theirs)}
+            pairs[name].append(got)
+            print(f"  throughput {tag}: finetune {fmt(ours.get('tokens_per_s'))} tok/s, Trainer "
+                  f"{fmt(theirs.get('tokens_per_s'))} tok/s" + (f", ratio {got['ratio']:.2f}" if "ratio" in got else "")
+                  + ("" if theirs["ok"] else f" (Trainer failed: {theirs['error'][:200]})")
+                  + ("" if ours["ok"] else f" (finetune failed: {ours['error'][:200]})"), flush=True)
+    rows = [combine(name, pairs[name]) for name in names]
     return {"rows": rows, "steps": steps, "warmup": warmup, "seq_len": seq_len, "micro_batch_size": micro,
-            "grad_accum": accum, "overrides": base, "targets": targets(rows)}
+            "grad_accum": accum, "rounds": rounds, "overrides": base, "targets": targets(rows)}
+
+
+def combine(name: str, got: list[dict]) -> dict:
+    """One row per strategy: the median ratio over the rounds, shown with the pair nearest to it."""
+    measured = [g for g in got if "ratio" in g]
+    if not measured:
+        return {"strategy": name, **got[0]}
+    ratio = statistics.median(g["ratio"] for g in measured)
+    shown_pair = min(measured, key=lambda g: abs(g["ratio"] - ratio))
+    row = {"strategy": name, **shown_pair, "ratio": ratio}
+    if len(got) > 1:
+        row["round_ratios"] = [g.get("ratio") for g in got]
+        row["round_pairs"] = [{"ours": g["ours"], "trainer": g["trainer"], "noise": g["noise"]} for g in got]
+        row["losses_match"] = all(g.get("losses_match", False) for g in got)
+        diffs = [g["max_rel_loss_diff"] for g in got if g.get("max_rel_loss_diff") is not None]
+        row["max_rel_loss_diff"] = max(diffs) if diffs else None
+    return row
 
 
 def targets(rows: list[dict]) -> list[dict]:
@@ -185,9 +208,18 @@ def render(result: dict) -> str:
         load = (f"{r['noise']:.2f}" if r.get("noise") is not None else "-") + (" (re-run)" if r.get("retried") else "")
         body.append([r["strategy"], fmt(o.get("tokens_per_s")) if o["ok"] else "failed",
                      fmt(t.get("tokens_per_s")) if t["ok"] else "failed (see below)",
-                     f"{r['ratio']:.2f}x" if "ratio" in r else "-",
+                     _ratio_cell(r),
                      f"{r['step_ratio']['q1']:.2f}-{r['step_ratio']['q3']:.2f}" if r.get("step_ratio") else "-",
                      {True: "yes", False: "NO"}.get(r.get("same_tokens"), "-"),
                      f"{fmt(lo[0], 4)} / {fmt(lt[0], 4)}", f"{fmt(lo[-1], 4)} / {fmt(lt[-1], 4)}",
                      f"{r['max_rel_loss_diff']:.1e}" if r.get("max_rel_loss_diff") is not None else "-", load])
     return table(header, body)
+
+
+def _ratio_cell(r: dict) -> str:
+    if "ratio" not in r:
+        return "-"
+    rounds = [x for x in r.get("round_ratios") or [] if x is not None]
+    if len(rounds) < 2:
+        return f"{r['ratio']:.2f}x"
+    return f"{r['ratio']:.2f}x (median of " + ", ".join(f"{x:.2f}" for x in sorted(rounds)) + ")"

@@ -10,16 +10,31 @@ and tell Accelerate which distributed type to take.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import sys
+from pathlib import Path
 
 import torch
 
 from finetune.plan import Plan
 
 
+def prefer_environment_ninja() -> None:
+    """DeepSpeed JIT-compiles its ops (CPU Adam, the shared-memory collectives on CPU) with the first
+    `ninja` on PATH. A virtual environment ships its own ninja, and a run started as
+    `.venv/bin/accelerate ...` without activating it finds the system's instead; two ninja versions
+    discard each other's build log, so every switch recompiled the ops (measured: 49 s for the CPU
+    collectives, 86 s for CPU Adam). Putting this interpreter's ninja first makes the build cache hold."""
+    own = Path(sys.executable).parent
+    if (own / "ninja").is_file() and shutil.which("ninja") != str(own / "ninja"):
+        os.environ["PATH"] = str(own) + os.pathsep + os.environ.get("PATH", "")
+
+
 def ensure_process_env() -> None:
     """Make a plain `python finetune/run.py` a one-process group, so every strategy takes the same
     code path as under a launcher (ZeRO-3 with offload on one GPU is a real use)."""
+    prefer_environment_ninja()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
     with socket.socket() as s:

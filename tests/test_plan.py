@@ -1,5 +1,7 @@
 """The plan (recipe x launch environment) and the DeepSpeed config built from it."""
 
+import os
+
 import pytest
 
 from finetune.plan import make_plan
@@ -200,3 +202,21 @@ def test_deepspeed_precision_flags_follow_recipe():
     cfg = deepspeed_config(p, hidden_size=H)
     assert cfg["bf16"]["enabled"] is True and cfg["fp16"]["enabled"] is False
     assert cfg["zero_optimization"]["overlap_comm"] is True
+
+
+def test_deepspeed_op_builds_use_this_environments_ninja(monkeypatch):
+    """A run started as .venv/bin/accelerate without activating the venv found the system's ninja,
+    whose other build-log version made DeepSpeed recompile CPU Adam and the CPU collectives (~2 min)."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from finetune.strategy import prefer_environment_ninja
+
+    own = Path(sys.executable).parent / "ninja"
+    assert own.is_file(), "deepspeed depends on the ninja package, which installs bin/ninja beside python"
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    prefer_environment_ninja()
+    assert shutil.which("ninja") == str(own)
+    prefer_environment_ninja()  # idempotent: the directory is not added twice
+    assert os.environ["PATH"].split(os.pathsep).count(str(own.parent)) == 1
