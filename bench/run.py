@@ -45,6 +45,7 @@ def parse(argv):
     p.add_argument("--quick", action="store_true", help="smaller models, fewer steps: under 10 minutes on 2 cores")
     p.add_argument("--gpu", action="store_true", help="the 1B bf16 run on one CUDA GPU (part 6) only")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--rounds", type=int, help="times each throughput pair runs, median taken (default: quick 1, full 3)")
     p.add_argument("--work", help="where run outputs go (default /tmp/bench-<time>)")
     p.add_argument("--doc", default=str(common.REPO / "docs" / "benchmarks.md"), help="the report to write")
     p.add_argument("--render", metavar="RESULTS_JSON", help="rewrite the report from a run's results.json, measuring "
@@ -55,7 +56,9 @@ def parse(argv):
 
 def command_line(args) -> str:
     return "python bench/run.py" + (" --quick" if args.quick else "") + (" --gpu" if args.gpu else "") + \
-        ("" if args.only == ",".join(PARTS) else f" --only {args.only}")
+        ("" if args.only == ",".join(PARTS) else f" --only {args.only}") + \
+        (f" --rounds {args.rounds}" if args.rounds else "") + \
+        ("" if Path(args.doc).resolve() == (common.REPO / "docs" / "benchmarks.md").resolve() else f" --doc {args.doc}")
 
 
 def main(argv=None) -> int:
@@ -88,7 +91,9 @@ def main(argv=None) -> int:
             print(f"wrote the GPU section of {args.doc}")
         return 0 if res.get("ok") else 1
 
-    cfg = QUICK if args.quick else FULL
+    cfg = dict(QUICK if args.quick else FULL)
+    if args.rounds:
+        cfg["rounds"] = args.rounds
     parts = [p for p in args.only.split(",") if p]
     unknown = set(parts) - set(PARTS)
     if unknown:
