@@ -93,6 +93,8 @@ def measure(work: Path, smoke: bool = False) -> dict:
                loop_records=[r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r][-2:],
                summary_tokens_per_s=steps_data["summary"].get("tokens_per_s"),
                summary_train_seconds=steps_data["summary"].get("train_seconds"),
+               summary_eval_seconds=steps_data["summary"].get("eval_seconds"),
+               summary_checkpoint_seconds=steps_data["summary"].get("checkpoint_seconds"),
                checkpoint_seconds=_manifest_seconds(out))
     return res
 
@@ -120,9 +122,10 @@ def render(res: dict, command: str, when: str, versions: dict) -> str:
          if peak[0] else "-"],
         ["loss", f"{res['losses'][0]:.4f} at step 1 -> {res['losses'][-1]:.4f} at step {res['steps']}"],
         ["loop's last record", ", ".join(f"{k}={v}" for k, v in (res.get("loop_fields") or {}).items()) or "-"],
-        ["summary.json", f"tokens_per_s {fmt(res.get('summary_tokens_per_s'))} over train_seconds "
-                         f"{fmt(res.get('summary_train_seconds'), 1)}, which include the end-of-run checkpoint "
-                         f"({fmt(res.get('checkpoint_seconds'), 1)} s)"],
+        ["summary.json", f"tokens_per_s {fmt(res.get('summary_tokens_per_s'))} (every step, the first ones "
+                         f"included) over train_seconds {fmt(res.get('summary_train_seconds'), 1)}, of which eval "
+                         f"{fmt(res.get('summary_eval_seconds'), 1)} s and checkpoints "
+                         f"{fmt(res.get('summary_checkpoint_seconds'), 1)} s are left out of tokens/s"],
         ["versions", ", ".join(f"{k} {v}" for k, v in (res.get("versions") or versions).items())],
     ]
     return table(["", f"measured {when}"], rows) + f"\n\nCommand: `{command}`; training launched as `{res['command']}`."

@@ -232,13 +232,13 @@ def memory_notes(r: dict) -> str:
             "the paper's 16P/N holds. finetune could drop the copy only by patching DeepSpeed; the toolkit's "
             "estimate already counts it (held / estimate = "
             f"{z3['vs_estimate']:.3f}).")
-    for name in ("zero1", "zero2"):
-        x = rows.get(name)
-        if x and x["vs_paper"] > 1 + M.TOLERANCE:
-            notes.append(f"- {name} holds {x['vs_paper']:.3f} x the paper's fp32 line for the same reason by design: "
-                         "ZeRO-1/2 always clone an fp32 master partition (deepspeed/runtime/zero/stage_1_and_2.py: "
-                         "\"cloned and detached from the origin params\"), 4 bytes per parameter / N more than fp32 "
-                         "Adam needs; the paper's line assumes 16-bit training.")
+    over = [(name, rows[name]["vs_paper"]) for name in ("zero1", "zero2")
+            if name in rows and rows[name]["vs_paper"] > 1 + M.TOLERANCE]
+    if over:
+        notes.append("- " + " and ".join(f"{name} holds {v:.3f} x" for name, v in over) + " the paper's fp32 line, "
+                     "by DeepSpeed's design: ZeRO-1/2 always clone an fp32 master partition "
+                     "(deepspeed/runtime/zero/stage_1_and_2.py: \"cloned and detached from the origin params\"), "
+                     "4 bytes per parameter / N more than fp32 Adam needs; the paper's line assumes 16-bit training.")
     fs = rows.get("fsdp")
     if fs:
         notes.append(f"- fsdp holds {fs['vs_paper']:.3f} x 16P/N: the fp32 parameter, gradient and two Adam shards, "
