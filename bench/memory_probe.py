@@ -39,6 +39,7 @@ def main(argv: list[str]) -> int:
     t_start = time.perf_counter()
     import torch
 
+    from finetune import loop
     from finetune.data import collate
     from finetune.memory import held_bytes
     from finetune.model import load_config, load_model, loss_sum, no_split_modules
@@ -113,12 +114,13 @@ def main(argv: list[str]) -> int:
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank_{rank}.json").write_text(json.dumps(result, indent=2) + "\n")
-    accelerator.wait_for_everyone()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    loop.KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))  # ends like finetune/run.py: no teardown
+    loop.finish_together()
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.exit(main(sys.argv[1:]))
+    from finetune.run import exit_without_teardown
+
+    exit_without_teardown(main(sys.argv[1:]))

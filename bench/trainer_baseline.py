@@ -94,6 +94,7 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     from finetune import data as D
+    from finetune import loop
     from finetune.model import load_config, load_tokenizer, no_split_modules
     from finetune.strategy import deepspeed_config
 
@@ -179,12 +180,13 @@ def main(argv: list[str]) -> int:
         }
         out.mkdir(parents=True, exist_ok=True)
         (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    loop.KEEP_UNTIL_EXIT.append(trainer)  # ends like finetune/run.py: no teardown
+    loop.finish_together()
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.exit(main(sys.argv[1:]))
+    from finetune.run import exit_without_teardown
+
+    exit_without_teardown(main(sys.argv[1:]))

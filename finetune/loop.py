@@ -70,7 +70,7 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> f
 
 
 # The wrapped model holds the process group (DDP's reducer holds the last reference to it). Freed
-# on return from train(), it would tear the group down, which can deadlock (see run._exit); kept
+# on return from train(), it would tear the group down, which can deadlock (see run.exit_without_teardown); kept
 # here, it lives until run.py ends the process.
 KEEP_UNTIL_EXIT: list = []
 
@@ -246,6 +246,6 @@ def train(plan: Plan) -> dict:
 
 def finish_together() -> None:
     """Every rank has written its part (metrics, checkpoint, final model) before any rank exits;
-    run.py then ends the process without tearing the process group down (see its _exit)."""
+    run.py then ends the process without tearing the process group down (see its exit_without_teardown)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()

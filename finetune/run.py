@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def _exit(code: int) -> None:
+def exit_without_teardown(code: int) -> None:
     """End the process without tearing down the distributed process group.
 
     Teardown deadlocks now and then: a gloo worker thread frees a finished all-gather's tensors
@@ -126,4 +126,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit(main())
+    exit_without_teardown(main())

@@ -98,8 +98,6 @@ def test_header_launch_command_and_estimate_are_current(name):
 def test_lora_recipes_are_lora():
     for name in ("llama8b_lora_fsdp", "llama70b_lora_zero3_offload"):
         recipe = resolve(name, [])
-        if "lora" not in Recipe.__dataclass_fields__:
-            pytest.skip("this finetune.recipe has no LoRA fields yet")
         assert recipe.lora and recipe.lora_r == 16
         e = M.recipe_estimate(recipe, 8, M.load_architecture(recipe.model))
         assert e.trained_parameters < e.num_parameters / 100
@@ -135,11 +133,11 @@ def test_launcher_config_parses_and_says_what_it_is_for(path):
 
 def _launcher_env(path: Path) -> dict:
     """The environment `accelerate launch --config_file PATH` gives each process (without starting any)."""
-    try:
-        from accelerate.commands.launch import _validate_launch_command, launch_command_parser
-        from accelerate.utils.launch import prepare_multi_gpu_env
-    except ImportError:
-        pytest.skip("this accelerate version moved its launch internals")
+    # private internals of the pinned accelerate (scripts/constraints.txt): an ImportError here means
+    # an upgrade moved them, and this check must be ported rather than skipped
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
     args = launch_command_parser().parse_args(["--config_file", str(path), "finetune/run.py"])
     args, _, _ = _validate_launch_command(args)
     return prepare_multi_gpu_env(args)

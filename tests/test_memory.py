@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetune import memory as M
-from finetune.recipe import Recipe, RecipeError, resolve
+from finetune.recipe import RecipeError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -278,16 +278,12 @@ def test_lora_estimate_full_frozen_params_adapter_only_states():
 def test_recipe_estimate_reads_lora_fields():
     base = resolve("llama7b_zero3", [])
     a = LLAMA7B
-    if "lora" not in Recipe.__dataclass_fields__:
-        pytest.skip("this finetune.recipe has no LoRA fields")
     lora = replace(base, lora=True, lora_r=8, lora_target_modules=("q_proj", "v_proj"))
     e = M.recipe_estimate(lora, 8, a)
     assert e.trained_parameters == M.lora_parameters(a, 8, ("q_proj", "v_proj"))
 
 
 def test_qlora_base_is_4bit_and_ddp_only():
-    if "load_in_4bit" not in Recipe.__dataclass_fields__:
-        pytest.skip("this finetune.recipe has no QLoRA field")
     recipe = resolve("llama8b_lora_fsdp", ["strategy=ddp", "load_in_4bit=true"])
     a = arch(recipe.model)
     rows = M.all_estimates(recipe, 1, a)
