@@ -70,8 +70,8 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> f
 
 
 # The wrapped model holds the process group (DDP's reducer holds the last reference to it). Freed
-# on return from train(), it would tear the group down, which can deadlock (see run.exit_without_teardown); kept
-# here, it lives until run.py ends the process.
+# on return from train(), it would tear the group down, which can deadlock (see
+# run.exit_without_teardown); kept here, it lives until run.py ends the process.
 KEEP_UNTIL_EXIT: list = []
 
 

@@ -108,10 +108,10 @@ def exit_without_teardown(code: int) -> None:
     Teardown deadlocks now and then: a gloo worker thread frees a finished all-gather's tensors
     (which needs the GIL) while the main thread, freeing the DDP model whose reducer holds the last
     reference to the group, joins that thread with the GIL held (py-spy dumps of finished runs
-    that never exited; pytorch/pytorch#190489). So the loop keeps the model alive
-    (loop.KEEP_UNTIL_EXIT) and nothing here frees it. Left to
-    interpreter shutdown instead, the still-joinable worker threads can abort the process
-    ("terminate called without an active exception"). train() ends with a barrier, so every rank
+    that never exited; the blocking ~ProcessGroupGloo is pytorch/pytorch#56297). So the loop keeps
+    the model alive (loop.KEEP_UNTIL_EXIT) and nothing here frees it. Left to interpreter shutdown
+    instead, the still-joinable worker threads can abort the process ("terminate called without an
+    active exception"; pytorch/pytorch#179291). train() ends with a barrier, so every rank
     has written everything; there is nothing left for a teardown to do.
     """
     import logging
