@@ -37,6 +37,17 @@ RNG_DIR = "rng"  # rank_<i>.safetensors: each rank's torch (and CUDA) generator 
 HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
              "packing", "train_on_prompt", "seed")
+# Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
+# a resumed run would silently keep the old value, so a change is refused rather than ignored.
+STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+              "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
+              "lora_alpha", "lora_dropout", "load_in_4bit")
+# What a change of these does on resume (any other key not named above applies as it would in a new run).
+RESUME_EFFECTS = {
+    "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
+    "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
+    "micro_batch_size": "the global batch is kept, accumulation is recomputed",
+}
 
 
 def checkpoint_name(step: int) -> str:
@@ -93,6 +104,7 @@ class ResumePoint:
     world_size: int
     global_batch_size: int
     strategy: str
+    recipe: dict  # the recipe the checkpoint was trained with (its recipe.json)
 
 
 def find_resume_point(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
@@ -115,7 +127,8 @@ def find_resume_point(resume: str | None, output_dir: Path, log=print) -> Resume
             raise RecipeError(f"--resume {resume}: no such checkpoint directory")
     manifest = verify(path)
     return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
-                       global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"])
+                       global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
+                       recipe=json.loads((path / "recipe.json").read_text()))
 
 
 def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> None:
@@ -134,6 +147,43 @@ def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> N
         what = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed)
         raise RecipeError(f"checkpoint {point.path} was trained on other data ({what}); the data position would not "
                           "mean the same; restore those values, or pass --allow-data-change to continue anyway")
+
+
+def resume_changes(point: ResumePoint, recipe: Recipe) -> list[str]:
+    """The recipe fields this resumed run changes, each with what the change does; refuses (one line,
+    all of them) the changes a checkpoint cannot honour. Data and model keys are check_fits' job."""
+    saved, current = point.recipe, json.loads(json.dumps(recipe.to_dict()))
+    changed = {k: (saved[k], current[k]) for k in current
+               if k in saved and saved[k] != current[k] and k not in HARD_KEYS + DATA_KEYS}
+    refused = [k for k in changed if k in STATE_KEYS]
+    batch = _global_batch_change(point, recipe, changed)
+    if batch:
+        refused.append(batch)
+    if refused:
+        what = ", ".join(f"{k}: {changed[k][0]} -> {changed[k][1]}" if k in changed else k for k in refused)
+        raise RecipeError(f"checkpoint {point.path} cannot continue with {what}: the checkpoint's optimizer, "
+                          "schedule and data position were made with the old values and would override or "
+                          "contradict them; restore them, or export the checkpoint (python -m finetune.export) "
+                          "and start a new run from it")
+    return [f"{k}: {old} -> {new} ({RESUME_EFFECTS.get(k, 'applies from this step on')})"
+            for k, (old, new) in changed.items() if k not in ("grad_accum", "global_batch_size", "output_dir")]
+
+
+def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> str:
+    """The data position is counted in global batches, so a resumed run keeps the checkpoint's: on
+    another world size or micro batch its accumulation is recomputed. An explicit grad_accum or
+    global_batch_size that asks for another global batch is refused instead of being reverted."""
+    if "global_batch_size" in changed and recipe.global_batch_size not in (0, point.global_batch_size):
+        return (f"global_batch_size={recipe.global_batch_size} (the checkpoint's global batch is "
+                f"{point.global_batch_size})")
+    if "grad_accum" in changed and not recipe.global_batch_size:
+        from finetune.plan import world_size_from_env
+
+        asked = recipe.micro_batch_size * recipe.grad_accum * world_size_from_env()
+        if asked != point.global_batch_size:
+            return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "
+                    f"{point.global_batch_size}: leave grad_accum as it was, it is recomputed to keep it)")
+    return ""
 
 
 def check_model(point: ResumePoint, model_path: str) -> None:

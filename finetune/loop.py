@@ -18,7 +18,7 @@ from finetune.metrics import (MetricsFile, Progress, flops_per_token, format_sum
 from finetune.model import load_config, load_model, load_tokenizer, loss_sum, no_split_modules
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
-from finetune.strategy import build_accelerator, prepare
+from finetune.strategy import accumulate, build_accelerator, prepare
 
 
 @dataclass
@@ -154,9 +154,9 @@ def train(plan: Plan) -> dict:
         global_tokens, stopping, global_inputs = int(counts[0]), counts[1] > 0, int(counts[2])
         scale = world * plan.grad_accum / global_tokens  # the framework averages over ranks and micro-steps
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for batch in micro_batches:
+        for index, batch in enumerate(micro_batches):
             batch = {k: v.to(device) for k, v in batch.items()}
-            with accelerator.accumulate(model):
+            with accumulate(accelerator, model, index):
                 loss = loss_sum(model, batch)
                 accelerator.backward(loss * scale)
             step_loss += loss.detach().double()

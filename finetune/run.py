@@ -37,7 +37,7 @@ def parse_args(argv):
 
 def prepare(args):
     """Everything cheap that can be wrong, checked in order; returns the plan."""
-    from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point
+    from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point, resume_changes
     from finetune.data import prevalidate
     from finetune.plan import make_plan
     from finetune.recipe import resolve
@@ -60,10 +60,14 @@ def prepare(args):
     if point is None:
         return plan
     check_fits(point, recipe, args.allow_data_change)
+    changes = resume_changes(point, recipe)
     if point.global_batch_size != plan.global_batch_size:
         # keep the checkpoint's global batch on a new world size: accumulation is recomputed
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
         plan = make_plan(recipe, dry_run=args.dry_run)
+    if not quiet:
+        for change in changes:
+            print(f"resume: {change}", file=sys.stderr)
     return replace(plan, resume=point)
 
 

@@ -165,6 +165,19 @@ def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str])
     return accelerator
 
 
+def accumulate(accelerator, model, index: int):
+    """The context for micro-batch `index` (0-based) of an optimizer step: gradients are reduced, and
+    the optimizer (DeepSpeed's engine included) steps, after the step's last micro-batch only.
+
+    Accelerate decides that from its running micro-batch counter, which a checkpoint restores. After
+    a resume with another accumulation (another world size keeps the global batch, so accumulation
+    changes) that counter no longer falls on step boundaries, and the optimizer silently skipped
+    steps or stepped mid-batch. Counting from the step's own first micro-batch keeps both right.
+    """
+    accelerator.step = index
+    return accelerator.accumulate(model)
+
+
 def _param_groups(model, weight_decay: float):
     """No weight decay on norms and biases; by name, because ZeRO-3 partitioned params are flat."""
     groups = [{"params": [], "param_names": [], "weight_decay": weight_decay},

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from finetune.metrics import read_metrics, run_history
+from suite_runs import SAVE, STRATEGIES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -94,6 +95,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+
+
+@pytest.fixture(scope="session")
+def strategy_run(launch):
+    """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per session."""
+    cache = {}
+
+    def get(name: str, nprocs: int = 2) -> Run:
+        if (name, nprocs) not in cache:
+            cache[name, nprocs] = launch(nprocs, *STRATEGIES[name], *SAVE)
+        return cache[name, nprocs]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -17,23 +17,24 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from suite_runs import SAVE
 
 
 REPO = Path(__file__).resolve().parents[2]
-SAVE = ["save_every=4", "keep_last=3"]
 # Where each strategy is interrupted, and how (FINETUNE_FAULT=where:rank:step[:signal], see
-# finetune.checkpoint.fault_point), and the checkpoint the resumed run must continue from.
+# finetune.checkpoint.fault_point), and the checkpoint the resumed run must continue from. The runs
+# save every 5 steps (suite_runs.SAVE).
 FAULTS = {
     "ddp": ("after_step:1:6:SIGTERM", 7),   # a scheduler's SIGTERM: checkpoint at the next step, clean exit
-    "fsdp": ("after_step:1:6", 4),          # SIGKILL of one rank mid-training
-    "zero2": ("during_save:1:8", 4),        # SIGKILL while writing step 8: that checkpoint must not count
-    "zero3": ("after_step:0:10", 8),        # SIGKILL of rank 0
+    "fsdp": ("after_step:1:7", 5),          # SIGKILL of one rank mid-training
+    "zero2": ("during_save:1:10", 5),       # SIGKILL while writing step 10: that checkpoint must not count
+    "zero3": ("after_step:0:10", 5),        # SIGKILL of rank 0 just before a save
 }
-KEPT = {  # saves every 4 steps, at the end, and at a SIGTERM stop (step 7 for ddp)
-    "ddp": ["step_000000007", "step_000000008", "step_000000012"],
-    "fsdp": ["step_000000004", "step_000000008", "step_000000012"],
-    "zero2": ["step_000000004", "step_000000008", "step_000000012"],
-    "zero3": ["step_000000004", "step_000000008", "step_000000012"],
+KEPT = {  # saves every 5 steps, at the end, and at a SIGTERM stop (step 7 for ddp)
+    "ddp": ["step_000000007", "step_000000010", "step_000000012"],
+    "fsdp": ["step_000000005", "step_000000010", "step_000000012"],
+    "zero2": ["step_000000005", "step_000000010", "step_000000012"],
+    "zero3": ["step_000000005", "step_000000010", "step_000000012"],
 }
 CROSS_RTOL = 1e-5  # another world size sums in another order; fp32 curves agree to ~1e-8 here
 
@@ -55,15 +56,9 @@ def assert_same_weights(a, b):
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(launch):
-    cache = {}
-
-    def get(strategy: str, nprocs: int = 2):
-        if (strategy, nprocs) not in cache:
-            cache[strategy, nprocs] = launch(nprocs, f"strategy={strategy}", *SAVE)
-        return cache[strategy, nprocs]
-
-    return get
+def uninterrupted(strategy_run):
+    """The uninterrupted run of a strategy: the same launch test_strategies checks against the reference."""
+    return strategy_run
 
 
 def resume_copy(run, step, tmp_path_factory):
@@ -92,7 +87,7 @@ def test_interrupted_run_resumes_exactly(strategy, launch, uninterrupted, tmp_pa
     second = launch(2, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
     assert f"resumed from {out / 'checkpoints' / f'step_{resume_step:09d}'} at step {resume_step}" in second.stderr
     if strategy == "zero2":
-        assert f"ignoring incomplete checkpoint {out / 'checkpoints' / '.step_000000008.partial'}" in second.stderr
+        assert f"ignoring incomplete checkpoint {out / 'checkpoints' / '.step_000000010.partial'}" in second.stderr
     assert records(second) == records(reference), "a resumed run must log exactly what the uninterrupted one did"
     assert_same_weights(out / "final", reference.output_dir / "final")
     resumes = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "resumed_from" in line]
@@ -102,24 +97,41 @@ def test_interrupted_run_resumes_exactly(strategy, launch, uninterrupted, tmp_pa
     assert left == KEPT[strategy], left
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
 def test_two_processes_to_one(strategy, launch, uninterrupted, tmp_path_factory):
+    """Step 5 of 2 processes is 10 micro-steps; on 1 process the accumulation is 4, which does not
+    divide 10: a resume that kept counting micro-steps from the checkpoint froze (ddp, fsdp) or
+    stepped mid-batch (ZeRO). The global batches and the curve must continue as if uninterrupted."""
     reference = uninterrupted(strategy)
-    out = resume_copy(reference, 4, tmp_path_factory)
+    out = resume_copy(reference, 5, tmp_path_factory)
     resumed = launch(1, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
     assert "(2 -> 1 processes)" in resumed.stderr
     recipe = json.loads((out / "recipe.json").read_text())
     assert (recipe["world_size"], recipe["grad_accum"], recipe["global_batch_size"]) == (1, 4, 16)
-    assert_close_after(resumed, reference, 4)
+    assert_close_after(resumed, reference, 5)
+    assert_weights_moved(reference.output_dir / "checkpoints" / "step_000000005", out / "final")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_one_process_to_two(strategy, launch, uninterrupted, tmp_path_factory):
     reference = uninterrupted(strategy, nprocs=1)
-    out = resume_copy(reference, 4, tmp_path_factory)
+    out = resume_copy(reference, 5, tmp_path_factory)
     resumed = launch(2, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
     assert "(1 -> 2 processes)" in resumed.stderr
-    assert_close_after(resumed, reference, 4)
+    assert_close_after(resumed, reference, 5)
+
+
+def assert_weights_moved(resumed_from, final):
+    """Training went on after the resume: final/ is not the checkpoint the run resumed from (the bug
+    this guards against logged losses and a learning rate while every optimizer step was skipped)."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.export import checkpoint_state_dict
+
+    template = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    start, end = checkpoint_state_dict(resumed_from, template), weights(final)
+    for name in ("model.layers.0.mlp.down_proj.weight", "model.layers.1.self_attn.q_proj.weight"):
+        assert not torch.equal(start[name].float(), end[name].float()), f"{name} did not change after the resume"
 
 
 def assert_close_after(resumed, reference, step):
@@ -196,6 +208,11 @@ def test_foreign_checkpoints_are_refused(launch, uninterrupted, tmp_path):
     allowed = launch(1, "strategy=zero3", "max_seq_len=96", "--resume", str(ckpt), "--dry-run",
                      "--allow-data-change", output_dir=tmp_path / "c")
     assert allowed.returncode == 0
+    other_lr = launch(1, "strategy=zero3", "lr=5e-4", "--resume", str(ckpt), "--dry-run",
+                      output_dir=tmp_path / "d", check=False)
+    assert other_lr.returncode == 2 and "lr: 0.003 -> 0.0005" in other_lr.stderr, other_lr.stderr[-2000:]
+    longer = launch(1, "strategy=zero3", "max_steps=20", "--resume", str(ckpt), "--dry-run", output_dir=tmp_path / "e")
+    assert "resume: max_steps: 12 -> 20 (the run's length; the lr schedule is recomputed" in longer.stderr
     old = tmp_path / "old"
     shutil.copytree(ckpt, old / "checkpoints" / ckpt.name)
     fresh_over_old = launch(1, "strategy=zero3", output_dir=old, check=False)

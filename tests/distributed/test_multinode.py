@@ -14,8 +14,8 @@ from finetune.metrics import read_metrics
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_two_nodes_match_one_node(launch, launch_env, fast_overrides, free_port, tmp_path):
-    one_node = launch(2, "strategy=fsdp")
+def test_two_nodes_match_one_node(strategy_run, launch_env, fast_overrides, free_port, tmp_path):
+    one_node = strategy_run("fsdp")  # the suite's 2-process fsdp launch (its checkpoints do not move the curve)
     out = tmp_path / "two-nodes"
     port = free_port
     nodes = []

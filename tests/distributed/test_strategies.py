@@ -14,16 +14,8 @@ from finetune import data as D
 from finetune.model import loss_sum
 from finetune.recipe import FIELDS, Recipe
 
-STRATEGIES = {
-    "ddp": ["strategy=ddp"],
-    "ddp_zero_redundancy_optimizer": ["strategy=ddp", "ddp_shard_optimizer=true"],
-    "fsdp": ["strategy=fsdp"],
-    "fsdp_cpu_offload": ["strategy=fsdp", "offload_params=cpu"],
-    "zero1": ["strategy=zero1"],
-    "zero2": ["strategy=zero2"],
-    "zero3": ["strategy=zero3"],
-    "zero3_cpu_offload": ["strategy=zero3", "offload_optimizer=cpu", "offload_params=cpu"],
-}
+from suite_runs import STRATEGIES
+
 # Different reduction orders (sharded vs whole tensors) move fp32 losses by ~1e-6 over 12 steps.
 RTOL = 1e-4
 
@@ -85,8 +77,8 @@ def assert_real_weights(run):
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_two_processes_match_reference(name, launch, reference, monkeypatch):
-    run = launch(2, *STRATEGIES[name])
+def test_two_processes_match_reference(name, strategy_run, reference, monkeypatch):
+    run = strategy_run(name)
     assert_same_curve(run, reference)
     assert_real_weights(run)
     logged = run.eval_records[-1]["eval_loss"]
@@ -94,9 +86,9 @@ def test_two_processes_match_reference(name, launch, reference, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["zero3_cpu_offload", "fsdp"])
-def test_one_process_without_launcher(name, launch, reference):
+def test_one_process_without_launcher(name, strategy_run, reference):
     """`python finetune/run.py` alone runs any strategy (ZeRO-3 with offload on one GPU is a real use)."""
-    run = launch(1, *STRATEGIES[name])
+    run = strategy_run(name, nprocs=1)
     assert_same_curve(run, reference)
     assert (run.output_dir / "final" / "model.safetensors").is_file()
 

@@ -1,0 +1,60 @@
+"""What a resumed run may change: pure logic on a checkpoint's saved recipe, no training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune.checkpoint import ResumePoint, resume_changes
+from finetune.recipe import Recipe, RecipeError
+
+SAVED = Recipe(max_steps=12, micro_batch_size=4, global_batch_size=16, lr=1e-3, output_dir="/runs/a")
+
+
+def point(recipe: Recipe = SAVED, world_size: int = 2) -> ResumePoint:
+    return ResumePoint(path=Path("/runs/a/checkpoints/step_000000005"), step=5, world_size=world_size,
+                       global_batch_size=16, strategy=recipe.strategy,
+                       recipe=json.loads(json.dumps(recipe.to_dict())))
+
+
+def test_unchanged_recipe_has_nothing_to_say():
+    assert resume_changes(point(), SAVED) == []
+
+
+def test_run_length_and_micro_batch_apply_and_are_named(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    notes = resume_changes(point(), dataclasses.replace(SAVED, max_steps=20, micro_batch_size=2,
+                                                        output_dir="/runs/b", eval_every=3))
+    assert notes == ["micro_batch_size: 4 -> 2 (the global batch is kept, accumulation is recomputed)",
+                     "max_steps: 12 -> 20 (the run's length; the lr schedule is recomputed for it from this step on)",
+                     "eval_every: 100 -> 3 (applies from this step on)"]
+
+
+@pytest.mark.parametrize("key,value", [("lr", 5e-4), ("warmup_steps", 3), ("lr_scheduler", "linear"),
+                                       ("weight_decay", 0.1), ("mixed_precision", "no")])
+def test_optimizer_and_schedule_changes_are_refused_not_ignored(key, value):
+    with pytest.raises(RecipeError) as e:
+        resume_changes(point(), dataclasses.replace(SAVED, **{key: value}))
+    old = getattr(SAVED, key)
+    assert f"{key}: {old} -> {value}" in str(e.value) and "restore them" in str(e.value)
+
+
+def test_another_global_batch_is_refused_not_reverted(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RecipeError, match=r"global_batch_size=32 \(the checkpoint's global batch is 16\)"):
+        resume_changes(point(), dataclasses.replace(SAVED, global_batch_size=32))
+    no_fixed_batch = dataclasses.replace(SAVED, global_batch_size=0, grad_accum=2)
+    with pytest.raises(RecipeError, match=r"grad_accum=4 \(a global batch of 32; the checkpoint's is 16"):
+        resume_changes(point(no_fixed_batch), dataclasses.replace(no_fixed_batch, grad_accum=4))
+    # the same global batch asked for another way is fine: 4 x 4 x 1 process = 16
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert resume_changes(point(no_fixed_batch), dataclasses.replace(no_fixed_batch, grad_accum=4)) == []
+
+
+def test_another_world_size_keeps_the_global_batch_silently():
+    unfixed = dataclasses.replace(SAVED, global_batch_size=0, grad_accum=2)
+    saved_after_pin = dataclasses.replace(unfixed, global_batch_size=16)  # run.prepare pins it on resume
+    assert resume_changes(point(saved_after_pin), unfixed) == []
