@@ -70,10 +70,14 @@ def launch(launch_env, tmp_path_factory):
     """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`."""
 
     def run(nprocs: int, *overrides: str, recipe: str = "tiny", output_dir: Path | None = None,
-            check: bool = True, timeout: int = 600, extra_env: dict | None = None) -> Run:
+            check: bool = True, timeout: int = 600, extra_env: dict | None = None, front: bool = False) -> Run:
+        """front=True launches through `finetune train` (finetune/cli.py) instead of accelerate directly."""
         out = output_dir or tmp_path_factory.mktemp("run")
         args = ["--recipe", recipe, *FAST, f"output_dir={out}", *overrides]
-        if nprocs == 1:
+        if front:
+            cmd = [sys.executable, "-m", "finetune.cli", "train", recipe, "--num_processes", str(nprocs),
+                   "--main_process_port", str(_free_port()), *args[2:]]
+        elif nprocs == 1:
             cmd = [sys.executable, "finetune/run.py", *args]
         else:
             cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes",

@@ -1,0 +1,70 @@
+"""`finetune` (finetune/cli.py): the launch command it builds, and mistakes caught in its own process
+before anything is launched. The real launch through it is in tests/distributed/test_run_experience.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.cli import RUN_SCRIPT, _launcher_options, launch_command
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_one_process_runs_without_a_launcher():
+    assert launch_command({}, ["--recipe", "tiny"], 1) == [sys.executable, str(RUN_SCRIPT), "--recipe", "tiny"]
+
+
+def test_several_processes_go_through_accelerate_launch():
+    options, rest = _launcher_options(["tiny", "--num_processes", "4", "lr=1e-5", "--main_process_port=2950"])
+    assert options == {"--num_processes": "4", "--main_process_port": "2950"} and rest == ["tiny", "lr=1e-5"]
+    cmd = launch_command(options, ["--recipe", "tiny", "lr=1e-5"], 4)
+    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert cmd[cmd.index("--num_processes") + 1] == "4" and cmd[cmd.index("--main_process_port") + 1] == "2950"
+    assert cmd[-4:] == [str(RUN_SCRIPT), "--recipe", "tiny", "lr=1e-5"] and "--multi_gpu" in cmd
+
+
+def test_a_launcher_config_gives_the_process_count(tmp_path):
+    from finetune.cli import _processes
+
+    config = tmp_path / "c.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
+    assert _processes({"--config_file": str(config)}) == 8
+    cmd = launch_command({"--config_file": str(config)}, ["--recipe", "tiny"], 8)
+    assert cmd[3:5] == ["--config_file", str(config)] and "--multi_gpu" not in cmd
+
+
+def front(*args):
+    return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "tiny", "max_step=3"], "error: unknown recipe key 'max_step'; did you mean max_steps?"),
+    (["train", "tiny", "--num_processes", "3", "global_batch_size=16", "micro_batch_size=4"],
+     "error: global_batch_size=16 is not a multiple of micro_batch_size x processes = 4 x 3 = 12"),
+    (["train", "nope"], "error: unknown recipe 'nope'"),
+    (["fly"], "error: unknown command 'fly'"),
+])
+def test_mistakes_are_one_line_and_exit_2_before_any_launch(args, message, tmp_path):
+    proc = front(*args, f"output_dir={tmp_path / 'out'}") if args[0] == "train" else front(*args)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(message), proc.stderr
+    assert "Traceback" not in proc.stderr and "finetune: " not in proc.stderr  # nothing was launched
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_and_export_are_the_same_tools():
+    plan = front("plan", "--recipe", "llama7b_zero3", "--gpus", "8", "--gpu-mem", "80GB")
+    assert plan.returncode == 0 and "cheapest that fits" in plan.stdout
+    export = front("export", "/nonexistent/step_000000001", "/tmp/never-written")
+    assert export.returncode == 2 and export.stderr.startswith("error: ")
+
+
+def test_the_console_script_is_installed():
+    script = Path(sys.executable).parent / "finetune"
+    assert script.is_file(), "pip install -e . installs the `finetune` command (pyproject [project.scripts])"
+    assert subprocess.run([str(script), "--help"], capture_output=True, text=True).stdout.startswith("usage: finetune")
