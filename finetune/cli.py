@@ -146,7 +146,8 @@ def train(argv: list[str]) -> int:
         print(memory_report(plan.recipe, plan.world_size, args.recipe))
         return 0
     cmd = launch_command(options, run_args, processes)
-    print("finetune: " + " ".join(cmd[1:] if cmd[1] == "-m" else cmd), file=sys.stderr, flush=True)
+    shown = ["accelerate", "launch", *cmd[3:]] if cmd[1:3] == ["-m", "accelerate.commands.launch"] else cmd
+    print("finetune: " + " ".join(shown), file=sys.stderr, flush=True)
     child = subprocess.Popen(cmd)
     # Ctrl-C reaches the whole process group: the runs save a checkpoint and stop (a second Ctrl-C
     # aborts them); this front only waits for them to finish, it does not die first.
