@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
                               "grad_accum=1", "eval_fraction=0", "output_dir=/tmp/bench-gpu-profile"])
     plan = make_plan(recipe)
     model_path, config = load_config(recipe)
-    accelerator = build_accelerator(plan, config.hidden_size, [])
+    accelerator = build_accelerator(plan, config)
     tokenizer = load_tokenizer(recipe, model_path)
     ds = D.build_datasets(recipe, tokenizer).train
     model = load_model(recipe, model_path, config)

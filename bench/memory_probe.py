@@ -42,22 +42,20 @@ def main(argv: list[str]) -> int:
     from finetune import loop
     from finetune.data import collate
     from finetune.memory import held_bytes
-    from finetune.model import load_config, load_model, loss_sum, no_split_modules
+    from finetune.model import load_config, load_model, loss_sum
     from finetune.plan import make_plan
     from finetune.recipe import Recipe, apply_overrides, validate
-    from finetune.strategy import build_accelerator, prepare
+    from finetune.strategy import build_accelerator, prepare, reads_weights
 
     recipe = validate(apply_overrides(Recipe(mixed_precision="no", output_dir=str(out / "run")), overrides))
     plan = make_plan(recipe)
     model_path, config = load_config(recipe)
-    wrap = no_split_modules(config) if recipe.strategy == "fsdp" else []
-    accelerator = build_accelerator(plan, config.hidden_size, wrap)
+    accelerator = build_accelerator(plan, config)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     rss = {"after_setup": rss_bytes()}
 
     t0 = time.perf_counter()
-    model = load_model(recipe, model_path, config, weights_on_this_rank=recipe.strategy != "fsdp"
-                       or accelerator.is_main_process)
+    model = load_model(recipe, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps=10)
     load_seconds = time.perf_counter() - t0
     rss["after_prepare"] = rss_bytes()

@@ -15,10 +15,10 @@ from finetune.checkpoint import Checkpointer, StopRequest, check_model, ensure_u
 from finetune.export import merge_adapter, save_final_model
 from finetune.metrics import (MetricsFile, Progress, flops_per_token, format_summary, log, peak_flops,
                               peak_memory_bytes, plot_losses, setup_logging, start_trackers)
-from finetune.model import load_config, load_model, load_tokenizer, loss_sum, no_split_modules
+from finetune.model import load_config, load_model, load_tokenizer, loss_sum
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
-from finetune.strategy import accumulate, build_accelerator, prepare
+from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
 
 
 @dataclass
@@ -85,8 +85,7 @@ def train(plan: Plan) -> dict:
         check_model(plan.resume, model_path)
         if plan.is_deepspeed and plan.resumes_on_other_world_size:
             ensure_universal(plan.resume, int(os.environ.get("RANK", "0")))
-    wrap = no_split_modules(config) if r.strategy == "fsdp" else []
-    accelerator = build_accelerator(plan, config.hidden_size, wrap)
+    accelerator = build_accelerator(plan, config)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     is_main = accelerator.is_main_process
     log.info(plan.describe())
@@ -106,7 +105,7 @@ def train(plan: Plan) -> dict:
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{', packed' if packed else ''}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
 
-    model = load_model(r, model_path, config, weights_on_this_rank=r.strategy != "fsdp" or is_main)
+    model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
 

@@ -118,8 +118,9 @@ def _fsdp_plugin(plan: Plan, no_split_modules: list[str]):
         cpu_offload=CPUOffload(offload_params=r.offload_params == "cpu"), **common)
 
 
-def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str]):
-    """Create the process group and the Accelerator for the recipe's strategy.
+def build_accelerator(plan: Plan, config):
+    """Create the process group and the Accelerator for the recipe's strategy, from the model's config
+    (its hidden size sizes DeepSpeed's buckets; its decoder-layer class is FSDP's unit).
 
     Must run before the model is loaded: under ZeRO-3 the Accelerator's DeepSpeed config is what makes
     `from_pretrained` partition weights as they load, and under FSDP it is what makes ranks other
@@ -134,10 +135,12 @@ def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str])
     ds_plugin = fsdp_plugin = None
     if plan.is_deepspeed:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        ds_plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan, hidden_size))
+        ds_plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan, config.hidden_size))
     elif r.strategy == "fsdp":
+        from finetune.model import no_split_modules
+
         os.environ["ACCELERATE_USE_FSDP"] = "true"
-        fsdp_plugin = _fsdp_plugin(plan, no_split_modules)
+        fsdp_plugin = _fsdp_plugin(plan, no_split_modules(config))
 
     if on_cpu:
         if r.strategy == "ddp":
@@ -163,6 +166,13 @@ def build_accelerator(plan: Plan, hidden_size: int, no_split_modules: list[str])
         raise RuntimeError(f"Accelerate formed a group of {accelerator.num_processes} processes but the launcher "
                            f"started {plan.world_size}; see docs on launching")
     return accelerator
+
+
+def reads_weights(plan: Plan, accelerator) -> bool:
+    """Whether this rank reads the checkpoint's weights from disk. Under FSDP only rank 0 does: the
+    others build a meta-device skeleton and receive their shards when the model is prepared, so no
+    node holds one full copy per process in CPU RAM. ZeRO-3 partitions as every rank reads."""
+    return plan.recipe.strategy != "fsdp" or accelerator.is_main_process
 
 
 def accumulate(accelerator, model, index: int):
