@@ -98,8 +98,8 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
     kept = f"the newest checkpoint, {saved[-1]}, is from before it" if saved else "no checkpoint had been saved"
     allowed = (f"{recipe.max_nonfinite_steps} such step(s) were skipped already; " if recipe.max_nonfinite_steps
                else "")
-    raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}the run stopped "
-                         f"without saving it ({kept}); lower lr (now {recipe.lr}) or max_grad_norm, or check the "
+    raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}stopped "
+                         f"without saving ({kept}); lower lr (now {recipe.lr}) or max_grad_norm, or check the "
                          f"data of step {step}, then continue with --resume auto; or let such steps be skipped with "
                          f"max_nonfinite_steps=N")
 

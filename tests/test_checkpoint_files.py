@@ -234,6 +234,12 @@ def test_verify_refuses_a_planted_metadata_listed_in_the_manifest(tmp_path):
     assert not marker.exists()
 
 
+def test_a_garbled_metadata_is_damage_not_an_attack(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", files={"optimizer_0/.metadata": b"\x00garbage", "loop_state.json": b"{}"})
+    with pytest.raises(RecipeError, match=r"is damaged: optimizer_0/\.metadata cannot be read \(UnpicklingError"):
+        verify(ckpt)
+
+
 if __name__ == "__main__":  # throughput of file_checksums on one file of N bytes (default 2 GiB)
     import tempfile
     import time
