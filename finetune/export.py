@@ -4,7 +4,8 @@ tokenizer. Two ways in, one way out:
 - at the end of a run, `save_final_model` gathers the live sharded model into `final/`;
 - `python -m finetune.export CHECKPOINT OUT_DIR` rebuilds the same thing from any checkpoint (FSDP
   distributed-checkpoint shards, DeepSpeed ZeRO files of any stage, a DDP state dict), from any
-  number of processes, on one CPU process, and checks its result by reloading it.
+  number of processes, on one CPU process, and checks its result by reloading it. A LoRA checkpoint
+  becomes a peft adapter like final/ of its run, or with `--merge` one plain model.
 
 Either way the directory is written under a temporary name and renamed, so it is complete or absent.
 """
@@ -141,12 +142,13 @@ class ExportError(Exception):
     pass
 
 
-def checkpoint_state_dict(ckpt: Path, template: dict) -> dict:
+def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
     """Full, unsharded fp32 weights from a checkpoint, whatever wrote it. `template` is the plain
-    model's state dict (its keys and shapes), filled in place for the FSDP case."""
+    model's state dict (its keys and shapes), filled in place for the FSDP case; None for a LoRA
+    checkpoint, which holds the adapter only."""
     import torch
 
-    from finetune.checkpoint import weights_only_torch_load
+    from finetune.checkpoint import safe_loading
 
     fsdp_dir = ckpt / "pytorch_model_fsdp_0"
     zero_dir = ckpt / "pytorch_model"
@@ -154,16 +156,22 @@ def checkpoint_state_dict(ckpt: Path, template: dict) -> dict:
         # Accelerate stores {"model": model.state_dict()} of the FSDP-wrapped model: keys gain "model."
         import torch.distributed.checkpoint as dcp
 
-        wanted = {f"model.{k}": v for k, v in template.items()}
-        available = set(dcp.FileSystemReader(str(fsdp_dir)).read_metadata().state_dict_metadata)
-        wanted = {k: v for k, v in wanted.items() if k in available}  # tied weights are stored once
-        dcp.load(wanted, checkpoint_id=str(fsdp_dir), no_dist=True)
-        return {k[len("model."):]: v for k, v in wanted.items()}
+        with safe_loading():
+            metadata = dcp.FileSystemReader(str(fsdp_dir)).read_metadata().state_dict_metadata
+            if template is None:  # a LoRA adapter: whatever tensors were saved, as saved
+                wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items()
+                          if hasattr(m, "properties")}
+            else:
+                wanted = {f"model.{k}": v for k, v in template.items()}
+                wanted = {k: v for k, v in wanted.items() if k in metadata}  # tied weights are stored once
+            dcp.load(wanted, checkpoint_id=str(fsdp_dir), no_dist=True)
+        return {k.removeprefix("model."): v for k, v in wanted.items()}
     if zero_dir.is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with weights_only_torch_load():
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
+        with safe_loading():
+            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model",
+                                                            exclude_frozen_parameters=template is None)
     if (ckpt / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
@@ -174,9 +182,11 @@ def checkpoint_state_dict(ckpt: Path, template: dict) -> dict:
                       "with ZeRO files, or model.safetensors)")
 
 
-def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB") -> dict:
+def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", merge: bool = False,
+                      base: str | None = None, log=print) -> dict:
     """Write `out_dir` from `ckpt` and prove it: reload with from_pretrained and compare logits on a
-    probe batch against the model rebuilt from the checkpoint. Returns what was checked."""
+    probe batch against the model rebuilt from the checkpoint. Returns what was checked. A LoRA
+    checkpoint becomes a peft adapter, or with `merge` a plain model (see export_lora)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -188,14 +198,21 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB") ->
         raise ExportError(f"{out_dir} already exists; choose another OUT_DIR or move that one away (nothing was "
                           "overwritten)")
     try:
-        manifest = verify(ckpt)
+        manifest = verify(ckpt, checksums=True)
     except RecipeError as e:
         raise ExportError(str(e)) from None
+    if "checksums" not in manifest:
+        log(f"note: {ckpt} has no checksums (written by an older finetune): only file sizes were checked")
     hf = ckpt / HF_DIR
     if not (hf / "config.json").is_file():
         raise ExportError(f"{ckpt} has no {HF_DIR}/config.json (written by every checkpoint of this toolkit); "
                           "is it a finetune checkpoint?")
     recipe = json.loads((ckpt / "recipe.json").read_text())
+    if recipe.get("lora"):
+        return export_lora(ckpt, out_dir, manifest, recipe, merge, base, max_shard_size)
+    if merge or base:
+        raise ExportError(f"{'--merge' if merge else '--base'} applies to LoRA checkpoints; {ckpt} is a full "
+                          "fine-tune, whose export is a plain model already")
     config = AutoConfig.from_pretrained(hf)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -236,12 +253,115 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB") ->
             "parameters": sum(p.numel() for p in model.parameters()), "probe_max_abs_diff": max_diff}
 
 
+def _lora_keys(state_dict: dict) -> dict:
+    """Adapter tensors named as in peft's adapter_model.safetensors: DeepSpeed and DDP keep the adapter
+    name in the key (`lora_A.default.weight`), peft's saved form (and FSDP's adapter_only save) has none."""
+    import re
+
+    return {re.sub(r"\.(lora_[A-Za-z_]+)\.default(?=\.|$)", r".\1", k): v for k, v in state_dict.items()}
+
+
+def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: bool, base: str | None,
+                max_shard_size: str = "5GB") -> dict:
+    """A LoRA checkpoint holds the adapter, not the frozen base: rebuild the run's peft model on the base
+    (the model the run loaded, or `base`), load the adapter into it, and write it as a peft adapter
+    (PeftModel.from_pretrained(base, out_dir)), or with `merge` as one plain model. Either way the
+    result is reloaded and must give the rebuilt model's probe logits exactly; a merged model must
+    also give the adapter's within float tolerance."""
+    import dataclasses
+
+    import torch
+    from peft import PeftModel, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.checkpoint import HF_DIR
+    from finetune.model import add_lora
+    from finetune.recipe import Recipe, RecipeError
+
+    base_path = base or manifest["fingerprint"]["model"]
+    try:
+        with _without_zero3_init():
+            base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"{ckpt} holds a LoRA adapter, not a whole model, and its base {base_path} cannot be "
+                          f"loaded ({str(e).strip().splitlines()[0]}); pass --base PATH_OR_HUB_ID of the model it "
+                          "was trained on") from None
+    adapter = _lora_keys(checkpoint_state_dict(ckpt, None))
+    not_lora = [k for k in adapter if "lora_" not in k]
+    if not adapter or not_lora:
+        raise ExportError(f"{ckpt} is marked lora=true but holds {not_lora[:3] or 'no tensors'} besides/instead of "
+                          "LoRA weights; is it damaged?")
+    lora = dataclasses.replace(Recipe(), lora=True, lora_r=recipe["lora_r"], lora_alpha=recipe["lora_alpha"],
+                               lora_dropout=recipe["lora_dropout"],
+                               lora_target_modules=tuple(recipe.get("lora_target_modules") or ()))
+    try:
+        model = add_lora(base_model, lora)
+        result = set_peft_model_state_dict(model, adapter)
+    except (RecipeError, RuntimeError) as e:  # another base: other module names or shapes
+        raise ExportError(f"the adapter in {ckpt} does not fit the base {base_path}: "
+                          f"{str(e).strip().splitlines()[0]}; pass --base with the model it was trained on") from None
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ExportError(f"the adapter in {ckpt} does not fit the base {base_path}: missing {missing[:3]}, "
+                          f"unexpected {list(result.unexpected_keys)[:3]}")
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_DIR)
+    probe = torch.randint(0, base_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=probe).logits
+
+    adapter_tmp = out_dir.with_name(out_dir.name + (".adapter.tmp" if merge else ".tmp"))
+    shutil.rmtree(adapter_tmp, ignore_errors=True)
+    model.save_pretrained(adapter_tmp, safe_serialization=True)
+    tokenizer.save_pretrained(adapter_tmp)
+    reloaded = PeftModel.from_pretrained(model.unload(), adapter_tmp).eval()  # the base again, adapter from disk
+    with torch.no_grad():
+        got = reloaded(input_ids=probe).logits
+    if not torch.equal(want, got):
+        shutil.rmtree(adapter_tmp, ignore_errors=True)
+        raise ExportError(f"the exported adapter's logits differ from the checkpoint's by up to "
+                          f"{float((want - got).abs().max()):.3g}; nothing was written")
+    info = {"checkpoint": str(ckpt), "step": manifest["step"], "world_size": manifest["world_size"],
+            "out_dir": str(out_dir), "base": str(base_path), "lora": True, "merged": merge,
+            "adapter_parameters": sum(v.numel() for v in adapter.values()), "probe_max_abs_diff": 0.0}
+    if not merge:
+        _publish(adapter_tmp, out_dir)
+        return info | {"dtype": "float32"}
+
+    merged = reloaded.merge_and_unload()
+    if recipe.get("mixed_precision") == "bf16":  # as final_merged/ of a bf16 run
+        merged = merged.to(torch.bfloat16)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(tmp)
+    _plain_architecture(tmp / "config.json")
+    shutil.rmtree(adapter_tmp, ignore_errors=True)
+    with torch.no_grad():
+        merged_logits = merged(input_ids=probe).logits
+        del merged
+        again = AutoModelForCausalLM.from_pretrained(tmp, dtype=merged_logits.dtype).eval()
+        reread = again(input_ids=probe).logits
+    deviation = float((merged_logits.float() - want).abs().max())
+    tolerance = 1e-4 if merged_logits.dtype == torch.float32 else 0.1  # W + BA is not W x + B(A x) bit for bit
+    if not torch.equal(merged_logits, reread) or not deviation <= tolerance * (1 + float(want.abs().max())):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ExportError(f"the merged model's logits differ from its reload or from base + adapter (by up to "
+                          f"{deviation:.3g}); nothing was written")
+    _publish(tmp, out_dir)
+    return info | {"dtype": str(merged_logits.dtype).replace("torch.", ""), "probe_max_abs_diff": deviation,
+                   "parameters": sum(p.numel() for p in again.parameters())}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m finetune.export",
                                      description="Turn any finetune checkpoint into a plain Hugging Face model.")
     parser.add_argument("checkpoint", type=Path, help="e.g. OUTPUT_DIR/checkpoints/step_000000200")
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--max-shard-size", default="5GB")
+    parser.add_argument("--merge", action="store_true",
+                        help="LoRA checkpoints: write base + adapter as one plain model (default: a peft adapter)")
+    parser.add_argument("--base", help="LoRA checkpoints: the base model (default: the one the run loaded)")
     args = parser.parse_args(argv)
     import os
     import warnings
@@ -252,10 +372,21 @@ def main(argv=None) -> int:
 
     setup_logging("warning", 0)
     try:
-        result = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size)
+        result = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size, args.merge, args.base,
+                                   log=lambda m: print(m, file=sys.stderr))
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if result.get("lora") and not result["merged"]:
+        print(f"exported the LoRA adapter of step {result['step']} (written by {result['world_size']} process(es)) "
+              f"to {result['out_dir']}: {result['adapter_parameters']:,} parameters; reloaded with "
+              f"PeftModel.from_pretrained on {result['base']}, probe logits identical")
+        return 0
+    if result.get("lora"):
+        print(f"exported step {result['step']} merged into {result['base']} to {result['out_dir']}: "
+              f"{result['parameters']:,} parameters, {result['dtype']}; reloaded with from_pretrained, probe logits "
+              f"identical, within {result['probe_max_abs_diff']:.2g} of base + adapter")
+        return 0
     print(f"exported step {result['step']} (written by {result['world_size']} process(es)) to {result['out_dir']}: "
           f"{result['parameters']:,} parameters, {result['dtype']}; reloaded with from_pretrained, probe logits "
           "identical")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
-from finetune.checkpoint import Checkpointer, StopRequest, check_model, ensure_universal, fault_point
+from finetune.checkpoint import (Checkpointer, StopRequest, check_model, complete_checkpoints, ensure_universal,
+                                 fault_point)
 from finetune.export import merge_adapter, save_final_model
 from finetune.metrics import (MetricsFile, Progress, flops_per_token, format_summary, log, peak_flops,
                               peak_memory_bytes, plot_losses, setup_logging, start_trackers)
@@ -29,6 +31,7 @@ class LoopState:
     tokens: int = 0        # target tokens seen, all ranks
     samples: int = 0       # rows seen, all ranks
     best_eval_loss: float | None = None
+    nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss or gradient norm (recipe.max_nonfinite_steps)
 
 
 def main_first(accelerator, fn):
@@ -67,6 +70,38 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> f
     model.train()
     total = reduce(total)
     return float(total[0] / total[1])
+
+
+class NonFiniteError(RecipeError):
+    """The run diverged: said as one line (exit code 2), after which the newest checkpoint is still good."""
+
+
+def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) -> bool:
+    """Whether to skip this step's update because its loss or gradient norm is NaN or inf; raises
+    NonFiniteError once more than recipe.max_nonfinite_steps such steps were seen. Called before
+    optimizer.step() with values all ranks share (the reduced loss, the global norm), so every rank
+    decides alike and no NaN update is applied, checkpointed or exported. DeepSpeed steps inside
+    backward(), but ZeRO drops a step whose gradient norm is not finite and reports the norm as inf,
+    so skipping there is already done. Under fp16 an inf gradient norm is the loss scaler's routine
+    overflow (it skips the step and lowers the scale itself), so only the loss counts."""
+    norm = float(grad_norm) if grad_norm is not None else 0.0
+    if math.isfinite(loss) and (math.isfinite(norm) or recipe.mixed_precision == "fp16"):
+        return False
+    step = state.step + 1
+    state.nonfinite_steps += 1
+    if state.nonfinite_steps <= recipe.max_nonfinite_steps:
+        if os.environ.get("RANK", "0") == "0":  # every rank decides the same; one says so
+            log.warning(f"step {step}: loss {loss}, gradient norm {norm}: not finite; update skipped "
+                        f"({state.nonfinite_steps} of max_nonfinite_steps={recipe.max_nonfinite_steps})")
+        return True
+    saved = complete_checkpoints(out / "checkpoints")
+    kept = f"the newest checkpoint, {saved[-1]}, is from before it" if saved else "no checkpoint had been saved"
+    allowed = (f"{recipe.max_nonfinite_steps} such step(s) were skipped already; " if recipe.max_nonfinite_steps
+               else "")
+    raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}stopped "
+                         f"without saving ({kept}); lower lr (now {recipe.lr}) or max_grad_norm, or check the "
+                         f"data of step {step}, then continue with --resume auto; or let such steps be skipped with "
+                         f"max_nonfinite_steps=N")
 
 
 # The wrapped model holds the process group (DDP's reducer holds the last reference to it). Freed
@@ -160,8 +195,10 @@ def train(plan: Plan) -> dict:
                 accelerator.backward(loss * scale)
             step_loss += loss.detach().double()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
-        optimizer.step()
-        scheduler.step()
+        step_loss = float(reduce_sum(step_loss) / global_tokens)
+        if not skip_nonfinite(state, step_loss, grad_norm, r, out):  # or raises: a NaN run stops here
+            optimizer.step()
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.tokens += global_tokens
@@ -170,7 +207,6 @@ def train(plan: Plan) -> dict:
         window_inputs += global_inputs
         fault_point("after_step", rank, state.step)
 
-        step_loss = float(reduce_sum(step_loss) / global_tokens)
         record = None
         if state.step % r.log_every == 0 or state.step == total_steps:
             now = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -77,9 +78,11 @@ class Recipe:
     adam_beta2: float = _opt(0.999, min=0.0, max=1.0)
     adam_eps: float = _opt(1e-8, min=0.0)
     max_grad_norm: float = _opt(1.0, min=0.0, help="0 disables clipping")
+    max_nonfinite_steps: int = _opt(0, min=0, help="steps with a NaN/inf loss or gradient norm to skip (no update) "
+                                    "before the run stops with an error; 0: stop at the first")
     epochs: int = _opt(1, min=1)
     max_steps: int = _opt(0, min=0, help="0: run `epochs` epochs")
-    seed: int = _opt(42, min=0)
+    seed: int = _opt(42, min=0, max=2**32 - 1)  # numpy's range; the data order and RNG streams derive from it
     # Outputs
     output_dir: str = _opt("runs/default")
     log_every: int = _opt(10, min=1)
@@ -230,6 +233,10 @@ def _check_field(name: str, value) -> None:
     if choices and value not in choices:
         raise RecipeError(f"{name}={value}: must be one of {', '.join(map(str, choices))}")
     low, high = meta.get("min"), meta.get("max")
+    if kind is float and not math.isfinite(value):  # nan < low is False: without this, nan passes every bound
+        bounds = " and ".join(b for b in (f">= {low}" if low is not None else "", f"<= {high}" if high is not None
+                                            else "") if b)
+        raise RecipeError(f"{name}={value}: must be a finite number{' ' + bounds if bounds else ''}")
     if low is not None and value < low:
         raise RecipeError(f"{name}={value}: must be >= {low}")
     if high is not None and value > high:

@@ -176,10 +176,17 @@ def damaged_copy(run, tmp_path, damage):
     return out, ckpt, shard
 
 
+def flip_a_byte(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
 @pytest.mark.parametrize("damage,words", [
     (lambda f: f.unlink(), "is missing"),
     (lambda f: f.write_bytes(f.read_bytes()[:1000]), "has 1000 bytes"),
-])
+    (flip_a_byte, "does not match the xxh3_128 checksum"),  # same size: only the checksum sees it
+], ids=["missing", "truncated", "same-size"])
 def test_damaged_checkpoint_is_refused_and_kept(damage, words, launch, uninterrupted, tmp_path):
     run = uninterrupted("zero3")
     out, ckpt, shard = damaged_copy(run, tmp_path, damage)
@@ -189,7 +196,10 @@ def test_damaged_checkpoint_is_refused_and_kept(damage, words, launch, uninterru
     message = refused.stderr.strip().splitlines()[-1]
     assert message.startswith("error: checkpoint") and words in message and shard.name in message
     assert "nothing was deleted" in message and "Traceback" not in refused.stderr
-    assert sorted(p.name for p in ckpt.rglob("*")) == before
+    after = sorted(p.name for p in ckpt.rglob("*"))
+    # rank 0 checks the checksums before converting for the other world size, and leaves its reason
+    # for the other ranks (which wait on the conversion) in universal.failed; nothing else changes
+    assert set(before) <= set(after) and set(after) - set(before) <= {"universal.failed"}
     exported = export(ckpt, tmp_path / "exported", run.env)
     assert exported.returncode == 2 and words in exported.stderr and not (tmp_path / "exported").exists()
 
@@ -234,9 +244,7 @@ def test_checkpoint_files_are_never_unpickled(uninterrupted, tmp_path):
         shard.write_bytes(pickle.dumps(_RunsCode(str(marker))))
 
     out, ckpt, shard = damaged_copy(run, tmp_path, poison)
-    manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"][str(shard.relative_to(ckpt))] = shard.stat().st_size
-    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    consistent_manifest(ckpt, shard)  # the loader, not the checksum, must refuse it
     proc = export(ckpt, tmp_path / "exported", run.env)
     assert proc.returncode != 0
     assert not marker.exists(), "a checkpoint file ran code while being loaded"
@@ -249,3 +257,60 @@ class _RunsCode:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+def consistent_manifest(ckpt, *changed):
+    """Rewrite the manifest's size and checksum of files changed on purpose, as an attacker could."""
+    from finetune.checkpoint import file_checksums
+
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for f in changed:
+        rel = str(f.relative_to(ckpt))
+        manifest["files"][rel] = f.stat().st_size
+        manifest["checksums"] |= file_checksums(ckpt, [rel])
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_planted_dcp_metadata_does_not_run(launch, uninterrupted, tmp_path):
+    """torch.distributed.checkpoint reads `.metadata` with pickle.load: a planted one (manifest made to
+    match) is refused by resume and by export, with one line, and its code never runs."""
+    run = uninterrupted("fsdp")
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints" / "step_000000012"
+    shutil.copytree(run.output_dir / "checkpoints" / ckpt.name, ckpt)
+    marker = tmp_path / "code-ran"
+    metadata = ckpt / "pytorch_model_fsdp_0" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    consistent_manifest(ckpt, metadata)
+
+    resumed = launch(1, "strategy=fsdp", *SAVE, "--resume", "auto", output_dir=out, check=False)
+    exported = export(ckpt, tmp_path / "exported", run.env)
+    for proc in (resumed, exported):
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        message = proc.stderr.strip().splitlines()[-1]
+        assert message.startswith(f"error: checkpoint {ckpt}: pytorch_model_fsdp_0/.metadata is refused"), message
+        assert "not on the allow-list" in message and "Traceback" not in proc.stderr
+    assert not marker.exists(), "a checkpoint's .metadata ran code"
+    assert not (tmp_path / "exported").exists() and not (out / "final").exists()
+
+
+def test_unreadable_manifest(launch, uninterrupted, tmp_path):
+    """--resume auto skips a checkpoint whose manifest is empty, saying so, and continues from the one
+    before; naming it with --resume PATH is one error line."""
+    run = uninterrupted("ddp")
+    out = tmp_path / "out"
+    for name in ("step_000000008", "step_000000012"):
+        shutil.copytree(run.output_dir / "checkpoints" / name, out / "checkpoints" / name)
+    newest = out / "checkpoints" / "step_000000012"
+    (newest / "manifest.json").write_text("")
+
+    named = launch(1, "strategy=ddp", *SAVE, "--resume", str(newest), output_dir=out, check=False)
+    assert named.returncode == 2 and "Traceback" not in named.stderr
+    assert named.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint {newest}: manifest.json is unreadable")
+
+    resumed = launch(1, "strategy=ddp", *SAVE, "--resume", "auto", output_dir=out)
+    skipped = [line for line in resumed.stderr.splitlines() if line.startswith("skipping")]
+    assert len(skipped) == 1 and str(newest) in skipped[0] and "unreadable" in skipped[0]
+    assert f"resumed from {out / 'checkpoints' / 'step_000000008'} at step 8" in resumed.stderr
+    assert [r["step"] for r in resumed.train_records if r["step"] > 8] == [9, 10, 11, 12]
+    assert (out / "final" / "model.safetensors").is_file()

@@ -103,3 +103,54 @@ def test_lora_resume_is_exact(strategy, lora_runs, launch, tmp_path_factory):
     a = load_file(str(reference.output_dir / "final" / "adapter_model.safetensors"))
     b = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def export(ckpt, out, env, *options):
+    import subprocess
+    import sys
+
+    from tests.distributed.conftest import REPO
+
+    return subprocess.run([sys.executable, "-m", "finetune.export", str(ckpt), str(out), *options], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_lora_checkpoint_exports(strategy, lora_runs, tmp_path):
+    """`python -m finetune.export` of a LoRA checkpoint writes the adapter, which peft loads on the base
+    and which equals final/ tensor for tensor; with --merge, the plain model equal to final_merged/."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run = lora_runs(strategy)
+    ckpt = run.output_dir / "checkpoints" / "step_000000012"
+    adapter = export(ckpt, tmp_path / "adapter", run.env)
+    assert adapter.returncode == 0, adapter.stderr[-3000:]
+    assert "exported the LoRA adapter of step 12" in adapter.stdout and "probe logits identical" in adapter.stdout
+    a = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run.output_dir / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and len(a) == 28 and all(torch.equal(a[k], b[k]) for k in a)
+    base = AutoModelForCausalLM.from_pretrained(_base_dir(run), dtype=torch.float32)
+    probe = torch.randint(0, base.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = base(input_ids=probe).logits
+        tuned = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=probe).logits
+    assert not torch.equal(plain, tuned)  # the adapter is loaded and does something
+
+    merged = export(ckpt, tmp_path / "merged", run.env, "--merge")
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    assert "merged into" in merged.stdout and "probe logits identical" in merged.stdout
+    a = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    b = load_file(str(run.output_dir / "final_merged" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (tmp_path / "merged.adapter.tmp").exists() and not (tmp_path / "merged.tmp").exists()
+
+
+def test_lora_export_without_its_base_says_so(lora_runs, tmp_path):
+    from finetune.export import ExportError, export_checkpoint
+
+    ckpt = lora_runs("zero3").output_dir / "checkpoints" / "step_000000012"
+    with pytest.raises(ExportError, match="holds a LoRA adapter, not a whole model, and its base .* cannot be loaded"
+                                          ".* pass --base"):
+        export_checkpoint(ckpt, tmp_path / "out", base=str(tmp_path / "no-such-model"), log=lambda m: None)
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,258 @@
+"""Checkpoint files without training: manifests that cannot be read, checksums that catch a shard
+corrupted without changing its size, the resume point `--resume auto` falls back to, and the
+allow-list that stops a distributed checkpoint's `.metadata` pickle from running code.
+
+Hash speed (why xxh3-128): on this 2-core CPU, hashing 1 GiB in memory gave xxh3_128 6.3-12.9 GB/s,
+sha256 (with SHA-NI) 1.5, zlib.crc32 1.35, blake2b 0.6 GB/s per core; hashing a checkpoint is then
+bound by the disk, not the CPU (`python tests/test_checkpoint_files.py BYTES` measures file_checksums
+on a file of that size)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune.checkpoint import (CHECKSUM, DCP_METADATA, MANIFEST, UnreadableManifest, file_checksums,
+                                 find_resume_point, load_dcp_metadata, read_manifest, safe_loading, shares, verify,
+                                 verify_checksums)
+from finetune.recipe import RecipeError
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose
+
+
+class RunsCode:
+    """A pickle that, when loaded by plain pickle, creates `path` (standing in for any code)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def make_checkpoint(path: Path, step: int = 4, checksums: bool = True, files=None) -> Path:
+    """A directory shaped like a finetune checkpoint: files, and a manifest of their sizes and checksums."""
+    files = files or {"pytorch_model/shard_0.bin": os.urandom(3000), "pytorch_model/shard_1.bin": os.urandom(1000),
+                      "loop_state.json": b'{"step": 4}'}
+    for rel, data in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(data)
+    rels = sorted(files)
+    manifest = {"step": step, "world_size": 2, "global_batch_size": 16, "fingerprint": {"strategy": "zero3"},
+                "files": {rel: len(files[rel]) for rel in rels}}
+    if checksums:
+        manifest |= {"checksum": CHECKSUM, "checksums": file_checksums(path, rels)}
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def flip_byte(path: Path, offset: int = 500) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------- manifests
+
+
+@pytest.mark.parametrize("content,words", [
+    (b"", "is unreadable"),
+    (b'{"step": 4, "files": {', "is unreadable"),
+    (b"\xff\xfe\x00garbage", "is unreadable"),
+    (b"[1, 2]", "not a finetune manifest (a JSON list"),
+    (b'{"files": {}}', "no integer 'step'"),
+    (b'{"step": 4, "world_size": 2, "global_batch_size": 16, "fingerprint": {"strategy": "zero3"}, '
+     b'"files": {"a": "12"}}', "no 'files' mapping"),
+])
+def test_unreadable_manifest_is_one_clear_error(tmp_path, content, words):
+    ckpt = make_checkpoint(tmp_path / "step_000000004")
+    (ckpt / MANIFEST).write_bytes(content)
+    with pytest.raises(UnreadableManifest) as e:
+        verify(ckpt)
+    message = str(e.value)
+    assert words in message and str(ckpt) in message and "\n" not in message
+    assert isinstance(e.value, RecipeError)  # run.py and export print it as one `error:` line
+
+
+def test_resume_auto_skips_a_checkpoint_whose_manifest_is_unreadable(tmp_path):
+    root = tmp_path / "checkpoints"
+    make_checkpoint(root / "step_000000004", step=4)
+    newest = make_checkpoint(root / "step_000000008", step=8)
+    (newest / MANIFEST).write_text("")
+    lines = []
+    point = find_resume_point("auto", tmp_path, log=lines.append)
+    assert point.path == root / "step_000000004" and point.step == 4
+    assert len(lines) == 1 and "skipping" in lines[0] and "step_000000008" in lines[0] and "unreadable" in lines[0]
+    assert (newest / MANIFEST).is_file()  # nothing deleted
+
+    with pytest.raises(RecipeError, match="manifest.json is unreadable"):
+        find_resume_point(str(newest), tmp_path)  # named explicitly: an error, no fallback
+
+
+def test_resume_auto_with_no_readable_manifest_refuses_rather_than_start_over(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (4, 8):
+        (make_checkpoint(root / f"step_{step:09d}", step=step) / MANIFEST).write_text("{")
+    with pytest.raises(RecipeError, match="no checkpoint in .* has a readable manifest.json") as e:
+        find_resume_point("auto", tmp_path, log=lambda m: None)
+    assert "step_000000004, step_000000008" in str(e.value)
+
+
+# ---------------------------------------------------------------- checksums
+
+
+def test_checksums_catch_a_same_size_corruption(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    shard = ckpt / "pytorch_model" / "shard_0.bin"
+    verify(ckpt, checksums=True)
+    flip_byte(shard)
+    verify(ckpt)  # sizes alone cannot see it
+    with pytest.raises(RecipeError) as e:
+        verify(ckpt, checksums=True)
+    assert "is damaged: pytorch_model/shard_0.bin does not match the xxh3_128 checksum" in str(e.value)
+    assert "nothing was deleted" in str(e.value)
+
+
+def test_checksums_are_verified_in_shares_that_together_cover_every_file(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    manifest = read_manifest(ckpt)
+    parts = shares(manifest["files"], 2)
+    assert sorted(sum(parts, [])) == sorted(manifest["files"]) and all(parts)
+    assert parts[0] == ["pytorch_model/shard_0.bin"]  # the largest file alone balances the rest
+    flip_byte(ckpt / "pytorch_model" / "shard_0.bin")
+    verify_checksums(ckpt, manifest, rank=1, world=2)  # rank 1's share is intact
+    with pytest.raises(RecipeError, match="shard_0.bin does not match"):
+        verify_checksums(ckpt, manifest, rank=0, world=2)
+    # collectively every rank learns what any rank found
+    with pytest.raises(RecipeError, match="shard_0.bin does not match"):
+        verify_checksums(ckpt, manifest, rank=1, world=2, all_gather=lambda mine: [["pytorch_model/shard_0.bin"],
+                                                                                     mine])
+
+
+def test_a_manifest_without_checksums_still_loads_on_sizes(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", checksums=False)
+    assert "checksums" not in verify(ckpt, checksums=True)
+    lines = []
+    verify_checksums(ckpt, read_manifest(ckpt), rank=0, world=1, log=lines.append)
+    assert lines and "no checksums" in lines[0] and "only file sizes were checked" in lines[0]
+    (ckpt / "loop_state.json").write_text("{}")
+    with pytest.raises(RecipeError, match="has 2 bytes, the manifest says 11"):
+        verify(ckpt)
+
+
+def test_file_checksums_are_xxh3_128_of_the_content(tmp_path):
+    import xxhash
+
+    data = os.urandom((8 << 20) + 123)  # more than one read block
+    (tmp_path / "f").write_bytes(data)
+    assert file_checksums(tmp_path, ["f"]) == {"f": xxhash.xxh3_128_hexdigest(data)}
+
+
+# ---------------------------------------------------------------- DCP metadata allow-list
+
+
+def dcp_checkpoint(path: Path) -> Path:
+    """A real torch.distributed.checkpoint directory: tensors and a non-tensor item, as FSDP writes."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "extra": {"lr": 0.1, "names": ["a"]}},
+             checkpoint_id=str(path), no_dist=True)
+    return path
+
+
+def test_real_dcp_metadata_passes_the_allow_list_and_loads(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    directory = dcp_checkpoint(tmp_path / "dcp")
+    with open(directory / DCP_METADATA, "rb") as f:
+        metadata = load_dcp_metadata(f)
+    assert set(metadata.state_dict_metadata) == {"w", "extra.lr", "extra.names"}
+    target = {"w": torch.zeros(3, 4), "extra": {"lr": 0.0, "names": []}}
+    with safe_loading():
+        dcp.load(target, checkpoint_id=str(directory), no_dist=True)
+    assert torch.equal(target["w"], torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert target["extra"] == {"lr": 0.1, "names": ["a"]}
+
+
+def test_planted_dcp_metadata_does_not_run(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import filesystem
+
+    directory = dcp_checkpoint(tmp_path / "dcp")
+    marker = tmp_path / "code-ran"
+    (directory / DCP_METADATA).write_bytes(pickle.dumps(RunsCode(marker)))
+    with open(directory / DCP_METADATA, "rb") as f, pytest.raises(pickle.UnpicklingError, match="system"):
+        load_dcp_metadata(f)
+    original = filesystem.pickle
+    with safe_loading(), pytest.raises(pickle.UnpicklingError, match="not on the allow-list"):
+        dcp.FileSystemReader(str(directory)).read_metadata()  # what FSDP's load_state and export call
+    assert filesystem.pickle is original  # restored after the block
+    assert not marker.exists()
+
+
+def global_ref(module: str, name: str) -> bytes:
+    """A pickle (protocol 4) that only looks up module.name: STACK_GLOBAL, then STOP."""
+    m, n = module.encode(), name.encode()
+    return b"\x80\x04\x8c" + bytes([len(m)]) + m + b"\x8c" + bytes([len(n)]) + n + b"\x93."
+
+
+class CallsEval:
+    def __reduce__(self):
+        return (eval, ("1 + 1",))
+
+
+@pytest.mark.parametrize("payload", [
+    pickle.dumps(RunsCode("/nonexistent/marker")),
+    pickle.dumps(CallsEval()),
+    global_ref("torch", "load"),  # a torch function, not a dtype
+    global_ref("torch.distributed.checkpoint.metadata", "Metadata.mro"),  # dotted: reaches into a class
+    global_ref("torch.distributed.checkpoint.metadata", "field"),  # a function imported there
+    global_ref("torch.distributed.checkpoint.metadata", "Enum"),  # a class imported there, not defined
+], ids=["os.system", "eval", "torch.load", "dotted", "function", "imported-class"])
+def test_the_allow_list_refuses_everything_but_metadata_types(payload):
+    import io
+
+    with pytest.raises(pickle.UnpicklingError, match="not on the allow-list"):
+        load_dcp_metadata(io.BytesIO(payload))
+
+
+def test_verify_refuses_a_planted_metadata_listed_in_the_manifest(tmp_path):
+    marker = tmp_path / "code-ran"
+    ckpt = make_checkpoint(tmp_path / "ckpt", files={"pytorch_model_fsdp_0/.metadata": pickle.dumps(RunsCode(marker)),
+                                                     "loop_state.json": b"{}"})
+    with pytest.raises(RecipeError) as e:
+        verify(ckpt, checksums=True)
+    message = str(e.value)
+    assert "pytorch_model_fsdp_0/.metadata is refused" in message and "posix.system" in message
+    assert not marker.exists()
+
+
+def test_a_garbled_metadata_is_damage_not_an_attack(tmp_path):
+    ckpt = make_checkpoint(tmp_path / "ckpt", files={"optimizer_0/.metadata": b"\x00garbage", "loop_state.json": b"{}"})
+    with pytest.raises(RecipeError, match=r"is damaged: optimizer_0/\.metadata cannot be read \(UnpicklingError"):
+        verify(ckpt)
+
+
+if __name__ == "__main__":  # throughput of file_checksums on one file of N bytes (default 2 GiB)
+    import tempfile
+    import time
+
+    size = int(float(sys.argv[1])) if len(sys.argv) > 1 else 2 << 30
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
+        block = os.urandom(64 << 20)
+        with open(Path(d) / "f", "wb") as f:
+            for _ in range(size // len(block)):
+                f.write(block)
+        size = (Path(d) / "f").stat().st_size
+        for attempt in range(2):  # the second read comes from the page cache
+            t = time.perf_counter()
+            file_checksums(Path(d), ["f"])
+            print(f"file_checksums: {size / 2**30:.1f} GiB in {time.perf_counter() - t:.2f} s "
+                  f"({size / (time.perf_counter() - t) / 1e9:.2f} GB/s)")
