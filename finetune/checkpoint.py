@@ -229,7 +229,7 @@ class ResumePoint:
     world_size: int
     global_batch_size: int
     strategy: str
-    recipe: dict  # the recipe the checkpoint was trained with (its recipe.json)
+    recipe: dict  # the recipe the checkpoint was trained with (its recipe.json; every save writes one)
 
 
 def find_resume_point(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
@@ -265,7 +265,7 @@ def find_resume_point(resume: str | None, output_dir: Path, log=print) -> Resume
     manifest = verify(path)
     return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
                        global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
-                       recipe=json.loads((path / "recipe.json").read_text()))
+                       recipe=json.loads((path / "recipe.json").read_text()) if (path / "recipe.json").is_file() else {})
 
 
 def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> None:

@@ -299,7 +299,7 @@ def test_unreadable_manifest(launch, uninterrupted, tmp_path):
     before; naming it with --resume PATH is one error line."""
     run = uninterrupted("ddp")
     out = tmp_path / "out"
-    for name in ("step_000000008", "step_000000012"):
+    for name in ("step_000000010", "step_000000012"):
         shutil.copytree(run.output_dir / "checkpoints" / name, out / "checkpoints" / name)
     newest = out / "checkpoints" / "step_000000012"
     (newest / "manifest.json").write_text("")
@@ -311,6 +311,6 @@ def test_unreadable_manifest(launch, uninterrupted, tmp_path):
     resumed = launch(1, "strategy=ddp", *SAVE, "--resume", "auto", output_dir=out)
     skipped = [line for line in resumed.stderr.splitlines() if line.startswith("skipping")]
     assert len(skipped) == 1 and str(newest) in skipped[0] and "unreadable" in skipped[0]
-    assert f"resumed from {out / 'checkpoints' / 'step_000000008'} at step 8" in resumed.stderr
-    assert [r["step"] for r in resumed.train_records if r["step"] > 8] == [9, 10, 11, 12]
+    assert f"resumed from {out / 'checkpoints' / 'step_000000010'} at step 10" in resumed.stderr
+    assert [r["step"] for r in resumed.train_records if r["step"] > 10] == [11, 12]
     assert (out / "final" / "model.safetensors").is_file()
