@@ -277,16 +277,48 @@ def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (what schedulers send before preemption) ask for a checkpoint and a clean exit;
-    the loop checks `requested` between steps, agreed across ranks."""
+    """SIGTERM / SIGUSR1 (what schedulers send before preemption) and SIGINT (Ctrl-C) ask for a
+    checkpoint and a clean exit; the loop checks `requested` between steps, agreed across ranks.
+
+    A second Ctrl-C stops at once, without saving (the newest complete checkpoint stays). Under
+    accelerate launch the launcher forwards only the first one; a second one ends the launcher,
+    and the kernel then kills the workers (run.py sets PR_SET_PDEATHSIG). Run directly, the
+    process gets both. One keypress can also arrive twice within milliseconds (srun signals
+    launchers and tasks alike), so a repeat within REPEAT_S counts as the same one.
+    """
+
+    REPEAT_S = 1.0
 
     def __init__(self):
         self.requested = 0
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
+        self._interrupted_at = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        self.requested = signum
+        if signum == signal.SIGINT:
+            now = time.monotonic()
+            if self._interrupted_at is not None:
+                if now - self._interrupted_at < self.REPEAT_S:
+                    return
+                _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest "
+                     "complete checkpoint is kept; continue with --resume auto)")
+                from finetune.lock import release_all
+
+                release_all()
+                os._exit(130)
+            self._interrupted_at = now
+            if not self.requested:
+                _say("interrupted: finishing this step, saving a checkpoint, then stopping "
+                     "(Ctrl-C again to stop at once without saving)")
+        self.requested = self.requested or signum
+
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0, safe inside a signal handler (print could re-enter a print
+    the signal interrupted)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (line + "\n").encode())
 
 
 class Checkpointer:
