@@ -280,11 +280,13 @@ class StopRequest:
     """SIGTERM / SIGUSR1 (what schedulers send before preemption) and SIGINT (Ctrl-C) ask for a
     checkpoint and a clean exit; the loop checks `requested` between steps, agreed across ranks.
 
-    A second Ctrl-C stops at once, without saving (the newest complete checkpoint stays). Under
-    accelerate launch the launcher forwards only the first one; a second one ends the launcher,
-    and the kernel then kills the workers (run.py sets PR_SET_PDEATHSIG). Run directly, the
-    process gets both. One keypress can also arrive twice within milliseconds (srun signals
-    launchers and tasks alike), so a repeat within REPEAT_S counts as the same one.
+    A second Ctrl-C stops at once, without saving (the newest complete checkpoint stays). Run
+    directly, the process gets both SIGINTs. Under accelerate launch (torchrun) the workers run in
+    their own sessions: the launcher forwards the first Ctrl-C as SIGINT and answers a second one
+    by sending SIGTERM, so a SIGTERM after a SIGINT is the second Ctrl-C (a third one ends the
+    launcher, and the kernel then kills the workers: run.py sets PR_SET_PDEATHSIG). One keypress
+    can also reach a worker twice within milliseconds (srun signals the launchers and the workers
+    of a job step alike), so a SIGINT within REPEAT_S of the first is the same one.
     """
 
     REPEAT_S = 1.0
@@ -296,21 +298,20 @@ class StopRequest:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT:
-            now = time.monotonic()
-            if self._interrupted_at is not None:
-                if now - self._interrupted_at < self.REPEAT_S:
-                    return
-                _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest "
-                     "complete checkpoint is kept; continue with --resume auto)")
-                from finetune.lock import release_all
+        now = time.monotonic()
+        if self._interrupted_at is not None and (
+                signum == signal.SIGTERM or (signum == signal.SIGINT and now - self._interrupted_at >= self.REPEAT_S)):
+            _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest complete "
+                 "checkpoint is kept; continue from it with --resume auto)")
+            from finetune.lock import release_all
 
-                release_all()
-                os._exit(130)
+            release_all()
+            os._exit(130)
+        if signum == signal.SIGINT and self._interrupted_at is None:
             self._interrupted_at = now
             if not self.requested:
-                _say("interrupted: finishing this step, saving a checkpoint, then stopping "
-                     "(Ctrl-C again to stop at once without saving)")
+                _say("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, "
+                     "without saving)")
         self.requested = self.requested or signum
 
 

@@ -4,6 +4,7 @@ model is loaded; --dry-run prints the plan. Each case is a real `python finetune
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -215,3 +216,49 @@ def test_overrides_anywhere_on_the_command_line(runs):
     proc = results["dry_run_overrides_anywhere"]
     assert proc.returncode == 0, proc.stderr
     assert "global batch 24 = micro 8 x accum 3 x 1" in proc.stdout  # the last override, after two options
+
+
+STOP_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+from finetune.checkpoint import StopRequest
+from finetune.lock import OutputDirLock
+
+OutputDirLock(Path(sys.argv[1])).acquire()
+stop = StopRequest()
+for item in sys.argv[2:]:
+    delay, name = item.split(":")
+    time.sleep(float(delay))
+    os.kill(os.getpid(), getattr(signal, name))
+    time.sleep(0.05)  # the handler has run
+    print(name, stop.requested, flush=True)
+print("running on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signals,aborted", [
+    (["0:SIGINT", "0:SIGINT"], False),     # one keypress delivered twice (srun): the same Ctrl-C
+    (["0:SIGINT", "1.1:SIGINT"], True),    # a second Ctrl-C, run directly
+    (["0:SIGINT", "0:SIGTERM"], True),     # a second Ctrl-C under accelerate launch: torchrun sends SIGTERM
+    (["0:SIGTERM", "0:SIGTERM"], False),   # a scheduler's SIGTERM, forwarded by the launcher too
+    (["0:SIGUSR1", "0:SIGINT"], False),    # a Ctrl-C during a scheduler's stop: one request
+])
+def test_ctrl_c_saves_and_a_second_one_stops_at_once(signals, aborted, tmp_path):
+    """StopRequest with real signals: the first Ctrl-C asks for a checkpoint (like SIGTERM), with a
+    line; a second one exits at once with code 130, one error line, and frees output_dir."""
+    proc = subprocess.run([sys.executable, "-c", STOP_SCRIPT, str(tmp_path), *signals], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=_env(tmp_path))
+    first = signals[0].split(":")[1]
+    assert proc.stdout.splitlines()[0] == f"{first} {int(getattr(signal, first))}", proc.stdout
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    if first == "SIGINT":
+        assert lines[0] == ("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, "
+                            "without saving)")
+    if aborted:
+        assert proc.returncode == 130 and "running on" not in proc.stdout
+        assert lines[-1].startswith("error: interrupted twice: stopped at once") and len(lines) == 2, proc.stderr
+        assert not (tmp_path / "finetune.lock").exists()
+    else:
+        assert proc.returncode == 0 and proc.stdout.splitlines()[-1] == "running on", proc.stderr
+        assert len(lines) == (1 if first == "SIGINT" else 0), proc.stderr
