@@ -96,7 +96,7 @@ def prevalidate(source: str, fmt: str, key: str = "dataset") -> str:
     for path in _data_files(Path(source).expanduser()):
         suffix = path.suffix.lower()
         if suffix == ".jsonl" or suffix == ".json":
-            text = path.read_text(encoding="utf-8")
+            text = _utf8(path, path.read_bytes())
             stripped = text.lstrip()
             if suffix == ".json" and stripped.startswith("["):
                 try:
@@ -118,7 +118,7 @@ def prevalidate(source: str, fmt: str, key: str = "dataset") -> str:
             missing = [c for c in FORMAT_FIELDS[fmt] if c not in columns]
             if missing:
                 raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}")
-            rows_seen += _num_rows(path)
+            rows_seen += _num_rows(path, FORMAT_FIELDS[fmt], fmt)
     if rows_seen == 0:
         raise DataError(f"{key}={source}: the dataset is empty")
     return fmt
@@ -135,22 +135,74 @@ def _jsonl_rows(path: Path, text: str):
         yield f"{path} line {lineno}", row
 
 
+def _utf8(path: Path, raw: bytes) -> str:
+    """The file's text, or one line saying where it stops being UTF-8 (a Latin-1 export, or not
+    text at all) instead of a UnicodeDecodeError traceback."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        what = "binary data, not text" if b"\0" in raw[:8192] else "not UTF-8 text (Latin-1 or Windows-1252?)"
+        raise DataError(f"{path} line {line} (byte offset {e.start}, byte 0x{raw[e.start]:02x}): {what}; save it as "
+                        "UTF-8 (for example: iconv -f latin1 -t utf-8 FILE > FILE.utf8)") from None
+
+
+# Cells that datasets' CSV reader (pandas, keep_default_na) turns into None: a required field with
+# one of these is missing, and would fail later in tokenization, after the model has loaded.
+CSV_MISSING = frozenset({"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+                         "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"})
+
+
+def _csv_rows(path: Path):
+    import csv
+    import io
+
+    return csv.reader(io.StringIO(_utf8(path, path.read_bytes()), newline=""))
+
+
 def _columns(path: Path) -> list[str]:
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
         return list(pq.read_schema(path).names)
-    with path.open(encoding="utf-8") as f:
-        return [c.strip() for c in f.readline().rstrip("\n").split(",")]
+    return [c.strip() for c in next(_csv_rows(path), [])]
 
 
-def _num_rows(path: Path) -> int:
+def _num_rows(path: Path, required=(), fmt: str = "") -> int:
+    """Rows of a parquet or csv file, after checking that no required field is missing in any row."""
+    needs = f"dataset_format={fmt} needs {', '.join(FORMAT_FIELDS[fmt])}" if fmt else "it is required"
     if path.suffix.lower() == ".parquet":
+        import pyarrow.compute as pc
         import pyarrow.parquet as pq
 
-        return pq.ParquetFile(path).metadata.num_rows
-    with path.open(encoding="utf-8") as f:
-        return max(0, sum(1 for _ in f) - 1)
+        meta = pq.ParquetFile(path).metadata
+        for name in required:
+            index = meta.schema.names.index(name)
+            stats = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
+            if all(s is not None and s.has_null_count and s.null_count == 0 for s in stats):
+                continue  # the footer says so; no need to read the column
+            nulls = pc.is_null(pq.read_table(path, columns=[name]).column(name))
+            first = pc.index(nulls, True).as_py()
+            if first >= 0:
+                raise DataError(f"{path} row {first}: {name!r} is null ({needs})")
+        return meta.num_rows
+    reader = _csv_rows(path)
+    header = [c.strip() for c in next(reader, [])]
+    positions = {name: header.index(name) for name in required if name in header}
+    rows = 0
+    for row in reader:
+        if not row:
+            continue  # a blank line, which the CSV reader skips too
+        rows += 1
+        where = f"{path} line {reader.line_num} (row {rows})"
+        if len(row) != len(header):
+            raise DataError(f"{where}: {len(row)} cells, the header has {len(header)} (a comma inside a cell needs "
+                            "\"double quotes\" around the cell)")
+        for name, i in positions.items():
+            if row[i] in CSV_MISSING:
+                shown = "empty" if row[i] == "" else f"{row[i]!r}, which the CSV reader reads as missing"
+                raise DataError(f"{where}: column {name!r} is {shown} ({needs}); fill it in or drop the row")
+    return rows
 
 
 # ---------------------------------------------------------------- tokenization

@@ -108,6 +108,57 @@ def gpu_only_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
+def nvme_problems(recipe: Recipe, cuda_available: bool) -> list[str]:
+    """offload=nvme needs a directory that exists (DeepSpeed would create a mistyped one and fill
+    it) and DeepSpeed's async_io op, which needs libaio; without them the run fails minutes in,
+    after the model has loaded."""
+    if "nvme" not in (recipe.offload_optimizer, recipe.offload_params):
+        return []
+    problems = []
+    path = recipe.nvme_path
+    if not os.path.exists(path):
+        problems.append(f"nvme_path={path} does not exist; create it on a local NVMe disk (mkdir -p {path}), "
+                        "or fix the path")
+    elif not os.path.isdir(path):
+        problems.append(f"nvme_path={path} is a file, not a directory; give a directory on a local NVMe disk")
+    elif not os.access(path, os.W_OK | os.X_OK):
+        problems.append(f"nvme_path={path} is not writable; give a directory this user can write")
+    aio = None if problems else async_io_problem(cuda_available)  # one problem at a time; this one costs seconds
+    return problems + ([aio] if aio else [])
+
+
+def async_io_problem(cuda_available: bool) -> str | None:
+    """Whether DeepSpeed can load or build its async_io op here. Cheap next to a failed run: an
+    import of DeepSpeed and a link test of libaio (AsyncIOBuilder.is_compatible); the op itself
+    is compiled on first use (about a minute) and cached in ~/.cache/torch_extensions."""
+    import importlib.util
+    import shutil
+
+    if not cuda_available:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as run.py sets it; DeepSpeed would warn it guessed
+    if importlib.util.find_spec("deepspeed") is None:
+        return "offload to nvme needs DeepSpeed: pip install deepspeed"
+    try:
+        if importlib.util.find_spec("deepspeed.ops.aio.async_io_op") is not None:
+            return None  # built into the DeepSpeed install (DS_BUILD_AIO=1)
+    except ImportError:
+        pass
+    fix = ("offload to nvme needs DeepSpeed's async_io op, built on first use with libaio: "
+           "apt-get install libaio-dev (or yum install libaio-devel)")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"{fix}, and a C++ compiler ({compiler} is not on PATH): apt-get install g++"
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if not is_ninja_available():
+        return f"{fix}, and ninja: pip install ninja"
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return f"{fix}; libaio was not found (if it is installed elsewhere, set CFLAGS=-I... and LDFLAGS=-L...)"
+    return None
+
+
 def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None, dry_run: bool = False) -> Plan:
     """dry_run: a plan made on a machine other than the one that will train (a laptop planning for a
     GPU node) lists what needs a GPU instead of refusing."""
@@ -117,6 +168,7 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
 
         cuda_available = torch.cuda.is_available()
     problems = [] if cuda_available else gpu_only_problems(recipe)
+    problems += nvme_problems(recipe, cuda_available)
     if recipe.load_in_4bit and cuda_available:
         import importlib.util
 

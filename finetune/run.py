@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -15,11 +16,100 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repository importable without installing it
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.recipe import RecipeError, available_recipes, describe_fields  # noqa: E402
+from finetune.recipe import FIELDS, RecipeError, available_recipes, describe_fields  # noqa: E402
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def _say(message: str) -> None:
+    if _rank() == "0":  # every rank checks the same things; one says so
+        print(message, file=sys.stderr, flush=True)
+
+
+def output_dir_problem(output_dir: Path) -> str | None:
+    """A file where the directory should be, or a place this user cannot write: found now, not at
+    the first save after the model has loaded."""
+    if output_dir.exists():
+        if not output_dir.is_dir():
+            return f"output_dir={output_dir} is a file, not a directory; choose another output_dir"
+        if not os.access(output_dir, os.W_OK | os.X_OK):
+            return (f"output_dir={output_dir} is not writable (permissions or a read-only filesystem); "
+                    "choose a writable output_dir")
+        return None
+    parent = output_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"output_dir={output_dir} cannot be created: {parent} is a file; choose another output_dir"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return (f"output_dir={output_dir} cannot be created: {parent} is not writable (permissions or a read-only "
+                "filesystem); choose a writable output_dir")
+    return None
+
+
+def take_output_dir(output_dir: Path, dry_run: bool) -> None:
+    """Rank 0 locks output_dir; the other ranks refuse when rank 0 will (see finetune/lock.py)."""
+    from finetune.lock import OutputDirLock, check_not_busy
+
+    if dry_run:
+        return
+    if _rank() == "0":
+        OutputDirLock(output_dir).acquire(log=lambda m: print(m, file=sys.stderr, flush=True))
+    else:
+        check_not_busy(output_dir)
+
+
+def let_go_of_output_dir(abandon: bool = False) -> None:
+    """Release rank 0's output_dir lock; abandon: the run wrote nothing, so directories made for the
+    lock go too."""
+    from finetune.lock import release_all
+
+    release_all(abandon)
+
+
+def _stop_before_training(signum, frame):
+    """SIGINT/SIGTERM before the loop has its own handler (finetune.checkpoint.StopRequest): there
+    is nothing to save yet, so stop at once, without tracebacks, and free output_dir."""
+    if _rank() == "0":  # os.write: a print here could re-enter one the signal interrupted
+        os.write(2, f"stopped by {signal.Signals(signum).name} before the first training step; nothing to "
+                    "save\n".encode())
+    let_go_of_output_dir(abandon=True)
+    os._exit(128 + signum)
+
+
+def _die_with_launcher() -> None:
+    """Under torchrun (accelerate launch) each worker runs in its own session, so only the launcher
+    sees a terminal's Ctrl-C. It forwards the first one (the loop saves and stops); a second Ctrl-C
+    makes the launcher exit without forwarding anything, and then the workers are killed here, at
+    once, by the kernel (PR_SET_PDEATHSIG), instead of running on as orphans."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the launcher was already gone before the call
+        os._exit(128 + signal.SIGKILL)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other user error
+        hint = ""
+        for word in message.split():
+            key = word.lstrip("-").split("=", 1)[0]
+            if word.startswith("--") and "=" in word and key in FIELDS:
+                hint = f"; recipe keys take no dashes: {word.lstrip('-')}"
+                break
+        raise RecipeError(f"{message}{hint} (see finetune/run.py --help)")
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
+    """Options and key=value overrides in any order (`--recipe tiny max_steps=8 --dry-run lr=1e-4`)."""
+    parser = _Parser(
         prog="finetune/run.py",
         description="Fine-tune a causal LM from a recipe. Recipes: " + ", ".join(available_recipes()),
         epilog="recipe keys (override with key=value):\n" + describe_fields(),
@@ -32,18 +122,25 @@ def parse_args(argv):
                         help="resume even though dataset, format, sequence length or seed differ from the checkpoint")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan, do not train")
     parser.add_argument("overrides", nargs="*", help="key=value, typed by the recipe field")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def prepare(args):
     """Everything cheap that can be wrong, checked in order; returns the plan."""
     from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point, resume_changes
     from finetune.data import prevalidate
+    from finetune.lock import check_lineage
     from finetune.plan import make_plan
     from finetune.recipe import resolve
 
     recipe = resolve(args.recipe, args.overrides)
     plan = make_plan(recipe, dry_run=args.dry_run)
+    problem = output_dir_problem(Path(recipe.output_dir))
+    if problem and not args.dry_run:
+        raise RecipeError(problem)
+    if problem:  # planning on another machine than the one that trains
+        plan = replace(plan, unchecked=plan.unchecked + (problem,))
+    take_output_dir(Path(recipe.output_dir), args.dry_run)
     prevalidate(recipe.dataset, recipe.dataset_format)
     if recipe.eval_dataset:
         prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")
@@ -54,6 +151,7 @@ def prepare(args):
     if not args.resume and complete_checkpoints(Path(recipe.output_dir) / "checkpoints") and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} holds checkpoints of an earlier run; continue it with "
                           "--resume auto, or choose another output_dir")
+    check_lineage(args.resume, Path(recipe.output_dir), complete_checkpoints(Path(recipe.output_dir) / "checkpoints"))
     quiet = os.environ.get("RANK", "0") != "0"
     point = find_resume_point(args.resume, Path(recipe.output_dir), log=(lambda m: None) if quiet else
                               (lambda m: print(m, file=sys.stderr)))
@@ -72,13 +170,16 @@ def prepare(args):
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _stop_before_training)
+    _die_with_launcher()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
         plan = prepare(args)
     except RecipeError as e:
-        if os.environ.get("RANK", "0") == "0":  # every rank checks the same things; one says so
-            print(f"error: {e}", file=sys.stderr)
+        let_go_of_output_dir(abandon=True)
+        _say(f"error: {e}")
         return 2
     if args.dry_run:
         from finetune.memory import memory_report
@@ -93,16 +194,17 @@ def main(argv=None) -> int:
     try:
         train(plan)
     except RecipeError as e:  # found only once data or model were reached (hub datasets, for example)
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+        let_go_of_output_dir()
+        _say(f"error: {e}")
         return 2
     except Exception as e:  # a bug or a machine fault: say where, then exit so the launcher stops the others
         import traceback
 
-        rank = os.environ.get("RANK", "0")
+        let_go_of_output_dir()
         traceback.print_exc()
-        print(f"error: rank {rank} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"error: rank {_rank()} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: teardown could block in a collective the other ranks never join
+    let_go_of_output_dir()
     return 0
 
 

@@ -224,6 +224,49 @@ def test_prevalidate_csv(tmp_path):
     assert "empty" in error(D.prevalidate, str(header_only), "auto")
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".csv"])
+def test_prevalidate_latin1_file_names_line_and_byte(tmp_path, suffix):
+    path = tmp_path / f"latin1{suffix}"
+    good = json.dumps(ALPACA) + "\n" if suffix != ".csv" else "instruction,output\n"
+    bad = '{"instruction": "caf\xe9", "output": "x"}\n' if suffix != ".csv" else "caf\xe9,x\n"
+    path.write_bytes(good.encode() + bad.encode("latin-1"))
+    msg = error(D.prevalidate, str(path), "auto")
+    offset = len(good.encode()) + bad.index("\xe9")
+    assert msg.startswith(f"{path} line 2 (byte offset {offset}, byte 0xe9): not UTF-8 text"), msg
+    assert "save it as UTF-8" in msg
+
+
+def test_prevalidate_binary_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"PAR1\x00\x15\x04\xff\xfe" + bytes(range(256)))
+    msg = error(D.prevalidate, str(path), "auto")
+    assert msg.startswith(f"{path} line 1 (byte offset 7, byte 0xff): binary data, not text"), msg
+
+
+def test_prevalidate_csv_missing_cells_name_file_row_and_column(tmp_path):
+    rows = [["Say hi", "", "hi"], ["Say it", "x", ""]]
+    path = _write_csv(tmp_path / "gaps.csv", ["instruction", "input", "output"], rows)
+    msg = error(D.prevalidate, str(path), "auto")  # the empty optional 'input' in row 1 is fine
+    assert msg == (f"{path} line 3 (row 2): column 'output' is empty (dataset_format=alpaca needs instruction, "
+                   "output); fill it in or drop the row")
+    path = _write_csv(tmp_path / "na.csv", ["prompt", "completion"], [["a", "b"], ["c", "NA"]])
+    assert "line 3 (row 2): column 'completion' is 'NA', which the CSV reader reads as missing" in \
+        error(D.prevalidate, str(path), "auto")
+    path = tmp_path / "ragged.csv"
+    path.write_text("text,id\none,1\ntwo, with a comma,2\n")
+    assert f"{path} line 3 (row 2): 3 cells, the header has 2" in error(D.prevalidate, str(path), "auto")
+    path = tmp_path / "multiline.csv"
+    path.write_text('text,id\n"one\nspans lines",1\n,2\n')
+    assert f"{path} line 4 (row 2): column 'text' is empty" in error(D.prevalidate, str(path), "auto")
+
+
+def test_prevalidate_parquet_nulls_name_the_row(tmp_path):
+    path = _write_parquet(tmp_path / "nulls.parquet", {"instruction": ["a", "b", "c"], "input": [None, None, "x"],
+                                                       "output": ["d", None, "f"]})
+    assert error(D.prevalidate, str(path), "auto") == (f"{path} row 1: 'output' is null (dataset_format=alpaca "
+                                                        "needs instruction, output)")
+
+
 def test_prevalidate_directory(tmp_path):
     (tmp_path / "d").mkdir()
     write_jsonl(tmp_path / "d" / "a.jsonl", [{"text": "one"}])

@@ -1,0 +1,151 @@
+"""Ctrl-C and a second run on a real 2-process launch, with real signals sent the way a terminal
+sends them: SIGINT to the launcher's process group (torchrun starts each worker in a session of
+its own, so only the launcher gets it, and forwards it).
+
+One Ctrl-C: the workers finish the step, write a checkpoint at the step they stop at, print how
+to continue and exit without tracebacks; `--resume auto` continues from there. A second Ctrl-C
+(torchrun answers it by sending SIGTERM) stops at once without a checkpoint. While a run trains,
+a second run into its output_dir is refused before loading anything, in one line naming it.
+
+The launcher (torch's elastic agent, inside accelerate launch) reports any signal it forwarded
+with its own SignalException traceback and exit code 1, whatever the workers did; the checks on
+tracebacks are on the workers' output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from finetune.lock import LOCK_NAME
+
+REPO = Path(__file__).resolve().parents[2]
+# long enough never to finish by itself; no evals, so that steps come quickly
+LONG = ["strategy=ddp", "max_steps=100000", "lr_scheduler=constant_with_warmup", "eval_every=0", "eval_at_start=false"]
+
+
+def start(env, fast, port, out, *extra) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
+           "finetune/run.py", "--recipe", "tiny", *fast, *LONG, f"output_dir={out}", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a process group of its own, like a terminal's job
+
+
+def free_port() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def steps_logged(out: Path) -> list[int]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r["step"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def wait_for_step(proc, out: Path, step: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while step not in steps_logged(out):
+        assert proc.poll() is None, f"the launch ended early ({proc.returncode}):\n{proc.communicate()[1][-4000:]}"
+        assert time.monotonic() < deadline, f"no step {step} within {timeout}s"
+        time.sleep(0.1)
+
+
+def workers(launcher_pid: int) -> list[int]:
+    """The launcher's children (accelerate runs torchrun's agent in its own process), by rank order."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == launcher_pid:
+                children.append(int(entry.name))
+    return sorted(children)
+
+
+def worker_lines(stderr: str, launcher_pid: int) -> list[str]:
+    """stderr without the launcher's log lines and its SignalException tracebacks at the end."""
+    lines = stderr.splitlines()
+    ours = re.compile(r'File ".*/finetune/\w+\.py"')
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last):"):
+            tail = "\n".join(lines[i:])
+            if f"SignalException: Process {launcher_pid} got signal: 2" in tail and not ours.search(tail):
+                lines = lines[:i]
+                break
+    return [line for line in lines if not re.match(r"^[WIE]\d{4} ", line)]
+
+
+def test_ctrl_c_saves_and_resume_continues_and_a_busy_dir_is_refused(launch_env, fast_overrides, tmp_path):
+    out = tmp_path / "run"
+    first = start(launch_env, fast_overrides, free_port(), out)
+    try:
+        wait_for_step(first, out, 1)
+        holder = json.loads((out / LOCK_NAME).read_text())
+        assert holder["pid"] == workers(first.pid)[0]  # rank 0 holds the lock
+
+        # a second run into the busy output_dir: refused before loading anything, nothing changed
+        files = sorted(p.name for p in out.iterdir())
+        busy = subprocess.run([sys.executable, "finetune/run.py", "--recipe", "tiny", *fast_overrides, *LONG,
+                               f"output_dir={out}", "--resume", "auto"], cwd=REPO, env=launch_env,
+                              capture_output=True, text=True, timeout=300)
+        assert busy.returncode == 2, busy.stderr
+        assert busy.stderr.splitlines() == [busy.stderr.strip()] and busy.stderr.startswith(
+            f"error: output_dir={out} is in use by another run: pid {holder['pid']} on host {holder['host']}, "
+            f"started {holder['started']} ("), busy.stderr
+        assert json.loads((out / LOCK_NAME).read_text()) == holder
+        assert sorted(p.name for p in out.iterdir()) == files
+
+        os.killpg(first.pid, signal.SIGINT)  # Ctrl-C
+        _, stderr = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    lines = worker_lines(stderr, first.pid)
+    assert not any("Traceback" in line or "Error" in line for line in lines), stderr
+    assert ("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, without saving)"
+            in lines), stderr
+    stopped = [int(m.group(1)) for m in map(re.compile(r"^stopped by signal at step (\d+); checkpoint saved; "
+                                                       r"continue with --resume auto$").match, lines) if m]
+    assert len(stopped) == 1, stderr
+    stop = stopped[0]
+    assert steps_logged(out)[-1] == stop
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}"]
+    assert not (out / LOCK_NAME).exists() and not (out / "final").exists()
+    # torch's launcher: exit code 1 and its own traceback for the signal it forwarded
+    assert first.returncode == 1 and stderr.rstrip().endswith("got signal: 2"), stderr[-2000:]
+
+    # --resume auto continues from the stop step; then Ctrl-C twice stops at once, without a checkpoint.
+    second = start(launch_env, fast_overrides, free_port(), out, "--resume", "auto")
+    try:
+        wait_for_step(second, out, stop + 1)
+        rank0, rank1 = workers(second.pid)
+        os.kill(rank0, signal.SIGSTOP)  # hold rank 0 inside a step, so that no save can finish meanwhile
+        os.killpg(second.pid, signal.SIGINT)
+        time.sleep(1.5)
+        os.killpg(second.pid, signal.SIGINT)  # the launcher now sends SIGTERM to both
+        time.sleep(3)
+        os.kill(rank0, signal.SIGCONT)
+        _, stderr = second.communicate(timeout=120)
+    finally:
+        if second.poll() is None:
+            os.killpg(second.pid, signal.SIGKILL)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("resumed_from", "").endswith(f"step_{stop:09d}") for r in records)
+    lines = worker_lines(stderr, second.pid)
+    assert not any("Traceback" in line for line in lines), stderr
+    assert lines[-1].startswith("error: interrupted twice: stopped at once, without a checkpoint"), stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}"]
+    assert not (out / LOCK_NAME).exists()
