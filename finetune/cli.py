@@ -127,12 +127,12 @@ def train(argv: list[str]) -> int:
         print(f"error: --num_processes {processes}: must be at least 1", file=sys.stderr)
         return 2
     run_args = ["--recipe", rest[0], *rest[1:]]
-    args = parse_args(run_args)
     # Check as the launched ranks will: same world size, same launcher settings.
     saved = dict(os.environ)
     os.environ.update(WORLD_SIZE=str(processes), ACCELERATE_NUM_MACHINES=str(machines), TOKENIZERS_PARALLELISM="false")
     try:
-        plan = prepare(args)
+        args = parse_args(run_args)
+        plan = prepare(args, lock=False)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -49,13 +49,14 @@ def output_dir_problem(output_dir: Path) -> str | None:
     return None
 
 
-def take_output_dir(output_dir: Path, dry_run: bool) -> None:
-    """Rank 0 locks output_dir; the other ranks refuse when rank 0 will (see finetune/lock.py)."""
+def take_output_dir(output_dir: Path, dry_run: bool, lock: bool = True) -> None:
+    """Rank 0 locks output_dir; the other ranks (and `finetune train` checking before it launches)
+    refuse when rank 0 will (see finetune/lock.py)."""
     from finetune.lock import OutputDirLock, check_not_busy
 
     if dry_run:
         return
-    if _rank() == "0":
+    if _rank() == "0" and lock:
         OutputDirLock(output_dir).acquire(log=lambda m: print(m, file=sys.stderr, flush=True))
     else:
         check_not_busy(output_dir)
@@ -125,8 +126,9 @@ def parse_args(argv):
     return parser.parse_intermixed_args(argv)
 
 
-def prepare(args):
-    """Everything cheap that can be wrong, checked in order; returns the plan."""
+def prepare(args, lock: bool = True):
+    """Everything cheap that can be wrong, checked in order; returns the plan. lock=False: check that
+    output_dir is free without taking it (the `finetune` front, whose launched ranks take it)."""
     from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point, resume_changes
     from finetune.data import prevalidate
     from finetune.lock import check_lineage
@@ -140,7 +142,7 @@ def prepare(args):
         raise RecipeError(problem)
     if problem:  # planning on another machine than the one that trains
         plan = replace(plan, unchecked=plan.unchecked + (problem,))
-    take_output_dir(Path(recipe.output_dir), args.dry_run)
+    take_output_dir(Path(recipe.output_dir), args.dry_run, lock)
     prevalidate(recipe.dataset, recipe.dataset_format)
     if recipe.eval_dataset:
         prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")

@@ -48,6 +48,7 @@ def front(*args):
      "error: global_batch_size=16 is not a multiple of micro_batch_size x processes = 4 x 3 = 12"),
     (["train", "nope"], "error: unknown recipe 'nope'"),
     (["fly"], "error: unknown command 'fly'"),
+    (["train", "tiny", "--bogus", "auto"], "error: unrecognized arguments: --bogus"),
 ])
 def test_mistakes_are_one_line_and_exit_2_before_any_launch(args, message, tmp_path):
     proc = front(*args, f"output_dir={tmp_path / 'out'}") if args[0] == "train" else front(*args)
