@@ -402,13 +402,39 @@ def weights_only_torch_load():
     def load(*args, **kwargs):
         kwargs["weights_only"] = True
         with torch.serialization.safe_globals(trusted):
-            return original(*args, **kwargs)
+            try:
+                return original(*args, **kwargs)
+            except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: say what it is
+                f = args[0] if args else kwargs.get("f")
+                raise DisallowedPickle(f"{_file_name(f)} {_refused_global(e)}, which torch.load(weights_only=True) "
+                                       "does not allow (it could run code); nothing in it was run") from None
 
     torch.load = load
     try:
         yield
     finally:
         torch.load = original
+
+
+def _file_name(f) -> str:
+    name = getattr(f, "name", f)
+    return Path(name).name if isinstance(name, (str, os.PathLike)) else "a non-tensor item of a distributed checkpoint"
+
+
+def _refused_global(error: Exception) -> str:
+    import re
+
+    found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL ([\w.]+)", str(error))
+    if found:
+        return f"names {found.group(1)}"
+    after = str(error).split("WeightsUnpickler error:", 1)[-1] if "WeightsUnpickler error:" in str(error) else ""
+    reason = next((line.strip() for line in after.splitlines() if line.strip()), "weights_only refused it")
+    return f"holds something else than tensors ({reason})"
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A file that load_state read holds pickled objects outside the allow-list. Not a RecipeError:
+    under DeepSpeed each rank reads its own files, so only some ranks may see it, and each says so."""
 
 
 # What a torch.distributed.checkpoint `.metadata` pickle may name (found by unpickling the metadata of
@@ -678,12 +704,16 @@ class Checkpointer:
         verify_checksums(point.path, read_manifest(point.path), acc.process_index, acc.num_processes,
                          _all_gather(acc), log=logging.getLogger("finetune").warning)
         with safe_loading(), adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
-            if self.recipe.lora and acc.distributed_type.name == "DEEPSPEED":
-                acc.load_state(str(source), load_module_strict=False)  # the frozen base comes from the model
-            elif self.recipe.lora and acc.distributed_type.name != "FSDP":
-                acc.load_state(str(source), strict=False)
-            else:
-                acc.load_state(str(source))
+            try:
+                if self.recipe.lora and acc.distributed_type.name == "DEEPSPEED":
+                    acc.load_state(str(source), load_module_strict=False)  # the frozen base comes from the model
+                elif self.recipe.lora and acc.distributed_type.name != "FSDP":
+                    acc.load_state(str(source), strict=False)
+                else:
+                    acc.load_state(str(source))
+            except pickle.UnpicklingError as e:
+                raise UnsafeCheckpointError(f"checkpoint {point.path}: {e}; use a checkpoint from a source you "
+                                            "trust") from None
         # DeepSpeed's ZeRO-3 universal load gives every parameter group one shared `step` tensor; torch's
         # Adam increments it in place once per group, so bias correction would run ahead. One each:
         for param_state in _innermost(optimizer).state.values():

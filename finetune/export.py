@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import shutil
 import sys
 from contextlib import contextmanager
@@ -376,6 +377,10 @@ def main(argv=None) -> int:
                                    log=lambda m: print(m, file=sys.stderr))
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpoint.safe_loading)
+        print(f"error: checkpoint {args.checkpoint}: {e}; use a checkpoint from a source you trust; nothing was "
+              "written", file=sys.stderr)
         return 2
     if result.get("lora") and not result["merged"]:
         print(f"exported the LoRA adapter of step {result['step']} (written by {result['world_size']} process(es)) "

@@ -223,6 +223,25 @@ def test_the_allow_list_refuses_everything_but_metadata_types(payload):
         load_dcp_metadata(io.BytesIO(payload))
 
 
+def test_torch_load_of_checkpoint_files_names_what_it_refused(tmp_path):
+    """What load_state reads with torch.load (Accelerate's optimizer.bin, scheduler.bin,
+    random_states_*.pkl; DeepSpeed's ZeRO files) loads weights_only inside safe_loading; a refusal
+    names the file and the global instead of torch's advice to load with weights_only=False."""
+    import torch
+
+    from finetune.checkpoint import DisallowedPickle
+
+    marker = tmp_path / "code-ran"
+    torch.save({"state": RunsCode(marker)}, tmp_path / "scheduler.bin")
+    torch.save({"step": torch.tensor(3), "lr": [0.1]}, tmp_path / "fine.bin")
+    with safe_loading():
+        assert torch.load(tmp_path / "fine.bin", weights_only=False)["lr"] == [0.1]  # forced weights_only, loads
+        with pytest.raises(DisallowedPickle) as e:
+            torch.load(tmp_path / "scheduler.bin", weights_only=False)
+    assert str(e.value).startswith("scheduler.bin names posix.system, which torch.load(weights_only=True) does not")
+    assert "weights_only=False" not in str(e.value) and not marker.exists()
+
+
 def test_verify_refuses_a_planted_metadata_listed_in_the_manifest(tmp_path):
     marker = tmp_path / "code-ran"
     ckpt = make_checkpoint(tmp_path / "ckpt", files={"pytorch_model_fsdp_0/.metadata": pickle.dumps(RunsCode(marker)),

@@ -118,7 +118,8 @@ def export(ckpt, out, env, *options):
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_lora_checkpoint_exports(strategy, lora_runs, tmp_path):
     """`python -m finetune.export` of a LoRA checkpoint writes the adapter, which peft loads on the base
-    and which equals final/ tensor for tensor; with --merge, the plain model equal to final_merged/."""
+    and which equals final/ tensor for tensor; with --merge, the plain model equal to final_merged/
+    (checked on the fsdp run; export merges the adapter it rebuilt, the same for every strategy)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -137,6 +138,8 @@ def test_lora_checkpoint_exports(strategy, lora_runs, tmp_path):
         tuned = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=probe).logits
     assert not torch.equal(plain, tuned)  # the adapter is loaded and does something
 
+    if strategy != "fsdp":  # --merge works from the adapter above whatever wrote it: one strategy is enough
+        return
     merged = export(ckpt, tmp_path / "merged", run.env, "--merge")
     assert merged.returncode == 0, merged.stderr[-3000:]
     assert "merged into" in merged.stdout and "probe logits identical" in merged.stdout
