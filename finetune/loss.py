@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -109,7 +110,10 @@ class OutputHeadLoss:
         self.impl, self.chunk = impl, chunk
         hf = _unwrap(model)
         self.head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
-        self.supported = (type(self.head) is torch.nn.Linear and self.head.weight.is_floating_point())
+        # A Linear whose forward is Linear's own (FSDP2 makes lm_head an FSDPLinear that only adds hooks),
+        # in a dtype matmul takes: not a peft LoRA layer, not a quantized Linear subclass.
+        self.supported = (isinstance(self.head, torch.nn.Linear) and type(self.head).forward is torch.nn.Linear.forward
+                          and self.head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
         if not self.supported:
             kind = type(self.head).__name__
             if kind not in _WARNED:
@@ -187,15 +191,26 @@ class OutputHeadLoss:
                 setattr(owner, name, value)
 
     def check(self, logits) -> torch.Tensor:
-        """The model's `logits` must be our loss: anything it did to it after lm_head is a computation
-        this module does not reproduce. (x * 1.0 or x / 1.0 from a scale switched off above is equal.)"""
+        """The model's `logits` must be our loss, unchanged: anything the model did to it after lm_head
+        is a computation this module does not reproduce. The strategies wrap outputs in identity
+        autograd functions (ZeRO-3 for its backward hooks), so the test is on the value, not the
+        object; it costs a host sync, so it runs on the first call per output layer and mode
+        (training/eval), which is enough for what is a property of the model's code."""
         if self.loss is None:
             raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} did not call its output layer "
                                "(get_output_embeddings) in forward; use loss_impl=full")
-        if logits is not self.loss and not (self.switched and logits.shape == self.loss.shape):
-            raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} changes the logits after its output layer "
-                               "in a way finetune/loss.py does not know; use loss_impl=full (and report the model)")
+        seen = _CHECKED.setdefault(self.head, set())
+        if torch.is_grad_enabled() not in seen:
+            if not (torch.is_tensor(logits) and logits.shape == self.loss.shape
+                    and torch.equal(logits.detach(), self.loss.detach())):
+                raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} changes the logits after its output "
+                                   "layer in a way finetune/loss.py does not know; use loss_impl=full (and report "
+                                   "the model)")
+            seen.add(torch.is_grad_enabled())
         return logits
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def linear_cross_entropy(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,

@@ -88,9 +88,17 @@ def assert_real_weights(run):
 def test_two_processes_match_reference(name, launch, reference, monkeypatch):
     run = launch(2, *STRATEGIES[name])
     assert_same_curve(run, reference)
+    assert "computing the loss from the full logits" not in run.stderr  # the chunked loss ran
     assert_real_weights(run)
     logged = run.eval_records[-1]["eval_loss"]
     assert math.isclose(final_eval_loss(run, monkeypatch), logged, rel_tol=1e-5)
+
+
+def test_full_logits_loss_gives_the_same_curve(launch, reference):
+    """loss_impl=full (every logit at once: the loss before finetune/loss.py) on 2 processes under
+    ZeRO-3 reproduces the chunked reference, which the chunked fsdp and zero3 runs above reproduce too."""
+    run = launch(2, "strategy=zero3", "loss_impl=full")
+    assert_same_curve(run, reference)
 
 
 @pytest.mark.parametrize("name", ["zero3_cpu_offload", "fsdp"])
