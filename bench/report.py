@@ -38,6 +38,30 @@ def write_gpu_section(doc: Path, section: str) -> None:
     doc.write_text(text)
 
 
+LOSS_BEGIN, LOSS_END = "<!-- loss-memory:begin -->", "<!-- loss-memory:end -->"
+LOSS_TITLE = "## 7. The loss with a large vocabulary"
+
+
+def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:
+    """Put `section` between its markers in doc (appended under `title` the first time), leaving the
+    rest of the file as it is: for parts measured by their own command (bench/loss_memory.py)."""
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    text = doc.read_text() if doc.is_file() else _skeleton()
+    if begin not in text:
+        text = text.rstrip() + f"\n\n{title}\n\n{begin}\n{end}\n"
+    text = re.sub(re.escape(begin) + r"\n.*?" + re.escape(end), lambda _: begin + "\n" + section + "\n" + end, text,
+                  flags=re.S)
+    doc.write_text(text)
+
+
+def _marked_block(doc: Path, begin: str, end: str) -> str | None:
+    if doc.is_file():
+        m = re.search(re.escape(begin) + r"\n(.*?)\n" + re.escape(end), doc.read_text(), re.S)
+        if m:
+            return m.group(1)
+    return None
+
+
 def _skeleton() -> str:
     return ("# Benchmarks\n\nThe CPU sections have not been generated yet: run `python bench/run.py --quick`.\n")
 
@@ -204,6 +228,10 @@ def write_cpu_report(doc: Path, results: dict) -> str:
 
     add("## 6. One GPU, 1B model, bf16\n")
     add(GPU_BEGIN + "\n" + _gpu_block(doc) + "\n" + GPU_END + "\n")
+    loss_block = _marked_block(doc, LOSS_BEGIN, LOSS_END)
+    if loss_block is not None:  # measured by bench/loss_memory.py --doc, kept as it is
+        add(LOSS_TITLE + "\n")
+        add(LOSS_BEGIN + "\n" + loss_block + "\n" + LOSS_END + "\n")
     text = "\n".join(out)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

@@ -58,14 +58,14 @@ def main_first(accelerator, fn):
     return result if accelerator.is_local_main_process else fn()
 
 
-def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce) -> float:
+def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, loss) -> float:
     """Mean loss per target token over the whole eval set, exact across ranks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for rows in batches:
             batch = {k: v.to(device) for k, v in D.fetch(ds, rows, pad_id, packed).items()}
-            total[0] += loss_sum(model, batch).double()
+            total[0] += loss(model, batch).double()
             total[1] += D.target_tokens(batch)
     model.train()
     total = reduce(total)
@@ -147,6 +147,9 @@ def train(plan: Plan) -> dict:
     def reduce_sum(t):
         return accelerator.reduce(t, reduction="sum")
 
+    def loss_of(model, batch):
+        return loss_sum(model, batch, r.loss_impl, r.loss_chunk_tokens)
+
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
@@ -176,7 +179,7 @@ def train(plan: Plan) -> dict:
     eval_seconds = checkpoint_seconds = 0.0  # inside the loop but not training: left out of tokens/s
     train_t0 = time.perf_counter()
     if eval_rows is not None and r.eval_at_start and state.step == 0:
-        last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
+        last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
         metrics.write({"step": 0, "eval_loss": last_eval})
         progress.note(f"step 0: eval_loss {last_eval:.4f}")
     model.train()
@@ -191,7 +194,7 @@ def train(plan: Plan) -> dict:
         for index, batch in enumerate(micro_batches):
             batch = {k: v.to(device) for k, v in batch.items()}
             with accumulate(accelerator, model, index):
-                loss = loss_sum(model, batch)
+                loss = loss_of(model, batch)
                 accelerator.backward(loss * scale)
             step_loss += loss.detach().double()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
@@ -225,7 +228,7 @@ def train(plan: Plan) -> dict:
         end = state.step == total_steps
         if eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
             t0 = time.perf_counter()
-            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum)
+            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
             seconds = time.perf_counter() - t0
             eval_seconds += seconds
             window_t0 += seconds  # the next record's tokens/s is training speed, as the summary's is

@@ -120,12 +120,10 @@ def add_lora(model, recipe: Recipe):
     return get_peft_model(model, config)
 
 
-def loss_sum(model, batch: dict) -> torch.Tensor:
+def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int = 0) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over target tokens: the caller divides by the
-    target tokens of the whole global batch, so every split of that batch gives the same update."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    # Shift the labels, not the logits: slicing logits[:, :-1] copies the batch x length x vocab
-    # tensor and its backward fills a second one (10% of a small model's step, bench/loss_overhead.py).
-    labels = F.pad(batch["labels"], (0, 1), value=IGNORE)[:, 1:].to(logits.device)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    target tokens of the whole global batch, so every split of that batch gives the same update.
+    impl and chunk are the recipe's loss_impl and loss_chunk_tokens; finetune/loss.py says how each works."""
+    from finetune import loss
+
+    return loss.loss_sum(model, batch, impl, chunk or None)

@@ -105,6 +105,8 @@ def gpu_only_problems(recipe: Recipe) -> list[str]:
                         "use load_in_4bit=false (plain LoRA) on CPU")
     if recipe.attn_implementation == "flash_attention_2":
         problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
+    if recipe.loss_impl == "liger":
+        problems.append("loss_impl=liger needs a CUDA GPU (Liger-Kernel is Triton); use loss_impl=chunked on CPU")
     return problems
 
 
@@ -174,6 +176,11 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
 
         if importlib.util.find_spec("bitsandbytes") is None:
             problems.append("load_in_4bit=true (QLoRA) needs bitsandbytes: pip install bitsandbytes")
+    if recipe.loss_impl == "liger" and cuda_available:
+        import importlib.util
+
+        if importlib.util.find_spec("liger_kernel") is None:
+            problems.append("loss_impl=liger needs Liger-Kernel: pip install liger-kernel, or use loss_impl=chunked")
     if problems and not dry_run:
         raise RecipeError(problems[0])
     world_size = world_size_from_env(env)

@@ -56,6 +56,12 @@ class Recipe:
     nvme_path: str = _opt("", help="directory on a fast local disk for offload=nvme")
     mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
     activation_checkpointing: bool = _opt(False)
+    loss_impl: str = _opt("chunked", choices=("chunked", "liger", "full"),
+                          help="chunked: cross-entropy a chunk of tokens at a time, never the full logits; "
+                          "liger: Liger-Kernel's fused kernel (CUDA, pip install liger-kernel); full: all "
+                          "logits at once (finetune/loss.py)")
+    loss_chunk_tokens: int = _opt(0, min=0, help="tokens per chunk of loss_impl=chunked; 0: as many as keep one "
+                                  "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
     lora: bool = _opt(False)
     lora_r: int = _opt(16, min=1)

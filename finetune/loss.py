@@ -1,0 +1,311 @@
+"""The training loss: next-token cross-entropy summed over the target tokens, computed from the hidden
+states and the output projection a chunk of tokens at a time, so that the [tokens, vocab] logits never
+exist at once.
+
+Why: with Llama-3's 128,256-token vocabulary the full logits of 2048 tokens are 1 GB in fp32, and the
+loss kept three tensors that size (the logits, their log-softmax, their gradient): 2.5 GiB of the
+3.7 GiB peak of a small model on CPU (../shared/reference/real-assets.md), about 20 GB for an 8B model
+at 4 x 4096 tokens per GPU. Chunked, the loss needs one chunk's logits (CHUNK_BYTES) whatever the
+sequence length.
+
+How it stays correct under every strategy: the loss is computed *inside* the model's forward, by the
+output projection module itself. `loss_sum` swaps the forward of `model.get_output_embeddings()` for
+the duration of one call (a context manager) so that it receives the hidden states and returns the
+summed loss. Whatever gathers that module's weight for its forward gathers it for the loss too:
+ZeRO-3's hooks on lm_head, FSDP2's unshard of the root module (which owns lm_head and the
+embeddings), nothing at all under DDP. Because the returned loss is that module's (and the model's)
+output, the strategies' backward hooks on outputs fire as they would for logits. Tied embeddings
+need nothing special (the weight is one Parameter; its gradient accumulates from both uses), nor does
+LoRA (peft leaves lm_head a plain frozen Linear unless lm_head is targeted; then the full path runs).
+
+Models that change the logits after lm_head are handled explicitly: final_logit_softcapping (Gemma
+2/3/3n/4 and others), Cohere's logit_scale, Granite's 1/logits_scaling, HyperCLOVA X's
+logits_scaling and Falcon-H1's lm_head_multiplier are switched off on the model for the call and
+applied per chunk here. Any other post-processing is caught: the model must hand our loss back as its
+`logits` unchanged, else loss_sum stops with an error that says to use loss_impl=full.
+
+`loss_impl=liger` computes the same inside the same hook with Liger-Kernel's fused linear
+cross-entropy (Triton, CUDA only). Liger-Kernel is not a dependency and that path is untested here
+(no GPU, no liger on the machine this was written on); plan.py refuses it on CPU or when missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data import IGNORE
+
+IMPLS = ("chunked", "liger", "full")
+
+# Rows of logits per chunk are chosen so that one chunk's fp32 logits take at most this many bytes:
+# a bound on memory that holds for any vocabulary (128k vocab: 512 tokens; 32k: 2048; 256k: 256).
+# Measured on CPU (bench/loss_memory.py, docs/benchmarks.md section 7: 2-layer hidden-64 Llama, 128k
+# vocab, 2048 tokens): the loss's extra memory follows the chunk linearly while the step time was
+# flat from 256 MiB down to about 64 MiB per chunk; 256 MiB keeps the matmuls large (>= 256 rows for
+# any vocabulary below 256k) for GPUs, where small chunks would cost launch overhead, and costs at
+# most ~2 x 256 MiB (the chunk's logits and their gradient) on top of the model.
+CHUNK_BYTES = 256 * 2**20
+
+log = logging.getLogger("finetune")
+
+
+def chunk_rows(vocab_size: int) -> int:
+    return max(1, CHUNK_BYTES // (4 * vocab_size))
+
+
+def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The label of each position is the next token. Shift the labels, not the logits: slicing
+    logits[:, :-1] copies the batch x length x vocab tensor (bench/loss_overhead.py)."""
+    return F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+
+
+def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over target tokens: the caller divides by the
+    target tokens of the whole global batch, so every split of that batch gives the same update.
+
+    impl: "chunked" (default), "liger" (CUDA, Liger-Kernel), "full" (the fp32 logits of every token at
+    once: the reference the others are tested against). chunk: tokens per chunk, for tests; default
+    chunk_rows(vocab).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"loss impl {impl!r}: must be one of {', '.join(IMPLS)}")
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    if impl != "full":
+        head = OutputHeadLoss(model, impl, chunk)
+        if head.supported:
+            with head.computing_loss(batch["labels"]):
+                out = model(**inputs)
+            return head.check(out.logits)
+    logits = model(**inputs).logits
+    labels = shifted_labels(batch["labels"]).to(logits.device)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def _unwrap(model):
+    """The Hugging Face model under DDP / DeepSpeed / FSDP1 wrappers, torch.compile and peft."""
+    while True:
+        if isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, DeepSpeedEngine, FSDP1
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
+            model = model._orig_mod
+        else:
+            break
+    get_base = getattr(model, "get_base_model", None)  # peft
+    return get_base() if callable(get_base) else model
+
+
+_WARNED: set[str] = set()
+
+
+class OutputHeadLoss:
+    """One call's worth of "the output projection returns the loss": what to switch off on the model
+    and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
+
+    def __init__(self, model, impl: str, chunk: int | None):
+        self.impl, self.chunk = impl, chunk
+        hf = _unwrap(model)
+        self.head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+        # A Linear whose forward is Linear's own (FSDP2 makes lm_head an FSDPLinear that only adds hooks),
+        # in a dtype matmul takes: not a peft LoRA layer, not a quantized Linear subclass.
+        self.supported = (isinstance(self.head, torch.nn.Linear) and type(self.head).forward is torch.nn.Linear.forward
+                          and self.head.weight.dtype in (torch.float32, torch.bfloat16, torch.float16))
+        if not self.supported:
+            kind = type(self.head).__name__
+            if kind not in _WARNED:
+                _WARNED.add(kind)
+                log.warning(f"loss_impl={impl}: the output layer is a {kind}, not a plain Linear (LoRA on lm_head? "
+                            "quantized?); computing the loss from the full logits instead")
+            return
+        self.model_type = getattr(hf.config, "model_type", type(hf).__name__)
+        # (object, attribute, neutral value): what the model would apply to the logits, switched off
+        self.switched: list[tuple[object, str, object]] = []
+        self.scale, self.softcap = 1.0, None
+        configs = [hf.config]
+        text = hf.config.get_text_config() if hasattr(hf.config, "get_text_config") else hf.config
+        if text is not hf.config:
+            configs.append(text)
+        for owner in [hf, *configs]:
+            cap = getattr(owner, "final_logit_softcapping", None)
+            if isinstance(cap, (int, float)) and not isinstance(cap, bool) and cap:
+                self.softcap = float(cap)
+                self.switched.append((owner, "final_logit_softcapping", None))
+        family = str(self.model_type)
+        if family.startswith("cohere") and isinstance(getattr(hf, "logit_scale", None), (int, float)):
+            self.scale *= float(hf.logit_scale)  # logits = logits * self.logit_scale
+            self.switched.append((hf, "logit_scale", 1.0))
+        for config in configs:
+            value = getattr(config, "logits_scaling", None)
+            if not isinstance(value, (int, float)) or value == 1:
+                continue
+            if family.startswith("granite"):  # logits = logits / config.logits_scaling
+                self.scale /= float(value)
+            elif family.startswith("hyperclovax"):  # logits = lm_head(h) * config.logits_scaling
+                self.scale *= float(value)
+            else:
+                continue  # unknown meaning: the identity check below stops the run if it is applied
+            self.switched.append((config, "logits_scaling", 1.0))
+        inner = getattr(hf, "model", None)
+        if family.startswith("falcon_h1") and isinstance(getattr(inner, "lm_head_multiplier", None), (int, float)):
+            self.scale *= float(inner.lm_head_multiplier)  # logits = lm_head(h) * model.lm_head_multiplier
+            self.switched.append((inner, "lm_head_multiplier", 1.0))
+        self.loss = None
+
+    @contextlib.contextmanager
+    def computing_loss(self, labels: torch.Tensor):
+        head = self.head
+        saved_forward = head.__dict__.get("forward")  # an instance-level forward someone else set
+        saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.switched]
+
+        def forward(hidden):
+            if self.loss is not None:
+                raise RuntimeError("the output layer was called twice in one forward; use loss_impl=full")
+            targets = shifted_labels(labels).to(hidden.device).reshape(-1)
+            hidden = hidden.reshape(-1, hidden.shape[-1])
+            if hidden.shape[0] != targets.shape[0]:
+                raise RuntimeError(f"the output layer got {hidden.shape[0]} positions for {targets.shape[0]} labels; "
+                                   "use loss_impl=full")
+            # Only target tokens need logits: prompts and padding (often most of a fine-tuning batch) are
+            # skipped. Counting them is one host sync, after the forward is queued.
+            keep = (targets != IGNORE).nonzero().squeeze(1)
+            self.loss = linear_cross_entropy(hidden.index_select(0, keep), head.weight, head.bias,
+                                             targets.index_select(0, keep), self.impl, scale=self.scale,
+                                             softcap=self.softcap, chunk=self.chunk)
+            return self.loss
+
+        head.forward = forward
+        for owner, name, neutral in self.switched:
+            setattr(owner, name, neutral)
+        try:
+            yield
+        finally:
+            if saved_forward is None:
+                del head.forward
+            else:
+                head.forward = saved_forward
+            for owner, name, value in saved:
+                setattr(owner, name, value)
+
+    def check(self, logits) -> torch.Tensor:
+        """The model's `logits` must be our loss, unchanged: anything the model did to it after lm_head
+        is a computation this module does not reproduce. The strategies wrap outputs in identity
+        autograd functions (ZeRO-3 for its backward hooks), so the test is on the value, not the
+        object; it costs a host sync, so it runs on the first call per output layer and mode
+        (training/eval), which is enough for what is a property of the model's code."""
+        if self.loss is None:
+            raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} did not call its output layer "
+                               "(get_output_embeddings) in forward; use loss_impl=full")
+        seen = _CHECKED.setdefault(self.head, set())
+        if torch.is_grad_enabled() not in seen:
+            if not (torch.is_tensor(logits) and logits.shape == self.loss.shape
+                    and torch.equal(logits.detach(), self.loss.detach())):
+                raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} changes the logits after its output "
+                                   "layer in a way finetune/loss.py does not know; use loss_impl=full (and report "
+                                   "the model)")
+            seen.add(torch.is_grad_enabled())
+        return logits
+
+
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def linear_cross_entropy(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,
+                         softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+    """sum_i CE(softcap(scale * (hidden_i @ weight.T + bias)), targets_i) for hidden [n, h], targets [n]
+    (no IGNORE among them), without materialising the [n, vocab] logits."""
+    if impl == "liger":
+        return _liger(hidden, weight, bias, targets, scale, softcap)
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    grad = torch.is_grad_enabled()
+    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
+             grad and bias is not None and bias.requires_grad)
+    rows = chunk or chunk_rows(weight.shape[0])
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, scale, softcap, rows, dtype, needs)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Forward computes, chunk by chunk, the loss and already the gradients of the hidden states,
+    weight and bias (as Liger's fused linear cross-entropy does); backward only scales them by the
+    incoming gradient. Against recomputing each chunk's logits in backward this saves one of the four
+    [chunk, vocab, hidden] matmuls, and costs no memory at the peak: lm_head is the last op of the
+    forward and the first of the backward, so the weight's gradient would be allocated at that point
+    anyway. Under autocast the matmuls run in the autocast dtype and the softmax in fp32, as autocast's
+    linear followed by `logits.float()` would do; one backward only (the gradients are handed over)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype, needs):
+        need_h, need_w, need_b = needs
+        n = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            for start in range(0, n, rows):
+                h = hidden[start:start + rows].to(dtype)
+                y = targets[start:start + rows]
+                z = F.linear(h, w, b).float()
+                if scale != 1.0:
+                    z.mul_(scale)
+                if softcap is not None:
+                    tanh = z.div_(softcap).tanh_()
+                    z = tanh * softcap
+                lse = torch.logsumexp(z, dim=-1)
+                total += (lse - z.gather(1, y[:, None]).squeeze(1)).sum()
+                if not (need_h or need_w or need_b):
+                    continue
+                g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+                if softcap is not None:
+                    g.mul_(1.0 - tanh * tanh)
+                    del tanh
+                if scale != 1.0:
+                    g.mul_(scale)
+                g = g.to(dtype)
+                if need_h:
+                    grad_h[start:start + rows] = g @ w
+                if need_w and dtype == torch.float32:
+                    grad_w.addmm_(g.t(), h)
+                elif need_w:
+                    grad_w += (g.t() @ h).float()
+                if need_b:
+                    grad_b += g.float().sum(0)
+        ctx.grads = [grad_h, grad_w, grad_b]
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        return total
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.grads is None:
+            raise RuntimeError("the chunked loss supports one backward per forward")
+        grad_h, grad_w, grad_b = ctx.grads
+        ctx.grads = None
+        if grad_h is not None:
+            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad_out).to(ctx.dtypes[0])
+        if grad_b is not None:
+            grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _liger(hidden, weight, bias, targets, scale, softcap):
+    """Liger-Kernel's fused linear cross-entropy (Triton; CUDA). Untested in this repository: no GPU
+    and no liger_kernel where it was written; plan.py makes loss_impl=liger an error on CPU or when
+    the package is missing. A logit scale folds into the hidden states: s * (h W^T + b) = (s h) W^T + s b."""
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    if scale != 1.0:
+        hidden = hidden * scale
+        bias = bias * scale if bias is not None else None
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", softcap=softcap)(
+        weight, hidden, targets, bias)
+    return loss[0] if isinstance(loss, tuple) else loss
