@@ -2,17 +2,16 @@
 corrupted without changing its size, the resume point `--resume auto` falls back to, and the
 allow-list that stops a distributed checkpoint's `.metadata` pickle from running code.
 
-Hash speed (why xxh3-128): on this 2-core CPU, hashing 1 GiB in memory gave xxh3_128 6.3-12.9 GB/s,
-sha256 (with SHA-NI) 1.5, zlib.crc32 1.35, blake2b 0.6 GB/s per core; hashing a checkpoint is then
-bound by the disk, not the CPU (`python tests/test_checkpoint_files.py BYTES` measures file_checksums
-on a file of that size)."""
+Why xxh3-128: bench/hash_checksums.py (files in the page cache, this 2-core machine shared with
+other jobs): file_checksums 2.0-2.4 GB/s, sha256 0.5-0.6, crc32 0.8-1.4, blake2b 0.2-0.4 GB/s; in
+memory on one core xxh3_128 ran 6-13 GB/s, sha256 (SHA-NI) 1.5. Hashing a checkpoint is then bound
+by the disk, not the CPU."""
 
 from __future__ import annotations
 
 import json
 import os
 import pickle
-import sys
 from pathlib import Path
 
 import pytest
@@ -258,20 +257,3 @@ def test_a_garbled_metadata_is_damage_not_an_attack(tmp_path):
     with pytest.raises(RecipeError, match=r"is damaged: optimizer_0/\.metadata cannot be read \(UnpicklingError"):
         verify(ckpt)
 
-
-if __name__ == "__main__":  # throughput of file_checksums on one file of N bytes (default 2 GiB)
-    import tempfile
-    import time
-
-    size = int(float(sys.argv[1])) if len(sys.argv) > 1 else 2 << 30
-    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
-        block = os.urandom(64 << 20)
-        with open(Path(d) / "f", "wb") as f:
-            for _ in range(size // len(block)):
-                f.write(block)
-        size = (Path(d) / "f").stat().st_size
-        for attempt in range(2):  # the second read comes from the page cache
-            t = time.perf_counter()
-            file_checksums(Path(d), ["f"])
-            print(f"file_checksums: {size / 2**30:.1f} GiB in {time.perf_counter() - t:.2f} s "
-                  f"({size / (time.perf_counter() - t) / 1e9:.2f} GB/s)")
