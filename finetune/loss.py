@@ -249,34 +249,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
             for start in range(0, n, rows):
-                h = hidden[start:start + rows].to(dtype)
-                y = targets[start:start + rows]
-                z = F.linear(h, w, b).float()
-                if scale != 1.0:
-                    z.mul_(scale)
-                if softcap is not None:
-                    tanh = z.div_(softcap).tanh_()
-                    z = tanh * softcap
-                lse = torch.logsumexp(z, dim=-1)
-                total += (lse - z.gather(1, y[:, None]).squeeze(1)).sum()
-                if not (need_h or need_w or need_b):
-                    continue
-                g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
-                if softcap is not None:
-                    g.mul_(1.0 - tanh * tanh)
-                    del tanh
-                if scale != 1.0:
-                    g.mul_(scale)
-                g = g.to(dtype)
-                if need_h:
-                    grad_h[start:start + rows] = g @ w
-                if need_w and dtype == torch.float32:
-                    grad_w.addmm_(g.t(), h)
-                elif need_w:
-                    grad_w += (g.t() @ h).float()
-                if need_b:
-                    grad_b += g.float().sum(0)
+                part = slice(start, start + rows)
+                total += _chunk(hidden[part].to(dtype), w, b, targets[part], scale, softcap,
+                                grad_h[part] if need_h else None, grad_w, grad_b)
         ctx.grads = [grad_h, grad_w, grad_b]
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -295,6 +270,42 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_b is not None:
             grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _chunk(h, w, b, y, scale: float, softcap: float | None, grad_h, grad_w, grad_b) -> torch.Tensor:
+    """One chunk's summed loss; adds its gradients into grad_h (a view of this chunk's rows), grad_w
+    and grad_b where given. A function of its own so that the chunk's [rows, vocab] tensors are freed
+    on return, before the next chunk allocates its own (RSS would otherwise hold two)."""
+    z = F.linear(h, w, b).float()
+    if scale != 1.0:
+        z.mul_(scale)
+    tanh = None
+    if softcap is not None:
+        tanh = z.div_(softcap).tanh_()
+        z = tanh * softcap
+    lse = torch.logsumexp(z, dim=-1)
+    loss = (lse - z.gather(1, y[:, None]).squeeze(1)).sum()
+    if grad_h is None and grad_w is None and grad_b is None:
+        return loss
+    g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    g[torch.arange(g.shape[0], device=g.device), y] -= 1.0
+    if tanh is not None:  # d(cap * tanh(x / cap))/dx = 1 - tanh^2, in place of tanh
+        g.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+        del tanh
+    if scale != 1.0:
+        g.mul_(scale)
+    g = g.to(h.dtype)
+    if grad_h is not None and grad_h.dtype == g.dtype:
+        torch.matmul(g, w, out=grad_h)
+    elif grad_h is not None:
+        grad_h.copy_(g @ w)
+    if grad_w is not None and g.dtype == torch.float32:
+        grad_w.addmm_(g.t(), h)
+    elif grad_w is not None:
+        grad_w += (g.t() @ h).float()
+    if grad_b is not None:
+        grad_b += g.float().sum(0)
+    return loss
 
 
 def _liger(hidden, weight, bias, targets, scale, softcap):
