@@ -260,7 +260,8 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             spans.append((len(before), len(through)))
         else:
             without = _render(tokenizer, messages[:i], False)
-            prompt = before[len(without):] if before.startswith(without) else ""  # the generation prompt
+            same = next((k for k, (a, b) in enumerate(zip(before, without)) if a != b), min(len(before), len(without)))
+            prompt = before[same:]  # the generation prompt (or its end, where a closing EOS shares its first chars)
             start = cursor
             if prompt and full.find(prompt, cursor) >= 0:
                 start = full.find(prompt, cursor) + len(prompt)
@@ -270,19 +271,32 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 
 
 def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tuple[int, int]:
-    at = full.find(body, start)
-    if at >= 0:
-        return at, at + len(body)
-    lo, hi = 0, len(body)  # the longest tail of body found after start (a found tail's own tails are found too)
+    """Where a turn whose own rendering is `body` sits in `full`, its generation prompt ending at `start`.
+
+    Tried in order, each kept only if it still holds the end of the turn's content: the longest
+    prefix of body found at start (a template that closes the conversation, not each turn, with an
+    EOS, as Phi-3's does); else the longest tail of body found after start (a dropped reasoning block,
+    or a turn placed after text the template moved in front of it)."""
+    end = re.search(r"\S{1,8}$", content.rstrip())  # the content's last characters, up to its last space
+    tail_of_content = end.group(0) if end else ""
+
+    def holds_content(lo: int, hi: int) -> bool:
+        at = body.rfind(tail_of_content, lo, hi)
+        return bool(tail_of_content) and at >= 0
+
+    same = 0
+    while same < len(body) and start + same < len(full) and full[start + same] == body[same]:
+        same += 1
+    if same == len(body) or holds_content(0, same):
+        return start, start + same
+    lo, hi = 0, len(body)  # the longest tail found after start (a found tail's own tails are found too)
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if full.find(body[-mid:], start) >= 0:
             lo = mid
         else:
             hi = mid - 1
-    end_of_content = content.rstrip()[-8:]
-    holds_content = end_of_content and body.rfind(end_of_content) >= len(body) - lo
-    if not holds_content:
+    if not holds_content(len(body) - lo, len(body)):
         raise DataError(f"assistant message {index} does not appear in the chat template's rendering of the whole "
                         "conversation; mark assistant turns with {% generation %}...{% endgeneration %} in "
                         "chat_template, or set train_on_prompt=true")
@@ -292,8 +306,10 @@ def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tu
 
 def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_len: int):
     """Render with the chat template and label every assistant turn (see assistant_spans), mapped from
-    characters to tokens with the tokenizer's offsets: a token is labelled if it overlaps a turn. The
-    template's BOS is kept; a template that renders none gets the tokenizer's own (see _bos), once."""
+    characters to tokens with the tokenizer's offsets: a token is labelled if it ends inside a turn (a
+    word-start token that carries the space before the answer is the answer's; a token that only begins
+    with the turn's last characters is not). The template's BOS is kept; a template that renders none
+    gets the tokenizer's own (see _bos), once."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set chat_template=... (a "
                         "file or the template itself), tokenizer=... to one that has it, or use "
@@ -306,8 +322,7 @@ def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_
     if train_on_prompt:
         return ids, list(ids)
     offsets = [(0, 0)] * len(prefix) + [tuple(o) for o in enc.offset_mapping]
-    labels = [tok if any(start < hi and end > lo for lo, hi in spans) else IGNORE
-              for tok, (start, end) in zip(ids, offsets)]
+    labels = [tok if any(lo < end <= hi for lo, hi in spans) else IGNORE for tok, (_, end) in zip(ids, offsets)]
     return ids, labels
 
 
