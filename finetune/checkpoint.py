@@ -36,7 +36,7 @@ RNG_DIR = "rng"  # rank_<i>.safetensors: each rank's torch (and CUDA) generator 
 # Keys that must match for a checkpoint to continue this run; the first group can never differ.
 HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
-             "packing", "train_on_prompt", "seed")
+             "packing", "train_on_prompt", "seed", "tokenizer", "chat_template")
 
 
 def checkpoint_name(step: int) -> str:

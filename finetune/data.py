@@ -225,9 +225,15 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: boo
     the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    texts, indices = render_jinja_template(
-        conversations=[messages], chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
-        add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+    from jinja2 import TemplateError
+
+    try:
+        texts, indices = render_jinja_template(
+            conversations=[messages], chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
+            add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+    except TemplateError as e:  # a template bug, or one that refuses this conversation (roles, order)
+        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
+                        "or the data") from None
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 

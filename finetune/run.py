@@ -40,9 +40,10 @@ def prepare(args):
     from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point
     from finetune.data import prevalidate
     from finetune.plan import make_plan
-    from finetune.recipe import resolve
+    from finetune.recipe import chat_template_text, resolve
 
     recipe = resolve(args.recipe, args.overrides)
+    chat_template_text(recipe)
     plan = make_plan(recipe, dry_run=args.dry_run)
     prevalidate(recipe.dataset, recipe.dataset_format)
     if recipe.eval_dataset:
