@@ -268,16 +268,18 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             without = _render(tokenizer, messages[:i], False)
             same = next((k for k, (a, b) in enumerate(zip(before, without)) if a != b), min(len(before), len(without)))
             prompt = before[same:]  # the generation prompt (or its end, where a closing EOS shares its first chars)
-            start = cursor
+            start, limit = cursor, len(full)
             if prompt and full.find(prompt, cursor) >= 0:
                 start = full.find(prompt, cursor) + len(prompt)
-            spans.append(_find_turn(full, through[len(before):], start, m["content"], i))
+                limit = full.find(prompt, start) % (len(full) + 1)  # the next turn's prompt, else the end
+            spans.append(_find_turn(full[:limit], through[len(before):], start, m["content"], i))
         cursor = spans[-1][1]
     return full, spans
 
 
 def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tuple[int, int]:
-    """Where a turn whose own rendering is `body` sits in `full`, its generation prompt ending at `start`.
+    """Where a turn whose own rendering is `body` sits in `full` (cut where the next turn's generation
+    prompt begins), its own generation prompt ending at `start`.
 
     Tried in order, each kept only if it still holds the end of the turn's content: the longest
     prefix of body found at start (a template that closes the conversation, not each turn, with an

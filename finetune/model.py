@@ -71,18 +71,24 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    if recipe.load_in_4bit:
-        model = _load_4bit(recipe, model_path)
-    elif weights_on_this_rank:
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
-    else:
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(
-                config, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
-        # init_empty_weights re-creates every parameter on the meta device, which unties tied
-        # embeddings (Qwen2.5, Llama 3.2, Gemma); FSDP then finds an lm_head rank 0 does not have.
-        model.tie_weights()
+    try:
+        if recipe.load_in_4bit:
+            model = _load_4bit(recipe, model_path)
+        elif weights_on_this_rank:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
+        else:
+            with init_empty_weights(include_buffers=False):
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
+            # init_empty_weights re-creates every parameter on the meta device, which unties tied
+            # embeddings (Qwen2.5, Llama 3.2, Gemma); FSDP then finds an lm_head rank 0 does not have.
+            model.tie_weights()
+    except ValueError as e:
+        if "attention implementation" not in str(e):
+            raise
+        raise RecipeError(f"attn_implementation={recipe.attn_implementation}: model type {config.model_type} does "
+                          "not support it in this transformers version; set attn_implementation=eager") from None
     model.config.use_cache = False
     if recipe.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
