@@ -322,7 +322,7 @@ def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_
         raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set chat_template=... (a "
                         "file or the template itself), tokenizer=... to one that has it, or use "
                         "dataset_format=prompt_completion")
-    text, spans = assistant_spans(tokenizer, messages)
+    text, spans = (_render(tokenizer, messages, False), []) if train_on_prompt else assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     bos = _bos(tokenizer)
     prefix = [] if enc.input_ids[:len(bos)] == bos else bos

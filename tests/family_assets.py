@@ -128,7 +128,7 @@ def with_generation_marks(template: str) -> str:
 
 # ---------------------------------------------------------------- tokenizers
 
-MISTRAL_DATA = "mistral_common/data"
+REPO = Path(__file__).resolve().parents[1]
 MISTRAL_MODELS = {"v1": "tokenizer.model.v1", "v3": "mistral_instruct_tokenizer_240323.model.v3",
                   "v7": "mistral_instruct_tokenizer_241114.model.v7"}
 # Llama 3's pre-tokenizer pattern (digits in groups of up to 3); Qwen2's splits every digit.
