@@ -299,6 +299,15 @@ SPECIALS = {
 }
 
 
+def family_config(name: str, vocab_size: int = 512, **token_ids):
+    """The family's small config (random weights come from building a model of it)."""
+    import transformers
+
+    family = FAMILIES[name]
+    token_ids.setdefault("pad_token_id", None)  # Phi-3's default (32000) is outside a small vocabulary
+    return getattr(transformers, family.config)(vocab_size=vocab_size, **token_ids, **family.config_kwargs)
+
+
 def make_tokenizer(family: Family, corpus: list[str], out: Path):
     kind = family.tokenizer
     if kind == "mistral-v3":
@@ -333,9 +342,8 @@ def build_family(name: str, root: Path, n_train: int = 96, n_eval: int = 16) -> 
     tok = make_tokenizer(family, corpus, root / "tokenizer-src")
     tok.chat_template = family.template
     vocab = -(-len(tok) // 64) * 64  # padded to a multiple of 64, as released checkpoints are
-    config = getattr(transformers, family.config)(
-        vocab_size=vocab, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id, **family.config_kwargs)
+    config = family_config(name, vocab, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
