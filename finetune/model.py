@@ -170,11 +170,11 @@ def router_aux_loss(model, outputs, labels: torch.Tensor, record: list | None = 
     division by the global batch's tokens it adds coef * (token-weighted mean aux), as transformers'
     own `loss + router_aux_loss_coef * aux_loss` does for one batch. `record` collects the unweighted
     aux values for the metrics."""
-    aux = getattr(outputs, "aux_loss", None)
-    if aux is None or not model.training:
+    inner = getattr(model, "module", model)  # DDP and DeepSpeed hold the model as .module; a DeepSpeedEngine's
+    aux = getattr(outputs, "aux_loss", None)  # own .config and .training are not the model's
+    if aux is None or not inner.training:
         return 0.0
     if record is not None:
         record.append(aux.detach().float())
-    config = getattr(model, "config", None) or getattr(getattr(model, "module", None), "config", None)  # DDP wraps
-    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    coef = getattr(getattr(inner, "config", None), "router_aux_loss_coef", 0.0) or 0.0
     return coef * aux.float() * (labels != IGNORE).sum()
