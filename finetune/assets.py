@@ -17,7 +17,7 @@ import string
 import tempfile
 from pathlib import Path
 
-ASSET_VERSION = "v1"
+ASSET_VERSION = "v2"  # v2: the tokenizer adds <s> by itself, as a Llama tokenizer does
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -50,7 +50,7 @@ def _publish(build, target: Path) -> Path:
 
 
 def build_tokenizer():
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     chars = list(string.printable)
@@ -58,6 +58,8 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                        special_tokens=[("<s>", vocab["<s>"])])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
         additional_special_tokens=SPECIALS[4:], model_max_length=4096,

@@ -39,7 +39,7 @@ CHECKSUM = "xxh3_128"  # of every file, in the manifest (see file_checksums)
 # Keys that must match for a checkpoint to continue this run; the first group can never differ.
 HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
-             "packing", "train_on_prompt", "seed")
+             "packing", "train_on_prompt", "seed", "tokenizer", "chat_template")
 # Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
 # a resumed run would silently keep the old value, so a change is refused rather than ignored.
 STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",

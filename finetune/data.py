@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ FORMAT_FIELDS = {
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-PIPELINE_VERSION = "1"  # bump when tokenization/packing output changes, to invalidate caches
+PIPELINE_VERSION = "2"  # bump when tokenization/packing output changes, to invalidate caches
 
 
 class DataError(RecipeError):
@@ -206,55 +207,182 @@ def _num_rows(path: Path, required=(), fmt: str = "") -> int:
 
 
 # ---------------------------------------------------------------- tokenization
+#
+# One rule for every format: a row starts the way `tokenizer(prompt)` starts at inference (the BOS that
+# the tokenizer adds by itself: Llama, Mistral, Gemma; nothing for Qwen or GPT-2), or the way the chat
+# template starts it, exactly once; texts are tokenized without special tokens so that nothing is
+# added twice; a prompt_completion/alpaca/text row ends with one EOS, a chat row with the end-of-turn
+# markers its template renders, which are labelled as part of their assistant turn.
 
 
 def _bos(tokenizer) -> list[int]:
-    """The BOS id to prepend, unless the tokenizer adds it by itself or has none."""
-    if tokenizer.bos_token_id is None:
-        return []
-    probe = tokenizer("a").input_ids
-    return [] if probe and probe[0] == tokenizer.bos_token_id else [tokenizer.bos_token_id]
+    """The tokens the tokenizer puts before any text by itself (its BOS, or nothing).
+
+    Read from the tokenizer's own behaviour, not from `bos_token`: a sentencepiece Llama/Mistral
+    tokenizer adds `<s>`, a Llama-3 tokenizer `<|begin_of_text|>` through its post-processor, GPT-2's
+    has a bos_token it never adds, Qwen's has none."""
+    plain = tokenizer("a", add_special_tokens=False).input_ids
+    full = tokenizer("a").input_ids
+    for k in range(len(full) - len(plain) + 1):
+        if full[k:k + len(plain)] == plain:
+            return list(full[:k])
+    return full[:1] if full and full[0] == tokenizer.bos_token_id else []
+
+
+def _text_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _without_eos(tokenizer, text: str) -> str:
+    """A response that already ends with the EOS string gets its EOS from us, once."""
+    eos = tokenizer.eos_token
+    return text[: -len(eos)] if eos and text.endswith(eos) else text
+
+
+def _eos(tokenizer) -> list[int]:
+    return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
 def encode_prompt_completion(tokenizer, prompt: str, completion: str, train_on_prompt: bool, max_len: int):
-    prompt_ids = _bos(tokenizer) + tokenizer(prompt, add_special_tokens=False).input_ids
-    completion_ids = tokenizer(completion, add_special_tokens=False).input_ids
-    if tokenizer.eos_token_id is not None:
-        completion_ids = completion_ids + [tokenizer.eos_token_id]
+    """BOS + prompt + completion + EOS; labels on the completion and its EOS.
+
+    The completion is tokenized as it continues the prompt (prompt + completion tokenized together,
+    minus the prompt's own tokens), which is what a model continuing the tokenized prompt produces: a
+    sentencepiece tokenizer would otherwise put a word-start marker on the completion's first token.
+    Where a BPE merge crosses the seam, the completion is tokenized alone."""
+    completion = _without_eos(tokenizer, completion)
+    prompt_ids = _text_ids(tokenizer, prompt)
+    both = _text_ids(tokenizer, prompt + completion)
+    if both[:len(prompt_ids)] == prompt_ids:
+        completion_ids = both[len(prompt_ids):]
+    else:
+        completion_ids = _text_ids(tokenizer, completion)
+    prompt_ids = _bos(tokenizer) + prompt_ids
+    completion_ids = completion_ids + _eos(tokenizer)
     ids = (prompt_ids + completion_ids)[:max_len]
     labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + completion_ids
     return ids, labels[:max_len]
 
 
-def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_len: int):
-    """Render with the chat template and label the assistant turns, found as character spans.
+def encode_text(tokenizer, text: str, max_len: int):
+    ids = (_bos(tokenizer) + _text_ids(tokenizer, _without_eos(tokenizer, text)) + _eos(tokenizer))[:max_len]
+    return ids, list(ids)
 
-    Character spans (template rendered on growing prefixes of the conversation) are mapped to tokens
-    with the tokenizer's offsets, which holds for any template whose rendering of a prefix is a
-    prefix of the full rendering, as chat templates are.
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set tokenizer=... to "
-                        "one that has it, or use dataset_format=prompt_completion")
-    render = lambda msgs, gen: tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)  # noqa: E731
-    full = render(messages, False)
-    spans = []
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False):
+    """The chat template's text (and, with spans=True, its {% generation %} character spans), rendered
+    the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from jinja2 import TemplateError
+
+    try:
+        texts, indices = render_jinja_template(
+            conversations=[messages], chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
+            add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+    except TemplateError as e:  # a template bug, or one that refuses this conversation (roles, order)
+        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
+                        "or the data") from None
+    return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and, per assistant turn, the characters the model learns to produce there:
+    from the end of its generation prompt through its end-of-turn marker, as the turn appears in the
+    full rendering.
+
+    A template with {% generation %} blocks says so itself (the spans transformers'
+    `return_assistant_tokens_mask` uses). Otherwise a turn is found by rendering the conversation up to
+    it with and without the turn: for templates that render prefix by prefix, that is the span. For
+    templates that rewrite earlier turns (Qwen3 drops the reasoning of answers before the last user
+    message; Mistral's moves the system prompt into the last user message), the turn's own rendering
+    is searched in the full one after its generation prompt: whole, or else its longest tail, which
+    must still hold the end of the turn's content (the answer and end-of-turn marker that remain once a
+    reasoning block is dropped)."""
+    if GENERATION_TAG.search(tokenizer.chat_template):
+        return _render(tokenizer, messages, False, spans=True)
+    full = _render(tokenizer, messages, False)
+    spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, through = render(messages[:i], True), render(messages[: i + 1], False)
-        if not (full.startswith(through) and through.startswith(before)):
-            raise DataError("the chat template does not render conversations prefix by prefix, so assistant "
-                            "turns cannot be located; set train_on_prompt=true")
-        spans.append((len(before), len(through)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids = enc.input_ids[:max_len]
+        before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[:i + 1], False)
+        if not through.startswith(before):
+            raise DataError(f"the chat template renders the conversation before assistant message {i} differently "
+                            "once that message is added, so its tokens cannot be located; mark assistant turns with "
+                            "{% generation %}...{% endgeneration %} in chat_template, or set train_on_prompt=true")
+        if full.startswith(through) and len(before) >= cursor:
+            spans.append((len(before), len(through)))
+        else:
+            without = _render(tokenizer, messages[:i], False)
+            same = next((k for k, (a, b) in enumerate(zip(before, without)) if a != b), min(len(before), len(without)))
+            prompt = before[same:]  # the generation prompt (or its end, where a closing EOS shares its first chars)
+            start, limit = cursor, len(full)
+            if prompt and full.find(prompt, cursor) >= 0:
+                start = full.find(prompt, cursor) + len(prompt)
+                limit = full.find(prompt, start) % (len(full) + 1)  # the next turn's prompt, else the end
+            spans.append(_find_turn(full[:limit], through[len(before):], start, m["content"], i))
+        cursor = spans[-1][1]
+    return full, spans
+
+
+def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tuple[int, int]:
+    """Where a turn whose own rendering is `body` sits in `full` (cut where the next turn's generation
+    prompt begins), its own generation prompt ending at `start`.
+
+    Tried in order, each kept only if it still holds the end of the turn's content: the longest
+    prefix of body found at start (a template that closes the conversation, not each turn, with an
+    EOS, as Phi-3's does); else the longest tail of body found after start (a dropped reasoning block,
+    or a turn placed after text the template moved in front of it)."""
+    end = re.search(r"\S{1,8}$", content.rstrip())  # the content's last characters, up to its last space
+    tail_of_content = end.group(0) if end else ""
+
+    def holds_content(lo: int, hi: int) -> bool:
+        at = body.rfind(tail_of_content, lo, hi)
+        return bool(tail_of_content) and at >= 0
+
+    same = 0
+    while same < len(body) and start + same < len(full) and full[start + same] == body[same]:
+        same += 1
+    if same == len(body) or holds_content(0, same):
+        return start, start + same
+    lo, hi = 0, len(body)  # the longest tail found after start (a found tail's own tails are found too)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if full.find(body[-mid:], start) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    if not holds_content(len(body) - lo, len(body)):
+        raise DataError(f"assistant message {index} does not appear in the chat template's rendering of the whole "
+                        "conversation; mark assistant turns with {% generation %}...{% endgeneration %} in "
+                        "chat_template, or set train_on_prompt=true")
+    at = full.find(body[len(body) - lo:], start)
+    return at, at + lo
+
+
+def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_len: int):
+    """Render with the chat template and label every assistant turn (see assistant_spans), mapped from
+    characters to tokens with the tokenizer's offsets: a token is labelled if it ends inside a turn (a
+    word-start token that carries the space before the answer is the answer's; a token that only begins
+    with the turn's last characters is not). The template's BOS is kept; a template that renders none
+    gets the tokenizer's own (see _bos), once."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set chat_template=... (a "
+                        "file or the template itself), tokenizer=... to one that has it, or use "
+                        "dataset_format=prompt_completion")
+    text, spans = (_render(tokenizer, messages, False), []) if train_on_prompt else assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    bos = _bos(tokenizer)
+    prefix = [] if enc.input_ids[:len(bos)] == bos else bos
+    ids = (prefix + enc.input_ids)[:max_len]
     if train_on_prompt:
         return ids, list(ids)
-    labels = [
-        tok if any(lo <= start < hi for lo, hi in spans) else IGNORE
-        for tok, (start, _end) in zip(ids, enc.offset_mapping)
-    ]
+    offsets = [(0, 0)] * len(prefix) + [tuple(o) for o in enc.offset_mapping]
+    labels = [tok if any(lo < end <= hi for lo, hi in spans) else IGNORE for tok, (_, end) in zip(ids, offsets)]
     return ids, labels
 
 
@@ -262,11 +390,7 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
     if fmt == "messages":
         return encode_messages(tokenizer, row["messages"], train_on_prompt, max_len)
     if fmt == "text":
-        ids = (_bos(tokenizer) + tokenizer(row["text"], add_special_tokens=False).input_ids)
-        if tokenizer.eos_token_id is not None:
-            ids.append(tokenizer.eos_token_id)
-        ids = ids[:max_len]
-        return ids, list(ids)
+        return encode_text(tokenizer, row["text"], max_len)
     if fmt == "alpaca":
         template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
         prompt = template.format(instruction=row["instruction"], input=row.get("input") or "")

@@ -35,12 +35,27 @@ def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_siz
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped = accelerator.unwrap_model(model)
+        state_dict = without_tied_copies(unwrapped, state_dict)
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
         _plain_architecture(tmp / "config.json")
         _publish(tmp, out_dir)
     accelerator.wait_for_everyone()
     return out_dir
+
+
+def without_tied_copies(model, state_dict: dict) -> dict:
+    """One entry per tied weight (Qwen2.5, Llama 3.2, Gemma tie lm_head to the embedding), as
+    `save_pretrained` writes a plain model: the gathered state dict of a sharded model holds a separate
+    full copy under each name, which would be saved twice and could be read back untied."""
+    first, drop = {}, []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in state_dict:
+            if id(param) in first:
+                drop.append(name)
+            else:
+                first[id(param)] = name
+    return {k: v for k, v in state_dict.items() if k not in drop} if drop else state_dict
 
 
 def is_lora(model) -> bool:

@@ -147,8 +147,8 @@ def train(plan: Plan) -> dict:
     def reduce_sum(t):
         return accelerator.reduce(t, reduction="sum")
 
-    def loss_of(model, batch):
-        return loss_sum(model, batch, r.loss_impl, r.loss_chunk_tokens)
+    def loss_of(model, batch, aux=None):
+        return loss_sum(model, batch, r.loss_impl, r.loss_chunk_tokens, aux)
 
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -191,10 +191,11 @@ def train(plan: Plan) -> dict:
         global_tokens, stopping, global_inputs = int(counts[0]), counts[1] > 0, int(counts[2])
         scale = world * plan.grad_accum / global_tokens  # the framework averages over ranks and micro-steps
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
+        aux = []  # a mixture of experts' router loss per micro-batch, when its config asks for one
         for index, batch in enumerate(micro_batches):
             batch = {k: v.to(device) for k, v in batch.items()}
             with accumulate(accelerator, model, index):
-                loss = loss_of(model, batch)
+                loss = loss_of(model, batch, aux)
                 accelerator.backward(loss * scale)
             step_loss += loss.detach().double()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
@@ -219,6 +220,8 @@ def train(plan: Plan) -> dict:
                       "tokens": state.tokens, "tokens_per_s": window_tokens / (now - window_t0),
                       "epoch": (state.step - 1) // schedule.steps_per_epoch,
                       "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
+            if aux:
+                record["aux_loss"] = float(reduce_sum(torch.stack(aux).mean()) / world)
             if peak and flops:  # model FLOPs of the real (non-padding) input tokens, per GPU, over the GPU's peak
                 record["mfu"] = window_inputs / (now - window_t0) * flops / (world * peak)
             metrics.write(record)

@@ -64,7 +64,8 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
 
 
-def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None) -> torch.Tensor:
+def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None,
+             aux: list | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over target tokens: the caller divides by the
     target tokens of the whole global batch, so every split of that batch gives the same update.
 
@@ -80,10 +81,28 @@ def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None
         if head.supported:
             with head.computing_loss(batch["labels"]):
                 out = model(**inputs)
-            return head.check(out.logits)
-    logits = model(**inputs).logits
-    labels = shifted_labels(batch["labels"]).to(logits.device)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+            loss = head.check(out.logits)
+            return loss + router_aux_loss(model, out, shifted_labels(batch["labels"]).to(loss.device), aux)
+    out = model(**inputs)
+    labels = shifted_labels(batch["labels"]).to(out.logits.device)
+    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return loss + router_aux_loss(model, out, labels, aux)
+
+
+def router_aux_loss(model, outputs, labels: torch.Tensor, record: list | None = None) -> torch.Tensor | float:
+    """A mixture of experts' load-balancing loss, when its config asks for it (output_router_logits),
+    while training: coef * aux weighted by this micro-batch's target tokens, so that after the loop's
+    division by the global batch's tokens it adds coef * (token-weighted mean aux), as transformers'
+    own `loss + router_aux_loss_coef * aux_loss` does for one batch. `record` collects the unweighted
+    aux values for the metrics."""
+    inner = getattr(model, "module", model)  # DDP and DeepSpeed hold the model as .module; a DeepSpeedEngine's
+    aux = getattr(outputs, "aux_loss", None)  # own .config and .training are not the model's
+    if aux is None or not inner.training:
+        return 0.0
+    if record is not None:
+        record.append(aux.detach().float())
+    coef = getattr(getattr(inner, "config", None), "router_aux_loss_coef", 0.0) or 0.0
+    return coef * aux.float() * (labels != IGNORE).sum()
 
 
 def _unwrap(model):

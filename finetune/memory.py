@@ -2,7 +2,13 @@
 
 Estimate (no model loaded, no GPU needed)
 -----------------------------------------
-1. Parameters, counted exactly from the architecture numbers of a Llama/Mistral/Qwen2-style decoder
+1. Parameters, counted exactly from the model's config: transformers builds the model from it on the
+   meta device (no memory, no weights) and the planner counts what is there (`measure`): every
+   family transformers knows, with its own layout (Phi-3's fused qkv_proj/gate_up_proj, Gemma's four
+   norms per layer, Qwen3's q/k norms, a mixture of experts' experts and router, tied embeddings
+   once), the largest decoder layer (FSDP and ZeRO-3 gather one at a time), and every Linear a LoRA
+   adapter can sit on. Where transformers cannot build it (published numbers from the table below,
+   an unknown model_type) the count is the formula of a Llama/Mistral/Qwen2-style decoder
    (`Architecture.num_parameters`): embeddings V*h; per layer q/k/v/o with grouped-query attention
    (k and v have kv_heads*head_dim outputs), gate/up/down of the SwiGLU MLP, two RMSNorms; a final
    RMSNorm; lm_head V*h unless tied. Qwen2 adds q/k/v biases (`attention_bias`).
@@ -22,8 +28,9 @@ Estimate (no model loaded, no GPU needed)
      sharded-optimizer DDP (torch ZeroRedundancyOptimizer) is 8 P + 8 P/N, not 4 P + 12 P/N;
    - DeepSpeed clones an fp32 master partition also when training in fp32: optimizer 12 P/N
      instead of 8 P/N for zero1/2/3 (measured with held_bytes, deepspeed 0.19);
-   - LoRA: the frozen base is held like any weight (sharded by zero3/fsdp, 2 bytes under DeepSpeed's
-     16-bit engine, 4 under ddp/fsdp), gradients and optimizer states exist for the adapters only.
+   - LoRA: the frozen base is loaded in the training precision (model.base_dtype: 2 bytes per
+     parameter under bf16/fp16, 4 in fp32) and sharded by zero3/fsdp; the adapters are fp32 and only
+     they have gradients and optimizer states.
    Offload moves states off the GPU: `offload_optimizer` (zero2/zero3) moves the optimizer states to
    CPU (or NVMe) and the gradient partition to CPU, as fp32 for CPU Adam (ZeRO-3 also keeps its
    gradient buffer there: 2 + 4 bytes per parameter / N in 16-bit), `offload_params` (zero3) the
@@ -82,6 +89,7 @@ modules, FSDP2 (DTensor shards), DeepSpeed ZeRO engines and ZeroRedundancyOptimi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -117,6 +125,17 @@ class Architecture:
     head_dim: int | None = None  # None: hidden_size / num_attention_heads
     model_type: str = "llama"
     source: str = ""  # where the numbers came from, for reports
+    # Counted on the model built from the config (see measure); None: the Llama-style formula.
+    measured_parameters: int | None = None
+    measured_layer: int | None = None  # the largest decoder layer
+    measured_embedding: int | None = None
+    measured_lm_head: int | None = None  # 0 when tied to the embedding
+    linears: tuple[tuple[str, int, int, int], ...] | None = None  # decoder Linears: (name, in, out, how many)
+    lora_default: tuple[str, ...] | None = None  # the Linears model.lora_targets picks by default
+
+    @property
+    def measured(self) -> bool:
+        return self.measured_parameters is not None
 
     @property
     def kv_heads(self) -> int:
@@ -135,18 +154,30 @@ class Architecture:
                 "gate_proj": (h, i, mb), "up_proj": (h, i, mb), "down_proj": (i, h, mb)}
 
     def layer_parameters(self) -> int:
+        if self.measured_layer is not None:
+            return self.measured_layer
         linear = sum(n_in * n_out + (n_out if bias else 0) for n_in, n_out, bias in self.projections().values())
         return linear + 2 * self.hidden_size  # input_layernorm, post_attention_layernorm
 
     @property
     def embedding_parameters(self) -> int:
-        return self.vocab_size * self.hidden_size
+        return self.measured_embedding if self.measured_embedding is not None else self.vocab_size * self.hidden_size
 
     @property
     def lm_head_parameters(self) -> int:
+        if self.measured_lm_head is not None:
+            return self.measured_lm_head
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
+    def decoder_linear_weights(self) -> int:
+        """Weights of the decoder layers' Linears (what QLoRA quantizes)."""
+        if self.linears is not None:
+            return sum(n_in * n_out * k for _, n_in, n_out, k in self.linears)
+        return self.num_hidden_layers * sum(i * o for i, o, _ in self.projections().values())
+
     def num_parameters(self) -> int:
+        if self.measured_parameters is not None:
+            return self.measured_parameters
         return (self.embedding_parameters + self.num_hidden_layers * self.layer_parameters()
                 + self.hidden_size + self.lm_head_parameters)
 
@@ -205,31 +236,89 @@ def known_architecture(model: str) -> Architecture | None:
     return dataclasses.replace(KNOWN_ARCHITECTURES[key], source=f"{TABLE_SOURCE} ({key})")
 
 
-def architecture_from_config(config, source: str = "") -> Architecture:
-    """A config.json dict (or a transformers config) -> Architecture; raises EstimateError if it is not
-    a dense decoder with the Llama layout's numbers."""
+def architecture_from_config(config, source: str = "", count: bool = True) -> Architecture:
+    """A config.json dict (or a transformers config) -> Architecture, its parameters counted on the model
+    transformers builds from it (see measure; count=False: the formula alone); raises EstimateError
+    if transformers cannot build it and it is not a dense decoder with the Llama layout's numbers."""
     cfg = config if isinstance(config, dict) else config.to_dict()
     model_type = str(cfg.get("model_type", ""))
     where = f" ({source})" if source else ""
+    counts = measure(cfg) if count else None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+    cfg = {**text, **{k: v for k, v in cfg.items() if v is not None}} if text else cfg
     moe = [k for k in MOE_KEYS if (cfg.get(k) or 0) > 1]
-    if moe:
-        raise EstimateError(f"model_type {model_type}{where} is a mixture of experts ({moe[0]}={cfg[moe[0]]}); "
-                            "finetune.memory counts dense Llama/Mistral/Qwen2-style decoders only")
-    needed = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
-    missing = [k for k in needed if not isinstance(cfg.get(k), int)]
+    if moe and counts is None:
+        raise EstimateError(f"model_type {model_type}{where} is a mixture of experts ({moe[0]}={cfg[moe[0]]}) that "
+                            "transformers cannot build here to count; finetune.memory's formula counts dense "
+                            "Llama/Mistral/Qwen2-style decoders only")
+    needed = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")
+    missing = [k for k in needed + (() if counts else ("intermediate_size",)) if not isinstance(cfg.get(k), int)]
     if missing:
         raise EstimateError(f"model config{where} (model_type {model_type or 'unknown'}) has no {', '.join(missing)}; "
                             "finetune.memory counts Llama/Mistral/Qwen2-style decoders only")
     qwen2 = model_type == "qwen2"
     attention_bias = True if qwen2 else bool(cfg.get("attention_bias", False))
     return Architecture(
-        hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
-        intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        **(counts or {}), hidden_size=cfg["hidden_size"], num_hidden_layers=cfg["num_hidden_layers"],
+        intermediate_size=cfg.get("intermediate_size") or 0, vocab_size=cfg["vocab_size"],
         num_attention_heads=cfg["num_attention_heads"], num_key_value_heads=cfg.get("num_key_value_heads"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=attention_bias, o_proj_bias=attention_bias and not qwen2,
         mlp_bias=bool(cfg.get("mlp_bias", False)), head_dim=cfg.get("head_dim"),
         model_type=model_type, source=source)
+
+
+def measure(cfg: dict) -> dict | None:
+    """Counts from the model itself: transformers builds it from the config on the meta device (no
+    memory, no weights; about 2 s for a 70B), and its parameters are counted as they are, whatever the
+    family's layout. None where transformers cannot build it (an unknown model_type)."""
+    return _measure(json.dumps(cfg, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=64)
+def _measure(cfg_json: str) -> dict | None:
+    cfg = json.loads(cfg_json)
+    model_type = cfg.pop("model_type", None)
+    if not model_type:
+        return None
+    try:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from finetune.model import is_default_lora_target
+    except ImportError:
+        return None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a config made for another vocabulary warns about its token ids
+    try:
+        config = AutoConfig.for_model(model_type, **cfg)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # an unknown or incomplete config: the caller falls back to the formula
+        return None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    linears: dict[tuple[str, int, int], int] = {}
+    lora_default = set()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{name}":
+            key = (name.rsplit(".", 1)[-1], module.in_features, module.out_features)
+            linears[key] = linears.get(key, 0) + 1
+            if is_default_lora_target(name, module):
+                lora_default.add(key[0])
+    return {
+        "measured_parameters": sum(p.numel() for p in model.parameters()),  # a tied weight is one parameter
+        "measured_layer": max((sum(p.numel() for p in m.parameters()) for m in layers), default=0),
+        "measured_embedding": embedding.numel(),
+        "measured_lm_head": 0 if head is None or head.weight is embedding else head.weight.numel(),
+        "linears": tuple((n, i, o, k) for (n, i, o), k in sorted(linears.items())),
+        "lora_default": tuple(sorted(lora_default)),
+    }
 
 
 def _offline() -> bool:
@@ -300,7 +389,22 @@ def load_architecture(model: str) -> Architecture:
 
 def lora_parameters(arch: Architecture, r: int, targets=()) -> int:
     """Adapter parameters: r*(in + out) per targeted Linear (A is r x in, B is out x r), in every layer.
-    No targets means every attention and MLP projection, as finetune/model.py does."""
+    No targets means the Linears finetune/model.py's lora_targets picks (every attention and MLP
+    projection, fused ones included)."""
+    if arch.linears is not None:
+        names = list(targets) or list(arch.lora_default or ())
+        known = sorted({n for n, *_ in arch.linears})
+        total = 0
+        for name in names:
+            found = [(i, o, k) for n, i, o, k in arch.linears if n == name]
+            if found:
+                total += sum(k * r * (i + o) for i, o, k in found)
+            elif name in ("lm_head", "embed_tokens"):
+                total += r * (arch.vocab_size + arch.hidden_size)
+            else:
+                raise EstimateError(f"lora_target_modules: {name!r} is not a Linear in a {arch.model_type} decoder "
+                                    f"layer ({', '.join(known + ['lm_head', 'embed_tokens'])})")
+        return total
     proj = arch.projections()
     names = list(targets) or list(proj)
     total = 0
@@ -446,18 +550,16 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     pb, gb, ob = state_bytes(strategy, mixed_precision)
     sixteen = mixed_precision != "no"
     lp = 2 if sixteen else 4  # compute dtype: gathered layers, buckets
-    if strategy.startswith("zero") and sixteen:
-        frozen_pb = 2  # DeepSpeed's engine casts the whole module, frozen weights too
-    else:
-        frozen_pb = pb
+    # A LoRA run's frozen base is loaded in the training precision (model.base_dtype), and DeepSpeed's
+    # 16-bit engine casts the whole module anyway.
+    frozen_pb = 2 if sixteen else pb
     shard_params = strategy in ("zero3", "fsdp")
     shard_grads = strategy in ("zero2", "zero3", "fsdp")
     shard_opt = strategy != "ddp" or setup.ddp_shard_optimizer
 
     frozen = (total_params - trained) * frozen_pb
     if quantized_base and lora_params:
-        linear = arch.num_hidden_layers * sum(i * o for i, o, _ in arch.projections().values())
-        frozen -= linear * (frozen_pb - (0.5 + 4 / 64))
+        frozen -= arch.decoder_linear_weights() * (frozen_pb - (0.5 + 4 / 64))
     params = (trained * pb + frozen) / (n if shard_params else 1)
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
@@ -596,7 +698,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
     own = Setup.of(recipe)
     lines = [f"recipe {name or '(given)'}: {describe_run(recipe, world_size, arch)}",
              f"model config: {arch.source}"]
-    if arch.model_type not in LLAMA_LIKE:
+    if arch.model_type not in LLAMA_LIKE and not arch.measured:
         lines.append(f"note: model_type {arch.model_type or 'unknown'} is counted as a Llama-style decoder (q/k/v/o, "
                      "gate/up/down, two norms per layer); check the parameter count above")
     if budget:
@@ -660,7 +762,7 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
     if arch.source.startswith(TABLE_SOURCE):
         unchecked.append(f"the model's own config.json (not in the local cache{', offline' if _offline() else ''}; "
                          "the published numbers were used)")
-    if arch.model_type not in LLAMA_LIKE:
+    if arch.model_type not in LLAMA_LIKE and not arch.measured:
         unchecked.append(f"the parameter count of model_type {arch.model_type} (counted as a Llama-style decoder)")
     if not looks_local(recipe.model) and not recipe.model.startswith(BUILTIN_PREFIX):
         unchecked.append("that the model's weights can be downloaded" if not _offline()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib.util
+import json
 import math
 import sys
 import typing
@@ -37,6 +38,8 @@ class Recipe:
     # What to train
     model: str = _opt("builtin:tiny-llama", help="hub id, local directory, or builtin:tiny-llama")
     tokenizer: str = _opt("", help="hub id or directory; empty means the model's own")
+    chat_template: str = _opt("", help="a Jinja chat template, or a file holding one (.jinja, or a .json with a "
+                              "chat_template key); empty means the tokenizer's own")
     attn_implementation: str = _opt("sdpa", choices=("sdpa", "eager", "flash_attention_2"))
     # On what
     dataset: str = _opt("builtin:tiny-tasks", help="hub id, local json/jsonl/parquet/csv file or directory")
@@ -339,6 +342,33 @@ def _check_source(key: str, source: str) -> None:
             raise RecipeError(f"{key}={source}: no such file or directory")
         if p.is_file() and not source.lower().endswith(DATA_EXTENSIONS):
             raise RecipeError(f"{key}={source}: unsupported file type; use one of {', '.join(DATA_EXTENSIONS)}")
+
+
+def chat_template_text(recipe: Recipe) -> str | None:
+    """The recipe's chat_template: the template itself (it holds Jinja tags), or a file with it (a
+    .jinja/.txt file, or a .json such as tokenizer_config.json with a "chat_template" key). Cheap, so
+    run.py checks it before anything is loaded; model.load_tokenizer applies it."""
+    value = recipe.chat_template
+    if not value:
+        return None
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise RecipeError(f"chat_template={value}: no such file; give a file holding a Jinja chat template "
+                          "(.jinja, or a .json with a chat_template key), or the template text itself")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        try:
+            text = json.loads(text).get("chat_template")
+        except (json.JSONDecodeError, AttributeError):
+            text = None
+        if not isinstance(text, str):
+            raise RecipeError(f"chat_template={value}: the JSON file has no string \"chat_template\" key")
+    if "{{" not in text and "{%" not in text:
+        raise RecipeError(f"chat_template={value}: the file holds no Jinja tags ({{{{ ... }}}} or {{% ... %}}), so "
+                          "it is not a chat template")
+    return text
 
 
 def resolve(name: str, overrides: list[str]) -> Recipe:

@@ -133,9 +133,10 @@ def prepare(args, lock: bool = True):
     from finetune.data import prevalidate
     from finetune.lock import check_lineage
     from finetune.plan import make_plan
-    from finetune.recipe import resolve
+    from finetune.recipe import chat_template_text, resolve
 
     recipe = resolve(args.recipe, args.overrides)
+    chat_template_text(recipe)
     plan = make_plan(recipe, dry_run=args.dry_run)
     problem = output_dir_problem(Path(recipe.output_dir))
     if problem and not args.dry_run:

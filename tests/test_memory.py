@@ -106,8 +106,17 @@ def test_unknown_hub_id_offline_says_what_and_how(monkeypatch):
     assert isinstance(e.value, RecipeError)  # printed as one `error:` line by the command lines
 
 
-def test_mixture_of_experts_is_refused():
+def test_mixture_of_experts_is_counted_from_the_model():
+    """Mixtral-8x7B's config.json numbers: 46.7 B parameters (the published count), every expert included."""
     cfg = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+           "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    a = M.architecture_from_config(cfg)
+    assert a.measured and a.num_parameters() == 46_702_792_704
+
+
+def test_mixture_of_experts_transformers_cannot_build_is_refused():
+    cfg = {"model_type": "some_new_moe", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
            "vocab_size": 32000, "num_attention_heads": 32, "num_local_experts": 8}
     with pytest.raises(M.EstimateError, match="mixture of experts"):
         M.architecture_from_config(cfg)
@@ -272,7 +281,9 @@ def test_lora_estimate_full_frozen_params_adapter_only_states():
     assert z3.optimizer == pytest.approx(12 * adapters / n, abs=1)
     assert z3.trained_parameters == adapters
     fsdp = est(M.Setup("fsdp"), n, lora_params=adapters)
-    assert fsdp.params == pytest.approx(4 * (p + adapters) / n, abs=1)  # FSDP keeps fp32 shards
+    assert fsdp.params == pytest.approx((2 * p + 4 * adapters) / n, abs=1)  # bf16 base, fp32 adapters, sharded
+    fp32 = est(M.Setup("fsdp"), n, "no", lora_params=adapters)
+    assert fp32.params == pytest.approx(4 * (p + adapters) / n, abs=1)
 
 
 def test_recipe_estimate_reads_lora_fields():
@@ -291,7 +302,7 @@ def test_qlora_base_is_4bit_and_ddp_only():
     plain = M.recipe_estimate(replace(recipe, load_in_4bit=False), 1, a)
     q = M.recipe_estimate(recipe, 1, a)
     linear = a.num_hidden_layers * sum(i * o for i, o, _ in a.projections().values())
-    assert plain.params - q.params == pytest.approx(linear * (4 - 0.5625), abs=2)
+    assert plain.params - q.params == pytest.approx(linear * (2 - 0.5625), abs=2)  # LoRA base in bf16
     assert (q.grads, q.optimizer) == (plain.grads, plain.optimizer)
 
 

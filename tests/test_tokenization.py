@@ -1,0 +1,274 @@
+"""Tokenization with the tokenizers and chat templates users bring (issue 11): Mistral's own
+sentencepiece and tekken tokenizers from the mistral_common wheel, family-style BPEs, and chat
+templates reproducing Llama 3, Mistral, ChatML, Qwen3, Gemma and Phi-3. One BOS where the model
+expects one, one EOS, every assistant turn (with its end-of-turn marker) trained as it appears in the
+full rendering, and labels equal to transformers' own return_assistant_tokens_mask where a template
+marks its turns with {% generation %}."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import family_assets as FA
+from finetune import data as D
+from finetune.data import IGNORE
+from finetune.recipe import Recipe, RecipeError, chat_template_text
+
+ALPACA = {"instruction": "Name the capital of France.", "input": "", "output": "Paris"}
+CHAT = [
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "6, of course."},
+]
+ROWS = {
+    "alpaca": ALPACA,
+    "prompt_completion": {"prompt": "The capital of France is", "completion": " Paris"},
+    "text": {"text": "Paris is the capital of France."},
+    "messages": {"messages": CHAT},
+}
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """Mistral-7B v0.1's sentencepiece tokenizer (32,000 tokens, adds <s>), a [INST] template of ours."""
+    tok = FA.mistral_tokenizer("v1", tmp_path_factory.mktemp("v1"))
+    tok.chat_template = FA.MISTRAL
+    return tok
+
+
+@pytest.fixture(scope="module")
+def mistral_v3(tmp_path_factory):
+    """Mistral-7B-Instruct v0.3's: [INST] and [/INST] are control tokens."""
+    tok = FA.mistral_tokenizer("v3", tmp_path_factory.mktemp("v3"))
+    tok.chat_template = FA.MISTRAL
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tekken(tmp_path_factory):
+    """Mistral's tekken: a 131k byte-level BPE that, converted by transformers, adds no BOS."""
+    tok = FA.tekken_tokenizer(tmp_path_factory.mktemp("tekken") / "tok")
+    tok.chat_template = FA.CHATML.replace("<|im_start|>", "[INST]").replace("<|im_end|>", "</s>")
+    return tok
+
+
+def runs(ids, labels):
+    """The labelled stretches of a row, as lists of ids."""
+    out, current = [], []
+    for t, lab in zip(ids, labels):
+        if lab == IGNORE:
+            if current:
+                out.append(current)
+            current = []
+        else:
+            assert lab == t
+            current.append(t)
+    return out + ([current] if current else [])
+
+
+def trained_texts(tok, ids, labels):
+    return [tok.decode(r) for r in runs(ids, labels)]
+
+
+# ---------------------------------------------------------------- BOS and EOS, all four formats
+
+
+@pytest.mark.parametrize("fmt", list(ROWS))
+@pytest.mark.parametrize("name", ["mistral", "mistral_v3"])
+def test_sentencepiece_rows_start_with_one_bos(name, fmt, request):
+    """The bug this issue reports: the tokenizer adds <s> itself, so the old code added none and then
+    asked for no special tokens: rows had no BOS at all."""
+    tok = request.getfixturevalue(name)
+    ids, labels = D.encode_row(ROWS[fmt], fmt, tok, train_on_prompt=False, max_len=512)
+    assert tok("x").input_ids[0] == tok.bos_token_id == 1
+    assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1, tok.convert_ids_to_tokens(ids[:4])
+    assert labels[0] == (IGNORE if fmt != "text" else ids[0])
+    if fmt != "messages":  # chats end with the template's own end-of-turn (here </s>, once per answer)
+        assert ids[-1] == tok.eos_token_id and ids.count(tok.eos_token_id) == 1
+    else:
+        assert ids.count(tok.eos_token_id) == 2 and ids[-1] == tok.eos_token_id
+
+
+@pytest.mark.parametrize("fmt", list(ROWS))
+def test_tokenizer_without_bos_gets_none(tekken, fmt):
+    ids, _ = D.encode_row(ROWS[fmt], fmt, tekken, train_on_prompt=False, max_len=512)
+    assert tekken("x").input_ids == tekken("x", add_special_tokens=False).input_ids  # adds nothing
+    assert tekken.bos_token_id not in ids
+    ends = len(CHAT) if fmt == "messages" else 1  # this ChatML-like template closes every turn with </s>
+    assert ids.count(tekken.eos_token_id) == ends and (fmt == "messages" or ids[-1] == tekken.eos_token_id)
+
+
+def test_template_bos_and_tokenizer_bos_are_not_doubled(mistral):
+    """The [INST] template renders {{ bos_token }}; the tokenizer would add another: one stays."""
+    ids, _ = D.encode_messages(mistral, CHAT, False, 512)
+    assert ids[:2].count(mistral.bos_token_id) == 1
+    chatml = mistral.__class__.from_pretrained(mistral.name_or_path)
+    chatml.chat_template = FA.CHATML  # renders no BOS: the tokenizer's own is put in front, once
+    ids, _ = D.encode_messages(chatml, CHAT, False, 512)
+    assert ids[0] == mistral.bos_token_id and ids.count(mistral.bos_token_id) == 1
+
+
+@pytest.mark.parametrize("name", ["mistral", "tekken"])
+def test_response_that_already_ends_with_eos_gets_one(name, request):
+    tok = request.getfixturevalue(name)
+    for fmt, row in (("prompt_completion", {"prompt": "Q:", "completion": " yes</s>"}),
+                     ("alpaca", dict(ALPACA, output="Paris</s>")), ("text", {"text": "done.</s>"})):
+        ids, labels = D.encode_row(row, fmt, tok, False, 512)
+        assert ids.count(tok.eos_token_id) == 1 and ids[-1] == labels[-1] == tok.eos_token_id, (fmt, ids)
+        plain = {k: v.replace("</s>", "") for k, v in row.items()}
+        assert D.encode_row(plain, fmt, tok, False, 512) == (ids, labels)
+
+
+def test_completion_is_tokenized_as_it_continues_the_prompt(mistral):
+    """Sentencepiece puts a word-start marker on a text's first word; a completion that follows a
+    newline must not get one (inference continues the tokenized prompt)."""
+    ids, labels = D.encode_row(ALPACA, "alpaca", mistral, False, 512)
+    prompt = D.ALPACA_PROMPT.format(instruction=ALPACA["instruction"])
+    alone = mistral(prompt + "Paris").input_ids
+    assert ids == alone + [mistral.eos_token_id]
+    assert trained_texts(mistral, ids, labels) == ["Paris</s>"]
+    assert not mistral.convert_ids_to_tokens(runs(ids, labels)[0])[0].startswith("▁")
+
+
+# ---------------------------------------------------------------- chat templates of each family
+
+
+def _family_tokenizer(template_name, tmp_path):
+    """A tokenizer carrying the special tokens the template uses."""
+    kind = {"llama3": "llama3", "chatml": "qwen", "qwen3": "qwen", "gemma": "gemma"}[template_name]
+    corpus = [m["content"] for m in CHAT] + ["<think>\nadd\n</think>"]
+    tok = FA.make_tokenizer(FA.Family("t", "", {}, "", kind, []), corpus, tmp_path)
+    tok.chat_template = FA.TEMPLATES[template_name]
+    return tok
+
+
+EXPECTED = {  # what each template trains for CHAT: each answer (as the template renders it) and its end of turn
+    "llama3": ["4<|eot_id|>", "6, of course.<|eot_id|>"],
+    "chatml": ["4<|im_end|>\n", "6, of course.<|im_end|>\n"],
+    "gemma": ["4<end_of_turn>\n", "6, of course.<end_of_turn>\n"],
+}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_each_assistant_turn_and_its_end_of_turn_are_trained(name, tmp_path):
+    tok = _family_tokenizer(name, tmp_path)
+    ids, labels = D.encode_messages(tok, CHAT, False, 512)
+    assert trained_texts(tok, ids, labels) == EXPECTED[name]
+    starts_with_bos = tok.bos_token_id is not None
+    assert (ids[0] == tok.bos_token_id) == starts_with_bos and (tok.bos_token_id is None or
+                                                               ids.count(tok.bos_token_id) == 1)
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_generation_marks_give_transformers_assistant_mask(name, tmp_path):
+    """With {% generation %} blocks, labels are transformers' own mask; and the same template without
+    them is located to the same tokens by rendering it prefix by prefix."""
+    tok = _family_tokenizer(name, tmp_path)
+    plain_ids, plain_labels = D.encode_messages(tok, CHAT, False, 512)
+    tok.chat_template = FA.with_generation_marks(FA.TEMPLATES[name])
+    ids, labels = D.encode_messages(tok, CHAT, False, 512)
+    want = tok.apply_chat_template(CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(want["input_ids"]) == plain_ids
+    assert [lab != IGNORE for lab in labels] == [bool(m) for m in want["assistant_masks"]]
+    assert labels == plain_labels and any(m for m in want["assistant_masks"])
+
+
+def test_qwen3_trains_each_answer_as_the_full_rendering_shows_it(tmp_path):
+    """Qwen3 drops an answer's <think> block once a later user message follows: the first answer is
+    trained without it (as the full conversation renders it), the last with it."""
+    tok = _family_tokenizer("qwen3", tmp_path)
+    chat = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd\n</think>\n\n4"},
+            {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\nadd again\n</think>\n\n6"}]
+    ids, labels = D.encode_messages(tok, chat, False, 512)
+    full = tok.decode(ids)
+    assert "<think>\nadd\n</think>" not in full and "<think>\nadd again\n</think>" in full
+    assert trained_texts(tok, ids, labels) == ["4<|im_end|>\n", "<think>\nadd again\n</think>\n\n6<|im_end|>\n"]
+
+
+def test_mistral_trains_every_answer_though_the_system_prompt_moves(mistral_v3):
+    """The system prompt goes into the last user message, so the conversation's earlier renderings
+    are not prefixes of the full one (the old code stopped the run here)."""
+    ids, labels = D.encode_messages(mistral_v3, CHAT, False, 512)
+    text = mistral_v3.decode(ids)
+    assert text.index("Answer briefly.") > text.index("What is 2+2?")
+    assert [t.strip() for t in trained_texts(mistral_v3, ids, labels)] == ["4</s>", "6, of course.</s>"]
+    assert mistral_v3.convert_ids_to_tokens(ids[:2]) == ["<s>", "[INST]"]
+
+
+def test_phi3_closing_eos_is_trained_with_the_last_answer_only(tmp_path):
+    """Phi-3 ends the conversation, not each turn, with EOS."""
+    tok = FA.make_tokenizer(FA.FAMILIES["phi3"], [], tmp_path)
+    tok.chat_template = FA.PHI3
+    ids, labels = D.encode_messages(tok, CHAT, False, 512)
+    assert trained_texts(tok, ids, labels) == ["4<|end|>\n", "6, of course.<|end|>\n<|endoftext|>"]
+    assert tok.bos_token_id not in ids  # Phi-3's tokenizer adds none and its template renders none
+
+
+def test_template_that_hides_an_answer_is_a_clear_error(tmp_path):
+    tok = _family_tokenizer("chatml", tmp_path)
+    hidden = FA.QWEN3.replace("'<|im_start|>assistant\n' + content + '<|im_end|>\n'",
+                              "'<|im_start|>assistant\n(earlier answer)<|im_end|>\n'")
+    assert hidden != FA.QWEN3
+    tok.chat_template = hidden
+    with pytest.raises(D.DataError, match="generation"):
+        D.encode_messages(tok, CHAT, False, 512)
+    ids, labels = D.encode_messages(tok, CHAT, True, 512)  # train_on_prompt needs no location
+    assert labels == ids
+
+
+def test_template_that_raises_is_a_data_error(tmp_path):
+    tok = _family_tokenizer("chatml", tmp_path)
+    tok.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(D.DataError, match="roles must alternate"):
+        D.encode_messages(tok, CHAT, False, 512)
+
+
+# ---------------------------------------------------------------- recipe fields tokenizer and chat_template
+
+
+def test_chat_template_inline_file_and_json(tmp_path):
+    assert chat_template_text(Recipe()) is None
+    assert chat_template_text(Recipe(chat_template=FA.CHATML)) == FA.CHATML
+    (tmp_path / "t.jinja").write_text(FA.GEMMA)
+    assert chat_template_text(Recipe(chat_template=str(tmp_path / "t.jinja"))) == FA.GEMMA
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": FA.LLAMA3}))
+    assert chat_template_text(Recipe(chat_template=str(tmp_path / "tokenizer_config.json"))) == FA.LLAMA3
+    for bad, says in ((str(tmp_path / "missing.jinja"), "no such file"), (str(tmp_path / "t.jinja") + "x", "no such"),
+                      (str(tmp_path / "tokenizer_config.json").replace("tokenizer_config", "x"), "no such")):
+        with pytest.raises(RecipeError, match=says):
+            chat_template_text(Recipe(chat_template=bad))
+    (tmp_path / "plain.txt").write_text("hello")
+    with pytest.raises(RecipeError, match="no Jinja tags"):
+        chat_template_text(Recipe(chat_template=str(tmp_path / "plain.txt")))
+
+
+def test_chat_template_replaces_the_models_and_changes_the_data_fingerprint(finetune_cache, tmp_path, tiny_tokenizer):
+    from finetune.checkpoint import DATA_KEYS, fingerprint
+    from finetune.model import load_tokenizer
+
+    (tmp_path / "chatml.jinja").write_text(FA.CHATML)
+    recipe = Recipe(chat_template=str(tmp_path / "chatml.jinja"))
+    tok = load_tokenizer(recipe, tiny_tokenizer.name_or_path)
+    assert tok.chat_template == FA.CHATML != tiny_tokenizer.chat_template
+    assert D.tokenizer_fingerprint(tok) != D.tokenizer_fingerprint(tiny_tokenizer)  # the data cache key
+    assert {"tokenizer", "chat_template"} <= set(DATA_KEYS)
+    assert fingerprint(recipe) != fingerprint(Recipe())
+    other = load_tokenizer(Recipe(tokenizer=tiny_tokenizer.name_or_path), "/nonexistent")  # tokenizer= wins
+    assert other.chat_template == tiny_tokenizer.chat_template
+
+
+def test_bad_chat_template_stops_the_run_before_anything_loads(tmp_path):
+    import subprocess
+    import sys
+
+    from family_assets import REPO
+
+    proc = subprocess.run([sys.executable, "finetune/run.py", "--recipe", "tiny", f"output_dir={tmp_path / 'o'}",
+                           f"chat_template={tmp_path / 'nope.jinja'}", "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: chat_template=") and "no such file" in proc.stderr
