@@ -275,9 +275,8 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False):
     """The chat template's text (and, with spans=True, its {% generation %} character spans), rendered
     the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(

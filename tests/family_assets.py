@@ -175,8 +175,9 @@ def tekken_tokenizer(out: Path):
 def trained_bpe(corpus: list[str], kind: str, specials: list[str], bos: str | None, eos: str, add_bos: bool,
                 vocab_size: int = 512, pad: str | None = None):
     """A small BPE of the family's kind, trained here on the test data: `bytelevel` (Llama 3, Qwen:
-    byte-level BPE with their pre-tokenizer regex), `qwen`, or `metaspace` (sentencepiece-style
-    BPE, ▁ for spaces, as Gemma's tokenizer.json). With add_bos the tokenizer adds BOS itself through
+    byte-level BPE with their pre-tokenizer regex), `qwen`, `metaspace` (sentencepiece-style BPE, ▁
+    for spaces, as Gemma's tokenizer.json) or `llama2` (the same with a ▁ before the first word, as
+    Llama 2's and Phi-3's sentencepiece models). With add_bos the tokenizer adds BOS itself through
     its post-processor, as Llama 3's and Gemma's do."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -193,12 +194,13 @@ def trained_bpe(corpus: list[str], kind: str, specials: list[str], bos: str | No
     else:
         core = Tokenizer(models.BPE(unk_token="<unk>"))
         core.normalizer = normalizers.Replace(" ", "▁")
-        core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never")
-        core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never")
+        prepend = "first" if kind == "llama2" else "never"
+        core.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend)
+        core.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=prepend)
         alphabet = sorted({c for text in corpus + [string.printable] for c in text.replace(" ", "▁")} - set("\t\r\x0b\x0c"))
         post = []
-    all_specials = [t for t in dict.fromkeys([pad, bos, eos, "<unk>" if kind == "metaspace" else None, *specials])
-                    if t]
+    unk = None if kind in ("bytelevel", "qwen") else "<unk>"
+    all_specials = [t for t in dict.fromkeys([pad, bos, eos, unk, *specials]) if t]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=all_specials, initial_alphabet=alphabet,
                                   show_progress=False)
     core.train_from_iterator(corpus, trainer)
@@ -208,7 +210,7 @@ def trained_bpe(corpus: list[str], kind: str, specials: list[str], bos: str | No
     if post:
         core.post_processor = processors.Sequence(post) if len(post) > 1 else post[0]
     return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=bos, eos_token=eos, pad_token=pad,
-                                   unk_token="<unk>" if kind == "metaspace" else None,
+                                   unk_token=unk,
                                    additional_special_tokens=[t for t in specials if t not in (bos, eos, pad)])
 
 
@@ -312,11 +314,9 @@ def make_tokenizer(family: Family, corpus: list[str], out: Path):
     kind = family.tokenizer
     if kind == "mistral-v3":
         return mistral_tokenizer("v3", out)
-    if kind == "phi3":  # Phi-3 ships the Llama-2 sentencepiece vocabulary plus its role tokens; no BOS added
-        tok = mistral_tokenizer("v1", out, add_bos_token=False)
-        tok.add_special_tokens({"additional_special_tokens": SPECIALS["phi3"]})
-        tok.eos_token = "<|endoftext|>"
-        return tok
+    if kind == "phi3":  # Llama-2-style sentencepiece with Phi-3's role tokens; it adds no BOS
+        return trained_bpe(corpus, "llama2", SPECIALS["phi3"], bos="<s>", eos="<|endoftext|>", add_bos=False,
+                           pad="<|endoftext|>")
     if kind == "llama3":
         return trained_bpe(corpus, "bytelevel", SPECIALS["llama3"], bos="<|begin_of_text|>", eos="<|eot_id|>",
                            add_bos=True, pad="<|end_of_text|>")

@@ -201,7 +201,7 @@ def test_mistral_trains_every_answer_though_the_system_prompt_moves(mistral_v3):
 
 def test_phi3_closing_eos_is_trained_with_the_last_answer_only(tmp_path):
     """Phi-3 ends the conversation, not each turn, with EOS."""
-    tok = FA.make_tokenizer(FA.FAMILIES["phi3"], [], tmp_path)
+    tok = FA.make_tokenizer(FA.FAMILIES["phi3"], [m["content"] for m in CHAT], tmp_path)
     tok.chat_template = FA.PHI3
     ids, labels = D.encode_messages(tok, CHAT, False, 512)
     assert trained_texts(tok, ids, labels) == ["4<|end|>\n", "6, of course.<|end|>\n<|endoftext|>"]

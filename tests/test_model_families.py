@@ -124,7 +124,7 @@ def test_router_aux_loss_enters_the_loss_as_transformers_defines_it():
                                rtol=1e-5, atol=1e-6)
     theirs = model(**batch, labels=labels)  # transformers: mean cross-entropy + coef * aux_loss
     torch.testing.assert_close(ours, theirs.loss, rtol=1e-5, atol=1e-6)
-    assert len(aux) == 1 and float(aux[0]) == pytest.approx(float(theirs.aux_loss)) and float(aux[0]) > 0
+    assert len(aux) == 1 and float(aux[0]) == pytest.approx(theirs.aux_loss.item()) and float(aux[0]) > 0
     model.eval()  # evaluation is cross-entropy alone, comparable with dense models' eval_loss
     with torch.no_grad():
         plain = model(**batch, labels=labels)
