@@ -58,3 +58,19 @@ def test_another_world_size_keeps_the_global_batch_silently():
     unfixed = dataclasses.replace(SAVED, global_batch_size=0, grad_accum=2)
     saved_after_pin = dataclasses.replace(unfixed, global_batch_size=16)  # run.prepare pins it on resume
     assert resume_changes(point(saved_after_pin), unfixed) == []
+
+
+def test_a_checkpoint_from_before_a_data_key_existed_still_fits(tmp_path):
+    """Checkpoints written before `tokenizer` and `chat_template` joined the data fingerprint lack them:
+    they had the defaults, so resuming them with the defaults is no data change."""
+    from finetune.checkpoint import MANIFEST, check_fits, fingerprint
+
+    ckpt = tmp_path / "step_000000005"
+    ckpt.mkdir()
+    old = {k: v for k, v in fingerprint(SAVED).items() if k not in ("tokenizer", "chat_template")}
+    (ckpt / MANIFEST).write_text(json.dumps({"step": 5, "world_size": 2, "global_batch_size": 16,
+                                             "fingerprint": old, "files": {}}))
+    resumed = dataclasses.replace(point(), path=ckpt)
+    check_fits(resumed, SAVED, allow_data_change=False)
+    with pytest.raises(RecipeError, match="chat_template"):
+        check_fits(resumed, dataclasses.replace(SAVED, chat_template="{{ messages }}"), allow_data_change=False)
