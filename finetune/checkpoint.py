@@ -405,12 +405,19 @@ def weights_only_torch_load():
     def load(*args, **kwargs):
         kwargs["weights_only"] = True
         with torch.serialization.safe_globals(trusted):
+            f = args[0] if args else kwargs.get("f")
             try:
                 return original(*args, **kwargs)
             except pickle.UnpicklingError as e:  # torch's message advises weights_only=False: say what it is
-                f = args[0] if args else kwargs.get("f")
                 raise DisallowedPickle(f"{_file_name(f)} {_refused_global(e)}, which torch.load(weights_only=True) "
                                        "does not allow (it could run code); nothing in it was run") from None
+            except RuntimeError:  # e.g. mmap=True on a file that is not a torch.save archive
+                import zipfile
+
+                if isinstance(f, (str, os.PathLike)) and Path(f).is_file() and not zipfile.is_zipfile(f):
+                    raise DisallowedPickle(f"{_file_name(f)} is not a torch.save archive but a bare pickle, which is "
+                                           "refused (it could run code); nothing in it was run") from None
+                raise
 
     torch.load = load
     try:

@@ -257,3 +257,17 @@ def test_a_garbled_metadata_is_damage_not_an_attack(tmp_path):
     with pytest.raises(RecipeError, match=r"is damaged: optimizer_0/\.metadata cannot be read \(UnpicklingError"):
         verify(ckpt)
 
+
+
+def test_a_bare_pickle_where_a_torch_save_archive_belongs_is_refused(tmp_path):
+    """DeepSpeed's zero_to_fp32 loads with mmap=True, which fails on a bare pickle with a RuntimeError
+    that says nothing of safety; safe_loading says what it is."""
+    import torch
+
+    from finetune.checkpoint import DisallowedPickle
+
+    marker = tmp_path / "code-ran"
+    (tmp_path / "optim_states.pt").write_bytes(pickle.dumps(RunsCode(marker)))
+    with safe_loading(), pytest.raises(DisallowedPickle, match="optim_states.pt is not a torch.save archive"):
+        torch.load(tmp_path / "optim_states.pt", mmap=True, weights_only=False)
+    assert not marker.exists()
