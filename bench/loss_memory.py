@@ -1,17 +1,21 @@
 """What the loss costs with a large vocabulary: peak memory and step time of loss_impl=full (every
-logit at once, the loss before finetune/loss.py) against loss_impl=chunked, on CPU, one process.
+logit at once, the loss before finetune/loss.py) against loss_impl=chunked, on CPU.
 
-    python bench/loss_memory.py [--steps 8] [--sweep] [--work DIR]
+    python bench/loss_memory.py [--sweep] [--steps 3] [--rounds 5] [--work DIR] [--doc docs/benchmarks.md]
 
-The setup of the issue's measurement (../shared/reference/real-assets.md, "The loss's memory with a
-large vocabulary"): a 2-layer Llama-style model with hidden size 64 and Llama-3's 128,256-token
+Memory, the setup of the issue's measurement (../shared/reference/real-assets.md, "The loss's memory
+with a large vocabulary"): a 2-layer Llama-style model with hidden size 64 and Llama-3's 128,256-token
 vocabulary (random weights, untied, built locally), the builtin character tokenizer, text rows longer
-than the sequence, micro batch 1, `strategy=ddp mixed_precision=no`, no eval set; `finetune/run.py`
-as a user runs it. Memory: `peak_memory_gib` of the step-3 record of metrics.jsonl (the process's
-peak RSS by then, which is what a `max_steps=3` run reports). Time: the median over steps 2..N of each
-step's wall time (its record's tokens over tokens_per_s, log_every=1), ms/step. --sweep adds chunked
-runs at 2048 tokens with loss_chunk_tokens 128 ... 2048, the measurement behind finetune/loss.py's
-CHUNK_BYTES. Prints a markdown table (and writes it with the raw numbers to --work).
+than the sequence, micro batch 1, `strategy=ddp mixed_precision=no max_steps=3`, no eval set, one
+`python finetune/run.py` process per setting; `peak_memory_gib` of the step-3 record of metrics.jsonl
+(the process's peak RSS), at max_seq_len 256 and 2048.
+
+Time: ms per training step of each setting, measured in this one process with the variants taken in
+turn (A B C A B C ...) and the median kept, because on a shared 2-core machine the wall time of the
+separate runs moved 2x with the other jobs' load.
+
+--sweep adds loss_chunk_tokens 128 ... 2048 at 2048 tokens: the measurement behind finetune/loss.py's
+CHUNK_BYTES. --doc writes the result as section 7 of docs/benchmarks.md (bench/run.py keeps it).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (CACHE, PY, ModelSpec, build_model, fresh_dir, git_state, launch_env, machine,  # noqa: E402
-                    read_jsonl, run, shown, table, versions, wait_quiet)
+                    read_jsonl, run, shown, table, versions)
 
 MODEL = ModelSpec("llama-2l-h64-v128k", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=176, vocab_size=128256)
@@ -59,72 +63,117 @@ def measure(work: Path, model: Path, data: Path, seq_len: int, impl: str, steps:
            "eval_fraction=0", "eval_at_start=false", "strategy=ddp", "mixed_precision=no", f"max_steps={steps}",
            "micro_batch_size=1", "grad_accum=1", f"max_seq_len={seq_len}", "warmup_steps=0", "log_every=1",
            f"loss_impl={impl}", f"loss_chunk_tokens={chunk}", f"output_dir={out}"]
-    wait_quiet()
     launch = run(cmd, out.parent / f"{out.name}.log", timeout=1800, env=launch_env())
     records = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
     if not launch.ok or len(records) < steps:
         raise SystemExit(f"{shown(cmd)} failed: {launch.error()}")
     step3 = next(r for r in records if r["step"] == min(3, steps))
-    times = [(b["tokens"] - a["tokens"]) / b["tokens_per_s"] for a, b in zip(records, records[1:])]
     return {"impl": impl, "seq_len": seq_len, "chunk": chunk, "peak_gib": step3["peak_memory_gib"][0],
-            "ms_per_step": 1000 * statistics.median(times), "losses": [r["loss"] for r in records],
-            "other_load": launch.other_load, "command": shown(cmd)}
+            "losses": [r["loss"] for r in records], "command": shown(cmd)}
+
+
+def time_steps(model_dir: Path, data: Path, variants: list[tuple[str, int, int]], rounds: int) -> dict:
+    """ms per training step (forward with the loss, backward, AdamW step) of each (impl, seq_len,
+    chunk) in this one process, one thread, the variants taken in turn (A B C A B C ...) so that a
+    machine whose load changes slows them alike; the median over `rounds` after one warm-up round.
+    Also the CPU cores that the rest of the machine used meanwhile."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common import _busy_ticks
+    from finetune.model import loss_sum
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    text = json.loads(data.read_text().splitlines()[0])["text"]
+    ids = torch.tensor([AutoTokenizer.from_pretrained(model_dir)(text)["input_ids"]])
+    times: dict = {v: [] for v in variants}
+    busy0, cpu0, t0 = _busy_ticks(), time.process_time(), time.perf_counter()
+    for round_ in range(rounds + 1):
+        for impl, seq_len, chunk in variants:
+            x = ids[:, :seq_len]
+            batch = {"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
+            start = time.perf_counter()
+            loss_sum(model, batch, impl, chunk).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if round_:
+                times[(impl, seq_len, chunk)].append(1000 * (time.perf_counter() - start))
+    seconds = time.perf_counter() - t0
+    import os
+
+    other = (_busy_ticks() - busy0) / os.sysconf("SC_CLK_TCK") / seconds - (time.process_time() - cpu0) / seconds
+    return {"ms": {v: statistics.median(t) for v, t in times.items()}, "other_load": max(0.0, other)}
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (>= 3)")
-    parser.add_argument("--sweep", action="store_true", help="also chunked runs at 2048 tokens per chunk size")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per memory run (>= 3)")
+    parser.add_argument("--sweep", action="store_true", help="also chunked runs and timings at 2048 tokens per "
+                        f"chunk size ({', '.join(map(str, SWEEP))})")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the in-process step timing (0: none)")
     parser.add_argument("--work", default=f"/tmp/bench-loss-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--doc", help="also write the results as section 7 of this file (docs/benchmarks.md)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     model, data = build_model(MODEL), text_rows()
+    auto = _auto(MODEL.vocab_size)
+    variants = [(impl, seq_len, 0) for seq_len in SEQ_LENS for impl in ("full", "chunked")]
+    variants += [("chunked", 2048, chunk) for chunk in SWEEP if args.sweep]
     results = []
-    for seq_len in SEQ_LENS:
-        for impl in ("full", "chunked"):
-            results.append(measure(work, model, data, seq_len, impl, args.steps))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
-    if args.sweep:
-        for chunk in SWEEP:
-            results.append(measure(work, model, data, 2048, "chunked", args.steps, chunk))
-            print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    for impl, seq_len, chunk in variants:
+        results.append(measure(work, model, data, seq_len, impl, args.steps, chunk))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    timing = time_steps(model, data, variants, args.rounds) if args.rounds else {"ms": {}, "other_load": None}
+    print(json.dumps({"timing": {str(k): v for k, v in timing["ms"].items()}, "other_load": timing["other_load"]}))
 
     def row(r):
         same = next(x for x in results if x["impl"] == "full" and x["seq_len"] == r["seq_len"])
         diff = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], same["losses"]))
-        chunk = r["chunk"] or ("-" if r["impl"] == "full" else f"auto ({_auto(MODEL.vocab_size)})")
-        return [r["impl"], chunk, r["seq_len"], f"{r['peak_gib']:.3f}", f"{r['ms_per_step']:,.0f}",
-                f"{diff:.1e}", f"{r['other_load']:.2f}" if r["other_load"] is not None else "-"]
+        chunk = r["chunk"] or ("-" if r["impl"] == "full" else f"0 (auto: {auto})")
+        ms = timing["ms"].get((r["impl"], r["seq_len"], r["chunk"]))
+        full_ms = timing["ms"].get(("full", r["seq_len"], 0))
+        return [r["impl"], chunk, r["seq_len"], f"{r['peak_gib']:.3f}", f"{ms:,.0f}" if ms else "-",
+                f"{ms / full_ms:.2f}" if ms and full_ms else "-", f"{diff:.1e}"]
 
-    header = ["loss_impl", "loss_chunk_tokens", "max_seq_len", "peak GiB (step 3)", "ms/step (median)",
-              "max rel. loss diff to full", "other load (cores)"]
+    header = ["loss_impl", "loss_chunk_tokens", "max_seq_len", f"peak GiB (step {min(3, args.steps)})",
+              "ms/step", "time / full", f"max rel. loss diff to full ({args.steps} steps)"]
     growth = {}
     for impl in ("full", "chunked"):
         by_len = {r["seq_len"]: r["peak_gib"] for r in results if r["impl"] == impl and not r["chunk"]}
         growth[impl] = by_len[2048] - by_len[256]
-    command = "python bench/loss_memory.py" + (f" --steps {args.steps}" if args.steps != 8 else "") + \
-        (" --sweep" if args.sweep else "")
+    command = "python bench/loss_memory.py" + (f" --steps {args.steps}" if args.steps != 3 else "") + \
+        (" --sweep" if args.sweep else "") + (f" --rounds {args.rounds}" if args.rounds != 5 else "") + \
+        (f" --doc {args.doc}" if args.doc else "")
     v = versions()
+    other = timing["other_load"]
     text = "\n".join([
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` at git {git_state()}; "
-        f"{machine()['cpu']}, {machine()['cores']} cores, shared; torch {v['torch']}, transformers {v['transformers']}.",
+        f"{machine()['cpu']}, {machine()['cores']} cores, shared with other jobs; torch {v['torch']}, "
+        f"transformers {v['transformers']}.",
         "",
-        f"One process, `python finetune/run.py --recipe tiny` with model {MODEL.name} ({MODEL.describe()}, random "
-        f"weights), text rows longer than max_seq_len (every row full), micro batch 1, strategy=ddp, "
-        f"mixed_precision=no, no eval set, {args.steps} steps. Peak: `peak_memory_gib` of the step-3 record in "
-        "metrics.jsonl (process peak RSS, what a max_steps=3 run reports). ms/step: median over steps 2..N of each "
-        "step's wall time (log_every=1). The loss columns compare each run's logged losses with the full-logits run "
-        "of the same length.",
+        f"Memory: one process, `python finetune/run.py --recipe tiny` with model {MODEL.name} ({MODEL.describe()}, "
+        "random weights), text rows longer than max_seq_len (every row full), micro batch 1, strategy=ddp, "
+        f"mixed_precision=no, no eval set, max_steps={args.steps}; `peak_memory_gib` of the step-{min(3, args.steps)} "
+        "record in metrics.jsonl (the process's peak RSS). The last column compares each run's logged losses with "
+        "the full-logits run of the same length.",
+        "",
+        f"Time: ms per training step (forward with the loss, backward, AdamW step; one thread) of the same model on "
+        f"one row of the same data, all variants in one process and taken in turn, median of {args.rounds} rounds "
+        f"after a warm-up round (the rest of the machine used {other:.2f} of its cores meanwhile; timings in the "
+        "runs themselves moved 2x with that load, so they are not used)." if other is not None else
+        "Time: not measured (--rounds 0).",
         "",
         table(header, [row(r) for r in results]),
         "",
         f"Peak at 2048 tokens minus peak at 256 tokens: full {growth['full']:.3f} GiB, chunked {growth['chunked']:.3f} "
-        "GiB (target: at most 0.5 GiB). The issue's baseline at aa2ca07, before finetune/loss.py: 1.154 and 3.693 GiB "
-        "(2.539 GiB apart).",
+        "GiB (issue 12's target: at most 0.5 GiB). The issue's baseline at aa2ca07, before finetune/loss.py: 1.154 and "
+        "3.693 GiB (2.539 GiB apart).",
         "",
-        f"Each run: `{results[0]['command']}` with its own max_seq_len, loss_impl and loss_chunk_tokens (the model "
-        "and rows are built by the script into bench/.cache/).",
+        f"Each memory run: `{results[0]['command']}` with its own max_seq_len, loss_impl and loss_chunk_tokens (the "
+        "script builds the model and rows into bench/.cache/).",
     ])
     print(text)
     if args.doc:
@@ -132,7 +181,9 @@ def main(argv: list[str]) -> int:
 
         write_marked_section(Path(args.doc), LOSS_TITLE, LOSS_BEGIN, LOSS_END, text)
     (work / "loss_memory.md").write_text(text + "\n")
-    (work / "loss_memory.json").write_text(json.dumps(results, indent=2) + "\n")
+    (work / "loss_memory.json").write_text(json.dumps({"runs": results, "timing": [
+        {"impl": k[0], "seq_len": k[1], "chunk": k[2], "ms": ms} for k, ms in timing["ms"].items()],
+        "timing_other_load": other}, indent=2) + "\n")
     return 0
 
 

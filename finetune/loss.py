@@ -236,7 +236,7 @@ def linear_cross_entropy(hidden, weight, bias, targets, impl: str = "chunked", *
                          softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """sum_i CE(softcap(scale * (hidden_i @ weight.T + bias)), targets_i) for hidden [n, h], targets [n]
     (no IGNORE among them), without materialising the [n, vocab] logits."""
-    if impl == "liger":
+    if impl == "liger" and hidden.shape[0]:  # no target tokens: the chunked path's zero loss and gradients
         return _liger(hidden, weight, bias, targets, scale, softcap)
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -336,6 +336,7 @@ def _liger(hidden, weight, bias, targets, scale, softcap):
     if scale != 1.0:
         hidden = hidden * scale
         bias = bias * scale if bias is not None else None
-    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", softcap=softcap)(
-        weight, hidden, targets, bias)
+    options = {"softcap": softcap} if softcap is not None else {}  # older releases have no softcap
+    loss = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE, reduction="sum", **options)(weight, hidden, targets,
+                                                                                            bias)
     return loss[0] if isinstance(loss, tuple) else loss
