@@ -43,12 +43,13 @@ from finetune.data import IGNORE
 IMPLS = ("chunked", "liger", "full")
 
 # Rows of logits per chunk are chosen so that one chunk's fp32 logits take at most this many bytes:
-# a bound on memory that holds for any vocabulary (128k vocab: 512 tokens; 32k: 2048; 256k: 256).
-# Measured on CPU (bench/loss_memory.py, docs/benchmarks.md section 7: 2-layer hidden-64 Llama, 128k
-# vocab, 2048 tokens): the loss's extra memory follows the chunk linearly while the step time was
-# flat from 256 MiB down to about 64 MiB per chunk; 256 MiB keeps the matmuls large (>= 256 rows for
-# any vocabulary below 256k) for GPUs, where small chunks would cost launch overhead, and costs at
-# most ~2 x 256 MiB (the chunk's logits and their gradient) on top of the model.
+# a bound on memory that holds for any vocabulary (128k vocab: 523 tokens; 32k: 2097; 256k: 262).
+# Measured on CPU (bench/loss_memory.py --sweep, docs/benchmarks.md section 7: 2-layer hidden-64 Llama,
+# 128k vocab, 2048 tokens): the process peak grows by about one chunk's logits (0.98, 1.10, 1.38,
+# 1.87, 2.80 GiB at 128, 256, 512, 1024, 2048 tokens per chunk; 1.36 at 523), while the step time
+# is flat from 512 tokens up (4.37-4.52 s) and 13% slower at 128 and 256 (5.02, 5.04 s); against
+# 6.62 s and 3.80 GiB for the full logits. 256 MiB sits at the start of the flat part; the matmuls
+# stay large (>= 262 rows for vocabularies up to 256k) for GPUs, whose kernels want big tiles.
 CHUNK_BYTES = 256 * 2**20
 
 log = logging.getLogger("finetune")

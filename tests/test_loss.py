@@ -40,6 +40,15 @@ def build(kind: str):
         model = CohereForCausalLM(CohereConfig(**SMALL, logit_scale=0.5))
     elif kind == "granite_scaling":
         model = GraniteForCausalLM(GraniteConfig(**SMALL, logits_scaling=4.0))
+    elif kind == "hyperclovax_scaling":
+        from transformers import HyperCLOVAXConfig, HyperCLOVAXForCausalLM
+
+        model = HyperCLOVAXForCausalLM(HyperCLOVAXConfig(**SMALL, logits_scaling=0.25))
+    elif kind == "falcon_h1_multiplier":  # one layer and short Mamba chunks: its reference kernels are slow
+        from transformers import FalconH1Config, FalconH1ForCausalLM
+
+        model = FalconH1ForCausalLM(FalconH1Config(**dict(SMALL, num_hidden_layers=1), lm_head_multiplier=0.5,
+                                                   mamba_chunk_size=16))
     else:
         raise ValueError(kind)
     with torch.no_grad():  # logits of a few units, so that softcap, scale and softmax all matter
@@ -50,7 +59,7 @@ def build(kind: str):
 def settings(model) -> tuple:
     c = model.config
     return (getattr(c, "final_logit_softcapping", None), getattr(model, "logit_scale", None),
-            getattr(c, "logits_scaling", None))
+            getattr(c, "logits_scaling", None), getattr(model.model, "lm_head_multiplier", None))
 
 
 def make_batch(seed: int = 1) -> dict:
@@ -66,18 +75,17 @@ def make_batch(seed: int = 1) -> dict:
 
 
 def run(model, batch, impl: str, chunk: int | None = None):
-    """Loss, the gradient reaching the final norm's output (the hidden states lm_head reads), and every
-    parameter's gradient."""
+    """Loss, the gradient of the hidden states lm_head reads, and every parameter's gradient."""
     from finetune.loss import _unwrap
 
     model.zero_grad(set_to_none=True)
     hidden = {}
 
-    def keep(_module, _inputs, out):
-        out.retain_grad()
-        hidden["h"] = out
+    def keep(_module, args):
+        args[0].retain_grad()
+        hidden["h"] = args[0]
 
-    handle = _unwrap(model).model.norm.register_forward_hook(keep)
+    handle = _unwrap(model).get_output_embeddings().register_forward_pre_hook(keep)
     try:
         loss = loss_sum(model, batch, impl, chunk)
         loss.backward()
@@ -106,7 +114,10 @@ def assert_equal_runs(a, b, rtol=1e-5):
         assert_close(ga[name], gb[name], rtol, name)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", "gemma2_softcap", "cohere_scale", "granite_scaling"])
+POST_PROCESSED = ["gemma2_softcap", "cohere_scale", "granite_scaling", "hyperclovax_scaling", "falcon_h1_multiplier"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2_tied", *POST_PROCESSED])
 def test_chunked_equals_full(kind):
     model = build(kind)
     before = settings(model)
@@ -121,17 +132,21 @@ def test_chunked_equals_full(kind):
     assert "forward" not in model.get_output_embeddings().__dict__
 
 
-@pytest.mark.parametrize("kind", ["gemma2_softcap", "cohere_scale", "granite_scaling"])
+@pytest.mark.parametrize("kind", POST_PROCESSED)
 def test_post_processing_is_reproduced_not_dropped(kind):
     """The comparison above could pass if both paths skipped the softcap/scale; they must not."""
     model = build(kind)
     batch = make_batch()
-    with_it = loss_sum(model, batch, "chunked")
+    with torch.no_grad():
+        with_it = loss_sum(model, batch, "chunked")
     attr = {"gemma2_softcap": (model.config, "final_logit_softcapping", None),
             "cohere_scale": (model, "logit_scale", 1.0),
-            "granite_scaling": (model.config, "logits_scaling", 1.0)}[kind]
+            "granite_scaling": (model.config, "logits_scaling", 1.0),
+            "hyperclovax_scaling": (model.config, "logits_scaling", 1.0),
+            "falcon_h1_multiplier": (model.model, "lm_head_multiplier", 1.0)}[kind]
     setattr(attr[0], attr[1], attr[2])
-    without = loss_sum(model, batch, "full")
+    with torch.no_grad():
+        without = loss_sum(model, batch, "full")
     assert abs(float(with_it) - float(without)) > 1e-3 * float(without)
 
 
