@@ -130,7 +130,7 @@ def prepare(args):
     from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point
     from finetune.data import prevalidate
     from finetune.lock import check_lineage
-    from finetune.plan import make_plan
+    from finetune.plan import make_plan, nvme_resume_problem
     from finetune.recipe import resolve
 
     recipe = resolve(args.recipe, args.overrides)
@@ -157,6 +157,9 @@ def prepare(args):
                               (lambda m: print(m, file=sys.stderr)))
     if point is None:
         return plan
+    nvme = nvme_resume_problem(point.path, recipe)
+    if nvme:
+        raise RecipeError(nvme)
     check_fits(point, recipe, args.allow_data_change)
     if point.global_batch_size != plan.global_batch_size:
         # keep the checkpoint's global batch on a new world size: accumulation is recomputed
