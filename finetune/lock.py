@@ -119,7 +119,8 @@ def _holder(path: Path, wait_s: float = 2.0) -> Holder | None:
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise RecipeError(f"cannot read the lock {path}: {e.strerror}; delete it if no run uses output_dir") from None
+            raise RecipeError(f"cannot read the lock {path}: {e.strerror}; delete it if no run uses "
+                              "output_dir") from None
         try:
             info = json.loads(text)
             if isinstance(info, dict) and "pid" in info:

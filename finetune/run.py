@@ -132,7 +132,7 @@ def prepare(args, lock: bool = True):
     from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point, resume_changes
     from finetune.data import prevalidate
     from finetune.lock import check_lineage
-    from finetune.plan import make_plan
+    from finetune.plan import make_plan, nvme_resume_problem
     from finetune.recipe import chat_template_text, resolve
 
     recipe = resolve(args.recipe, args.overrides)
@@ -160,6 +160,9 @@ def prepare(args, lock: bool = True):
                               (lambda m: print(m, file=sys.stderr)))
     if point is None:
         return plan
+    nvme = nvme_resume_problem(point.path, recipe)
+    if nvme:
+        raise RecipeError(nvme)
     check_fits(point, recipe, args.allow_data_change)
     changes = resume_changes(point, recipe)
     if point.global_batch_size != plan.global_batch_size:

@@ -13,3 +13,27 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
 python -c "import torch, transformers, accelerate, deepspeed, datasets; print('finetune env ready: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| deepspeed', deepspeed.__version__)" 2>/dev/null
+
+# NVMe offload (offload_optimizer/offload_params=nvme) needs DeepSpeed's async_io op, which needs
+# libaio; finetune checks for it at validation (finetune/plan.py async_io_problem).
+nvme_problem() {
+  python -c "import sys, torch; from finetune.plan import async_io_problem; p = async_io_problem(torch.cuda.is_available()); print(p or ''); sys.exit(1 if p else 0)" 2>/dev/null | tail -1
+}
+if ! problem=$(nvme_problem); then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing libaio-dev (apt-get) for NVMe offload"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 || true
+  fi
+  problem=$(nvme_problem) || echo "NVMe offload will be unavailable: $problem"
+fi
+# On a CPU machine (where the tests run) build the op now, once, rather than inside the first run
+# that uses it: it compiles for minutes (cached in ~/.cache/torch_extensions). On a GPU node
+# DeepSpeed builds it on first use.
+if [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  start=$(date +%s)
+  if DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
+    echo "DeepSpeed async_io op (NVMe offload) ready ($(( $(date +%s) - start )) s)"
+  else
+    echo "NVMe offload will be unavailable: building DeepSpeed's async_io op failed (run python -c \"from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=True)\" to see why)"
+  fi
+fi
