@@ -12,8 +12,8 @@ How it stays correct under every strategy: the loss is computed *inside* the mod
 output projection module itself. `loss_sum` swaps the forward of `model.get_output_embeddings()` for
 the duration of one call (a context manager) so that it receives the hidden states and returns the
 summed loss. Whatever gathers that module's weight for its forward gathers it for the loss too:
-ZeRO-3's hooks on lm_head, FSDP2's unshard of the root module (which owns lm_head and the
-embeddings), nothing at all under DDP. Because the returned loss is that module's (and the model's)
+ZeRO-3's hooks on lm_head, FSDP2's unshard hooks (Accelerate makes lm_head a unit of its own, an
+FSDPLinear; a root-owned lm_head is unsharded for the root's whole forward), nothing under DDP. Because the returned loss is that module's (and the model's)
 output, the strategies' backward hooks on outputs fire as they would for logits. Tied embeddings
 need nothing special (the weight is one Parameter; its gradient accumulates from both uses), nor does
 LoRA (peft leaves lm_head a plain frozen Linear unless lm_head is targeted; then the full path runs).
@@ -71,8 +71,8 @@ def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None
     target tokens of the whole global batch, so every split of that batch gives the same update.
 
     impl: "chunked" (default), "liger" (CUDA, Liger-Kernel), "full" (the fp32 logits of every token at
-    once: the reference the others are tested against). chunk: tokens per chunk, for tests; default
-    chunk_rows(vocab).
+    once: the reference the others are tested against). chunk: target tokens per chunk (the recipe's
+    loss_chunk_tokens); None: chunk_rows(vocab).
     """
     if impl not in IMPLS:
         raise ValueError(f"loss impl {impl!r}: must be one of {', '.join(IMPLS)}")
@@ -167,7 +167,7 @@ class OutputHeadLoss:
             elif family.startswith("hyperclovax"):  # logits = lm_head(h) * config.logits_scaling
                 self.scale *= float(value)
             else:
-                continue  # unknown meaning: the identity check below stops the run if it is applied
+                continue  # unknown meaning: check() stops the run if the model applies it
             self.switched.append((config, "logits_scaling", 1.0))
         inner = getattr(hf, "model", None)
         if family.startswith("falcon_h1") and isinstance(getattr(inner, "lm_head_multiplier", None), (int, float)):
