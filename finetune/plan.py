@@ -6,6 +6,7 @@ whether the launcher agrees with the recipe. Everything here is cheap and raises
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 
@@ -161,6 +162,40 @@ def async_io_problem(cuda_available: bool) -> str | None:
     return None
 
 
+STALE_BUILD_LOCK_S = 30 * 60  # the slowest op build we measured (async_io, 2 loaded cores) took 8 minutes
+
+
+def stale_build_lock_problems(recipe: Recipe, now: float | None = None, root: str | None = None) -> list[str]:
+    """DeepSpeed compiles its ops (cpu_adam, async_io, the CPU comm op) on first use, in
+    ~/.cache/torch_extensions, under a `lock` file that torch's builder waits on. A build that was
+    killed leaves the lock behind, and every later run that needs the op sleeps on it forever,
+    without a word. A lock older than any real build is named here, with the one command that fixes it."""
+    if not recipe.strategy.startswith("zero"):
+        return []
+    import time
+
+    if root is None:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        root = os.path.dirname(_get_build_directory("finetune_probe", verbose=False))
+        try:
+            os.rmdir(os.path.join(root, "finetune_probe"))  # _get_build_directory creates it
+        except OSError:
+            pass
+    now = time.time() if now is None else now
+    problems = []
+    for lock in sorted(glob.glob(os.path.join(root, "*", "lock"))):
+        try:
+            age = now - os.stat(lock).st_mtime
+        except FileNotFoundError:
+            continue
+        if age > STALE_BUILD_LOCK_S:
+            op = os.path.basename(os.path.dirname(lock))
+            problems.append(f"a build of the {op} op was interrupted {age / 3600:.1f} h ago and left its lock file "
+                            f"{lock}; DeepSpeed would wait for it forever: delete it (rm {lock}) and run again")
+    return problems
+
+
 def nvme_resume_problem(checkpoint, recipe: Recipe) -> str | None:
     """Resuming with offload_optimizer=nvme, or from a checkpoint written with it, is refused.
 
@@ -196,6 +231,7 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
         cuda_available = torch.cuda.is_available()
     problems = [] if cuda_available else gpu_only_problems(recipe)
     problems += nvme_problems(recipe, cuda_available)
+    problems += stale_build_lock_problems(recipe)
     if recipe.load_in_4bit and cuda_available:
         import importlib.util
 

@@ -22,16 +22,20 @@ nvme_problem() {
 if ! problem=$(nvme_problem); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing libaio-dev (apt-get) for NVMe offload"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libaio-dev) >/dev/null 2>&1 || true
+    (timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libaio-dev) >/dev/null 2>&1 || true
   fi
   problem=$(nvme_problem) || echo "NVMe offload will be unavailable: $problem"
 fi
 # On a CPU machine (where the tests run) build the op now, once, rather than inside the first run
 # that uses it: it compiles for minutes (cached in ~/.cache/torch_extensions). On a GPU node
 # DeepSpeed builds it on first use.
+# A build that was killed leaves its `lock` file, and torch's builder then waits on it forever: clear
+# locks older than any real build (finetune's validation names them too: plan.stale_build_lock_problems).
+ext_root=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+find "$ext_root" -maxdepth 3 -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed a stale build lock: /' || true
 if [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   start=$(date +%s)
-  if DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
+  if DS_ACCELERATOR=cpu timeout 1800 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
     echo "DeepSpeed async_io op (NVMe offload) ready ($(( $(date +%s) - start )) s)"
   else
     echo "NVMe offload will be unavailable: building DeepSpeed's async_io op failed (run python -c \"from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=True)\" to see why)"

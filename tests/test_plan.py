@@ -5,7 +5,7 @@ import os
 import pytest
 
 from finetune.plan import make_plan
-from finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe_module
+from finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe_module, validate
 from finetune.strategy import deepspeed_config
 
 
@@ -220,3 +220,21 @@ def test_deepspeed_op_builds_use_this_environments_ninja(monkeypatch):
     assert shutil.which("ninja") == str(own)
     prefer_environment_ninja()  # idempotent: the directory is not added twice
     assert os.environ["PATH"].split(os.pathsep).count(str(own.parent)) == 1
+
+
+def test_stale_build_lock_is_named_with_its_fix(tmp_path):
+    """A killed DeepSpeed op build leaves `<op>/lock`; every later run would sleep on it forever."""
+    import os
+
+    from finetune.plan import STALE_BUILD_LOCK_S, stale_build_lock_problems
+
+    fresh, stale = tmp_path / "cpu_adam" / "lock", tmp_path / "async_io" / "lock"
+    for lock in (fresh, stale):
+        lock.parent.mkdir()
+        lock.touch()
+    now = os.stat(stale).st_mtime + STALE_BUILD_LOCK_S + 60
+    os.utime(fresh, (now - 60, now - 60))  # a build that is running now
+    zero3 = validate(Recipe(strategy="zero3"))
+    problems = stale_build_lock_problems(zero3, now=now, root=str(tmp_path))
+    assert len(problems) == 1 and "async_io op was interrupted" in problems[0] and f"rm {stale}" in problems[0]
+    assert stale_build_lock_problems(validate(Recipe(strategy="fsdp")), now=now, root=str(tmp_path)) == []
