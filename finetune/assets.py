@@ -32,18 +32,15 @@ def cache_root() -> Path:
 
 
 def _publish(build, target: Path) -> Path:
-    """Build into a temporary sibling and rename it into place; the first writer wins."""
+    """Build into a temporary sibling and publish it; the first writer wins."""
+    from finetune.files import publish
+
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        built = build(tmp)
-        try:
-            os.rename(built, target)
-        except OSError:
-            if not target.exists():
-                raise
+        publish(build(tmp), target, first_wins=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -1,5 +1,5 @@
 """Sharded checkpoints with one narrow interface: `Checkpointer.save(state)` and `.load(point)`;
-`find_resume_point` answers, before anything is loaded, which checkpoint a run continues from.
+finetune/resume.py decides, before anything is loaded, which checkpoint a run continues from.
 
 Layout: output_dir/checkpoints/step_000000120/ (names sort by step). A checkpoint is written into a
 hidden `.step_000000120.partial/` and renamed into place by rank 0 only after every rank has finished
@@ -9,7 +9,7 @@ either a complete checkpoint or a `.partial` directory that is never mistaken fo
 Model, optimizer, scheduler and RNG states go through Accelerate's save_state/load_state: FSDP
 writes distributed-checkpoint shards (which load resharded on any world size), DeepSpeed its
 per-rank files (converted to a universal checkpoint for another world size, see
-`ensure_universal`). The loop's own state is JSON.
+resume.ensure_universal). The loop's own state is JSON.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import json
 import os
 import pickle
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
+from finetune.stopping import fault_point
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -220,163 +220,6 @@ def verify_checksums(path: Path, manifest: dict, rank: int, world: int, all_gath
         bad = sorted(rel for part in all_gather(bad) for rel in part)
     if bad:
         raise damaged_by_checksum(path, bad)
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    path: Path
-    step: int
-    world_size: int
-    global_batch_size: int
-    strategy: str
-    recipe: dict  # the recipe the checkpoint was trained with (its recipe.json; every save writes one)
-
-
-def find_resume_point(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
-    """--resume auto: the newest complete checkpoint (incomplete ones, and ones whose manifest cannot be
-    read, are named and skipped), else None. --resume PATH: that checkpoint, verified."""
-    if not resume:
-        return None
-    root = output_dir / "checkpoints"
-    if resume == "auto":
-        for partial in partial_checkpoints(root):
-            log(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
-        candidates = complete_checkpoints(root)
-        if not candidates:
-            log(f"--resume auto: no complete checkpoint in {root}; starting fresh")
-            return None
-        path = None
-        for candidate in reversed(candidates):
-            try:
-                read_manifest(candidate)
-            except UnreadableManifest as e:
-                log(f"skipping {e}")
-                continue
-            path = candidate
-            break
-        if path is None:  # starting fresh would overwrite them: leave the decision to the user
-            raise RecipeError(f"--resume auto: no checkpoint in {root} has a readable {MANIFEST} "
-                              f"({', '.join(c.name for c in candidates)}); nothing was deleted; move them away "
-                              "to start fresh, or resume one with --resume PATH once its manifest is restored")
-    else:
-        path = Path(resume).expanduser()
-        if not path.is_dir():
-            raise RecipeError(f"--resume {resume}: no such checkpoint directory")
-    manifest = verify(path)
-    return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
-                       global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
-                       recipe=json.loads((path / "recipe.json").read_text()) if (path / "recipe.json").is_file() else {})
-
-
-def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> None:
-    """Refuse a checkpoint of another model or strategy; other data only when asked to."""
-    saved = verify(point.path)["fingerprint"]
-    current = fingerprint(recipe)
-    for key in HARD_KEYS:
-        if key == "model":
-            continue  # compared as resolved paths once the model is located (see loop)
-        if saved.get(key) != current.get(key):
-            raise RecipeError(f"checkpoint {point.path} was written with {key}={saved.get(key)}, this run has "
-                              f"{key}={current.get(key)}: its shards cannot be loaded; set {key}={saved.get(key)}, "
-                              "or export it (python -m finetune.export) and fine-tune the export in a new run")
-    # a key the checkpoint's fingerprint lacks came later (tokenizer, chat_template): it had the default
-    defaults = fingerprint(Recipe())
-    saved = {k: saved.get(k, defaults[k]) for k in DATA_KEYS} | {k: saved.get(k) for k in HARD_KEYS}
-    changed = [k for k in DATA_KEYS if saved.get(k) != current.get(k)]
-    if changed and not allow_data_change:
-        what = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed)
-        raise RecipeError(f"checkpoint {point.path} was trained on other data ({what}); the data position would not "
-                          "mean the same; restore those values, or pass --allow-data-change to continue anyway")
-
-
-def resume_changes(point: ResumePoint, recipe: Recipe) -> list[str]:
-    """The recipe fields this resumed run changes, each with what the change does; refuses (one line,
-    all of them) the changes a checkpoint cannot honour. Data and model keys are check_fits' job."""
-    saved, current = point.recipe, json.loads(json.dumps(recipe.to_dict()))
-    changed = {k: (saved[k], current[k]) for k in current
-               if k in saved and saved[k] != current[k] and k not in HARD_KEYS + DATA_KEYS}
-    refused = [k for k in changed if k in STATE_KEYS]
-    batch = _global_batch_change(point, recipe, changed)
-    if batch:
-        refused.append(batch)
-    if refused:
-        what = ", ".join(f"{k}: {changed[k][0]} -> {changed[k][1]}" if k in changed else k for k in refused)
-        raise RecipeError(f"checkpoint {point.path} cannot continue with {what}: the checkpoint's optimizer, "
-                          "schedule and data position were made with the old values and would override or "
-                          "contradict them; restore them, or export the checkpoint (python -m finetune.export) "
-                          "and start a new run from it")
-    return [f"{k}: {old} -> {new} ({RESUME_EFFECTS.get(k, 'applies from this step on')})"
-            for k, (old, new) in changed.items() if k not in ("grad_accum", "global_batch_size", "output_dir")]
-
-
-def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> str:
-    """The data position is counted in global batches, so a resumed run keeps the checkpoint's: on
-    another world size or micro batch its accumulation is recomputed. An explicit grad_accum or
-    global_batch_size that asks for another global batch is refused instead of being reverted."""
-    if "global_batch_size" in changed and recipe.global_batch_size not in (0, point.global_batch_size):
-        return (f"global_batch_size={recipe.global_batch_size} (the checkpoint's global batch is "
-                f"{point.global_batch_size})")
-    if "grad_accum" in changed and not recipe.global_batch_size:
-        from finetune.plan import world_size_from_env
-
-        asked = recipe.micro_batch_size * recipe.grad_accum * world_size_from_env()
-        if asked != point.global_batch_size:
-            return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "
-                    f"{point.global_batch_size}: leave grad_accum as it was, it is recomputed to keep it)")
-    return ""
-
-
-def check_model(point: ResumePoint, model_path: str) -> None:
-    saved = verify(point.path)["fingerprint"]["model"]
-    if saved != model_path:
-        raise RecipeError(f"checkpoint {point.path} holds a fine-tune of {saved}, this run loads {model_path}; "
-                          f"set model={saved}")
-
-
-# ---------------------------------------------------------------- DeepSpeed on another world size
-
-
-def ensure_universal(point: ResumePoint, rank: int, timeout_s: float = 3600) -> Path:
-    """Convert a ZeRO checkpoint to DeepSpeed's universal format, once, next to it.
-
-    Rank 0 converts (a separate CPU job, before the process group exists); the other ranks wait for
-    the result or its failure marker. The universal copy is published by rename like a checkpoint.
-    """
-    target = point.path / "universal"
-    failed = point.path / "universal.failed"
-    if rank == 0 and not target.is_dir():
-        failed.unlink(missing_ok=True)
-        try:
-            verify(point.path, checksums=True)  # the conversion reads every shard: check them first
-        except RecipeError as e:
-            failed.write_text(str(e))
-            raise
-        tmp = point.path / ".universal.partial"
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "pytorch_model").parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "finetune.checkpoint", "to-universal",
-               "--input_folder", str(point.path / "pytorch_model"),
-               "--output_folder", str(tmp / "pytorch_model"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                        os.environ.get("PYTHONPATH")])))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            failed.write_text(proc.stderr[-2000:])
-            raise RecipeError(f"converting {point.path} to a universal checkpoint failed: "
-                              f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-        for item in point.path.iterdir():  # everything Accelerate reads besides the ZeRO shards
-            if item.is_file():
-                shutil.copy2(item, tmp / item.name)
-        (tmp / "latest").write_text("pytorch_model")
-        os.rename(tmp, target)
-    deadline = time.monotonic() + timeout_s
-    while not target.is_dir():
-        if failed.is_file():
-            raise RecipeError(f"converting {point.path} to a universal checkpoint failed on rank 0")
-        if time.monotonic() > deadline:
-            raise RecipeError(f"timed out waiting for rank 0 to convert {point.path} to a universal checkpoint")
-        time.sleep(0.5)
-    return target
 
 
 # ---------------------------------------------------------------- loading without unpickling code
@@ -575,68 +418,36 @@ def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
 # ---------------------------------------------------------------- saving and loading
 
 
-class StopRequest:
-    """SIGTERM / SIGUSR1 (what schedulers send before preemption) and SIGINT (Ctrl-C) ask for a
-    checkpoint and a clean exit; the loop checks `requested` between steps, agreed across ranks.
+@dataclass
+class LoopState:
+    """Everything besides model/optimizer/scheduler that a resume needs to continue exactly."""
 
-    A second Ctrl-C stops at once, without saving (the newest complete checkpoint stays). Run
-    directly, the process gets both SIGINTs. Under accelerate launch (torchrun) the workers run in
-    their own sessions: the launcher forwards the first Ctrl-C as SIGINT and answers a second one
-    by sending SIGTERM, so a SIGTERM after a SIGINT is the second Ctrl-C (a third one ends the
-    launcher, and the kernel then kills the workers: run.py sets PR_SET_PDEATHSIG). One keypress
-    can also reach a worker twice within milliseconds (srun signals the launchers and the workers
-    of a job step alike), so a SIGINT within REPEAT_S of the first is the same one.
-    """
-
-    REPEAT_S = 1.0
-
-    def __init__(self):
-        self.requested = 0
-        self._interrupted_at = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        now = time.monotonic()
-        if self._interrupted_at is not None and (
-                signum == signal.SIGTERM or (signum == signal.SIGINT and now - self._interrupted_at >= self.REPEAT_S)):
-            _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest complete "
-                 "checkpoint is kept; continue from it with --resume auto)")
-            from finetune.lock import release_all
-
-            release_all()
-            os._exit(130)
-        if signum == signal.SIGINT and self._interrupted_at is None:
-            self._interrupted_at = now
-            if not self.requested:
-                _say("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, "
-                     "without saving)")
-        self.requested = self.requested or signum
-
-
-def _say(line: str) -> None:
-    """One line on stderr from rank 0, safe inside a signal handler (print could re-enter a print
-    the signal interrupted)."""
-    if os.environ.get("RANK", "0") == "0":
-        os.write(2, (line + "\n").encode())
+    step: int = 0          # optimizer steps done
+    tokens: int = 0        # target tokens seen, all ranks
+    samples: int = 0       # rows seen, all ranks
+    best_eval_loss: float | None = None
+    nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss or gradient norm (recipe.max_nonfinite_steps)
 
 
 class Checkpointer:
-    def __init__(self, output_dir: Path, accelerator, recipe: Recipe, model_path: str, global_batch_size: int,
-                 keep_last: int, model_config=None, tokenizer=None):
-        self.root = Path(output_dir) / "checkpoints"
-        self.model_config, self.tokenizer = model_config, tokenizer  # copied in, so export needs nothing else
-        if recipe.lora and accelerator.distributed_type.name not in ("DEEPSPEED", "FSDP"):
-            accelerator.register_save_state_pre_hook(_keep_trainable_weights)
-        self.accelerator = accelerator
-        self.recipe = recipe
-        self.fingerprint = fingerprint(recipe, model_path)
-        self.global_batch_size = global_batch_size
-        self.keep_last = keep_last
+    """Two calls: `save(state)` writes a checkpoint of everything (collective), `load(point)` restores
+    it in place and returns the loop's state. Built once the model and optimizer are prepared."""
 
-    def save(self, state, optimizer) -> Path:
+    def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None):
+        r = plan.recipe
+        self.root = Path(r.output_dir) / "checkpoints"
+        self.model_config, self.tokenizer = model_config, tokenizer  # copied in, so export needs nothing else
+        if r.lora and accelerator.distributed_type.name not in ("DEEPSPEED", "FSDP"):
+            accelerator.register_save_state_pre_hook(_keep_trainable_weights)
+        self.accelerator, self.optimizer = accelerator, optimizer
+        self.recipe = r
+        self.fingerprint = fingerprint(r, model_path)
+        self.global_batch_size = plan.global_batch_size
+        self.keep_last = r.keep_last
+
+    def save(self, state: LoopState) -> Path:
         """Collective: every rank calls it. Returns the committed checkpoint directory."""
-        acc = self.accelerator
+        acc, optimizer = self.accelerator, self.optimizer
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
         if acc.is_main_process:
@@ -686,10 +497,7 @@ class Checkpointer:
                 f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
                 f.flush()
                 os.fsync(f.fileno())
-            if final.exists():  # a checkpoint of this step from an earlier attempt: replace it whole
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
+            publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
             self._rotate(keep=final)
         acc.wait_for_everyone()
         return final
@@ -701,15 +509,15 @@ class Checkpointer:
             if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def load(self, point: ResumePoint, optimizer, state_cls):
-        """Collective. Restores model, optimizer, scheduler and RNG in place; returns the loop state."""
+    def load(self, point) -> LoopState:
+        """Collective. Restores model, optimizer, scheduler and RNG in place from a resume.ResumePoint
+        (its `source`: the checkpoint, or its universal conversion); returns the loop state."""
+        import logging
+
         import torch
 
-        acc = self.accelerator
-        source = point.path
-        if point.world_size != acc.num_processes and self.recipe.strategy.startswith("zero"):
-            source = point.path / "universal"  # made by ensure_universal before the engine was built
-        import logging
+        acc, optimizer = self.accelerator, self.optimizer
+        source = point.source
 
         verify_checksums(point.path, read_manifest(point.path), acc.process_index, acc.num_processes,
                          _all_gather(acc), log=logging.getLogger("finetune").warning)
@@ -732,7 +540,7 @@ class Checkpointer:
         zro = point.path / ZERO_REDUNDANCY_OPTIMIZER
         if hasattr(optimizer, "consolidate_state_dict") and zro.is_file():
             optimizer.load_state_dict(torch.load(zro, map_location="cpu", weights_only=True))
-        state = state_cls(**json.loads((point.path / LOOP_STATE).read_text()))
+        state = LoopState(**json.loads((point.path / LOOP_STATE).read_text()))
         load_rng(point.path / RNG_DIR, acc.process_index, self.recipe.seed, state.step)
         return state
 
@@ -776,29 +584,6 @@ def _innermost(optimizer):
     while hasattr(optimizer, "optimizer"):
         optimizer = optimizer.optimizer
     return optimizer
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fault_point(where: str, rank: int, step: int) -> None:
-    """Fault injection for the crash tests, real signals at exact places:
-    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
-    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank)."""
-    spec = os.environ.get("FINETUNE_FAULT")
-    if not spec:
-        return
-    parts = spec.split(":")
-    if parts[:3] == [where, str(rank), str(step)]:
-        how = parts[3] if len(parts) > 3 else "SIGKILL"
-        if how == "RAISE":
-            raise RuntimeError(f"injected fault ({spec})")
-        os.kill(os.getpid(), getattr(signal, how))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["to-universal"]:

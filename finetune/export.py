@@ -23,6 +23,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from finetune.files import publish  # noqa: E402
+
 
 def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB") -> Path:
     """Gather the full weights (ZeRO-3 and FSDP hold shards) and write them on the main process.
@@ -39,7 +41,7 @@ def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_siz
         unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
         _plain_architecture(tmp / "config.json")
-        _publish(tmp, out_dir)
+        publish(tmp, out_dir)
     accelerator.wait_for_everyone()
     return out_dir
 
@@ -96,7 +98,7 @@ def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        _publish(tmp, out_dir)
+        publish(tmp, out_dir)
     accelerator.wait_for_everyone()
     return out_dir
 
@@ -115,7 +117,7 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
-    _publish(tmp, Path(out_dir))
+    publish(tmp, Path(out_dir))
     return Path(out_dir)
 
 
@@ -131,17 +133,6 @@ def _without_zero3_init():
         yield
     finally:
         hf_deepspeed._hf_deepspeed_config_weak_ref = saved
-
-
-def _publish(tmp: Path, out_dir: Path) -> None:
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".previous")
-        shutil.rmtree(old, ignore_errors=True)
-        out_dir.rename(old)
-        tmp.rename(out_dir)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(out_dir)
 
 
 def _plain_architecture(config_path: Path) -> None:
@@ -263,7 +254,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"the exported model's logits differ from the checkpoint's by up to {max_diff:.3g}; "
                           "nothing was written")
-    _publish(tmp, out_dir)
+    publish(tmp, out_dir)
     return {"checkpoint": str(ckpt), "step": manifest["step"], "world_size": manifest["world_size"],
             "out_dir": str(out_dir), "dtype": str(model.dtype).replace("torch.", ""),
             "parameters": sum(p.numel() for p in model.parameters()), "probe_max_abs_diff": max_diff}
@@ -341,7 +332,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
             "out_dir": str(out_dir), "base": str(base_path), "lora": True, "merged": merge,
             "adapter_parameters": sum(v.numel() for v in adapter.values()), "probe_max_abs_diff": 0.0}
     if not merge:
-        _publish(adapter_tmp, out_dir)
+        publish(adapter_tmp, out_dir)
         return info | {"dtype": "float32"}
 
     merged = reloaded.merge_and_unload()
@@ -364,7 +355,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise ExportError(f"the merged model's logits differ from its reload or from base + adapter (by up to "
                           f"{deviation:.3g}); nothing was written")
-    _publish(tmp, out_dir)
+    publish(tmp, out_dir)
     return info | {"dtype": str(merged_logits.dtype).replace("torch.", ""), "probe_max_abs_diff": deviation,
                    "parameters": sum(p.numel() for p in again.parameters())}
 

@@ -6,32 +6,20 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune import data as D
-from finetune.checkpoint import (Checkpointer, StopRequest, check_model, complete_checkpoints, ensure_universal,
-                                 fault_point)
+from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
 from finetune.export import merge_adapter, save_final_model
-from finetune.metrics import (MetricsFile, Progress, flops_per_token, format_summary, log, peak_flops,
-                              peak_memory_bytes, plot_losses, setup_logging, start_trackers)
+from finetune.metrics import (MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes, plot_losses,
+                              setup_logging, start_trackers)
 from finetune.model import load_config, load_model, load_tokenizer, loss_sum
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
+from finetune.stopping import StopRequest, fault_point
 from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
-
-
-@dataclass
-class LoopState:
-    """Everything besides model/optimizer/scheduler that a resume needs to continue exactly."""
-
-    step: int = 0          # optimizer steps done
-    tokens: int = 0        # target tokens seen, all ranks
-    samples: int = 0       # rows seen, all ranks
-    best_eval_loss: float | None = None
-    nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss or gradient norm (recipe.max_nonfinite_steps)
 
 
 def main_first(accelerator, fn):
@@ -116,10 +104,6 @@ def train(plan: Plan) -> dict:
     out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
     model_path, config = load_config(r)
-    if plan.resume is not None:
-        check_model(plan.resume, model_path)
-        if plan.is_deepspeed and plan.resumes_on_other_world_size:
-            ensure_universal(plan.resume, int(os.environ.get("RANK", "0")))
     accelerator = build_accelerator(plan, config)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     is_main = accelerator.is_main_process
@@ -158,11 +142,11 @@ def train(plan: Plan) -> dict:
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)
     plot = out / "loss.png"
-    checkpoints = Checkpointer(out, accelerator, r, model_path, plan.global_batch_size, r.keep_last, config, tokenizer)
+    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
-        state = checkpoints.load(plan.resume, optimizer, LoopState)
+        state = checkpoints.load(plan.resume)
         seconds = time.perf_counter() - t0
         log.info(f"resumed from {plan.resume.path} at step {state.step} "
                  f"({plan.resume.world_size} -> {world} processes) in {seconds:.2f}s")
@@ -170,19 +154,16 @@ def train(plan: Plan) -> dict:
                        "resume_seconds": round(seconds, 3)})
     stop = StopRequest()
 
-    tokens_at_start = state.tokens  # a resumed run's speed counts only what it trained itself
     progress = Progress(total_steps, state.step, is_main)
+    meter = Throughput(device, r.mixed_precision, config, r.max_seq_len, world, tokens_at_start=state.tokens)
     last_eval = None
-    window_tokens, window_inputs, window_t0 = 0, 0, time.perf_counter()
-    peak = peak_flops(device, r.mixed_precision)  # MFU where the GPU's peak is known
-    flops = flops_per_token(config, r.max_seq_len) if peak else 0.0
-    eval_seconds = checkpoint_seconds = 0.0  # inside the loop but not training: left out of tokens/s
-    train_t0 = time.perf_counter()
     if eval_rows is not None and r.eval_at_start and state.step == 0:
-        last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
+        with meter.paused("eval"):
+            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
         metrics.write({"step": 0, "eval_loss": last_eval})
         progress.note(f"step 0: eval_loss {last_eval:.4f}")
     model.train()
+    stopping = False
     while state.step < total_steps:
         micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]
         # one all-reduce carries the batch's target tokens and whether any rank was asked to stop
@@ -207,55 +188,42 @@ def train(plan: Plan) -> dict:
         state.step += 1
         state.tokens += global_tokens
         state.samples += schedule.global_batch
-        window_tokens += global_tokens
-        window_inputs += global_inputs
+        meter.step(global_tokens, global_inputs)
         fault_point("after_step", rank, state.step)
 
         record = None
         if state.step % r.log_every == 0 or state.step == total_steps:
-            now = time.perf_counter()
             memory = accelerator.gather(torch.tensor([peak_memory_bytes(device)], device=device)).tolist()
             record = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                      "tokens": state.tokens, "tokens_per_s": window_tokens / (now - window_t0),
-                      "epoch": (state.step - 1) // schedule.steps_per_epoch,
+                      "tokens": state.tokens, **meter.window(), "epoch": (state.step - 1) // schedule.steps_per_epoch,
                       "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
             if aux:
                 record["aux_loss"] = float(reduce_sum(torch.stack(aux).mean()) / world)
-            if peak and flops:  # model FLOPs of the real (non-padding) input tokens, per GPU, over the GPU's peak
-                record["mfu"] = window_inputs / (now - window_t0) * flops / (world * peak)
             metrics.write(record)
-            window_tokens, window_inputs, window_t0 = 0, 0, now
         progress.update(state.step, record)
 
         end = state.step == total_steps
         if eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
-            t0 = time.perf_counter()
-            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
-            seconds = time.perf_counter() - t0
-            eval_seconds += seconds
-            window_t0 += seconds  # the next record's tokens/s is training speed, as the summary's is
+            with meter.paused("eval"):
+                last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
             if is_main:
                 plot_losses(out / "metrics.jsonl", plot)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
-            t0 = time.perf_counter()
-            path = checkpoints.save(state, optimizer)
-            seconds = time.perf_counter() - t0
-            checkpoint_seconds += seconds
-            window_t0 += seconds
-            progress.note(f"step {state.step}: checkpoint {path} ({seconds:.2f}s)")
+            with meter.paused("checkpoint") as saving:
+                path = checkpoints.save(state)
+            progress.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
         if stopping:
-            progress.close()
-            log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
-            accelerator.end_training()
-            finish_together()
-            return {"steps": state.step, "stopped": True}
+            break
     progress.close()
-    train_seconds = time.perf_counter() - train_t0
-    step_seconds = train_seconds - eval_seconds - checkpoint_seconds
+    if stopping:
+        log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
+        accelerator.end_training()
+        finish_together()
+        return {"steps": state.step, "stopped": True}
 
     final = save_final_model(accelerator, model, tokenizer, out / "final")
     if r.merge_lora:
@@ -267,11 +235,8 @@ def train(plan: Plan) -> dict:
     torch.distributed.all_gather_object(peaks, peak_memory_bytes(device))
     saved = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
     summary = {"steps": state.step, "resumed_at": plan.resume.step if plan.resume else None,
-               "train_seconds": round(train_seconds, 2), "eval_seconds": round(eval_seconds, 2),
-               "checkpoint_seconds": round(checkpoint_seconds, 2),
-               "wall_seconds": round(time.perf_counter() - wall_t0, 2), "tokens": state.tokens,
-               "tokens_per_s": (state.tokens - tokens_at_start) / step_seconds if step_seconds > 0 else 0.0,
-               "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
+               **meter.summary(state.tokens), "wall_seconds": round(time.perf_counter() - wall_t0, 2),
+               "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
                "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",

@@ -195,6 +195,62 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     return Path(png_path)
 
 
+# ---------------------------------------------------------------- training speed
+
+
+class Throughput:
+    """Training speed, as the log records and the summary report it: target tokens per second over
+    the window since the last record, with evaluation and checkpoint time left out (`paused`), and
+    MFU where the GPU's peak is known (model FLOPs of the real, non-padding input tokens)."""
+
+    def __init__(self, device, mixed_precision: str, config, seq_len: int, world: int, tokens_at_start: int):
+        self.peak = peak_flops(device, mixed_precision)
+        self.flops = flops_per_token(config, seq_len) if self.peak else 0.0
+        self.world, self.tokens_at_start = world, tokens_at_start  # a resumed run counts only what it trained
+        self.paused_seconds = {"eval": 0.0, "checkpoint": 0.0}
+        self.t0 = self.window_t0 = time.perf_counter()
+        self.window_tokens = self.window_inputs = 0
+
+    def step(self, target_tokens: int, input_tokens: int) -> None:
+        self.window_tokens += target_tokens
+        self.window_inputs += input_tokens
+
+    class _Pause:
+        def __init__(self, meter, kind):
+            self.meter, self.kind = meter, kind
+
+        def __enter__(self):
+            self.start = time.perf_counter()
+            return self
+
+        def __exit__(self, *exc):
+            self.seconds = time.perf_counter() - self.start
+            self.meter.paused_seconds[self.kind] += self.seconds
+            self.meter.window_t0 += self.seconds  # the window measures training alone
+
+    def paused(self, kind: str) -> "Throughput._Pause":
+        """with meter.paused("eval" | "checkpoint") as p: ...  (p.seconds afterwards)"""
+        return Throughput._Pause(self, kind)
+
+    def window(self) -> dict:
+        """The record's speed fields for the window since the last call; starts the next window."""
+        now = time.perf_counter()
+        seconds = now - self.window_t0
+        fields = {"tokens_per_s": self.window_tokens / seconds}
+        if self.peak and self.flops:
+            fields["mfu"] = self.window_inputs / seconds * self.flops / (self.world * self.peak)
+        self.window_tokens = self.window_inputs = 0
+        self.window_t0 = now
+        return fields
+
+    def summary(self, tokens: int) -> dict:
+        train = time.perf_counter() - self.t0
+        stepping = train - sum(self.paused_seconds.values())
+        return {"train_seconds": round(train, 2), "eval_seconds": round(self.paused_seconds["eval"], 2),
+                "checkpoint_seconds": round(self.paused_seconds["checkpoint"], 2),
+                "tokens_per_s": (tokens - self.tokens_at_start) / stepping if stepping > 0 else 0.0}
+
+
 # ---------------------------------------------------------------- memory and the end-of-run summary
 
 

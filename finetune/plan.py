@@ -9,8 +9,12 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from finetune.recipe import Recipe, RecipeError
+
+if TYPE_CHECKING:
+    from finetune.resume import ResumePoint
 
 
 @dataclass(frozen=True)
@@ -21,7 +25,7 @@ class Plan:
     grad_accum: int
     device: str  # "cuda" or "cpu"
     unchecked: tuple[str, ...] = ()  # machine-dependent problems a dry run reports instead of raising
-    resume: object | None = None  # checkpoint.ResumePoint this run continues from
+    resume: ResumePoint | None = None  # the checked checkpoint this run continues from (finetune.resume)
 
     @property
     def resumes_on_other_world_size(self) -> bool:
@@ -196,32 +200,8 @@ def stale_build_lock_problems(recipe: Recipe, now: float | None = None, root: st
     return problems
 
 
-def nvme_resume_problem(checkpoint, recipe: Recipe) -> str | None:
-    """Resuming with offload_optimizer=nvme, or from a checkpoint written with it, is refused.
-
-    DeepSpeed's load_checkpoint with NVMe optimizer offload copies the swapped optimizer files back
-    (`pytorch_model/offloaded_tensors/`) and skips the ZeRO optimizer file: Adam's step count
-    starts again from 0, and the optimizer partitions too small to swap (under 1 MiB per rank:
-    norms) keep their initial weights and moments. Measured with deepspeed 0.19.8 on the 1.2M-
-    parameter Llama of tests/distributed/test_nvme.py, one process, stopped at step 3: the resumed
-    losses at steps 4 and 5 were 7.4564 and 7.5465 against 7.4550 and 7.1936 uninterrupted (and
-    with cpu offload, resumed or not). offload_params=nvme with the optimizer on cpu resumed bit
-    for bit.
-    """
-    from pathlib import Path
-
-    written = (Path(checkpoint) / "pytorch_model" / "offloaded_tensors").is_dir()
-    if recipe.offload_optimizer != "nvme" and not written:
-        return None
-    from importlib.metadata import version
-
-    what = "was written with offload_optimizer=nvme" if written else "is resumed with offload_optimizer=nvme"
-    return (f"--resume {checkpoint}: the checkpoint {what}, which deepspeed {version('deepspeed')} does not resume "
-            "correctly (Adam's step count restarts and the small optimizer partitions return to their initial "
-            "values); runs that must resume: offload_optimizer=cpu (offload_params=nvme resumes correctly)")
-
-
-def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None, dry_run: bool = False) -> Plan:
+def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None, dry_run: bool = False,
+              resume: ResumePoint | None = None) -> Plan:
     """dry_run: a plan made on a machine other than the one that will train (a laptop planning for a
     GPU node) lists what needs a GPU instead of refusing."""
     check_launcher(recipe, env)
@@ -252,6 +232,7 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
         grad_accum=derive_grad_accum(recipe, world_size),
         device="cuda" if cuda_available else "cpu",
         unchecked=tuple(problems),
+        resume=resume,
     )
 
 

@@ -71,7 +71,7 @@ def let_go_of_output_dir(abandon: bool = False) -> None:
 
 
 def _stop_before_training(signum, frame):
-    """SIGINT/SIGTERM before the loop has its own handler (finetune.checkpoint.StopRequest): there
+    """SIGINT/SIGTERM before the loop has its own handler (finetune.stopping.StopRequest): there
     is nothing to save yet, so stop at once, without tracebacks, and free output_dir."""
     if _rank() == "0":  # os.write: a print here could re-enter one the signal interrupted
         os.write(2, f"stopped by {signal.Signals(signum).name} before the first training step; nothing to "
@@ -127,52 +127,44 @@ def parse_args(argv):
 
 
 def prepare(args, lock: bool = True):
-    """Everything cheap that can be wrong, checked in order; returns the plan. lock=False: check that
-    output_dir is free without taking it (the `finetune` front, whose launched ranks take it)."""
-    from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point, resume_changes
+    """Everything cheap that can be wrong, checked in order; returns the plan, made once, with its
+    checked resume point (finetune.resume). lock=False: check that output_dir is free without taking
+    it (the `finetune` front, whose launched ranks take it and convert checkpoints if need be)."""
+    from finetune import resume
+    from finetune.checkpoint import complete_checkpoints
     from finetune.data import prevalidate
     from finetune.lock import check_lineage
-    from finetune.plan import make_plan, nvme_resume_problem
+    from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
 
     recipe = resolve(args.recipe, args.overrides)
     chat_template_text(recipe)
-    plan = make_plan(recipe, dry_run=args.dry_run)
-    problem = output_dir_problem(Path(recipe.output_dir))
+    out = Path(recipe.output_dir)
+    problem = output_dir_problem(out)
     if problem and not args.dry_run:
         raise RecipeError(problem)
-    if problem:  # planning on another machine than the one that trains
-        plan = replace(plan, unchecked=plan.unchecked + (problem,))
-    take_output_dir(Path(recipe.output_dir), args.dry_run, lock)
+    take_output_dir(out, args.dry_run, lock)
     prevalidate(recipe.dataset, recipe.dataset_format)
     if recipe.eval_dataset:
         prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")
-    final = Path(recipe.output_dir) / "final"
+    final = out / "final"
     if final.exists() and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} already holds a finished model ({final}); choose another "
                           "output_dir, or move that one away")
-    if not args.resume and complete_checkpoints(Path(recipe.output_dir) / "checkpoints") and not args.dry_run:
+    if not args.resume and complete_checkpoints(out / "checkpoints") and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} holds checkpoints of an earlier run; continue it with "
                           "--resume auto, or choose another output_dir")
-    check_lineage(args.resume, Path(recipe.output_dir), complete_checkpoints(Path(recipe.output_dir) / "checkpoints"))
-    quiet = os.environ.get("RANK", "0") != "0"
-    point = find_resume_point(args.resume, Path(recipe.output_dir), log=(lambda m: None) if quiet else
-                              (lambda m: print(m, file=sys.stderr)))
-    if point is None:
-        return plan
-    nvme = nvme_resume_problem(point.path, recipe)
-    if nvme:
-        raise RecipeError(nvme)
-    check_fits(point, recipe, args.allow_data_change)
-    changes = resume_changes(point, recipe)
-    if point.global_batch_size != plan.global_batch_size:
-        # keep the checkpoint's global batch on a new world size: accumulation is recomputed
-        recipe = replace(recipe, global_batch_size=point.global_batch_size)
-        plan = make_plan(recipe, dry_run=args.dry_run)
-    if not quiet:
-        for change in changes:
-            print(f"resume: {change}", file=sys.stderr)
-    return replace(plan, resume=point)
+    check_lineage(args.resume, out, complete_checkpoints(out / "checkpoints"))
+    rank = int(os.environ.get("RANK", "0"))
+    say = (lambda m: None) if rank else (lambda m: print(m, file=sys.stderr))
+    point, recipe, changes = resume.resolve(args.resume, recipe, args.allow_data_change, world_size_from_env(), rank,
+                                            convert=lock and not args.dry_run, log=say)
+    plan = make_plan(recipe, dry_run=args.dry_run, resume=point)
+    if problem:  # planning on another machine than the one that trains
+        plan = replace(plan, unchecked=plan.unchecked + (problem,))
+    for change in changes:
+        say(f"resume: {change}")
+    return plan
 
 
 def main(argv=None) -> int:

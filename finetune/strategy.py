@@ -9,6 +9,7 @@ and tell Accelerate which distributed type to take.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import socket
@@ -87,7 +88,7 @@ def deepspeed_config(plan: Plan, hidden_size: int) -> dict:
         "wall_clock_breakdown": False,
     }
     if plan.resumes_on_other_world_size:
-        config["checkpoint"] = {"load_universal": True}  # see checkpoint.ensure_universal
+        config["checkpoint"] = {"load_universal": True}  # see resume.ensure_universal
     if r.offload_optimizer != "none":
         # Offloaded optimizer steps run in DeepSpeed's own CPU Adam; it is built from this section.
         config["optimizer"] = {"type": "AdamW", "params": {
@@ -200,11 +201,27 @@ def _param_groups(model, weight_decay: float):
     return [g for g in groups if g["params"]]  # LoRA trains no norms: DeepSpeed drops empty groups
 
 
-def build_scheduler(recipe, optimizer, total_steps: int):
-    from transformers import get_scheduler
+def _lr_factor(step: int, kind: str, warmup: int, total: int) -> float:
+    """transformers' get_scheduler schedules, formula for formula (tests/test_plan.py compares them):
+    importing transformers.optimization pulls in its Trainer's utilities, peft and bitsandbytes, which
+    cost every rank about 2 s at start (measured with python -X importtime) for four lines of arithmetic."""
+    if kind == "constant":
+        return 1.0
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if kind == "constant_with_warmup":
+        return 1.0
+    if kind == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    progress = float(step - warmup) / float(max(1, total - warmup))  # cosine, half a cycle
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
-    return get_scheduler(recipe.lr_scheduler, optimizer, num_warmup_steps=recipe.warmup_steps,
-                         num_training_steps=total_steps)
+
+def build_scheduler(recipe, optimizer, total_steps: int):
+    from functools import partial
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, partial(_lr_factor, kind=recipe.lr_scheduler,
+                                                                warmup=recipe.warmup_steps, total=total_steps))
 
 
 def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from finetune.checkpoint import (CHECKSUM, DCP_METADATA, MANIFEST, UnreadableManifest, file_checksums,
-                                 find_resume_point, load_dcp_metadata, read_manifest, safe_loading, shares, verify,
-                                 verify_checksums)
+                                 load_dcp_metadata, read_manifest, safe_loading, shares, verify, verify_checksums)
+from finetune.resume import find as find_resume_point
 from finetune.recipe import RecipeError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, on purpose

@@ -221,7 +221,7 @@ def test_overrides_anywhere_on_the_command_line(runs):
 STOP_SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
-from finetune.checkpoint import StopRequest
+from finetune.stopping import StopRequest
 from finetune.lock import OutputDirLock
 
 OutputDirLock(Path(sys.argv[1])).acquire()

@@ -238,3 +238,28 @@ def test_stale_build_lock_is_named_with_its_fix(tmp_path):
     problems = stale_build_lock_problems(zero3, now=now, root=str(tmp_path))
     assert len(problems) == 1 and "async_io op was interrupted" in problems[0] and f"rm {stale}" in problems[0]
     assert stale_build_lock_problems(validate(Recipe(strategy="fsdp")), now=now, root=str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("kind", ["constant", "constant_with_warmup", "linear", "cosine"])
+def test_schedules_equal_transformers(kind):
+    """finetune's own schedules (no transformers.optimization import at start) give transformers'
+    learning rates at every step, bit for bit."""
+    import torch
+    from transformers import get_scheduler
+
+    from finetune.strategy import build_scheduler
+
+    def lrs(make):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-4)
+        scheduler = make(optimizer)
+        out = []
+        for _ in range(40):
+            out.append(scheduler.get_last_lr()[0])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    recipe = validate(Recipe(lr_scheduler=kind, warmup_steps=7, max_steps=37))
+    ours = lrs(lambda opt: build_scheduler(recipe, opt, 37))
+    theirs = lrs(lambda opt: get_scheduler(kind, opt, num_warmup_steps=7, num_training_steps=37))
+    assert ours == theirs

@@ -104,6 +104,54 @@ def _free_port() -> int:
 
 
 
+@pytest.fixture
+def run_in_process(launch_env, monkeypatch, capsys):
+    """`python finetune/run.py --recipe tiny ...` as a call of run.main in this process, for runs that
+    end before training (refusals, --dry-run): the same checks, messages and exit code as a launch,
+    without starting an interpreter (5-10 s here). Training in-process is refused by the fixture."""
+    import signal
+
+    from finetune import loop, run
+
+    for key in ("FINETUNE_CACHE", "HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(key, launch_env[key])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+
+    def no_training(plan):
+        raise AssertionError("run_in_process is for runs that stop before training; use launch()")
+
+    monkeypatch.setattr(loop, "train", no_training)
+
+    def call(*overrides: str, output_dir: Path, recipe: str = "tiny") -> Run:
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        capsys.readouterr()
+        try:
+            code = run.main(["--recipe", recipe, *FAST, f"output_dir={output_dir}", *overrides])
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        captured = capsys.readouterr()
+        return Run(Path(output_dir), code, captured.out, captured.err, launch_env)
+
+    return call
+
+
+@pytest.fixture
+def export_in_process(capsys):
+    """`python -m finetune.export CKPT OUT` as a call of its main in this process."""
+
+    def call(ckpt: Path, out: Path, *options: str) -> Run:
+        from finetune.export import main
+
+        capsys.readouterr()
+        code = main([str(ckpt), str(out), *options])
+        captured = capsys.readouterr()
+        return Run(Path(out), code, captured.out, captured.err, {})
+
+    return call
+
+
 @pytest.fixture(scope="session")
 def strategy_run(launch):
     """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per session."""
@@ -119,8 +167,10 @@ def strategy_run(launch):
 
 @pytest.fixture(scope="session")
 def reference(launch):
-    """One process, plain PyTorch data parallel of one: the curve every strategy must reproduce."""
-    return launch(1, "strategy=ddp")
+    """One process, plain PyTorch data parallel of one, with the loss from the full logits (the loss
+    before finetune/loss.py): the curve every strategy must reproduce with the chunked loss, so that
+    the chunked and full losses agree under each strategy, sharded output projection included."""
+    return launch(1, "strategy=ddp", "loss_impl=full")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,11 +1,13 @@
-"""Each model family trains for real on 2 processes under fsdp and zero3 (issue 11): a small
+"""Each model family trains for real on 2 processes, under fsdp or zero3 (issue 11): a small
 random-weight Llama 3 (GQA, llama3 rope scaling), Mistral (sliding window, Mistral's own v3
 sentencepiece tokenizer), Qwen2 (qkv bias, tied embeddings), Gemma 2 (tied, soft-capping), Phi-3
 (fused qkv_proj/gate_up_proj) and Qwen3-MoE (router aux loss), each with its family's chat template,
-loaded through model=<dir>. One launch per (family, strategy), shared by every assert here: the loss
-falls, final/ reloads with from_pretrained and reproduces the logged eval loss, an export of the last
+loaded through model=<dir>. One launch per family, shared by every assert here: the loss falls,
+final/ reloads with from_pretrained and reproduces the logged eval loss, an export of the last
 checkpoint equals final/ tensor for tensor, tied embeddings stay one tensor, the MoE logs its router
-loss, and fsdp and zero3 follow the same curve."""
+loss. The strategies alternate so that each sharding meets tied embeddings (qwen2 on fsdp, where they
+once failed to map; gemma2 on zero3), fused projections and a mixture of experts; that the two
+shardings follow one curve is test_strategies'."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from finetune import data as D
 from finetune.model import loss_sum
 from finetune.recipe import FIELDS, Recipe
 
-STRATEGIES = ("fsdp", "zero3")
+STRATEGY = {"llama3": "fsdp", "mistral": "zero3", "qwen2": "fsdp", "gemma2": "zero3", "phi3": "fsdp",
+            "qwen3_moe": "zero3"}
 RUN = ["dataset_format=messages", "max_seq_len=256", "max_steps=4", "eval_every=0", "eval_at_start=false",
        "global_batch_size=8", "micro_batch_size=2", "warmup_steps=0", "log_every=1", "lr=3e-3"]
 
@@ -79,14 +82,13 @@ def final_tensors(directory) -> dict:
     return out
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("name", list(FA.FAMILIES))
-def test_family_trains_exports_and_reloads(name, strategy, family_run, monkeypatch, tmp_path):
+def test_family_trains_exports_and_reloads(name, family_run, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from finetune.export import export_checkpoint
 
-    run = family_run(name, strategy)
+    run = family_run(name, STRATEGY[name])
     losses = run.losses
     assert len(losses) == 4 and losses[-1] < losses[0], losses
     logged = run.eval_records[-1]["eval_loss"]
@@ -114,11 +116,3 @@ def test_family_trains_exports_and_reloads(name, strategy, family_run, monkeypat
         assert len(aux) == 4 and all(math.isfinite(a) and a > 0 for a in aux)
     else:
         assert all("aux_loss" not in r for r in run.train_records)
-
-
-@pytest.mark.parametrize("name", list(FA.FAMILIES))
-def test_fsdp_and_zero3_follow_the_same_curve(name, family_run):
-    fsdp, zero3 = (family_run(name, s) for s in STRATEGIES)
-    assert [r["tokens"] for r in fsdp.train_records] == [r["tokens"] for r in zero3.train_records]
-    for a, b in zip(fsdp.losses, zero3.losses):
-        assert math.isclose(a, b, rel_tol=1e-4), (fsdp.losses, zero3.losses)

@@ -9,19 +9,16 @@ here is the tiny one with a 4096-token vocabulary (1.2M parameters): its embeddi
 matrices (512 Ki elements, 1 MiB of fp32 per rank) and its optimizer partition are swapped.
 
 Resume: with parameters on NVMe it is exact; with the optimizer on NVMe DeepSpeed restores it
-wrongly (see finetune.plan.nvme_resume_problem), so finetune refuses that resume in one line.
+wrongly (see finetune.resume.nvme_resume_problem), so finetune refuses that resume in one line.
 """
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 SHORT = ["max_steps=4", "eval_at_start=false", "strategy=zero3"]
 # After a 2-process resume of ZeRO-3 with the optimizer on cpu the next loss differed from the
 # uninterrupted one by 5e-7 relative (7.4890647 vs 7.4890683 at step 4; one process: bit for bit):
@@ -58,8 +55,7 @@ def curve(run) -> list[tuple]:
     return [(r["step"], r["tokens"], r["loss"]) for r in run.train_records]
 
 
-def test_nvme_offload_follows_the_cpu_offload_curve_and_resumes(launch, launch_env, fast_overrides,
-                                                                 swappable_model, tmp_path):
+def test_nvme_offload_follows_the_cpu_offload_curve_and_resumes(launch, run_in_process, swappable_model, tmp_path):
     model = f"model={swappable_model}"
     reference = launch(2, *SHORT, model, "offload_optimizer=cpu", "offload_params=cpu")
     assert [s for s, _, _ in curve(reference)] == [1, 2, 3, 4] and reference.losses[-1] < reference.losses[0]
@@ -79,10 +75,8 @@ def test_nvme_offload_follows_the_cpu_offload_curve_and_resumes(launch, launch_e
     assert len([p for p in (checkpoint / "pytorch_model" / "offloaded_tensors").iterdir() if any(p.iterdir())]) == 2
 
     # ... whose resume DeepSpeed gets wrong: refused before anything loads, in one line
-    refused = subprocess.run([sys.executable, "finetune/run.py", "--recipe", "tiny", *fast_overrides, *SHORT, model,
-                              "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={both}",
-                              f"output_dir={first.output_dir}", "--resume", "auto"],
-                             cwd=REPO, env=launch_env, capture_output=True, text=True, timeout=300)
+    refused = run_in_process(*SHORT, model, "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={both}",
+                             "--resume", "auto", output_dir=first.output_dir)
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.splitlines() == [
         f"error: --resume {checkpoint}: the checkpoint was written with offload_optimizer=nvme, which deepspeed "

@@ -1,0 +1,47 @@
+"""Publishing a directory whole: written under a temporary name, then renamed into place, so that
+a reader (a resume, a second rank, a user's from_pretrained) sees it complete or not at all. Every
+writer of a directory others read goes through here: checkpoints, their universal conversion,
+final/ and its exports, the builtin assets."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """A rename is durable once its directory is: after a power cut the new name is there or the old one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(tmp: Path, target: Path, *, first_wins: bool = False) -> bool:
+    """Rename the finished directory `tmp` to `target`; True if `target` is now tmp's content.
+
+    An existing target is replaced (moved aside, then removed once the new one is in place, so
+    that some complete version is always there), unless first_wins: then another writer (a
+    concurrent rank building the same cached asset) got there first, its copy is kept and tmp
+    discarded."""
+    tmp, target = Path(tmp), Path(target)
+    if first_wins:
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+    elif target.exists():
+        old = target.with_name(f".{target.name}.previous")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, target)
+    fsync_dir(target.parent)
+    return True

@@ -1,0 +1,242 @@
+"""Which checkpoint a run continues from, and whether it can: decided once, by `resolve`, before
+any model loads or process group exists.
+
+`resolve` reads and verifies the manifest (files and sizes, DCP metadata within the allow-list),
+checks that the checkpoint is of this model, strategy and data, names what the resumed run changes
+(refusing what a checkpoint cannot honour), keeps the checkpoint's global batch, and converts a
+DeepSpeed checkpoint to the universal format when the world size changed. What it returns is all
+the rest of the run needs: `plan.resume`, read by Checkpointer.load. (The file checksums are
+checked at the load itself, each rank hashing its share: checkpoint.verify_checksums.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from finetune.checkpoint import (HARD_KEYS, DATA_KEYS, MANIFEST, STATE_KEYS, RESUME_EFFECTS, UnreadableManifest,
+                                 complete_checkpoints, fingerprint, partial_checkpoints, read_manifest, verify)
+from finetune.files import publish
+from finetune.recipe import Recipe, RecipeError
+
+
+def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_size: int, rank: int = 0,
+            convert: bool = True, log=print) -> tuple[ResumePoint | None, Recipe, list[str]]:
+    """--resume auto|PATH -> (the checked point or None, the recipe to plan with, the changes to report).
+
+    The recipe keeps the checkpoint's global batch (the data position is counted in global batches;
+    on another world size or micro batch the accumulation is recomputed from it). convert=False
+    (a dry run, or the `finetune` front that launches the ranks) leaves the universal conversion
+    to the ranks that train."""
+    from finetune.assets import resolve_model
+
+    point = find(resume, Path(recipe.output_dir), log)
+    if point is None:
+        return None, recipe, []
+    problem = nvme_resume_problem(point.path, recipe)
+    if problem:
+        raise RecipeError(problem)
+    check_fits(point, recipe, allow_data_change)
+    check_model(point, resolve_model(recipe.model))
+    changed = changes(point, recipe)
+    asked = recipe.global_batch_size or recipe.micro_batch_size * recipe.grad_accum * world_size
+    if asked != point.global_batch_size:
+        recipe = replace(recipe, global_batch_size=point.global_batch_size)
+    if convert and recipe.strategy.startswith("zero") and point.world_size != world_size:
+        point = replace(point, load_from=ensure_universal(point, rank))
+    return point, recipe, changed
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    step: int
+    world_size: int
+    global_batch_size: int
+    strategy: str
+    recipe: dict  # the recipe the checkpoint was trained with (its recipe.json; every save writes one)
+    fingerprint: dict = field(default_factory=dict)  # the manifest's: model, strategy and data it was made with
+    load_from: Path | None = None  # what Checkpointer.load reads, when not `path`: its universal conversion
+
+    @property
+    def source(self) -> Path:
+        return self.load_from or self.path
+
+
+def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
+    """--resume auto: the newest complete checkpoint (incomplete ones, and ones whose manifest cannot be
+    read, are named and skipped), else None. --resume PATH: that checkpoint, verified."""
+    if not resume:
+        return None
+    root = output_dir / "checkpoints"
+    if resume == "auto":
+        for partial in partial_checkpoints(root):
+            log(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
+        candidates = complete_checkpoints(root)
+        if not candidates:
+            log(f"--resume auto: no complete checkpoint in {root}; starting fresh")
+            return None
+        path = None
+        for candidate in reversed(candidates):
+            try:
+                read_manifest(candidate)
+            except UnreadableManifest as e:
+                log(f"skipping {e}")
+                continue
+            path = candidate
+            break
+        if path is None:  # starting fresh would overwrite them: leave the decision to the user
+            raise RecipeError(f"--resume auto: no checkpoint in {root} has a readable {MANIFEST} "
+                              f"({', '.join(c.name for c in candidates)}); nothing was deleted; move them away "
+                              "to start fresh, or resume one with --resume PATH once its manifest is restored")
+    else:
+        path = Path(resume).expanduser()
+        if not path.is_dir():
+            raise RecipeError(f"--resume {resume}: no such checkpoint directory")
+    manifest = verify(path)
+    return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
+                       global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
+                       fingerprint=manifest["fingerprint"],
+                       recipe=json.loads((path / "recipe.json").read_text()) if (path / "recipe.json").is_file() else {})
+
+
+def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> None:
+    """Refuse a checkpoint of another model or strategy; other data only when asked to."""
+    saved = point.fingerprint
+    current = fingerprint(recipe)
+    for key in HARD_KEYS:
+        if key == "model":
+            continue  # compared as resolved paths once the model is located (see loop)
+        if saved.get(key) != current.get(key):
+            raise RecipeError(f"checkpoint {point.path} was written with {key}={saved.get(key)}, this run has "
+                              f"{key}={current.get(key)}: its shards cannot be loaded; set {key}={saved.get(key)}, "
+                              "or export it (python -m finetune.export) and fine-tune the export in a new run")
+    # a key the checkpoint's fingerprint lacks came later (tokenizer, chat_template): it had the default
+    defaults = fingerprint(Recipe())
+    saved = {k: saved.get(k, defaults[k]) for k in DATA_KEYS} | {k: saved.get(k) for k in HARD_KEYS}
+    changed = [k for k in DATA_KEYS if saved.get(k) != current.get(k)]
+    if changed and not allow_data_change:
+        what = ", ".join(f"{k}: {saved.get(k)} -> {current.get(k)}" for k in changed)
+        raise RecipeError(f"checkpoint {point.path} was trained on other data ({what}); the data position would not "
+                          "mean the same; restore those values, or pass --allow-data-change to continue anyway")
+
+
+def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
+    """The recipe fields this resumed run changes, each with what the change does; refuses (one line,
+    all of them) the changes a checkpoint cannot honour. Data and model keys are check_fits' job."""
+    saved, current = point.recipe, json.loads(json.dumps(recipe.to_dict()))
+    changed = {k: (saved[k], current[k]) for k in current
+               if k in saved and saved[k] != current[k] and k not in HARD_KEYS + DATA_KEYS}
+    refused = [k for k in changed if k in STATE_KEYS]
+    batch = _global_batch_change(point, recipe, changed)
+    if batch:
+        refused.append(batch)
+    if refused:
+        what = ", ".join(f"{k}: {changed[k][0]} -> {changed[k][1]}" if k in changed else k for k in refused)
+        raise RecipeError(f"checkpoint {point.path} cannot continue with {what}: the checkpoint's optimizer, "
+                          "schedule and data position were made with the old values and would override or "
+                          "contradict them; restore them, or export the checkpoint (python -m finetune.export) "
+                          "and start a new run from it")
+    return [f"{k}: {old} -> {new} ({RESUME_EFFECTS.get(k, 'applies from this step on')})"
+            for k, (old, new) in changed.items() if k not in ("grad_accum", "global_batch_size", "output_dir")]
+
+
+def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> str:
+    """The data position is counted in global batches, so a resumed run keeps the checkpoint's: on
+    another world size or micro batch its accumulation is recomputed. An explicit grad_accum or
+    global_batch_size that asks for another global batch is refused instead of being reverted."""
+    if "global_batch_size" in changed and recipe.global_batch_size not in (0, point.global_batch_size):
+        return (f"global_batch_size={recipe.global_batch_size} (the checkpoint's global batch is "
+                f"{point.global_batch_size})")
+    if "grad_accum" in changed and not recipe.global_batch_size:
+        from finetune.plan import world_size_from_env
+
+        asked = recipe.micro_batch_size * recipe.grad_accum * world_size_from_env()
+        if asked != point.global_batch_size:
+            return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "
+                    f"{point.global_batch_size}: leave grad_accum as it was, it is recomputed to keep it)")
+    return ""
+
+
+def check_model(point: ResumePoint, model_path: str) -> None:
+    saved = point.fingerprint["model"]
+    if saved != model_path:
+        raise RecipeError(f"checkpoint {point.path} holds a fine-tune of {saved}, this run loads {model_path}; "
+                          f"set model={saved}")
+
+
+# ---------------------------------------------------------------- DeepSpeed on another world size
+
+
+def ensure_universal(point: ResumePoint, rank: int, timeout_s: float = 3600) -> Path:
+    """Convert a ZeRO checkpoint to DeepSpeed's universal format, once, next to it.
+
+    Rank 0 converts (a separate CPU job, before the process group exists); the other ranks wait for
+    the result or its failure marker. The universal copy is published by rename like a checkpoint.
+    """
+    target = point.path / "universal"
+    failed = point.path / "universal.failed"
+    if rank == 0 and not target.is_dir():
+        failed.unlink(missing_ok=True)
+        try:
+            verify(point.path, checksums=True)  # the conversion reads every shard: check them first
+        except RecipeError as e:
+            failed.write_text(str(e))
+            raise
+        tmp = point.path / ".universal.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "pytorch_model").parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "finetune.checkpoint", "to-universal",
+               "--input_folder", str(point.path / "pytorch_model"),
+               "--output_folder", str(tmp / "pytorch_model"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                        os.environ.get("PYTHONPATH")])))
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            failed.write_text(proc.stderr[-2000:])
+            raise RecipeError(f"converting {point.path} to a universal checkpoint failed: "
+                              f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        for item in point.path.iterdir():  # everything Accelerate reads besides the ZeRO shards
+            if item.is_file():
+                shutil.copy2(item, tmp / item.name)
+        (tmp / "latest").write_text("pytorch_model")
+        publish(tmp, target)
+    deadline = time.monotonic() + timeout_s
+    while not target.is_dir():
+        if failed.is_file():
+            raise RecipeError(f"converting {point.path} to a universal checkpoint failed on rank 0")
+        if time.monotonic() > deadline:
+            raise RecipeError(f"timed out waiting for rank 0 to convert {point.path} to a universal checkpoint")
+        time.sleep(0.5)
+    return target
+
+
+def nvme_resume_problem(checkpoint, recipe: Recipe) -> str | None:
+    """Resuming with offload_optimizer=nvme, or from a checkpoint written with it, is refused.
+
+    DeepSpeed's load_checkpoint with NVMe optimizer offload copies the swapped optimizer files back
+    (`pytorch_model/offloaded_tensors/`) and skips the ZeRO optimizer file: Adam's step count
+    starts again from 0, and the optimizer partitions too small to swap (under 1 MiB per rank:
+    norms) keep their initial weights and moments. Measured with deepspeed 0.19.8 on the 1.2M-
+    parameter Llama of tests/distributed/test_nvme.py, one process, stopped at step 3: the resumed
+    losses at steps 4 and 5 were 7.4564 and 7.5465 against 7.4550 and 7.1936 uninterrupted (and
+    with cpu offload, resumed or not). offload_params=nvme with the optimizer on cpu resumed bit
+    for bit.
+    """
+    from pathlib import Path
+
+    written = (Path(checkpoint) / "pytorch_model" / "offloaded_tensors").is_dir()
+    if recipe.offload_optimizer != "nvme" and not written:
+        return None
+    from importlib.metadata import version
+
+    what = "was written with offload_optimizer=nvme" if written else "is resumed with offload_optimizer=nvme"
+    return (f"--resume {checkpoint}: the checkpoint {what}, which deepspeed {version('deepspeed')} does not resume "
+            "correctly (Adam's step count restarts and the small optimizer partitions return to their initial "
+            "values); runs that must resume: offload_optimizer=cpu (offload_params=nvme resumes correctly)")

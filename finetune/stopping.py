@@ -1,0 +1,71 @@
+"""How a run is asked to stop: the signals a scheduler or a terminal sends (StopRequest, which the
+loop checks between steps), and the faults the crash tests inject at exact places (fault_point).
+Apart from storage: checkpoint.py only calls fault_point where a save can be cut short."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (what schedulers send before preemption) and SIGINT (Ctrl-C) ask for a
+    checkpoint and a clean exit; the loop checks `requested` between steps, agreed across ranks.
+
+    A second Ctrl-C stops at once, without saving (the newest complete checkpoint stays). Run
+    directly, the process gets both SIGINTs. Under accelerate launch (torchrun) the workers run in
+    their own sessions: the launcher forwards the first Ctrl-C as SIGINT and answers a second one
+    by sending SIGTERM, so a SIGTERM after a SIGINT is the second Ctrl-C (a third one ends the
+    launcher, and the kernel then kills the workers: run.py sets PR_SET_PDEATHSIG). One keypress
+    can also reach a worker twice within milliseconds (srun signals the launchers and the workers
+    of a job step alike), so a SIGINT within REPEAT_S of the first is the same one.
+    """
+
+    REPEAT_S = 1.0
+
+    def __init__(self):
+        self.requested = 0
+        self._interrupted_at = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        now = time.monotonic()
+        if self._interrupted_at is not None and (
+                signum == signal.SIGTERM or (signum == signal.SIGINT and now - self._interrupted_at >= self.REPEAT_S)):
+            _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest complete "
+                 "checkpoint is kept; continue from it with --resume auto)")
+            from finetune.lock import release_all
+
+            release_all()
+            os._exit(130)
+        if signum == signal.SIGINT and self._interrupted_at is None:
+            self._interrupted_at = now
+            if not self.requested:
+                _say("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, "
+                     "without saving)")
+        self.requested = self.requested or signum
+
+
+def _say(line: str) -> None:
+    """One line on stderr from rank 0, safe inside a signal handler (print could re-enter a print
+    the signal interrupted)."""
+    if os.environ.get("RANK", "0") == "0":
+        os.write(2, (line + "\n").encode())
+
+
+
+def fault_point(where: str, rank: int, step: int) -> None:
+    """Fault injection for the crash tests, real signals at exact places:
+    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
+    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank)."""
+    spec = os.environ.get("FINETUNE_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[:3] == [where, str(rank), str(step)]:
+        how = parts[3] if len(parts) > 3 else "SIGKILL"
+        if how == "RAISE":
+            raise RuntimeError(f"injected fault ({spec})")
+        os.kill(os.getpid(), getattr(signal, how))
