@@ -107,6 +107,7 @@ HEADROOM = 0.10
 # per block of 64 weights and one fp32 absmax per 256 of those blocks (bitsandbytes' QuantState).
 QUANT_PACKED = 0.5
 QUANT_CONSTANTS = 1 / 64 + 4 / (64 * 256)
+QUANT_TABLES = (16 + 256) * 4  # per quantized Linear: the NF4 code and the 8-bit absmax code, fp32
 QLORA_STRATEGIES = ("ddp", "fsdp", "zero3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
@@ -182,6 +183,12 @@ class Architecture:
         if self.linears is not None:
             return sum(n_in * n_out * k for _, n_in, n_out, k in self.linears)
         return self.num_hidden_layers * sum(i * o for i, o, _ in self.projections().values())
+
+    def decoder_linears(self) -> int:
+        """How many Linears the decoder layers hold (each quantized one has its own code tables)."""
+        if self.linears is not None:
+            return sum(k for *_, k in self.linears)
+        return self.num_hidden_layers * len(self.projections())
 
     def largest_linear(self) -> int:
         """Weights of the largest Linear in a decoder layer (what bitsandbytes dequantizes at a time)."""
@@ -577,7 +584,9 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     frozen = (total_params - trained) * frozen_pb
     quantized = arch.decoder_linear_weights() if quantized_base and lora_params else 0
     frozen -= quantized * (frozen_pb - QUANT_PACKED)
-    params = (trained * pb + frozen) / (n if shard_params else 1) + quantized * QUANT_CONSTANTS
+    params = (trained * pb + frozen) / (n if shard_params else 1)
+    if quantized:
+        params += quantized * QUANT_CONSTANTS + arch.decoder_linears() * QUANT_TABLES
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 

@@ -65,7 +65,8 @@ def test_planner_counts_the_4bit_base_per_strategy(mp, width):
     adapters = M.lora_parameters(a, 16)
     q = a.decoder_linear_weights()
     rest = a.num_parameters() - q  # embeddings, lm_head, norms: in the training dtype
-    constants = q * (1 / 64 + 4 / (64 * 256))  # double-quantized absmax, kept whole on every rank
+    # double-quantized absmax and each Linear's two code tables, kept whole on every rank
+    constants = q * (1 / 64 + 4 / (64 * 256)) + 80 * 7 * (16 + 256) * 4
     assert constants / q == pytest.approx(0.0159, abs=1e-4)
     for n in (2, 8):
         for strategy in ("fsdp", "zero3"):
@@ -82,6 +83,17 @@ def test_planner_counts_the_4bit_base_per_strategy(mp, width):
     assert plain.params - four.params == pytest.approx(q * (width - 0.5) / 2 - constants, abs=2)
     # a gathered layer is packed too; one Linear at a time is dequantized into the compute dtype
     assert four.buffers < plain.buffers
+
+
+def test_planner_counts_the_tiny_run_as_measured():
+    """Measured on CPU (bench/memory_probe.py, 2 processes, fp32, strategy=fsdp lora=true load_in_4bit=true):
+    held_bytes per rank 131,200 bytes of parameters, 74,752 of gradients, 149,504 of Adam states; the
+    quantization constants (QuantState tensors of the 14 Linear4bit) 16,784 bytes on every rank."""
+    r = recipe("strategy=fsdp", "model=builtin:tiny-llama", "grad_accum=2", "micro_batch_size=2", "max_seq_len=64")
+    e = M.recipe_estimate(r, 2, M.load_architecture(r.model))
+    constants = e.params - 131_200
+    assert (e.grads, e.optimizer) == (74_752, 149_504)
+    assert constants == pytest.approx(16_784, rel=0.01)
 
 
 def test_planner_offers_only_setups_a_4bit_base_runs_under():
