@@ -108,12 +108,14 @@ def gpu_only_problems(recipe: Recipe) -> list[str]:
     return problems
 
 
-BITSANDBYTES_MIN = (0, 45)  # Params4bit.quant_storage and its FSDP quant_state recovery; 0.50.2 is tested
+# Only 0.50.2 was tested (CPU, 2 processes); 0.45 is a floor by release notes, not by a run: quant_storage
+# and the FSDP quant_state recovery predate it, 4-bit on CPU came with the 0.4x releases.
+BITSANDBYTES_MIN = (0, 45)
 
 
 def bitsandbytes_problem(find_spec=None, version=None) -> str | None:
-    """load_in_4bit needs bitsandbytes (which runs NF4 on CUDA and, from 0.45 on, on CPU). Checked before
-    anything loads; the planner (python -m finetune.plan) does not need it."""
+    """load_in_4bit needs bitsandbytes (NF4 on CUDA and on CPU). Checked before anything loads; the
+    planner (python -m finetune.plan) does not need it."""
     import importlib.util
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as installed
