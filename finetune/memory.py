@@ -31,6 +31,9 @@ Estimate (no model loaded, no GPU needed)
    - LoRA: the frozen base is loaded in the training precision (model.base_dtype: 2 bytes per
      parameter under bf16/fp16, 4 in fp32) and sharded by zero3/fsdp; the adapters are fp32 and only
      they have gradients and optimizer states.
+   - QLoRA (load_in_4bit): the decoder layers' Linear weights are NF4, 0.5 byte per weight sharded
+     by zero3/fsdp (replicated by ddp), plus 1/64 + 1/4096 byte per weight of quantization constants
+     that every rank keeps whole (see estimate).
    Offload moves states off the GPU: `offload_optimizer` (zero2/zero3) moves the optimizer states to
    CPU (or NVMe) and the gradient partition to CPU, as fp32 for CPU Adam (ZeRO-3 also keeps its
    gradient buffer there: 2 + 4 bytes per parameter / N in 16-bit), `offload_params` (zero3) the
@@ -100,6 +103,12 @@ from finetune.recipe import BUILTIN_PREFIX, Recipe, RecipeError, looks_local
 
 GiB = 2**30
 HEADROOM = 0.10
+# QLoRA (model._load_4bit): NF4 packs two weights in a byte; double quantization keeps one 8-bit absmax
+# per block of 64 weights and one fp32 absmax per 256 of those blocks (bitsandbytes' QuantState).
+QUANT_PACKED = 0.5
+QUANT_CONSTANTS = 1 / 64 + 4 / (64 * 256)
+QUANT_TABLES = (16 + 256) * 4  # per quantized Linear: the NF4 code and the 8-bit absmax code, fp32
+QLORA_STRATEGIES = ("ddp", "fsdp", "zero3")
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
 
@@ -174,6 +183,18 @@ class Architecture:
         if self.linears is not None:
             return sum(n_in * n_out * k for _, n_in, n_out, k in self.linears)
         return self.num_hidden_layers * sum(i * o for i, o, _ in self.projections().values())
+
+    def decoder_linears(self) -> int:
+        """How many Linears the decoder layers hold (each quantized one has its own code tables)."""
+        if self.linears is not None:
+            return sum(k for *_, k in self.linears)
+        return self.num_hidden_layers * len(self.projections())
+
+    def largest_linear(self) -> int:
+        """Weights of the largest Linear in a decoder layer (what bitsandbytes dequantizes at a time)."""
+        if self.linears is not None:
+            return max((n_in * n_out for _, n_in, n_out, _ in self.linears), default=0)
+        return max(i * o for i, o, _ in self.projections().values())
 
     def num_parameters(self) -> int:
         if self.measured_parameters is not None:
@@ -539,9 +560,12 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
-    (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA, the decoder layers' Linear
-    weights of the frozen base in 4-bit NF4 (0.5 byte plus a 4-byte scale per 64 weights); embeddings,
-    lm_head and norms stay as they are."""
+    (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
+    layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
+    in the training dtype and sharded like any weight by fsdp/zero3) plus the quantization constants
+    (QUANT_CONSTANTS, double-quantized absmax), which are no parameters and which every rank keeps
+    whole; embeddings, lm_head and norms stay as they are. A gathered layer then holds its packed
+    weights, and bitsandbytes dequantizes one Linear at a time into the compute dtype (buffers)."""
     n = world_size
     strategy = setup.strategy
     base = arch.num_parameters()
@@ -558,9 +582,11 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     shard_opt = strategy != "ddp" or setup.ddp_shard_optimizer
 
     frozen = (total_params - trained) * frozen_pb
-    if quantized_base and lora_params:
-        frozen -= arch.decoder_linear_weights() * (frozen_pb - (0.5 + 4 / 64))
+    quantized = arch.decoder_linear_weights() if quantized_base and lora_params else 0
+    frozen -= quantized * (frozen_pb - QUANT_PACKED)
     params = (trained * pb + frozen) / (n if shard_params else 1)
+    if quantized:
+        params += quantized * QUANT_CONSTANTS + arch.decoder_linears() * QUANT_TABLES
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 
@@ -581,6 +607,11 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
 
     h2 = arch.hidden_size ** 2
     layer = arch.layer_parameters()
+    dequantized = 0  # bitsandbytes' dequantized copy of the Linear being computed
+    if quantized:
+        layer_q = quantized / arch.num_hidden_layers
+        layer -= layer_q * (1 - QUANT_PACKED / lp)  # a gathered layer in "compute-dtype elements"
+        dequantized = arch.largest_linear() * lp
     if lora_params:
         layer_trained = lora_params / arch.num_hidden_layers
     else:
@@ -603,6 +634,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         buffers = (root + 2 * layer) * lp + max(layer_trained, 0) * lp
         if setup.offload_params == "none":
             buffers += 4 * trained / n  # torch AdamW's foreach temporary (on the CPU when offloaded)
+    buffers += dequantized
     acts = activation_bytes(arch, micro_batch_size, seq_len, mixed_precision, activation_checkpointing)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
@@ -620,8 +652,10 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
 
 def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[tuple[int, Estimate]]:
     """(cost rank, estimate) for every setup in SETUPS, plus the recipe's own if it is not one of them.
-    A 4-bit (QLoRA) base runs under ddp only, so then only the ddp setups."""
-    setups = [(rank, s) for rank, s in SETUPS if s.strategy == "ddp" or not getattr(recipe, "load_in_4bit", False)]
+    A 4-bit (QLoRA) base runs under ddp, fsdp and zero3 without parameter offload (recipe.validate),
+    so then only those setups."""
+    setups = [(rank, s) for rank, s in SETUPS if not getattr(recipe, "load_in_4bit", False)
+              or (s.strategy in QLORA_STRATEGIES and s.offload_params == "none")]
     rows = [(rank, recipe_estimate(recipe, world_size, arch, setup)) for rank, setup in setups]
     own = Setup.of(recipe)
     if all(e.setup != own for _, e in rows):
@@ -730,8 +764,12 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
         lines.append(f"the recipe's setup ({own.label}): {gib(mine.total, unit)} {unit_name} per GPU, {verdict}")
         if best is None:
+            lora = recipe_lora(recipe)[0]
             lines.append(f"nothing fits in {gib(budget * (1 - headroom))} GiB per GPU: use more GPUs, a smaller "
-                         "micro_batch_size or max_seq_len, activation_checkpointing=true, or LoRA")
+                         "micro_batch_size or max_seq_len" + (", activation_checkpointing=true"
+                                                              if not recipe.activation_checkpointing else "")
+                         + (", or LoRA" if not lora else ", or load_in_4bit=true (QLoRA)"
+                            if not getattr(recipe, "load_in_4bit", False) else ""))
         else:
             changes = {k: v for k, v in best.setup.overrides().items() if getattr(recipe, k) != v}
             how = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())

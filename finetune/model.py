@@ -73,7 +73,7 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
 
     try:
         if recipe.load_in_4bit:
-            model = _load_4bit(recipe, model_path)
+            model = _load_4bit(recipe, model_path, config, weights_on_this_rank)
         elif weights_on_this_rank:
             model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
@@ -99,20 +99,140 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     return model
 
 
-def _load_4bit(recipe: Recipe, model_path: str):
-    """QLoRA: the frozen base in 4-bit NF4 on this process's GPU, computing in the recipe's precision."""
+def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bool):
+    """QLoRA: the frozen base's decoder Linears in 4-bit NF4 (bitsandbytes Linear4bit), quantized tensor by
+    tensor as they are read, so no rank ever holds the unquantized model.
+
+    The packed weights are stored in the training dtype (`bnb_4bit_quant_storage`, model.base_dtype: fp32
+    on CPU, bf16/fp16 on GPUs), as TRL and axolotl do for sharded QLoRA: FSDP2 flattens a layer's
+    parameters into one all-gather buffer of one dtype, and DeepSpeed casts every parameter to its
+    engine's dtype, so a uint8 storage would be cast (corrupted) or refused, while packed bits held
+    in the training dtype go through both untouched. The quantization constants (absmax, bitsandbytes'
+    QuantState) are no parameters: every rank keeps them whole, next to its shard (about 1/64 byte per
+    weight with double quantization).
+
+    ddp: every process loads the quantized base onto its device. zero3: every process loads it on the
+    CPU, outside deepspeed.zero.Init (which would partition the unquantized weights), and DeepSpeed
+    partitions it when the model is prepared. fsdp: rank 0 loads it on the CPU; the other ranks build
+    a meta-device skeleton with the same Linear4bit modules and receive the quantization constants from
+    rank 0 here and their shards of the packed weights when Accelerate prepares the model
+    (prepare_4bit_for_fsdp).
+    """
     import os
 
-    from peft import prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    compute = torch.bfloat16 if recipe.mixed_precision == "bf16" else torch.float16
+    dtype = base_dtype(recipe)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=compute)
-    model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant,
-                                                 device_map={"": int(os.environ.get("LOCAL_RANK", "0"))},
-                                                 attn_implementation=recipe.attn_implementation)
-    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=recipe.activation_checkpointing)
+                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    if recipe.strategy == "ddp":
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
+    else:
+        device = "cpu"  # sharded at prepare; Accelerate / DeepSpeed move the shards to the GPU
+    if weights_on_this_rank:
+        from finetune.export import _without_zero3_init
+
+        with _without_zero3_init():
+            model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=dtype,
+                                                         device_map={"": device},
+                                                         attn_implementation=recipe.attn_implementation)
+    else:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     attn_implementation=recipe.attn_implementation)
+        model.tie_weights()
+        model.is_loaded_in_4bit = True  # as from_pretrained marks it; peft then puts its 4-bit LoRA layers on
+    if recipe.strategy == "fsdp":
+        _share_quantized_layers(model, weights_on_this_rank, dtype)
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            # On a CPU with AVX512-BF16, bitsandbytes repacks the weight in place at the first eval
+            # forward, a layout the training forward and FSDP's shards do not expect.
+            module.support_avx512bf16_for_cpu = False
+            module._register_state_dict_hook(_without_quant_state)
+    if recipe.strategy == "ddp":
+        from peft import prepare_model_for_kbit_training
+
+        # peft's recipe for one GPU per process: norms and embeddings in fp32. Sharded runs keep them in
+        # the training dtype: FSDP2 all-gathers a layer in one dtype (TRL skips this for sharded QLoRA too).
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    return model
+
+
+def _without_quant_state(module, state_dict, prefix, local_metadata):
+    """bitsandbytes adds each Linear4bit's quantization constants (weight.absmax, weight.quant_map, ...)
+    to the state dict; they belong to the frozen base, which checkpoints leave out (the run re-reads
+    it), so they stay out too."""
+    for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+        del state_dict[key]
+
+
+def _share_quantized_layers(model, has_weights: bool, dtype) -> None:
+    """FSDP: rank 0 tells the other ranks which Linears it quantized, with their packed shapes and
+    quantization constants; they replace those Linears of their meta skeleton with Linear4bit modules
+    that hold the constants and a meta weight of the packed shape, as rank 0's."""
+    import bitsandbytes as bnb
+    import torch.distributed as dist
+    from bitsandbytes.functional import QuantState
+    from bitsandbytes.nn import Params4bit
+
+    layers = None
+    if has_weights:
+        layers = {name: (m.in_features, m.out_features, m.bias is not None, tuple(m.weight.shape),
+                         {k: v.cpu() for k, v in m.weight.quant_state.as_dict(packed=True).items()})
+                  for name, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    box = [layers]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if has_weights:
+        return
+    for name, (n_in, n_out, bias, shape, state) in box[0].items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = bnb.nn.Linear4bit(n_in, n_out, bias, compute_dtype=dtype, compress_statistics=True,
+                                  quant_type="nf4", quant_storage=dtype, device="meta")
+        quant_state = QuantState.from_dict(state, device=torch.device("cpu"))
+        layer.weight = Params4bit(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False,
+                                  quant_state=quant_state, quant_type="nf4", quant_storage=dtype,
+                                  bnb_quantized=True, module=layer)
+        layer.quant_state = quant_state
+        setattr(parent, child, layer)
+
+
+def prepare_4bit_for_fsdp(model, device) -> None:
+    """Before FSDP2 shards a 4-bit base: each Linear4bit's weight becomes a plain frozen Parameter
+    holding the packed NF4 bits, and its quantization constants stay on the module (`quant_state`),
+    on the run's device.
+
+    Accelerate treats a model with bitsandbytes' Params4bit as one every rank loaded in full: it would
+    skip the rank-0 load and broadcast and shard what each rank holds, so the meta skeletons of ranks
+    other than 0 would never get weights. As plain parameters they are broadcast and sharded like any
+    other (the packed bits in the training dtype, see _load_4bit). At each forward, FSDP puts the
+    gathered weight back on the module and bitsandbytes' Linear4bit re-attaches the module's
+    quant_state to it (fix_4bit_weight_quant_state_from_module, which bitsandbytes has for FSDP)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            state = module.weight.quant_state if module.weight.quant_state is not None else module.quant_state
+            state.to(device)
+            module.quant_state = state
+            module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
+
+
+def move_quant_states(model, device) -> None:
+    """ZeRO-3 and DDP on a GPU: the quantization constants to the run's device (DeepSpeed moves the
+    parameters, not these)."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state is not None:
+            module.weight.quant_state.to(device)
+            module.quant_state = module.weight.quant_state
 
 
 def is_default_lora_target(name: str, module) -> bool:

@@ -105,14 +105,37 @@ def gpu_only_problems(recipe: Recipe) -> list[str]:
                         "use mixed_precision=no (fp32) on CPU")
     if recipe.strategy == "fsdp" and recipe.fsdp_version == 1:
         problems.append("fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2")
-    if recipe.load_in_4bit:
-        problems.append("load_in_4bit=true (QLoRA) needs a CUDA GPU and bitsandbytes; this machine has no GPU: "
-                        "use load_in_4bit=false (plain LoRA) on CPU")
     if recipe.attn_implementation == "flash_attention_2":
         problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
     if recipe.loss_impl == "liger":
         problems.append("loss_impl=liger needs a CUDA GPU (Liger-Kernel is Triton); use loss_impl=chunked on CPU")
     return problems
+
+
+# Only 0.50.2 was tested (CPU, 2 processes); 0.45 is a floor by release notes, not by a run: quant_storage
+# and the FSDP quant_state recovery predate it, 4-bit on CPU came with the 0.4x releases.
+BITSANDBYTES_MIN = (0, 45)
+
+
+def bitsandbytes_problem(find_spec=None, version=None) -> str | None:
+    """load_in_4bit needs bitsandbytes (NF4 on CUDA and on CPU). Checked before anything loads; the
+    planner (python -m finetune.plan) does not need it."""
+    import importlib.util
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    if (find_spec or importlib.util.find_spec)("bitsandbytes") is None:
+        return ("load_in_4bit=true (QLoRA) needs bitsandbytes, which is not installed: pip install bitsandbytes "
+                "(or pip install -e .[qlora]), or load_in_4bit=false")
+    try:
+        text = version or installed("bitsandbytes")
+    except PackageNotFoundError:
+        return None
+    parts = tuple(int(p) for p in text.split(".")[:2] if p.isdigit())
+    if len(parts) == 2 and parts < BITSANDBYTES_MIN:
+        return (f"load_in_4bit=true (QLoRA) needs bitsandbytes >= {'.'.join(map(str, BITSANDBYTES_MIN))} (found "
+                f"{text}): pip install -U bitsandbytes")
+    return None
 
 
 def nvme_problems(recipe: Recipe, cuda_available: bool) -> list[str]:
@@ -212,11 +235,10 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     problems = [] if cuda_available else gpu_only_problems(recipe)
     problems += nvme_problems(recipe, cuda_available)
     problems += stale_build_lock_problems(recipe)
-    if recipe.load_in_4bit and cuda_available:
-        import importlib.util
-
-        if importlib.util.find_spec("bitsandbytes") is None:
-            problems.append("load_in_4bit=true (QLoRA) needs bitsandbytes: pip install bitsandbytes")
+    if recipe.load_in_4bit:
+        problem = bitsandbytes_problem()
+        if problem:
+            problems.append(problem)
     if recipe.loss_impl == "liger" and cuda_available:
         import importlib.util
 

@@ -73,7 +73,8 @@ class Recipe:
     lora_target_modules: tuple[str, ...] = _opt((), help="module names, comma-separated; empty: every "
                                                 "attention and MLP projection")
     merge_lora: bool = _opt(False, help="also write final_merged/: base + adapter as one plain model")
-    load_in_4bit: bool = _opt(False, help="QLoRA: 4-bit base through bitsandbytes (CUDA, strategy=ddp)")
+    load_in_4bit: bool = _opt(False, help="QLoRA: the frozen base in 4-bit NF4 through bitsandbytes (pip install "
+                              "bitsandbytes); strategy=fsdp or zero3 shard it, ddp replicates it")
     # Hyper-parameters
     micro_batch_size: int = _opt(1, min=1)
     grad_accum: int = _opt(1, min=1)
@@ -300,9 +301,16 @@ def validate(recipe: Recipe) -> Recipe:
         for key, default in (("merge_lora", False), ("load_in_4bit", False)):
             if getattr(r, key) != default:
                 raise RecipeError(f"{key}={getattr(r, key)} applies to LoRA runs only; set lora=true or {key}=false")
-    if r.load_in_4bit and r.strategy != "ddp":
-        raise RecipeError(f"load_in_4bit=true with strategy={r.strategy}: 4-bit (QLoRA) bases are supported with "
-                          "strategy=ddp (one GPU per process); use strategy=ddp, or load_in_4bit=false")
+    if r.load_in_4bit and r.strategy in ("zero1", "zero2"):
+        raise RecipeError(f"load_in_4bit=true with strategy={r.strategy}: a 4-bit (QLoRA) base is sharded by "
+                          "strategy=fsdp or zero3, or replicated by ddp; use one of those")
+    if r.load_in_4bit and r.strategy == "fsdp" and r.fsdp_version == 1:
+        raise RecipeError("load_in_4bit=true with fsdp_version=1: the 4-bit base is sharded by FSDP2 only; "
+                          "use fsdp_version=2")
+    if r.load_in_4bit and r.offload_params != "none":
+        raise RecipeError(f"load_in_4bit=true with offload_params={r.offload_params}: offloading a 4-bit base is "
+                          "not supported; use offload_params=none (the 4-bit base is a quarter of a 16-bit one; "
+                          "shard it over more GPUs) or load_in_4bit=false")
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
     trackers = [t for t in r.report_to if t != "none"]

@@ -249,6 +249,10 @@ def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):
 
 def prepare(accelerator, plan: Plan, model, total_steps: int):
     """Wrap/shard the model, and the optimizer and scheduler with it."""
+    if plan.recipe.load_in_4bit:
+        from finetune.model import move_quant_states, prepare_4bit_for_fsdp
+
+        (prepare_4bit_for_fsdp if plan.recipe.strategy == "fsdp" else move_quant_states)(model, accelerator.device)
     optimizer, scheduler = build_optimizer_and_scheduler(plan, model, total_steps)
     if plan.recipe.ddp_shard_optimizer:
         # Accelerate's optimizer wrapper reads state_dict() on one rank, which ZeroRedundancyOptimizer
