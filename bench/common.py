@@ -247,12 +247,12 @@ class ModelSpec:
                 f"untied embeddings")
 
     def num_parameters(self) -> int:
-        from finetune.memory import Architecture
+        from finetune.arch import Architecture
 
         return self.architecture().num_parameters()
 
     def architecture(self):
-        from finetune.memory import Architecture
+        from finetune.arch import Architecture
 
         return Architecture(hidden_size=self.hidden_size, num_hidden_layers=self.num_hidden_layers,
                             intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,

@@ -1,7 +1,7 @@
 """Part 1: model-state memory per rank, every strategy and offload setting, 2 processes.
 
 For each setup, bench/memory_probe.py runs under `accelerate launch --multi_gpu --num_processes 2`
-and reports what each rank holds (finetune.memory.held_bytes: tensor storage of parameters,
+and reports what each rank holds (bench/held.py held_bytes: tensor storage of parameters,
 gradients and optimizer states) and its peak resident memory. Next to it: the ZeRO paper's fp32
 formula (finetune.memory.paper_model_states, ../shared/reference/figures.md) and the toolkit's own
 planner estimate (finetune.memory.estimate), which knows where DeepSpeed departs from the paper.

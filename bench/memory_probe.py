@@ -5,7 +5,7 @@ Launched by bench/memory.py as
 (key=value are recipe fields). It builds everything the way finetune/loop.py does (make_plan,
 build_accelerator, load_model, prepare, loss_sum, accelerator.accumulate/backward), trains one full
 optimizer step of two micro-steps so that Adam's states exist, then runs the next step's two
-micro-steps and reads `finetune.memory.held_bytes` twice:
+micro-steps and reads `held_bytes` (bench/held.py) twice:
 
 - after the first micro-step's backward (not an accumulation boundary): DeepSpeed under Accelerate
   steps and frees its gradients at the boundary, so this is where its gradients are visible;
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
 
     from finetune import loop
     from finetune.data import collate
-    from finetune.memory import held_bytes
+    from held import held_bytes  # bench/held.py
     from finetune.model import load_config, load_model, loss_sum
     from finetune.plan import make_plan
     from finetune.recipe import Recipe, apply_overrides, validate

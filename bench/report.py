@@ -144,7 +144,7 @@ def write_cpu_report(doc: Path, results: dict) -> str:
             f"{r['world_size']} processes, fp32, micro batch 1 x {r['seq_len']} tokens, 2 accumulation steps. "
             "`bench/memory_probe.py` builds each setup with finetune's own functions (make_plan, build_accelerator, "
             "load_model, prepare, loss_sum, accelerator.accumulate/backward), trains one optimizer step so that "
-            "Adam's states exist, then reads `finetune.memory.held_bytes` (tensor storage of parameters, gradients "
+            "Adam's states exist, then reads `held_bytes` (bench/held.py) (tensor storage of parameters, gradients "
             "and optimizer states held by the rank) after the next step's first micro-step (DeepSpeed: Accelerate "
             "steps and frees its gradients at the accumulation boundary) and after its last one (DDP, FSDP: the "
             "reduced gradients), and keeps the larger. Per-rank figures are the larger of the two ranks. "

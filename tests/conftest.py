@@ -1,7 +1,10 @@
 """Shared test setup: no hub access, and the builtin assets made in a per-session temporary cache."""
 
 import os
+import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/ helpers (bench.held)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 

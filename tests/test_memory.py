@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from finetune import arch as A
 from finetune import memory as M
+from bench.held import held_bytes
 from finetune.recipe import RecipeError, resolve
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +71,7 @@ def test_count_matches_transformers(kind):
         "qwen2": lambda: Qwen2Config(**common),
         "mistral": lambda: MistralConfig(**common),
     }[kind]()
-    a = M.architecture_from_config(config.to_dict(), kind)
+    a = A.architecture_from_config(config.to_dict(), kind)
     assert a.num_parameters() == _numel_of_real_model(config)
 
 
@@ -111,7 +113,7 @@ def test_mixture_of_experts_is_counted_from_the_model():
     cfg = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
            "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8,
            "num_experts_per_tok": 2, "tie_word_embeddings": False}
-    a = M.architecture_from_config(cfg)
+    a = A.architecture_from_config(cfg)
     assert a.measured and a.num_parameters() == 46_702_792_704
 
 
@@ -119,7 +121,7 @@ def test_mixture_of_experts_transformers_cannot_build_is_refused():
     cfg = {"model_type": "some_new_moe", "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
            "vocab_size": 32000, "num_attention_heads": 32, "num_local_experts": 8}
     with pytest.raises(M.EstimateError, match="mixture of experts"):
-        M.architecture_from_config(cfg)
+        A.architecture_from_config(cfg)
 
 
 # ---------------------------------------------------------------- model states: the ZeRO paper / figures.md
@@ -148,7 +150,7 @@ def test_figures_md_formulas(n):
     assert M.paper_model_states("zero3", "no", p, n) == pytest.approx(16 * p / n)
 
 
-LLAMA7B = M.KNOWN_ARCHITECTURES["meta-llama/Llama-2-7b-hf"]
+LLAMA7B = A.KNOWN_ARCHITECTURES["meta-llama/Llama-2-7b-hf"]
 
 
 def est(setup, n=8, precision="bf16", **kw):
@@ -461,12 +463,12 @@ def test_held_bytes_plain_module_and_adamw(tie):
 
     model, config = _tiny_llama(tie)
     p = sum(t.numel() for t in model.parameters())
-    a = M.architecture_from_config(config.to_dict())
+    a = A.architecture_from_config(config.to_dict())
     assert a.num_parameters() == p
     optimizer = torch.optim.AdamW(model.parameters())
-    assert M.held_bytes(model, optimizer)["total"] == 4 * p  # before the first backward: weights only
+    assert held_bytes(model, optimizer)["total"] == 4 * p  # before the first backward: weights only
     _step(model, optimizer)
-    held = M.held_bytes(model, optimizer)
+    held = held_bytes(model, optimizer)
     assert (held["params"], held["grads"], held["optimizer"]) == (4 * p, 4 * p, 8 * p)
     assert held["device"] == "cpu" and held["cpu_total"] == 0
     planned = M.estimate(a, M.Setup("ddp"), world_size=1, mixed_precision="no")
@@ -478,12 +480,12 @@ def test_held_bytes_counts_shared_storage_once_and_meta_as_zero():
 
     with torch.device("meta"):
         meta = torch.nn.Linear(1000, 1000)
-    assert M.held_bytes(meta)["total"] == 0
+    assert held_bytes(meta)["total"] == 0
     lin = torch.nn.Linear(10, 10, bias=False)
     twin = torch.nn.Linear(10, 10, bias=False)
     twin.weight = lin.weight
     both = torch.nn.Sequential(lin, twin)
-    assert M.held_bytes(both)["params"] == 10 * 10 * 4
+    assert held_bytes(both)["params"] == 10 * 10 * 4
 
 
 def test_held_bytes_unwraps_optimizer_wrappers():
@@ -498,4 +500,4 @@ def test_held_bytes_unwraps_optimizer_wrappers():
     p = sum(t.numel() for t in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters())
     _step(model, optimizer)
-    assert M.held_bytes(model, Wrapper(Wrapper(optimizer)))["optimizer"] == 8 * p
+    assert held_bytes(model, Wrapper(Wrapper(optimizer)))["optimizer"] == 8 * p

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 import family_assets as FA
+from bench.held import held_bytes
+from finetune import arch as A
 from finetune import memory as M
 from finetune.data import IGNORE
 from finetune.model import add_lora, load_model, loss_sum
@@ -68,7 +70,7 @@ PUBLISHED = {  # config.json numbers of released models -> their published param
 @pytest.mark.parametrize("model", list(PUBLISHED))
 def test_published_totals(model):
     cfg, total = PUBLISHED[model]
-    a = M.architecture_from_config(cfg, model)
+    a = A.architecture_from_config(cfg, model)
     assert a.num_parameters() == total
     assert 0 < a.layer_parameters() < total and a.embedding_parameters == cfg["vocab_size"] * cfg["hidden_size"]
 
@@ -79,7 +81,7 @@ def test_lora_default_targets_find_each_familys_projections(name):
     adapted = sorted({n.split(".lora_A")[0].rsplit(".", 1)[-1] for n, _ in model.named_parameters() if ".lora_A" in n})
     assert adapted == FA.FAMILIES[name].lora_targets
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    arch = M.architecture_from_config(FA.family_config(name))
+    arch = A.architecture_from_config(FA.family_config(name))
     assert M.lora_parameters(arch, 4) == trained  # the planner's adapter count is peft's
 
 
@@ -95,7 +97,7 @@ def test_lora_base_is_held_in_the_training_dtype_and_planned_so(tmp_path):
         dtypes = {("lora_" in n, p.dtype) for n, p in lora.named_parameters()}
         assert dtypes == {(False, base_dtype), (True, torch.float32)}, precision
         planned = M.recipe_estimate(recipe, 1, arch)
-        assert M.held_bytes(lora)["params"] == planned.params, precision
+        assert held_bytes(lora)["params"] == planned.params, precision
 
 
 def test_fsdp_skeleton_keeps_tied_embeddings_tied(tmp_path):

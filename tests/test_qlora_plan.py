@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from finetune import memory as M
+from finetune.arch import known_architecture
 from finetune.plan import bitsandbytes_problem, make_plan
 from finetune.recipe import Recipe, RecipeError, apply_overrides, resolve, validate
 
@@ -56,7 +57,7 @@ def test_missing_or_old_bitsandbytes_is_refused_before_loading(monkeypatch):
     assert missing in dry.unchecked  # a dry run (another machine's plan) says it instead
 
 
-LLAMA70B = M.known_architecture("meta-llama/Llama-3.1-70B-Instruct")
+LLAMA70B = known_architecture("meta-llama/Llama-3.1-70B-Instruct")
 
 
 @pytest.mark.parametrize("mp, width", [("bf16", 2), ("no", 4)])

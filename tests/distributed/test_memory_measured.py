@@ -1,6 +1,6 @@
 """The planner's per-rank parameter, gradient and optimizer-state figures against the tensors a real
 2-process run of the tiny model holds on each rank (bench/memory_probe.py builds the run with the
-toolkit's own components and counts tensor storage with finetune.memory.held_bytes)."""
+toolkit's own components and counts tensor storage with held_bytes, bench/held.py)."""
 
 from __future__ import annotations
 
