@@ -13,7 +13,7 @@ import torch
 from finetune import data as D
 from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
 from finetune.export import merge_adapter, save_final_model
-from finetune.metrics import (MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes, plot_losses,
+from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
 from finetune.model import load_config, load_model, load_tokenizer, loss_sum
 from finetune.plan import Plan
@@ -141,7 +141,7 @@ def train(plan: Plan) -> dict:
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)
-    plot = out / "loss.png"
+    plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main)
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
     state = LoopState()
     if plan.resume is not None:
@@ -210,8 +210,7 @@ def train(plan: Plan) -> dict:
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
-            if is_main:
-                plot_losses(out / "metrics.jsonl", plot)
+            plot.update()
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
                 path = checkpoints.save(state)
@@ -220,6 +219,7 @@ def train(plan: Plan) -> dict:
             break
     progress.close()
     if stopping:
+        plot.final()
         log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
         accelerator.end_training()
         finish_together()
@@ -242,7 +242,7 @@ def train(plan: Plan) -> dict:
                "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
                "loss_plot": None, "metrics": str(out / "metrics.jsonl")}
     if is_main:
-        summary["loss_plot"] = str(plot_losses(out / "metrics.jsonl", plot) or "") or None
+        summary["loss_plot"] = str(plot.final() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary))
     accelerator.end_training()

@@ -160,12 +160,12 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     evals = [r for r in records if "eval_loss" in r]
     if not train and not evals:
         return None
-    import matplotlib
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend, a faster import
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    fig = Figure(figsize=(9, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
     if train:
         ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue",
                 linewidth=1.2)
@@ -190,9 +190,28 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     tmp = Path(png_path).with_suffix(".tmp.png")
     points = {"train_loss": len(train), "eval_loss": len(evals), "last_step": max(r["step"] for r in records)}
     fig.savefig(tmp, metadata={"Description": json.dumps(points)})  # lets a test count what was drawn
-    plt.close(fig)
     tmp.replace(png_path)
     return Path(png_path)
+
+
+class LossPlot:
+    """loss.png kept current while training without stalling it: redrawn after an eval at most every
+    `every_s` seconds (a redraw costs rank 0 about half a second, and the other ranks wait for it at
+    the next collective), and always at the end."""
+
+    def __init__(self, metrics_path: Path, png_path: Path, enabled: bool, every_s: float = 60.0):
+        self.metrics_path, self.png_path, self.enabled, self.every_s = metrics_path, png_path, enabled, every_s
+        self.last = time.monotonic()  # the first eval's plot waits too: a short run draws once, at its end
+
+    def update(self) -> None:
+        if self.enabled and time.monotonic() - self.last >= self.every_s:
+            self.final()
+
+    def final(self) -> Path | None:
+        if not self.enabled:
+            return None
+        self.last = time.monotonic()
+        return plot_losses(self.metrics_path, self.png_path)
 
 
 # ---------------------------------------------------------------- training speed
