@@ -141,7 +141,7 @@ def train(plan: Plan) -> dict:
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)
-    plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main)
+    plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main and r.plot_loss)
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
     state = LoopState()
     if plan.resume is not None:

@@ -102,6 +102,7 @@ class Recipe:
     save_every: int = _opt(0, min=0, help="0: no periodic checkpoints")
     keep_last: int = _opt(2, min=1)
     log_level: str = _opt("warning", choices=("debug", "info", "warning", "error"))
+    plot_loss: bool = _opt(True, help="draw loss.png: after an eval at most once a minute, and at the end")
     report_to: tuple[str, ...] = _opt(("none",), choices=TRACKERS,
                                       help="trackers, comma-separated: tensorboard, wandb, mlflow, or none")
 

@@ -19,8 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Small and fast, but long enough for the curves to say something: 12 optimizer steps of a global
 # batch of 16 rows, evaluated twice. The loss in chunks of 8 tokens (about 20 per micro batch; the
 # tiny vocabulary would otherwise make one chunk), so that every strategy runs the chunked loss's loop.
+# No loss.png (a second of rank 0's time per launch; test_run_experience draws and checks one).
 FAST = ["max_steps=12", "log_every=1", "eval_every=6", "eval_max_samples=32", "global_batch_size=16",
-        "micro_batch_size=4", "warmup_steps=2", "mixed_precision=no", "loss_chunk_tokens=8"]
+        "micro_batch_size=4", "warmup_steps=2", "mixed_precision=no", "loss_chunk_tokens=8", "plot_loss=false"]
 
 
 @dataclass

@@ -12,7 +12,7 @@ from PIL import Image
 
 def test_tensorboard_plot_and_summary(launch):
     """Launched the way the README starts a run: `finetune train` checks, then starts 2 processes."""
-    run = launch(2, "strategy=zero3", "report_to=tensorboard", front=True)
+    run = launch(2, "strategy=zero3", "report_to=tensorboard", "plot_loss=true", front=True)
     assert "finetune: accelerate launch --multi_gpu" in run.stderr
     out = run.output_dir
 
