@@ -35,7 +35,7 @@ ext_root=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
 find "$ext_root" -maxdepth 3 -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed a stale build lock: /' || true
 if [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   start=$(date +%s)
-  if DS_ACCELERATOR=cpu timeout 1800 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
+  if DS_ACCELERATOR=cpu timeout 1200 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
     echo "DeepSpeed async_io op (NVMe offload) ready ($(( $(date +%s) - start )) s)"
   else
     echo "NVMe offload will be unavailable: building DeepSpeed's async_io op failed (run python -c \"from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=True)\" to see why)"

@@ -28,7 +28,20 @@ STOP_AT_2 = {"FINETUNE_FAULT": "after_step:1:1:SIGTERM"}  # rank 1 gets SIGTERM 
 
 
 @pytest.fixture(scope="module")
-def swappable_model(tmp_path_factory, launch_env) -> str:
+def async_io_built(launch_env) -> None:
+    """DeepSpeed's async_io op, built (scripts/setup.sh does it; minutes if not) before the launches,
+    which would otherwise each build it inside their time limit."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import AsyncIOBuilder; "
+                           "AsyncIOBuilder().load(verbose=False)"], env=dict(launch_env, DS_ACCELERATOR="cpu"),
+                          capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, f"DeepSpeed's async_io op does not build here (bash scripts/setup.sh):\n{proc.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def swappable_model(tmp_path_factory, launch_env, async_io_built) -> str:
     """The builtin tiny Llama with vocab_size=4096, written by save_pretrained like any local model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
