@@ -117,7 +117,7 @@ def _manifest_problem(manifest) -> str | None:
     return None
 
 
-def verify(path: Path, checksums: bool = False) -> dict:
+def verify(path: Path, checksums: bool = False, manifest: dict | None = None) -> dict:
     """The manifest, after checking that every file it lists is there with its size and that every DCP
     metadata file unpickles within the allow-list (all cheap: every rank does it before anything is
     loaded); with `checksums`, also every file's checksum (reads the whole checkpoint: export, and the
@@ -127,7 +127,7 @@ def verify(path: Path, checksums: bool = False) -> dict:
     if not (path / MANIFEST).is_file():
         raise RecipeError(f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); "
                           "resume from another one, or --resume auto to take the newest complete one")
-    manifest = read_manifest(path)
+    manifest = manifest if manifest is not None else read_manifest(path)
     for rel, size in manifest["files"].items():
         f = path / rel
         if not f.is_file():
@@ -519,7 +519,7 @@ class Checkpointer:
         acc, optimizer = self.accelerator, self.optimizer
         source = point.source
 
-        verify_checksums(point.path, read_manifest(point.path), acc.process_index, acc.num_processes,
+        verify_checksums(point.path, point.manifest, acc.process_index, acc.num_processes,
                          _all_gather(acc), log=logging.getLogger("finetune").warning)
         with safe_loading(), adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
             try:

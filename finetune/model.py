@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from finetune.assets import resolve_model
-from finetune.data import IGNORE
 from finetune.recipe import Recipe, RecipeError, chat_template_text
 
 

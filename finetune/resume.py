@@ -20,8 +20,9 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from finetune.checkpoint import (HARD_KEYS, DATA_KEYS, MANIFEST, STATE_KEYS, RESUME_EFFECTS, UnreadableManifest,
-                                 complete_checkpoints, fingerprint, partial_checkpoints, read_manifest, verify)
+from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
+                                 checksum_mismatches, complete_checkpoints, damaged_by_checksum, fingerprint,
+                                 partial_checkpoints, read_manifest, verify)
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 
@@ -62,6 +63,7 @@ class ResumePoint:
     strategy: str
     recipe: dict  # the recipe the checkpoint was trained with (its recipe.json; every save writes one)
     fingerprint: dict = field(default_factory=dict)  # the manifest's: model, strategy and data it was made with
+    manifest: dict = field(default_factory=dict, repr=False)  # read and verified once, by find
     load_from: Path | None = None  # what Checkpointer.load reads, when not `path`: its universal conversion
 
     @property
@@ -82,10 +84,10 @@ def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
         if not candidates:
             log(f"--resume auto: no complete checkpoint in {root}; starting fresh")
             return None
-        path = None
+        path = manifest = None
         for candidate in reversed(candidates):
             try:
-                read_manifest(candidate)
+                manifest = read_manifest(candidate)
             except UnreadableManifest as e:
                 log(f"skipping {e}")
                 continue
@@ -96,13 +98,13 @@ def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
                               f"({', '.join(c.name for c in candidates)}); nothing was deleted; move them away "
                               "to start fresh, or resume one with --resume PATH once its manifest is restored")
     else:
-        path = Path(resume).expanduser()
+        path, manifest = Path(resume).expanduser(), None
         if not path.is_dir():
             raise RecipeError(f"--resume {resume}: no such checkpoint directory")
-    manifest = verify(path)
+    manifest = verify(path, manifest=manifest)  # the one read of the manifest (sizes, DCP metadata)
     return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
                        global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
-                       fingerprint=manifest["fingerprint"],
+                       fingerprint=manifest["fingerprint"], manifest=manifest,
                        recipe=json.loads((path / "recipe.json").read_text()) if (path / "recipe.json").is_file() else {})
 
 
@@ -185,7 +187,9 @@ def ensure_universal(point: ResumePoint, rank: int, timeout_s: float = 3600) -> 
     if rank == 0 and not target.is_dir():
         failed.unlink(missing_ok=True)
         try:
-            verify(point.path, checksums=True)  # the conversion reads every shard: check them first
+            bad = checksum_mismatches(point.path, point.manifest, sorted(point.manifest.get("checksums") or {}))
+            if bad:  # the conversion reads every shard: check them first
+                raise damaged_by_checksum(point.path, bad)
         except RecipeError as e:
             failed.write_text(str(e))
             raise
