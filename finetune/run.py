@@ -130,7 +130,7 @@ def prepare(args, lock: bool = True):
     """Everything cheap that can be wrong, checked in order; returns the plan. lock=False: check that
     output_dir is free without taking it (the `finetune` front, whose launched ranks take it)."""
     from finetune.checkpoint import check_fits, complete_checkpoints, find_resume_point, resume_changes
-    from finetune.data import prevalidate
+    from finetune.data import prevalidate_recipe
     from finetune.lock import check_lineage
     from finetune.plan import make_plan, nvme_resume_problem
     from finetune.recipe import chat_template_text, resolve
@@ -144,9 +144,7 @@ def prepare(args, lock: bool = True):
     if problem:  # planning on another machine than the one that trains
         plan = replace(plan, unchecked=plan.unchecked + (problem,))
     take_output_dir(Path(recipe.output_dir), args.dry_run, lock)
-    prevalidate(recipe.dataset, recipe.dataset_format)
-    if recipe.eval_dataset:
-        prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")
+    prevalidate_recipe(recipe)
     final = Path(recipe.output_dir) / "final"
     if final.exists() and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} already holds a finished model ({final}); choose another "
