@@ -276,6 +276,8 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
 def prevalidate_recipe(recipe: Recipe) -> None:
     """prevalidate every source of the recipe: the training source(s) and the eval set."""
     for key, split_key, spec in train_sources(recipe) + ([eval_source(recipe)] if eval_source(recipe) else []):
+        if spec.path.startswith("builtin:"):
+            _need_split(split_key, spec.path, spec.split, ["train"])
         prevalidate(spec.path, spec.format, key, spec=spec, split=spec.split, split_key=split_key)
 
 
@@ -993,3 +995,105 @@ def eval_batches(ds, micro_batch_size: int, rank: int, world_size: int, max_samp
     per_rank = -(-n // world_size)
     mine = [i if i < n else -1 for i in range(rank, per_rank * world_size, world_size)]
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+# ---------------------------------------------------------------- python -m finetune.data: what is trained
+
+GREEN, RESET = "\x1b[1;32m", "\x1b[0m"
+
+
+def show_row(tokenizer, ids: list[int], labels: list[int], position_ids: list[int] | None = None,
+             colour: bool = False) -> str:
+    """A prepared row as text with its trained tokens marked: bold green with colour, else [[...]]. A
+    token is trained where its label is set and it is not the row's (or a packed example's) first token,
+    which no earlier token predicts. Examples packed into one row are separated by ' || ', the padding
+    after them is shown as <pad x N>."""
+    starts = [k for k, p in enumerate(position_ids) if p == 0] if position_ids else [0]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # as packed
+    pieces = []
+    for a, b in zip(starts, starts[1:] + [len(ids)]):
+        if position_ids and a > 0 and all(t == pad for t in ids[a:b]) and b == len(ids):
+            pieces.append(f"<pad x {b - a}>")
+            continue
+        text, k = "", a
+        while k < b:
+            trained = k > a and labels[k] != IGNORE
+            end = k
+            while end < b and (end > a and labels[end] != IGNORE) == trained:
+                end += 1
+            piece = tokenizer.decode(ids[k:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text += (f"{GREEN}{piece}{RESET}" if colour else f"[[{piece}]]") if trained else piece
+            k = end
+        pieces.append(text)
+    return " || ".join(pieces)
+
+
+def main(argv=None) -> int:
+    """python -m finetune.data --recipe NAME [key=value ...] [--show N] [--json]"""
+    import argparse
+    import os
+    import sys
+
+    from finetune.recipe import chat_template_text, resolve
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise RecipeError(f"{message} (see python -m finetune.data --help)")
+
+    parser = Parser(prog="python -m finetune.data",
+                    description="Prepare the recipe's data as training would (same cache) and show the first rows "
+                    "the run trains on, with the trained tokens marked, and a summary per source.")
+    parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
+    parser.add_argument("--show", type=int, default=3, metavar="N", help="rows to print (default 3)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row (input_ids, labels) on "
+                        "stdout; the summary goes to stderr")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+        if args.show < 0:
+            raise RecipeError(f"--show {args.show}: must be >= 0")
+        recipe = resolve(args.recipe, args.overrides)
+        chat_template_text(recipe)
+        prevalidate_recipe(recipe)
+        import datasets
+
+        datasets.disable_progress_bars()
+        from finetune.assets import resolve_model
+        from finetune.model import load_tokenizer
+
+        tokenizer = load_tokenizer(recipe, resolve_model(recipe.model))
+        data = build_datasets(recipe, tokenizer)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    # the order of epoch 0: the first rows printed are the first rows the run trains on, whatever its world size
+    order = BatchSchedule(len(data.train), 1, 1, 1, recipe.seed).permutation(0)[:args.show].tolist()
+    for position, index in enumerate(order):
+        row = data.train[index]
+        source = data.sources[int(data.row_sources[index])]["source"] if data.row_sources is not None else None
+        if args.json:
+            print(json.dumps({"position": position, "row": index, "source": source} | row))
+            continue
+        trained = sum(1 for x in row["labels"][1:] if x != IGNORE)
+        what = f" from {source}" if source and len(data.sources) > 1 else ""
+        print(f"--- row {index}{what} (trained {'first' if position == 0 else f'#{position + 1}'}): "
+              f"{len(row['input_ids'])} tokens, {trained} trained")
+        print(show_row(tokenizer, row["input_ids"], row["labels"], row.get("position_ids"), colour))
+    summary = summary_lines(data, recipe)
+    if not args.json:
+        print("---")
+        print("trained tokens in " + (f"{GREEN}green{RESET}" if colour else "[[brackets]]"))
+    for line in summary:
+        print(line.removeprefix("data "), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from finetune.data import main as _main  # the module itself, not a second copy of it as __main__
+
+    sys.exit(_main())
