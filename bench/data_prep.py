@@ -11,7 +11,7 @@ each in a fresh process with an empty datasets cache:
   num_proc processes);
 - TRL: `SFTTrainer(..., args=SFTConfig(assistant_only_loss=True, dataset_num_proc=N))`, whose
   constructor prepares the dataset (chat template with the assistant mask, one row per call, then
-  truncation). Its constructor's own overhead, measured on 64 rows first, is subtracted.
+  labels and truncation, each a pass over the rows). Its constructor's own overhead, measured on 64 rows first, is subtracted.
 
 Both use Mistral-7B-Instruct v0.3's real tokenizer (from the mistral_common wheel, a dev dependency) and
 a ChatML template whose assistant turns are marked with {% generation %}, which both honour: the labels
@@ -130,8 +130,7 @@ def child(args) -> dict:
         out = trainer.train_dataset
         result["kept"] = len(out)
         sample = out.select(range(200))
-        result["sample"] = [[i, [t if m else -100 for t, m in zip(i, mask)]]
-                            for i, mask in zip(sample["input_ids"], sample["assistant_masks"])]
+        result["sample"] = [[i, lab] for i, lab in zip(sample["input_ids"], sample["labels"])]
     own, children = peak_rss_gib()
     result |= {"seconds": round(seconds, 2), "rows_per_s": round(len(ds) / seconds), "peak_rss_gib": own,
                "peak_rss_worker_gib": children}
@@ -227,11 +226,18 @@ def main() -> int:
     for r in results:
         r.setdefault("tokens_per_row", ours["tokens_per_row"])
     if theirs:
-        same_ids = sum(a[0] == b[0] for a, b in zip(ours["sample"], theirs["sample"]))
-        same_labels = sum(a[1][1:] == b[1][1:] for a, b in zip(ours["sample"], theirs["sample"]))
-        args.agreement = (f"On the first 200 rows, finetune's input ids equal TRL's in {same_ids} and its trained "
-                          f"tokens equal TRL's assistant mask in {same_labels} (the first token is never a target). "
-                          f"Rows kept: finetune {ours['kept']:,}, TRL {theirs['kept']:,}.")
+        # finetune starts a row with the BOS the tokenizer adds by itself (<s>) when the template renders none,
+        # as inference does; TRL's apply_chat_template does not add it. Compared without it:
+        pairs = [((a[0][1:], a[1][1:]) if a[0][:1] != b[0][:1] else a, b)
+                 for a, b in zip(ours["sample"], theirs["sample"])]
+        bos = sum(a[0][:1] != b[0][:1] for a, b in zip(ours["sample"], theirs["sample"]))
+        same_ids = sum(a[0] == b[0] for a, b in pairs)
+        same_labels = sum(a[1] == b[1] for a, b in pairs)
+        args.agreement = (f"Same rows, same labels: of the first 200 rows, finetune starts {bos} with the BOS its "
+                          "tokenizer adds by itself (as `tokenizer(prompt)` at inference does; TRL's "
+                          "apply_chat_template adds none); past it, the input ids equal TRL's in "
+                          f"{same_ids} and the trained tokens equal TRL's labels in {same_labels}. Rows kept: "
+                          f"finetune {ours['kept']:,}, TRL {theirs['kept']:,}.")
     else:
         args.agreement = ""
     text = report(results, args, started, time.perf_counter() - t0)

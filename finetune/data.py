@@ -554,14 +554,16 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
 
 
 def _span_labels(ids: list[int], ends: list[int], spans: list[tuple[int, int]]) -> list[int]:
-    """encode_messages' rule (a token is labelled if it ends inside a span), by bisection over the spans."""
+    """encode_messages' rule (a token is labelled if it ends inside a span), vectorized: the first span
+    that ends at or after a token's end holds the token if it starts before that end."""
+    if not spans:
+        return [IGNORE] * len(ids)
     spans = sorted(spans)
-    his = [hi for _, hi in spans]
-    out = []
-    for tok, end in zip(ids, ends):
-        at = bisect.bisect_left(his, end)
-        out.append(tok if at < len(spans) and spans[at][0] < end else IGNORE)
-    return out
+    los, his = np.array([lo for lo, _ in spans]), np.array([hi for _, hi in spans])
+    ends = np.asarray(ends[:len(ids)], dtype=np.int64)
+    at = np.searchsorted(his, ends, side="left")
+    inside = (at < len(spans)) & (los[np.minimum(at, len(spans) - 1)] < ends)
+    return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
 
 
 def _prompt_and_completion(row: dict, fmt: str) -> tuple[str, str]:
