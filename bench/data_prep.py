@@ -37,8 +37,6 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
-DATA_BEGIN, DATA_END = "<!-- data-prep:begin -->", "<!-- data-prep:end -->"
-DATA_TITLE = "## 8. Data preparation against TRL"
 MAX_LEN = 2048
 WORDS = ("the a model data train token answer question small large fast slow river mountain city number "
          "seven three blue green write read reverse count sort list explain why how when where which").split()
@@ -244,7 +242,7 @@ def main() -> int:
     print(text)
     if args.doc:
         sys.path.insert(0, str(HERE))
-        from report import write_marked_section
+        from report import DATA_BEGIN, DATA_END, DATA_TITLE, write_marked_section
 
         write_marked_section(Path(args.doc), DATA_TITLE, DATA_BEGIN, DATA_END, text)
     return 0
