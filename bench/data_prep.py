@@ -172,8 +172,8 @@ def report(results: list[dict], args, started: str, wall: float) -> str:
              "ChatML template, max_seq_len 2048, loss on assistant turns only. Each row of the table is one fresh "
              "process with an empty datasets cache; loading the jsonl into Arrow is not timed. TRL's figure is its "
              "SFTTrainer constructor's time minus the same constructor on 64 rows.", "",
-             "| preparation | template | num_proc | seconds | rows/s | vs TRL (same num_proc) | peak RSS GiB (main / worker) |",
-             "| ----------- | -------- | -------- | ------- | ------ | ---------------------- | ---------------------------- |"]
+             "| preparation | template | num_proc | seconds | rows/s | vs TRL (same num_proc) | peak RSS GiB (main / worker) | machine load before |",
+             "| ----------- | -------- | -------- | ------- | ------ | ---------------------- | ---------------------------- | ------------------- |"]
     for r in results:
         trl = base.get(("trl", r["num_proc"]))
         ratio = f"{r['rows_per_s'] / trl['rows_per_s']:.2f}x" if trl else "-"
@@ -182,7 +182,7 @@ def report(results: list[dict], args, started: str, wall: float) -> str:
         template = "ChatML, turns searched" if r["variant"] == "finetune-plain" else "ChatML + {% generation %}"
         workers = f"{r['peak_rss_worker_gib']:.2f}" if r["num_proc"] > 1 else "-"
         lines.append(f"| {name} | {template} | {r['num_proc']} | {r['seconds']:.1f} | {r['rows_per_s']:,} | {ratio} | "
-                     f"{r['peak_rss_gib']:.2f} / {workers} |")
+                     f"{r['peak_rss_gib']:.2f} / {workers} | {r['load_before']:.2f} |")
     lines += ["", args.agreement]
     return "\n".join(lines)
 
@@ -191,7 +191,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--num-proc", default="1,2", help="comma-separated")
-    parser.add_argument("--variants", default="finetune,trl,finetune-plain")
+    parser.add_argument("--variants", default="finetune,trl,finetune-plain")  # the order they run in
     parser.add_argument("--work", default=os.environ.get("BENCH_CACHE", str(HERE / ".cache")) + "/data_prep")
     parser.add_argument("--doc", help="write the result as section 8 of this file (docs/benchmarks.md)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -211,11 +211,14 @@ def main() -> int:
     data = make_rows(work / f"chats-{args.rows}.jsonl", args.rows)
     toks = tokenizer_dirs(work)
     results = []
-    for variant in args.variants.split(","):
-        for n in (int(x) for x in args.num_proc.split(",")):
-            if variant == "finetune-plain" and n != max(int(x) for x in args.num_proc.split(",")):
+    procs = [int(x) for x in args.num_proc.split(",")]
+    for n in procs:  # finetune and TRL back to back at each num_proc: the machine's load moves between them
+        for variant in args.variants.split(","):
+            if variant == "finetune-plain" and n != max(procs):
                 continue  # one row is enough to show what locating turns costs
+            load = os.getloadavg()[0]
             r = run_child(variant, n, toks["plain" if variant == "finetune-plain" else "marked"], data, work)
+            r["load_before"] = round(load, 2)
             print(json.dumps({k: v for k, v in r.items() if k != "sample"}), flush=True)
             results.append(r)
     ours = next(r for r in results if r["variant"] == "finetune")

@@ -132,9 +132,10 @@ def map_row(row: dict, spec: DataSource, where: str) -> dict:
         return row
     out = dict(row)
     for target, name in _top(spec.columns).items():
-        if name not in row:
+        if row.get(name) is None:  # absent from a JSON row; null in an Arrow one whose other rows have it
+            fields = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
             raise DataError(f"{where}: columns maps {target} to {name!r}, but the row has no field {name!r} "
-                            f"(its fields: {', '.join(sorted(row)) or 'none'})")
+                            f"(its fields: {fields})")
         out[target] = row[name]
     messages = out.get("messages")
     if isinstance(messages, list) and _maps_messages(spec):
@@ -444,6 +445,21 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: boo
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 
+def _render_many(tokenizer, conversations: list[list[dict]], spans: bool = False):
+    """_render of many conversations in one call (one template lookup and setup for the batch)."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        texts, indices = render_jinja_template(
+            conversations=conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
+            add_generation_prompt=False, **tokenizer.special_tokens_map)
+    except TemplateError as e:
+        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
+                        "or the data") from None
+    return [(t, [tuple(s) for s in i]) for t, i in zip(texts, indices)] if spans else list(texts)
+
+
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and, per assistant turn, the characters the model learns to produce there:
     from the end of its generation prompt through its end-of-turn marker, as the turn appears in the
@@ -581,8 +597,13 @@ def encode_batch(rows: list[dict], fmt: str, tokenizer, train_on_prompt: bool, m
     if fmt == "messages":
         if not getattr(tokenizer, "chat_template", None):
             encode_messages(tokenizer, [], train_on_prompt, max_len)  # raises its error
-        rendered = [(_render(tokenizer, r["messages"], False), []) if train_on_prompt
-                    else assistant_spans(tokenizer, r["messages"]) for r in rows]
+        conversations = [r["messages"] for r in rows]
+        if train_on_prompt:
+            rendered = [(text, []) for text in _render_many(tokenizer, conversations)]
+        elif GENERATION_TAG.search(tokenizer.chat_template):
+            rendered = _render_many(tokenizer, conversations, spans=True)
+        else:
+            rendered = [assistant_spans(tokenizer, c) for c in conversations]
         enc = tokenizer([text for text, _ in rendered], add_special_tokens=False,
                         return_offsets_mapping=not train_on_prompt)
         for k, (_, spans) in enumerate(rendered):

@@ -188,6 +188,8 @@ def test_a_mapping_that_does_not_fit_names_the_field():
     msg = one_line(D.map_row, {"messages": []}, spec, "x line 4", error=DataError)
     assert msg == ("x line 4: columns maps messages to 'conversations', but the row has no field 'conversations' "
                    "(its fields: messages)")
+    msg = one_line(D.map_row, {"id": 3, "conversations": None}, spec, "hub/x row 3", error=DataError)
+    assert msg.endswith("the row has no field 'conversations' (its fields: id)")  # null in Arrow: missing
     turns = {"conversations": [{"role": "user", "content": "hi"}]}
     msg = one_line(D.map_row, turns, spec, "x line 2", error=DataError)
     assert msg.startswith("x line 2: message 0 has no field 'from' (the role; columns maps role to 'from')")
