@@ -348,6 +348,7 @@ recipe = Recipe(
     tokenizer={str(tok_dir)!r},
     max_seq_len=256,
     mixed_precision="no",
+    strategy="ddp",  # no DeepSpeed op checks: these tests are about the data
     datasets=[
         DataSource(path={str(a)!r}, format="alpaca", weight=0.5),
         DataSource(path={str(c)!r}, columns={{"messages": "conversations", "role": "from", "content": "value"}}),
