@@ -40,6 +40,8 @@ def write_gpu_section(doc: Path, section: str) -> None:
 
 LOSS_BEGIN, LOSS_END = "<!-- loss-memory:begin -->", "<!-- loss-memory:end -->"
 LOSS_TITLE = "## 7. The loss with a large vocabulary"
+DATA_BEGIN, DATA_END = "<!-- data-prep:begin -->", "<!-- data-prep:end -->"
+DATA_TITLE = "## 8. Data preparation against TRL"
 
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:
@@ -232,6 +234,10 @@ def write_cpu_report(doc: Path, results: dict) -> str:
     if loss_block is not None:  # measured by bench/loss_memory.py --doc, kept as it is
         add(LOSS_TITLE + "\n")
         add(LOSS_BEGIN + "\n" + loss_block + "\n" + LOSS_END + "\n")
+    data_block = _marked_block(doc, DATA_BEGIN, DATA_END)
+    if data_block is not None:  # measured by bench/data_prep.py --doc, kept as it is
+        add(DATA_TITLE + "\n")
+        add(DATA_BEGIN + "\n" + data_block + "\n" + DATA_END + "\n")
     text = "\n".join(out)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

@@ -39,7 +39,10 @@ CHECKSUM = "xxh3_128"  # of every file, in the manifest (see file_checksums)
 # Keys that must match for a checkpoint to continue this run; the first group can never differ.
 HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
-             "packing", "train_on_prompt", "seed", "tokenizer", "chat_template")
+             "packing", "train_on_prompt", "seed", "tokenizer", "chat_template", "datasets", "eval_split")
+# Data keys written into a fingerprint only when set, so that a single-dataset run's fingerprint is the
+# one earlier versions wrote (their checkpoints still resume, and new ones resume on older versions).
+OPTIONAL_DATA_KEYS = ("datasets", "eval_split")
 # Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
 # a resumed run would silently keep the old value, so a change is refused rather than ignored.
 STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
@@ -58,8 +61,9 @@ def checkpoint_name(step: int) -> str:
 
 
 def fingerprint(recipe: Recipe, model_path: str | None = None) -> dict:
-    values = recipe.to_dict()
-    fp = {k: values.get(k) for k in HARD_KEYS + DATA_KEYS}
+    values, defaults = recipe.to_dict(), Recipe().to_dict()
+    fp = {k: values.get(k) for k in HARD_KEYS + DATA_KEYS
+          if k not in OPTIONAL_DATA_KEYS or values.get(k) != defaults[k]}
     if model_path is not None:
         fp["model"] = model_path
     return json.loads(json.dumps(fp))  # tuples as lists, as they come back from the manifest

@@ -12,12 +12,13 @@ import bisect
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from finetune.recipe import DATA_EXTENSIONS, Recipe, RecipeError, looks_local
+from finetune.recipe import DATA_EXTENSIONS, ROLES, DataSource, Recipe, RecipeError, looks_local
 
 IGNORE = -100
 FORMAT_FIELDS = {
@@ -28,7 +29,7 @@ FORMAT_FIELDS = {
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-PIPELINE_VERSION = "2"  # bump when tokenization/packing output changes, to invalidate caches
+PIPELINE_VERSION = "3"  # bump when tokenization/packing output changes, to invalidate caches
 
 
 class DataError(RecipeError):
@@ -76,6 +77,133 @@ def check_row(row, fmt: str, where: str) -> None:
                 raise DataError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
 
 
+# ---------------------------------------------------------------- sources, splits and column mapping
+
+SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+def train_sources(recipe: Recipe) -> list[tuple[str, str, DataSource]]:
+    """(key, split key, source) of each training source: the mixture's, or the single `dataset`."""
+    if recipe.datasets:
+        return [(f"datasets[{i}].path", f"datasets[{i}].split", s) for i, s in enumerate(recipe.datasets)]
+    return [("dataset", "dataset_split",
+             DataSource(path=recipe.dataset, format=recipe.dataset_format, split=recipe.dataset_split))]
+
+
+def eval_source(recipe: Recipe) -> tuple[str, str, DataSource] | None:
+    """The eval set named by the recipe: eval_dataset (a DataSource, or a path/hub id read with
+    eval_split, else dataset_split), or dataset's own eval_split; None: hold out eval_fraction."""
+    e = recipe.eval_dataset
+    if isinstance(e, DataSource):
+        return "eval_dataset.path", "eval_dataset.split", e
+    if e:
+        return ("eval_dataset", "eval_split" if recipe.eval_split else "dataset_split",
+                DataSource(path=e, format="auto" if recipe.datasets else recipe.dataset_format,
+                           split=recipe.eval_split or recipe.dataset_split))
+    if recipe.eval_split and not recipe.datasets:
+        return "dataset", "eval_split", DataSource(path=recipe.dataset, format=recipe.dataset_format,
+                                                   split=recipe.eval_split)
+    return None
+
+
+def _top(columns: dict) -> dict:
+    """The mapping of top-level fields (role and content name fields inside each message)."""
+    return {k: v for k, v in columns.items() if k not in ("role", "content")}
+
+
+def check_columns(fields, spec: DataSource, where: str) -> list[str]:
+    """The field names the format sees once spec.columns is applied; names a mapped field the data lacks."""
+    fields = list(fields)
+    for target, name in _top(spec.columns).items():
+        if name not in fields:
+            raise DataError(f"{where}: columns maps {target} to {name!r}, but the rows have no field {name!r} "
+                            f"(their fields: {', '.join(sorted(fields)) or 'none'})")
+    return sorted(set(fields) | set(_top(spec.columns)))
+
+
+def _maps_messages(spec: DataSource) -> bool:
+    return bool(spec.roles) or bool({"messages", "role", "content"} & set(spec.columns))
+
+
+def map_row(row: dict, spec: DataSource, where: str) -> dict:
+    """A row as its format expects it: spec.columns applied (ShareGPT's conversations of from/value with
+    human/gpt become messages of role/content with user/assistant)."""
+    if not spec.columns and not spec.roles:
+        return row
+    out = dict(row)
+    for target, name in _top(spec.columns).items():
+        if row.get(name) is None:  # absent from a JSON row; null in an Arrow one whose other rows have it
+            fields = ", ".join(sorted(k for k, v in row.items() if v is not None)) or "none"
+            raise DataError(f"{where}: columns maps {target} to {name!r}, but the row has no field {name!r} "
+                            f"(its fields: {fields})")
+        out[target] = row[name]
+    messages = out.get("messages")
+    if isinstance(messages, list) and _maps_messages(spec):
+        role_key, content_key = spec.columns.get("role", "role"), spec.columns.get("content", "content")
+        roles = {**SHAREGPT_ROLES, **spec.roles}
+        mapped = []
+        for j, m in enumerate(messages):
+            for name, what in ((role_key, "role"), (content_key, "content")):
+                if not isinstance(m, dict) or m.get(name) is None:
+                    have = ", ".join(sorted(k for k, v in m.items() if v is not None)) if isinstance(m, dict) \
+                        else type(m).__name__
+                    raise DataError(f"{where}: message {j} has no field {name!r} (the {what}; columns maps {what} "
+                                    f"to {name!r}); its fields: {have}")
+            role = roles.get(m[role_key], m[role_key])
+            if role not in ROLES:
+                raise DataError(f"{where}: message {j} has role {m[role_key]!r}, which is none of "
+                                f"{', '.join(ROLES)}; map it with roles={{{m[role_key]!r}: 'assistant'}} (or user, "
+                                "system)")
+            mapped.append({"role": role, "content": m[content_key]})
+        out["messages"] = mapped
+    return out
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by Dataset.save_to_disk or DatasetDict.save_to_disk."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def saved_splits(path: Path) -> list[str]:
+    if (path / "dataset_dict.json").is_file():
+        return list(json.loads((path / "dataset_dict.json").read_text()).get("splits", []))
+    return ["train"]
+
+
+def local_splits(path: Path) -> dict[str, list[Path]]:
+    """A local file is split train; a directory's files are split by their names as datasets splits
+    them (train.jsonl, test.jsonl, data/validation-0000.parquet), or all are train where no file is
+    named after a split."""
+    if path.is_file():
+        return {"train": [path]}
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    try:
+        patterns = get_data_patterns(str(path))
+    except Exception:  # no recognisable file names: everything is train
+        patterns = {}
+    if {str(k) for k in patterns} - {"train"}:
+        resolved = DataFilesDict.from_patterns(patterns, base_path=str(path))
+        splits = {str(name): sorted(Path(f) for f in files if Path(f).suffix.lower() in DATA_EXTENSIONS)
+                  for name, files in resolved.items()}
+        splits = {k: v for k, v in splits.items() if v}
+        if splits:
+            return splits
+    return {"train": _data_files(path)}
+
+
+def _need_split(split_key: str, source: str, split: str, available: list[str]) -> None:
+    if split not in available:
+        raise DataError(f"{split_key}={split}: {source} has no split {split!r}; its splits: "
+                        f"{', '.join(available) or 'none'}")
+
+
+def _need_fields(names, fmt: str, where: str) -> None:
+    missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
+    if missing:
+        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}")
+
+
 def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
@@ -85,16 +213,34 @@ def _data_files(path: Path) -> list[Path]:
     return files
 
 
-def prevalidate(source: str, fmt: str, key: str = "dataset") -> str:
+def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource | None = None,
+                split: str = "train", split_key: str = "dataset_split") -> str:
     """Scan local JSON/JSONL files row by row before anything expensive: names file and line.
 
-    Returns the resolved format. Parquet/CSV are checked by their column names; hub datasets cannot
-    be checked before they are downloaded.
+    Returns the resolved format. Parquet/CSV are checked by their column names, a save_to_disk folder
+    by its features; hub datasets cannot be checked before they are downloaded. `spec` carries the
+    source's column mapping, checked against the rows; `split` must be one the source has.
     """
     if not looks_local(source):
         return fmt
+    spec = spec or DataSource(path=source, format=fmt, split=split)
+    path = Path(source).expanduser()
+    if is_saved_dataset(path):
+        import datasets
+
+        _need_split(split_key, source, split, saved_splits(path))
+        saved = datasets.load_from_disk(str(path))  # memory-mapped: reads the features, not the rows
+        saved = saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+        names = check_columns(saved.column_names, spec, str(path))
+        fmt = detect_format(names, str(path)) if fmt == "auto" else fmt
+        _need_fields(names, fmt, str(path))
+        if len(saved) == 0:
+            raise DataError(f"{key}={source}: the dataset is empty")
+        return fmt
+    splits = local_splits(path)
+    _need_split(split_key, source, split, list(splits))
     rows_seen = 0
-    for path in _data_files(Path(source).expanduser()):
+    for path in splits[split]:
         suffix = path.suffix.lower()
         if suffix == ".jsonl" or suffix == ".json":
             text = _utf8(path, path.read_bytes())
@@ -108,21 +254,32 @@ def prevalidate(source: str, fmt: str, key: str = "dataset") -> str:
             else:
                 numbered = _jsonl_rows(path, text)
             for where, row in numbered:
+                if isinstance(row, dict):
+                    row = map_row(row, spec, where)
                 if fmt == "auto":
                     fmt = detect_format(row.keys() if isinstance(row, dict) else [], where)
                 check_row(row, fmt, where)
                 rows_seen += 1
         else:
             columns = _columns(path)
+            names = check_columns(columns, spec, str(path))
             if fmt == "auto":
-                fmt = detect_format(columns, str(path))
-            missing = [c for c in FORMAT_FIELDS[fmt] if c not in columns]
+                fmt = detect_format(names, str(path))
+            missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
             if missing:
                 raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}")
-            rows_seen += _num_rows(path, FORMAT_FIELDS[fmt], fmt)
+            rows_seen += _num_rows(path, [_top(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
     if rows_seen == 0:
         raise DataError(f"{key}={source}: the dataset is empty")
     return fmt
+
+
+def prevalidate_recipe(recipe: Recipe) -> None:
+    """prevalidate every source of the recipe: the training source(s) and the eval set."""
+    for key, split_key, spec in train_sources(recipe) + ([eval_source(recipe)] if eval_source(recipe) else []):
+        if spec.path.startswith("builtin:"):
+            _need_split(split_key, spec.path, spec.split, ["train"])
+        prevalidate(spec.path, spec.format, key, spec=spec, split=spec.split, split_key=split_key)
 
 
 def _jsonl_rows(path: Path, text: str):
@@ -288,6 +445,21 @@ def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: boo
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 
+def _render_many(tokenizer, conversations: list[list[dict]], spans: bool = False):
+    """_render of many conversations in one call (one template lookup and setup for the batch)."""
+    from jinja2 import TemplateError
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    try:
+        texts, indices = render_jinja_template(
+            conversations=conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
+            add_generation_prompt=False, **tokenizer.special_tokens_map)
+    except TemplateError as e:
+        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
+                        "or the data") from None
+    return [(t, [tuple(s) for s in i]) for t, i in zip(texts, indices)] if spans else list(texts)
+
+
 def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """The full rendering and, per assistant turn, the characters the model learns to produce there:
     from the end of its generation prompt through its end-of-turn marker, as the turn appears in the
@@ -397,6 +569,76 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
     return encode_prompt_completion(tokenizer, row["prompt"], row["completion"], train_on_prompt, max_len)
 
 
+def _span_labels(ids: list[int], ends: list[int], spans: list[tuple[int, int]]) -> list[int]:
+    """encode_messages' rule (a token is labelled if it ends inside a span), vectorized: the first span
+    that ends at or after a token's end holds the token if it starts before that end."""
+    if not spans:
+        return [IGNORE] * len(ids)
+    spans = sorted(spans)
+    los, his = np.array([lo for lo, _ in spans]), np.array([hi for _, hi in spans])
+    ends = np.asarray(ends[:len(ids)], dtype=np.int64)
+    at = np.searchsorted(his, ends, side="left")
+    inside = (at < len(spans)) & (los[np.minimum(at, len(spans) - 1)] < ends)
+    return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
+
+
+def _prompt_and_completion(row: dict, fmt: str) -> tuple[str, str]:
+    if fmt == "alpaca":
+        template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
+        return template.format(instruction=row["instruction"], input=row.get("input") or ""), row["output"]
+    return row["prompt"], row["completion"]
+
+
+def encode_batch(rows: list[dict], fmt: str, tokenizer, train_on_prompt: bool, max_len: int):
+    """encode_row of many rows: the same (ids, labels), with one tokenizer call per kind of text
+    (tests/test_mixture.py checks it against encode_row on real tokenizers)."""
+    bos, eos = _bos(tokenizer), _eos(tokenizer)
+    out = []
+    if fmt == "messages":
+        if not getattr(tokenizer, "chat_template", None):
+            encode_messages(tokenizer, [], train_on_prompt, max_len)  # raises its error
+        conversations = [r["messages"] for r in rows]
+        if train_on_prompt:
+            rendered = [(text, []) for text in _render_many(tokenizer, conversations)]
+        elif GENERATION_TAG.search(tokenizer.chat_template):
+            rendered = _render_many(tokenizer, conversations, spans=True)
+        else:
+            rendered = [assistant_spans(tokenizer, c) for c in conversations]
+        enc = tokenizer([text for text, _ in rendered], add_special_tokens=False,
+                        return_offsets_mapping=not train_on_prompt)
+        for k, (_, spans) in enumerate(rendered):
+            tokens = enc.input_ids[k]
+            prefix = [] if tokens[:len(bos)] == bos else bos
+            ids = (prefix + tokens)[:max_len]
+            if train_on_prompt:
+                out.append((ids, list(ids)))
+            else:
+                ends = [0] * len(prefix) + [end for _, end in enc.offset_mapping[k]]
+                out.append((ids, _span_labels(ids, ends, spans)))
+        return out
+    if fmt == "text":
+        texts = tokenizer([_without_eos(tokenizer, r["text"]) for r in rows], add_special_tokens=False).input_ids
+        for tokens in texts:
+            ids = (bos + tokens + eos)[:max_len]
+            out.append((ids, list(ids)))
+        return out
+    pairs = [_prompt_and_completion(r, fmt) for r in rows]
+    prompts = [p for p, _ in pairs]
+    completions = [_without_eos(tokenizer, c) for _, c in pairs]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False).input_ids
+    both = tokenizer([p + c for p, c in zip(prompts, completions)], add_special_tokens=False).input_ids
+    seams = [k for k in range(len(rows)) if both[k][:len(prompt_ids[k])] != prompt_ids[k]]
+    alone = dict(zip(seams, tokenizer([completions[k] for k in seams], add_special_tokens=False).input_ids)) \
+        if seams else {}
+    for k in range(len(rows)):
+        completion = (alone[k] if k in alone else both[k][len(prompt_ids[k]):]) + eos
+        prompt = bos + prompt_ids[k]
+        ids = (prompt + completion)[:max_len]
+        labels = (prompt if train_on_prompt else [IGNORE] * len(prompt)) + completion
+        out.append((ids, labels[:max_len]))
+    return out
+
+
 def plan_packing(lengths: list[int], max_len: int) -> list[list[int]]:
     """Which examples share a row: best-fit decreasing, rows in the order they were opened.
 
@@ -442,22 +684,39 @@ def pack_rows(input_ids: list[list[int]], labels: list[list[int]], max_len: int,
 # ---------------------------------------------------------------- loading
 
 
-def _load(source: str, split: str):
+def load_source(spec: DataSource, key: str = "dataset", split_key: str = "dataset_split"):
+    """One source's rows of its split: a local file or directory (split by file names), a save_to_disk
+    folder, or a hub dataset (with its config and revision)."""
     import datasets
 
+    from finetune.assets import resolve_dataset
+
+    source = resolve_dataset(spec.path)
     try:
         if looks_local(source):
             path = Path(source).expanduser()
-            files = [str(p) for p in _data_files(path)]
+            if is_saved_dataset(path):
+                _need_split(split_key, spec.path, spec.split, saved_splits(path))
+                saved = datasets.load_from_disk(str(path))
+                return saved[spec.split] if isinstance(saved, datasets.DatasetDict) else saved
+            splits = local_splits(path)
+            _need_split(split_key, spec.path, spec.split, list(splits))
+            files = [str(p) for p in splits[spec.split]]
             suffix = Path(files[0]).suffix.lower().lstrip(".")
             builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[suffix]
             return datasets.load_dataset(builder, data_files=files, split="train")
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, name=spec.config or None, revision=spec.revision or None,
+                                     split=spec.split)
     except DataError:
         raise
     except Exception as e:  # network, missing split, unreadable file: all the user's to fix
-        raise DataError(f"could not load dataset {source!r} (split {split!r}): {type(e).__name__}: "
+        raise DataError(f"could not load dataset {source!r} (split {spec.split!r}"
+                        f"{', config ' + repr(spec.config) if spec.config else ''}): {type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _load(source: str, split: str):
+    return load_source(DataSource(path=source, split=split))
 
 
 def _fingerprint(*parts) -> str:
@@ -470,39 +729,105 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return _fingerprint(body, getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token)
 
 
-def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str):
-    """Format, tokenize, drop examples with no target token, and pack; cached by content fingerprint."""
+ROWS_PER_PROCESS = 20_000  # num_proc=0: one tokenizing process per this many rows (a process costs ~1 s to start)
+
+
+def num_processes(recipe: Recipe, rows: int) -> int | None:
+    import os
+
+    n = recipe.num_proc or min(8, os.cpu_count() or 1, rows // ROWS_PER_PROCESS)
+    n = min(n, rows)
+    return n if n > 1 else None
+
+
+COUNTS = ["n_tokens", "n_targets"]  # per-row columns kept while sources are mixed, dropped before training
+
+
+def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spec: DataSource | None = None,
+                     pack: bool | None = None, keep_counts: bool = False):
+    """Map columns, format, tokenize (a batch of rows per tokenizer call, in num_proc processes), drop
+    examples with no target token, and pack; cached by content fingerprint. keep_counts: keep each
+    row's n_tokens and n_targets (for mixing and the summary; never with packing)."""
     if len(ds) == 0:
         raise DataError(f"{where}: the dataset is empty")
+    spec = spec or DataSource(path=where)
+    names = check_columns(ds.column_names, spec, where)
     if fmt == "auto":
-        fmt = detect_format(ds.column_names, where)
-    missing = [c for c in FORMAT_FIELDS[fmt] if c not in ds.column_names]
-    if missing:
-        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}")
+        fmt = detect_format(names, where)
+    _need_fields(names, fmt, where)
+    needed = set(FORMAT_FIELDS[fmt]) | ({"input"} if fmt == "alpaca" else set())
+    used = [c for c in ds.column_names if c in {_top(spec.columns).get(f, f) for f in needed}]
     tok_fp = tokenizer_fingerprint(tokenizer)
     max_len, train_on_prompt = recipe.max_seq_len, recipe.train_on_prompt
+    procs = num_processes(recipe, len(ds))
 
-    def encode(batch):
-        out = {"input_ids": [], "labels": []}
-        for i in range(len(batch[ds.column_names[0]])):
-            row = {k: batch[k][i] for k in batch}
-            ids, labels = encode_row(row, fmt, tokenizer, train_on_prompt, max_len)
+    def encode(batch, indices):
+        rows = [map_row({k: batch[k][i] for k in batch}, spec, f"{where} row {index}")
+                for i, index in enumerate(indices)]
+        out = {"input_ids": [], "labels": [], "n_tokens": [], "n_targets": []}
+        for ids, labels in encode_batch(rows, fmt, tokenizer, train_on_prompt, max_len):
             out["input_ids"].append(ids)
             out["labels"].append(labels)
+            out["n_tokens"].append(len(ids))
+            out["n_targets"].append(sum(1 for x in labels[1:] if x != IGNORE))
         return out
 
-    fp = _fingerprint(PIPELINE_VERSION, ds._fingerprint, fmt, tok_fp, max_len, train_on_prompt)
-    ds = ds.map(encode, batched=True, remove_columns=ds.column_names, new_fingerprint=fp, desc=f"tokenize {where}")
-    ds = ds.filter(lambda labels: any(x != IGNORE for x in labels[1:]), input_columns="labels",
+    fp = _fingerprint(PIPELINE_VERSION, ds._fingerprint, fmt, tok_fp, max_len, train_on_prompt, spec.columns,
+                      spec.roles)
+    ds = ds.select_columns(used) if len(used) < len(ds.column_names) else ds
+    ds = ds.map(encode, batched=True, with_indices=True, remove_columns=used, new_fingerprint=fp, num_proc=procs,
+                desc=f"tokenize {where}")
+    ds = ds.filter(lambda n: [x > 0 for x in n], input_columns="n_targets", batched=True, num_proc=procs,
                    new_fingerprint=_fingerprint(fp, "filter"), desc="drop rows without targets")
     if len(ds) == 0:
         raise DataError(f"{where}: no example has a response token left within max_seq_len={max_len}; "
                         "raise max_seq_len or set train_on_prompt=true")
-    if recipe.packing:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        ds = ds.map(lambda b: pack_rows(b["input_ids"], b["labels"], max_len, pad), batched=True, batch_size=1000,
-                    new_fingerprint=_fingerprint(fp, "pack", "best-fit decreasing"), desc=f"pack {where}")
-    return ds
+    if recipe.packing if pack is None else pack:
+        return pack_dataset(ds, tokenizer, recipe, where)
+    return ds if keep_counts else ds.remove_columns(COUNTS)
+
+
+def pack_dataset(ds, tokenizer, recipe: Recipe, where: str):
+    """pack_rows over the dataset, 1000 examples at a time, in one process (a batch's boundaries decide
+    which rows share a row, so they must not depend on num_proc)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ds = ds.remove_columns([c for c in COUNTS if c in ds.column_names])
+    return ds.map(lambda b: pack_rows(b["input_ids"], b["labels"], recipe.max_seq_len, pad), batched=True,
+                  batch_size=1000, new_fingerprint=_fingerprint(ds._fingerprint, "pack", "best-fit decreasing",
+                                                                recipe.max_seq_len, pad), desc=f"pack {where}")
+
+
+# ---------------------------------------------------------------- mixtures
+
+
+def mixture_counts(available: list[int], sources: list[DataSource], keys: list[str] | None = None) -> list[int]:
+    """Rows each source contributes per epoch: `rows`, else round(weight x its rows)."""
+    counts = []
+    for i, (n, spec) in enumerate(zip(available, sources)):
+        count = spec.rows or round(spec.weight * n)
+        if count == 0:
+            key = keys[i] if keys else f"datasets[{i}]"
+            raise DataError(f"{key.removesuffix('.path')}: weight={spec.weight} of its {n} rows rounds to no row; raise "
+                            "weight, or set rows=N")
+        counts.append(count)
+    return counts
+
+
+def mixture_indices(available: list[int], counts: list[int], seed: int) -> list[np.ndarray]:
+    """Which rows of each source the mix takes, per source: every row count // n times, then count % n
+    distinct rows drawn with a generator seeded by (seed, source index); in the source's order (the
+    BatchSchedule shuffles the mix). A pure function of its arguments, as the schedule is."""
+    out = []
+    for i, (n, count) in enumerate(zip(available, counts)):
+        whole, part = divmod(count, n)
+        extra = np.sort(np.random.default_rng([seed, i]).permutation(n)[:part])
+        out.append(np.concatenate([np.tile(np.arange(n, dtype=np.int64), whole), extra.astype(np.int64)]))
+    return out
+
+
+def _row_counts(ds) -> dict:
+    cols = ds.select_columns(COUNTS).with_format("numpy")[:]
+    return {k: np.asarray(cols[k], dtype=np.int64) for k in COUNTS}
 
 
 @dataclass
@@ -510,27 +835,108 @@ class Datasets:
     train: object
     eval: object | None
     format: str
+    sources: list = field(default_factory=list)  # per source: rows, dropped, rows in the mix, tokens, targets
+    summary: dict = field(default_factory=dict)  # the whole train (and eval) set: rows, tokens, packing
+    row_sources: object = None  # unpacked: the source index of each train row (numpy), for the --show view
 
 
 def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
-    """Load, split and tokenize. The loop runs it on each machine's main process first; the other
-    ranks then find every step in the datasets cache (fingerprints are content-derived)."""
-    from finetune.assets import resolve_dataset
+    """Load, split, map columns, tokenize and mix the sources. The loop runs it on each machine's main
+    process first; the other ranks then find every step in the datasets cache (fingerprints are
+    content-derived)."""
+    import datasets as hf
 
-    source = resolve_dataset(recipe.dataset)
-    raw = _load(source, recipe.dataset_split)
-    fmt = recipe.dataset_format if recipe.dataset_format != "auto" else detect_format(raw.column_names, source)
-    if recipe.eval_dataset:
-        raw_eval = _load(resolve_dataset(recipe.eval_dataset), recipe.dataset_split)
-    elif recipe.eval_fraction > 0 and len(raw) >= 2:
-        split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
-        raw, raw_eval = split["train"], split["test"]
+    sources = train_sources(recipe)
+    evaluated = eval_source(recipe)
+    parts, held, formats, raw_rows = [], [], [], []
+    for i, (key, split_key, spec) in enumerate(sources):
+        raw = load_source(spec, key, split_key)
+        where = spec.path if not recipe.datasets else f"datasets[{i}] {spec.path}"
+        names = check_columns(raw.column_names, spec, where)
+        fmt = spec.format if spec.format != "auto" else detect_format(names, where)
+        raw_held = None
+        if evaluated is None and recipe.eval_fraction > 0 and len(raw) >= 2:
+            split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
+            raw, raw_held = split["train"], split["test"]
+        raw_rows.append(len(raw))
+        formats.append(fmt)
+        parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True))
+        if raw_held is not None:
+            held.append(tokenize_dataset(raw_held, fmt, tokenizer, recipe, where + " (eval)", spec=spec,
+                                         pack=False, keep_counts=True))
+    specs = [spec for _, _, spec in sources]
+    available = [len(p) for p in parts]
+    counts = mixture_counts(available, specs, [key for key, _, _ in sources])
+    picks = mixture_indices(available, counts, recipe.seed)
+    stats = []
+    for i, ((key, split_key, spec), part, pick) in enumerate(zip(sources, parts, picks)):
+        rows = _row_counts(part)
+        stats.append({"source": key.removesuffix(".path"), "path": spec.path, "format": formats[i],
+                      "split": spec.split, "weight": spec.weight, "rows_wanted": spec.rows, "rows": raw_rows[i],
+                      "kept": available[i], "dropped_no_target": raw_rows[i] - available[i],
+                      "at_max_seq_len": int((rows["n_tokens"] >= recipe.max_seq_len).sum()),
+                      "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
+                      "target_tokens": int(rows["n_targets"][pick].sum())})
+    train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
+    offsets = np.cumsum([0] + available[:-1])
+    order = np.concatenate([pick + off for pick, off in zip(picks, offsets)])
+    row_sources = np.concatenate([np.full(len(pick), i, dtype=np.int32) for i, pick in enumerate(picks)])
+    if not (len(order) == len(train) and np.array_equal(order, np.arange(len(train)))):
+        train = train.select(order, new_fingerprint=_fingerprint(
+            [p._fingerprint for p in parts], counts, recipe.seed, "mix"))
+    summary = {"rows": len(train), "tokens": sum(s["tokens"] for s in stats),
+               "target_tokens": sum(s["target_tokens"] for s in stats)}
+    if recipe.packing:
+        train = pack_dataset(train, tokenizer, recipe, "train")
+        summary |= {"packed_rows": len(train),
+                    "packing_efficiency": summary["tokens"] / (len(train) * recipe.max_seq_len)}
+        row_sources = None
     else:
-        raw_eval = None
-    train = tokenize_dataset(raw, fmt, tokenizer, recipe, source)
-    evals = (tokenize_dataset(raw_eval, fmt, tokenizer, recipe, (recipe.eval_dataset or source) + " (eval)")
-             if raw_eval is not None else None)
-    return Datasets(train=train, eval=evals, format=fmt)
+        train = train.remove_columns(COUNTS)
+
+    fmt = formats[0] if len(set(formats)) == 1 else "mixed"
+    evals = None
+    if evaluated is not None:
+        key, split_key, spec = evaluated
+        raw_eval = load_source(spec, key, split_key)
+        eval_fmt = formats[0] if not recipe.datasets and spec.format == "auto" and not isinstance(
+            recipe.eval_dataset, DataSource) else spec.format
+        evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,
+                                 pack=False, keep_counts=True)
+    elif held:
+        evals = held[0] if len(held) == 1 else hf.concatenate_datasets(held)
+    if evals is not None:
+        rows = _row_counts(evals)
+        summary["eval"] = {"rows": len(evals), "tokens": int(rows["n_tokens"].sum()),
+                           "target_tokens": int(rows["n_targets"].sum())}
+        evals = pack_dataset(evals, tokenizer, recipe, "eval") if recipe.packing else evals.remove_columns(COUNTS)
+    return Datasets(train=train, eval=evals, format=fmt, sources=stats, summary=summary, row_sources=row_sources)
+
+
+def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
+    """One line per source (rows, rows dropped and why, rows and tokens in the mix), then the totals."""
+    lines = []
+    for s in data.sources:
+        share = f"rows={s['rows_wanted']}" if s["rows_wanted"] else f"weight {s['weight']:g}"
+        dropped = (f", {s['dropped_no_target']} dropped (no target token within max_seq_len={recipe.max_seq_len})"
+                   if s["dropped_no_target"] else ", none dropped")
+        cut = f", {s['at_max_seq_len']} cut at max_seq_len" if s["at_max_seq_len"] else ""
+        lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
+                     f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {s['tokens']} tokens, "
+                     f"{s['target_tokens']} target tokens")
+    t = data.summary
+    line = (f"data train: {t['rows']} rows, {t['tokens']} tokens, {t['target_tokens']} target tokens "
+            f"({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)")
+    if "packed_rows" in t:
+        line += (f"; packed into {t['packed_rows']} rows of {recipe.max_seq_len}: "
+                 f"{100 * t['packing_efficiency']:.1f}% of their tokens are real")
+    else:
+        line += "; packing off"
+    lines.append(line)
+    if "eval" in t:
+        e = t["eval"]
+        lines.append(f"data eval: {e['rows']} rows, {e['tokens']} tokens, {e['target_tokens']} target tokens")
+    return lines
 
 
 # ---------------------------------------------------------------- batches
@@ -612,3 +1018,105 @@ def eval_batches(ds, micro_batch_size: int, rank: int, world_size: int, max_samp
     per_rank = -(-n // world_size)
     mine = [i if i < n else -1 for i in range(rank, per_rank * world_size, world_size)]
     return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+
+
+# ---------------------------------------------------------------- python -m finetune.data: what is trained
+
+GREEN, RESET = "\x1b[1;32m", "\x1b[0m"
+
+
+def show_row(tokenizer, ids: list[int], labels: list[int], position_ids: list[int] | None = None,
+             colour: bool = False) -> str:
+    """A prepared row as text with its trained tokens marked: bold green with colour, else [[...]]. A
+    token is trained where its label is set and it is not the row's (or a packed example's) first token,
+    which no earlier token predicts. Examples packed into one row are separated by ' || ', the padding
+    after them is shown as <pad x N>."""
+    starts = [k for k, p in enumerate(position_ids) if p == 0] if position_ids else [0]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id  # as packed
+    pieces = []
+    for a, b in zip(starts, starts[1:] + [len(ids)]):
+        if position_ids and a > 0 and all(t == pad for t in ids[a:b]) and b == len(ids):
+            pieces.append(f"<pad x {b - a}>")
+            continue
+        text, k = "", a
+        while k < b:
+            trained = k > a and labels[k] != IGNORE
+            end = k
+            while end < b and (end > a and labels[end] != IGNORE) == trained:
+                end += 1
+            piece = tokenizer.decode(ids[k:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text += (f"{GREEN}{piece}{RESET}" if colour else f"[[{piece}]]") if trained else piece
+            k = end
+        pieces.append(text)
+    return " || ".join(pieces)
+
+
+def main(argv=None) -> int:
+    """python -m finetune.data --recipe NAME [key=value ...] [--show N] [--json]"""
+    import argparse
+    import os
+    import sys
+
+    from finetune.recipe import chat_template_text, resolve
+
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise RecipeError(f"{message} (see python -m finetune.data --help)")
+
+    parser = Parser(prog="python -m finetune.data",
+                    description="Prepare the recipe's data as training would (same cache) and show the first rows "
+                    "the run trains on, with the trained tokens marked, and a summary per source.")
+    parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
+    parser.add_argument("--show", type=int, default=3, metavar="N", help="rows to print (default 3)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row (input_ids, labels) on "
+                        "stdout; the summary goes to stderr")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+        if args.show < 0:
+            raise RecipeError(f"--show {args.show}: must be >= 0")
+        recipe = resolve(args.recipe, args.overrides)
+        chat_template_text(recipe)
+        prevalidate_recipe(recipe)
+        import datasets
+
+        datasets.disable_progress_bars()
+        from finetune.assets import resolve_model
+        from finetune.model import load_tokenizer
+
+        tokenizer = load_tokenizer(recipe, resolve_model(recipe.model))
+        data = build_datasets(recipe, tokenizer)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    # the order of epoch 0: the first rows printed are the first rows the run trains on, whatever its world size
+    order = BatchSchedule(len(data.train), 1, 1, 1, recipe.seed).permutation(0)[:args.show].tolist()
+    for position, index in enumerate(order):
+        row = data.train[index]
+        source = data.sources[int(data.row_sources[index])]["source"] if data.row_sources is not None else None
+        if args.json:
+            print(json.dumps({"position": position, "row": index, "source": source} | row))
+            continue
+        trained = sum(1 for x in row["labels"][1:] if x != IGNORE)
+        what = f" from {source}" if source and len(data.sources) > 1 else ""
+        print(f"--- row {index}{what} (trained {'first' if position == 0 else f'#{position + 1}'}): "
+              f"{len(row['input_ids'])} tokens, {trained} trained")
+        print(show_row(tokenizer, row["input_ids"], row["labels"], row.get("position_ids"), colour))
+    summary = summary_lines(data, recipe)
+    if not args.json:
+        print("---")
+        print("trained tokens in " + (f"{GREEN}green{RESET}" if colour else "[[brackets]]"))
+    for line in summary:
+        print(line.removeprefix("data "), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from finetune.data import main as _main  # the module itself, not a second copy of it as __main__
+
+    sys.exit(_main())

@@ -123,6 +123,8 @@ def train(plan: Plan) -> dict:
         if datasets.eval is not None else None
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{', packed' if packed else ''}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
+    for line in D.summary_lines(datasets, r):
+        log.info(line)
 
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
@@ -137,7 +139,8 @@ def train(plan: Plan) -> dict:
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
-                                  "global_batch_size": plan.global_batch_size}
+                                  "global_batch_size": plan.global_batch_size,
+                                  "data": {"sources": datasets.sources, "summary": datasets.summary}}
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)

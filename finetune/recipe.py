@@ -33,6 +33,46 @@ def _opt(default, *, choices=None, min=None, max=None, help=""):
     return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
 
 
+FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text")
+# What `columns` may map: a format's fields, and inside `messages` each message's role and content.
+MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text")
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One dataset of a mixture (`Recipe.datasets`), or an eval set (`Recipe.eval_dataset`).
+
+        DataSource(path="data/sharegpt.jsonl", format="messages", weight=0.5,
+                   columns={"messages": "conversations", "role": "from", "content": "value"})
+
+    weight: the share of the source's rows taken per epoch (alignment-handbook's dataset_mixer): 0.5 a
+    seeded half of them, 2.0 every row twice, 1.5 every row once and a seeded half again. rows: exactly
+    this many rows per epoch instead (fewer than the source has: a seeded subset; more: repeats).
+    Either is counted after rows without a target token within max_seq_len are dropped.
+    columns: the format's field -> the dataset's field; for messages also role and content, each
+    message's fields. roles: the data's role names -> system/user/assistant/tool; when columns maps
+    messages, ShareGPT's human/gpt are understood without it.
+    """
+
+    path: str
+    format: str = "auto"
+    split: str = "train"
+    config: str = ""  # a hub dataset's configuration (load_dataset's `name`)
+    revision: str = ""  # a hub dataset's branch, tag or commit
+    columns: dict = field(default_factory=dict)
+    roles: dict = field(default_factory=dict)
+    weight: float = 1.0
+    rows: int = 0
+
+    def __hash__(self):
+        return hash((self.path, self.format, self.split, self.config, self.revision,
+                     tuple(sorted(self.columns.items())), tuple(sorted(self.roles.items())), self.weight, self.rows))
+
+
+SOURCE_FIELDS = {f.name: f for f in dataclasses.fields(DataSource)}
+
+
 @dataclass(frozen=True)
 class Recipe:
     # What to train
@@ -44,9 +84,17 @@ class Recipe:
     # On what
     dataset: str = _opt("builtin:tiny-tasks", help="hub id, local json/jsonl/parquet/csv file or directory")
     dataset_split: str = _opt("train")
-    dataset_format: str = _opt("auto", choices=("auto", "alpaca", "messages", "prompt_completion", "text"))
-    eval_dataset: str = _opt("", help="like dataset; empty means hold out eval_fraction of dataset")
+    dataset_format: str = _opt("auto", choices=FORMATS)
+    datasets: tuple[DataSource, ...] = _opt((), help="a mixture, in the recipe file: DataSource(path=..., "
+                                            "format=..., weight=... or rows=..., split=..., columns={...}) "
+                                            "entries; overrides: datasets.0.weight=0.5; empty: dataset above")
+    eval_dataset: str | DataSource = _opt("", help="like dataset, or a DataSource in the recipe file; empty "
+                                          "means eval_split of dataset, else hold out eval_fraction")
+    eval_split: str = _opt("", help="the split evaluated (test, validation): eval_dataset's (default: "
+                           "dataset_split), else dataset's own instead of a held-out eval_fraction")
     eval_fraction: float = _opt(0.05, min=0.0, max=0.5)
+    num_proc: int = _opt(0, min=0, help="processes that tokenize; 0: one per 20,000 rows, at most 8 and the "
+                         "CPU count")
     max_seq_len: int = _opt(2048, min=8)
     packing: bool = _opt(False)
     train_on_prompt: bool = _opt(False, help="false: loss on the responses only")
@@ -105,6 +153,10 @@ class Recipe:
     plot_loss: bool = _opt(True, help="draw loss.png: after an eval at most once a minute, and at the end")
     report_to: tuple[str, ...] = _opt(("none",), choices=TRACKERS,
                                       help="trackers, comma-separated: tensorboard, wandb, mlflow, or none")
+
+    def __post_init__(self):
+        if isinstance(self.datasets, list):  # a recipe file may write the mixture as a list
+            object.__setattr__(self, "datasets", tuple(self.datasets))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -204,18 +256,72 @@ def parse_value(key: str, text: str):
     return text
 
 
+def _parse_mapping(key: str, text: str) -> dict:
+    """a:b,c:d -> {"a": "b", "c": "d"}"""
+    out = {}
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        if ":" not in item:
+            raise RecipeError(f"{key}={text}: expected field:field pairs, comma-separated (messages:conversations)")
+        a, b = item.split(":", 1)
+        out[a.strip()] = b.strip()
+    return out
+
+
+def _source_override(recipe: Recipe, sources: list, key: str, value: str) -> None:
+    """datasets.N.FIELD=value: one field of one source of the mixture."""
+    parts = key.split(".")
+    if len(parts) != 3 or not parts[1].isdigit():
+        raise RecipeError(f"{key}={value}: a mixture source is overridden as datasets.N.FIELD=value "
+                          "(for example datasets.0.weight=0.5)")
+    index, name = int(parts[1]), parts[2]
+    if index >= len(sources):
+        raise RecipeError(f"{key}={value}: the recipe has {len(sources)} source(s) in datasets "
+                          f"(datasets.0{f' to datasets.{len(sources) - 1}' if len(sources) > 1 else ''})")
+    if name not in SOURCE_FIELDS:
+        raise RecipeError(f"{key}={value}: unknown DataSource field {name!r}; fields: {', '.join(SOURCE_FIELDS)}")
+    kind = typing.get_type_hints(DataSource)[name]
+    if kind is dict:
+        parsed = _parse_mapping(key, value)
+    elif kind in (int, float):
+        try:
+            parsed = kind(float(value)) if kind is int and float(value).is_integer() else kind(value)
+        except ValueError:
+            raise RecipeError(f"{key}={value}: expected {'an integer' if kind is int else 'a number'}") from None
+    else:
+        parsed = value
+    sources[index] = dataclasses.replace(sources[index], **{name: parsed})
+
+
 def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
     changes = {}
+    sources = list(recipe.datasets)
     for item in overrides:
         if "=" not in item:
             raise RecipeError(f"override {item!r} is not key=value (for example lr=1e-5)")
         key, value = item.split("=", 1)
         key = key.strip()
+        if key.startswith("datasets."):
+            _source_override(recipe, sources, key, value)
+            changes["datasets"] = tuple(sources)
+            continue
+        if key == "datasets":
+            raise RecipeError(f"datasets={value}: a mixture is written in the recipe file as a list of "
+                              "DataSource(...); on the command line override one source's field "
+                              "(datasets.0.weight=0.5), or train on one source with dataset=...")
         if key not in FIELDS:
             close = difflib.get_close_matches(key, FIELDS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise RecipeError(f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)")
         changes[key] = parse_value(key, value)
+    if recipe.datasets and "dataset" in changes:
+        changes["datasets"] = ()  # dataset=... on a mixture recipe: train on that one source
+    elif recipe.datasets:
+        for key in ("dataset_split", "dataset_format"):
+            if key in changes:
+                field_name = {"dataset_split": "split", "dataset_format": "format"}[key]
+                raise RecipeError(f"{key}={changes[key]}: this recipe mixes {len(recipe.datasets)} sources "
+                                  f"(datasets=...), each with its own {field_name}; override one with "
+                                  f"datasets.N.{field_name}=..., or train on one source with dataset=...")
     return dataclasses.replace(recipe, **changes)
 
 
@@ -225,6 +331,18 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
 def _check_field(name: str, value) -> None:
     meta = FIELDS[name].metadata
     kind = _type_of(name)
+    if name == "datasets":
+        if not isinstance(value, (tuple, list)) or not all(isinstance(v, DataSource) for v in value):
+            raise RecipeError(f"datasets={value!r:.120}: expected a list of DataSource(path=..., ...)")
+        for i, source in enumerate(value):
+            check_source_fields(f"datasets[{i}]", source)
+        return
+    if name == "eval_dataset":
+        if isinstance(value, DataSource):
+            check_source_fields("eval_dataset", value, weighted=False)
+        elif not isinstance(value, str):
+            raise RecipeError(f"eval_dataset={value!r:.120}: expected a path, a hub id or a DataSource(...)")
+        return
     if kind is bool and not isinstance(value, bool):
         raise RecipeError(f"{name}={value!r}: expected true or false")
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
@@ -252,6 +370,45 @@ def _check_field(name: str, value) -> None:
         raise RecipeError(f"{name}={value}: must be >= {low}")
     if high is not None and value > high:
         raise RecipeError(f"{name}={value}: must be <= {high}")
+
+
+def check_source_fields(key: str, source: DataSource, weighted: bool = True) -> None:
+    """One DataSource's fields: types, format, weight or rows, the column and role mappings."""
+    for name, kind in typing.get_type_hints(DataSource).items():
+        value = getattr(source, name)
+        ok = (isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+              if kind is dict else isinstance(value, (int, float)) and not isinstance(value, bool)
+              if kind is float else isinstance(value, int) and not isinstance(value, bool)
+              if kind is int else isinstance(value, kind))
+        if not ok:
+            want = {dict: "a dict of strings", float: "a number", int: "an integer", str: "a string"}[kind]
+            raise RecipeError(f"{key}.{name}={value!r:.80}: expected {want}")
+    if not source.path:
+        raise RecipeError(f"{key}.path is empty; give a hub id, a local json/jsonl/parquet/csv file or directory, "
+                          "or a folder written by save_to_disk")
+    if source.format not in FORMATS:
+        raise RecipeError(f"{key}.format={source.format}: must be one of {', '.join(FORMATS)}")
+    if not source.split:
+        raise RecipeError(f"{key}.split is empty; name a split (train, test, validation)")
+    if not math.isfinite(source.weight) or source.weight <= 0:
+        raise RecipeError(f"{key}.weight={source.weight}: must be a positive number (the share of the source's "
+                          "rows per epoch: 0.5 half of them, 2 every row twice); leave a source out to drop it")
+    if source.rows < 0:
+        raise RecipeError(f"{key}.rows={source.rows}: must be >= 0 (0: use weight)")
+    if source.rows and source.weight != 1.0:
+        raise RecipeError(f"{key}: weight={source.weight} and rows={source.rows} both say how much of the source "
+                          "to take; set one of them")
+    if not weighted and (source.rows or source.weight != 1.0):
+        raise RecipeError(f"{key}: weight and rows apply to training sources (datasets=...); an eval set is "
+                          "used whole")
+    for target in source.columns:
+        if target not in MAPPABLE:
+            raise RecipeError(f"{key}.columns maps {target!r}, which no format has; map one of "
+                              f"{', '.join(MAPPABLE)} to the dataset's field")
+    for name, role in source.roles.items():
+        if role not in ROLES:
+            raise RecipeError(f"{key}.roles maps {name!r} to {role!r}; the roles are {', '.join(ROLES)}")
+    _check_source(f"{key}.path", source.path)
 
 
 def looks_local(source: str) -> bool:
@@ -320,9 +477,14 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError(f"report_to={tracker}, but {TRACKER_PACKAGES[tracker]} is not installed; "
                               f"pip install {TRACKER_PACKAGES[tracker]} (or pip install -e .[{tracker}]), "
                               "or drop it from report_to")
-    _check_source("dataset", r.dataset)
-    if r.eval_dataset:
+    if not r.datasets:
+        _check_source("dataset", r.dataset)
+    if r.eval_dataset and isinstance(r.eval_dataset, str):
         _check_source("eval_dataset", r.eval_dataset)
+    if r.datasets and r.eval_split and not r.eval_dataset:
+        raise RecipeError(f"eval_split={r.eval_split} with a mixture (datasets=...): name the eval set with "
+                          "eval_dataset=... (its split is eval_split), or leave eval_split empty to hold out "
+                          "eval_fraction of every source")
     if looks_local(r.model) and not Path(r.model).expanduser().is_dir():
         raise RecipeError(f"model={r.model}: no such directory; give a hub id (org/name), a directory written "
                           "by save_pretrained, or builtin:tiny-llama")
@@ -394,5 +556,5 @@ def describe_fields() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Recipe", "RecipeError", "resolve", "load_recipe_module", "apply_overrides", "validate",
+__all__ = ["Recipe", "DataSource", "RecipeError", "resolve", "load_recipe_module", "apply_overrides", "validate",
            "available_recipes", "describe_fields"]

@@ -132,7 +132,7 @@ def prepare(args, lock: bool = True):
     it (the `finetune` front, whose launched ranks take it and convert checkpoints if need be)."""
     from finetune import resume
     from finetune.checkpoint import complete_checkpoints
-    from finetune.data import prevalidate
+    from finetune.data import prevalidate_recipe
     from finetune.lock import check_lineage
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
@@ -144,9 +144,7 @@ def prepare(args, lock: bool = True):
     if problem and not args.dry_run:
         raise RecipeError(problem)
     take_output_dir(out, args.dry_run, lock)
-    prevalidate(recipe.dataset, recipe.dataset_format)
-    if recipe.eval_dataset:
-        prevalidate(recipe.eval_dataset, recipe.dataset_format, key="eval_dataset")
+    prevalidate_recipe(recipe)
     final = out / "final"
     if final.exists() and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} already holds a finished model ({final}); choose another "
