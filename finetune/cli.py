@@ -1,4 +1,4 @@
-"""`finetune`, the one command in front: train, plan, export.
+"""`finetune`, the one command in front: train, plan, data, export.
 
 `finetune train RECIPE [key=value ...]` checks the recipe, data, launcher and resume point in this one
 process first, so a mistake is one `error:` line and exit code 2 instead of one line per rank followed
@@ -23,6 +23,8 @@ commands:
                          check everything cheap in one process, then launch the run
   plan --recipe RECIPE --gpus N --gpu-mem 80GB [key=value ...]
                          per-GPU memory under every strategy, and the cheapest setup that fits
+  data --recipe RECIPE [key=value ...] --show N [--json]
+                         the rows a run trains on, trained tokens marked, and a per-source summary
   export CHECKPOINT OUT_DIR
                          any checkpoint -> a plain Hugging Face model, verified
 
@@ -38,6 +40,10 @@ def main(argv=None) -> int:
         from finetune.plan import main as plan_main
 
         return plan_main(rest)
+    if command == "data":
+        from finetune.data import main as data_main
+
+        return data_main(rest)
     if command == "export":
         from finetune.export import main as export_main
 
@@ -45,7 +51,7 @@ def main(argv=None) -> int:
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    print(USAGE if not command else f"error: unknown command {command!r}; use train, plan or export\n\n{USAGE}",
+    print(USAGE if not command else f"error: unknown command {command!r}; use train, plan, data or export\n\n{USAGE}",
           file=sys.stderr)
     return 2
 

@@ -69,3 +69,15 @@ def test_the_console_script_is_installed():
     script = Path(sys.executable).parent / "finetune"
     assert script.is_file(), "pip install -e . installs the `finetune` command (pyproject [project.scripts])"
     assert subprocess.run([str(script), "--help"], capture_output=True, text=True).stdout.startswith("usage: finetune")
+
+
+def test_data_command_shows_what_is_trained(capsys):
+    """`finetune data` is finetune.data's inspector: --json gives each row's input_ids and labels."""
+    import json
+
+    from finetune.cli import main
+
+    assert main(["data", "--recipe", "tiny", "--show", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(rows) >= 2 and all(len(r["input_ids"]) == len(r["labels"]) for r in rows[:2])
+    assert all(any(label != -100 for label in r["labels"]) for r in rows[:2])
