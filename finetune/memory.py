@@ -70,18 +70,8 @@ The total is the plain sum of the columns. That is conservative: activations are
 optimizer step's temporaries appear. Everything not counted (CUDA context, allocator fragmentation,
 NCCL buffers) is what the headroom (10% by default) is for.
 
-Measured (one H100, a 0.94 B Llama: h=2048, 16 layers, vocab 32000, T=2048; torch 2.11, transformers
-5.17; one process, so DDP's buckets are not there and are left out of the estimate): peak
-torch.cuda.max_memory_allocated over a training step against this estimate, GiB:
-
-    checkpointing on:  ddp B=1 17.8 / 18.7   ddp B=4 17.7 / 22.2   fsdp B=4 17.7 / 22.8
-                       fsdp params->cpu B=4 3.7 / 5.2              fsdp LoRA r=16 B=4 7.3 / 8.8
-    checkpointing off: ddp eager attention B=1 22.5 / 25.3 (the T^2 term is real there)
-                       ddp SDPA B=4 29.2 / 48.5 (SDPA keeps no T^2 scores: an overestimate)
-
-held_bytes equalled the estimate's parameters, gradients and optimizer states (cpu_* under
-offload) in every case; for zero1/2/3 (with and without offload) it did so in one-process CPU runs
-(fp32, deepspeed 0.19.8), the gradients between micro-steps and the Adam states after a step.
+How the estimate compares with measured GPU memory (one H100, five setups) and with held_bytes
+(every strategy, on CPU): docs/memory-planner.md.
 
 What a live rank holds is measured by bench/held.py (held_bytes), beside the benchmarks that use it;
 the architecture facts (parameter counts, shapes) are finetune/arch.py's.
