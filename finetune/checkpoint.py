@@ -502,16 +502,9 @@ class Checkpointer:
                 f.flush()
                 os.fsync(f.fileno())
             publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
-            self._rotate(keep=final)
+            rotate(self.root, self.keep_last, keep=final)
         acc.wait_for_everyone()
         return final
-
-    def _rotate(self, keep: Path) -> None:
-        """Drop the oldest complete checkpoints beyond keep_last, never the one just committed."""
-        complete = complete_checkpoints(self.root)
-        for old in complete[: max(0, len(complete) - self.keep_last)]:
-            if old != keep:
-                shutil.rmtree(old, ignore_errors=True)
 
     def load(self, point) -> LoopState:
         """Collective. Restores model, optimizer, scheduler and RNG in place from a resume.ResumePoint
@@ -547,6 +540,16 @@ class Checkpointer:
         state = LoopState(**json.loads((point.path / LOOP_STATE).read_text()))
         load_rng(point.path / RNG_DIR, acc.process_index, self.recipe.seed, state.step)
         return state
+
+
+def rotate(root: Path, keep_last: int, keep: Path) -> list[Path]:
+    """Drop the oldest complete checkpoints beyond keep_last, never `keep` (the one just committed,
+    which may not be the newest: a run resumed from an older step); partial ones are not touched."""
+    complete = complete_checkpoints(root)
+    dropped = [old for old in complete[: max(0, len(complete) - keep_last)] if old != keep]
+    for old in dropped:
+        shutil.rmtree(old, ignore_errors=True)
+    return dropped
 
 
 def _keep_trainable_weights(models, weights, output_dir) -> None:

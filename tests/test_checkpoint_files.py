@@ -271,3 +271,21 @@ def test_a_bare_pickle_where_a_torch_save_archive_belongs_is_refused(tmp_path):
     with safe_loading(), pytest.raises(DisallowedPickle, match="optim_states.pt is not a torch.save archive"):
         torch.load(tmp_path / "optim_states.pt", mmap=True, weights_only=False)
     assert not marker.exists()
+
+
+def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
+    from finetune.checkpoint import rotate
+
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 15, 20):
+        (root / f"step_{step:09d}").mkdir(parents=True)
+        (root / f"step_{step:09d}" / MANIFEST).write_text("{}")
+    (root / ".step_000000025.partial").mkdir()  # a save in progress (or cut short): not rotation's business
+    dropped = rotate(root, keep_last=2, keep=root / "step_000000020")
+    assert [p.name for p in dropped] == ["step_000000005", "step_000000010"]
+    assert sorted(p.name for p in root.iterdir()) == [".step_000000025.partial", "step_000000015", "step_000000020"]
+    # a run resumed from step 5 commits step 10 again while 15 and 20 are newer: 10 is kept
+    (root / "step_000000010").mkdir()
+    (root / "step_000000010" / MANIFEST).write_text("{}")
+    assert rotate(root, keep_last=1, keep=root / "step_000000010") == [root / "step_000000015"]
+    assert sorted(p.name for p in root.iterdir()) == [".step_000000025.partial", "step_000000010", "step_000000020"]
