@@ -43,7 +43,8 @@ def async_io_built(launch_env) -> None:
                            "AsyncIOBuilder().load(verbose=False)"],
                           env=dict(launch_env, DS_ACCELERATOR="cpu", PATH=path), capture_output=True, text=True,
                           timeout=1500)
-    assert proc.returncode == 0, f"DeepSpeed's async_io op does not build here (bash scripts/setup.sh):\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, \
+        f"DeepSpeed's async_io op does not build here (bash scripts/setup.sh):\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")
