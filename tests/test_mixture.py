@@ -155,14 +155,13 @@ def test_fingerprint_of_a_single_dataset_is_unchanged_and_a_mixture_is_data():
 def test_a_resume_that_changes_the_mixture_is_refused(tmp_path):
     import dataclasses
 
-    from finetune.checkpoint import MANIFEST, ResumePoint, check_fits, fingerprint
+    from finetune.checkpoint import fingerprint
+    from finetune.resume import ResumePoint, check_fits
 
     mix = Recipe(datasets=(DataSource(path="builtin:tiny-tasks", weight=0.5),))
-    ckpt = tmp_path / "step_000000003"
-    ckpt.mkdir()
-    (ckpt / MANIFEST).write_text(json.dumps({"step": 3, "world_size": 2, "global_batch_size": 16,
-                                             "fingerprint": fingerprint(mix), "files": {}}))
-    point = ResumePoint(ckpt, 3, 2, 16, "zero3", {})
+    # the fingerprint as resume.find reads it from a checkpoint's manifest
+    point = ResumePoint(tmp_path / "step_000000003", 3, 2, 16, "zero3", {},
+                        fingerprint=json.loads(json.dumps(fingerprint(mix))))
     check_fits(point, mix, allow_data_change=False)
     changed = dataclasses.replace(mix, datasets=(DataSource(path="builtin:tiny-tasks", weight=0.6),))
     assert "datasets" in one_line(check_fits, point, changed, allow_data_change=False)
