@@ -50,7 +50,7 @@ IMPLS = ("chunked", "liger", "full")
 # is flat from 512 tokens up (4.37-4.52 s) and 13% slower at 128 and 256 (5.02, 5.04 s); against
 # 6.62 s and 3.80 GiB for the full logits. 256 MiB sits at the start of the flat part; the matmuls
 # stay large (>= 262 rows for vocabularies up to 256k) for GPUs, whose kernels want big tiles.
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 256 * 2**20  # the planner counts the same (memory.LOSS_CHUNK_BYTES)
 
 log = logging.getLogger("finetune")
 

@@ -49,11 +49,14 @@ Estimate (no model loaded, no GPU needed)
        without activation checkpointing:  L * (34*B*T*h + 5*B*a*T^2)
        with activation checkpointing:     L * 2*B*T*h   (each layer's input)  +  (34*B*T*h + 5*B*a*T^2)
                                           (one layer recomputed during its backward)
-       plus the logits:                   B*T*V * (2 + 4 + 4)   (16-bit logits, the fp32 log-softmax
+       plus the logits:                   R*V * (2 + 4 + 4)   (16-bit logits, the fp32 log-softmax
                                           that the loss keeps, its gradient; 4 + 4 + 4 in fp32)
 
    all doubled for fp32 activations (`mixed_precision=no`). T is max_seq_len: packed rows are that
-   long, padded batches at most that long.
+   long, padded batches at most that long. R is the token rows whose logits the loss holds at once:
+   B*T with loss_impl=full; with the default chunked loss (finetune/loss.py) one chunk,
+   loss_chunk_tokens or as many rows as fit 256 MiB of fp32 logits (523 for a 128k vocabulary), so
+   the term no longer grows with B*T (measured: docs/benchmarks.md section 7).
 
 4. Buffers: what a strategy allocates beyond the model states (rough, stated so that it can be
    checked): ddp, a second copy of every gradient in DDP's reduction buckets (Accelerate leaves
@@ -210,14 +213,30 @@ def state_bytes(strategy: str, mixed_precision: str) -> tuple[int, int, int]:
     return 4, 4, 8  # ddp, fsdp: fp32 weights and gradients, casts happen per layer (autocast / FSDP policy)
 
 
+# finetune/loss.py's default chunk: the rows whose fp32 logits fit in CHUNK_BYTES (kept equal there;
+# tests/test_memory.py checks it), here so that the planner needs no torch.
+LOSS_CHUNK_BYTES = 256 * 2**20
+
+
+def loss_rows(vocab_size: int, tokens: int, loss_impl: str = "full", chunk_tokens: int = 0) -> int:
+    """Token rows whose logits the loss holds at once: all of them for loss_impl=full, one chunk for
+    the chunked loss (recipe.loss_chunk_tokens, else as many as fit LOSS_CHUNK_BYTES of fp32 logits)
+    and for Liger's fused loss, which also works a chunk at a time."""
+    if loss_impl == "full":
+        return tokens
+    return min(tokens, chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * vocab_size)))
+
+
 def activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
-                     activation_checkpointing: bool) -> int:
-    """Activations per GPU; the formula is in this module's docstring (Korthikanti et al. 2022)."""
+                     activation_checkpointing: bool, loss_impl: str = "full", loss_chunk_tokens: int = 0) -> int:
+    """Activations per GPU; the formula is in this module's docstring (Korthikanti et al. 2022). The
+    logits term counts the rows the loss holds at once (loss_rows)."""
     b, t, h, a, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_attention_heads, arch.num_hidden_layers
     scale = 1 if mixed_precision != "no" else 2
     one_layer = 34 * b * t * h + 5 * b * a * t * t
     body = layers * 2 * b * t * h + one_layer if activation_checkpointing else layers * one_layer
-    logits = b * t * arch.vocab_size * ((2 if mixed_precision != "no" else 4) + 8)
+    rows = loss_rows(arch.vocab_size, b * t, loss_impl, loss_chunk_tokens)
+    logits = rows * arch.vocab_size * ((2 if mixed_precision != "no" else 4) + 8)
     return body * scale + logits
 
 
@@ -249,7 +268,8 @@ class Estimate:
 
 def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precision: str = "bf16",
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
-             lora_params: int = 0, quantized_base: bool = False) -> Estimate:
+             lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
+             loss_chunk_tokens: int = 0) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -326,7 +346,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         if setup.offload_params == "none":
             buffers += 4 * trained / n  # torch AdamW's foreach temporary (on the CPU when offloaded)
     buffers += dequantized
-    acts = activation_bytes(arch, micro_batch_size, seq_len, mixed_precision, activation_checkpointing)
+    acts = activation_bytes(arch, micro_batch_size, seq_len, mixed_precision, activation_checkpointing, loss_impl,
+                            loss_chunk_tokens)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]))
@@ -338,7 +359,8 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     micro_batch_size=recipe.micro_batch_size, seq_len=recipe.max_seq_len,
                     activation_checkpointing=recipe.activation_checkpointing,
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
-                    quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)))
+                    quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
+                    loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens)
 
 
 def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[tuple[int, Estimate]]:

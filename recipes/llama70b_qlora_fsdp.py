@@ -9,12 +9,12 @@ bf16 checkpoint and quantizes it tensor by tensor (no process ever holds the unq
 shards the 4-bit base (its bits stored in bf16) across both GPUs, and each rank keeps the quantization
 constants whole (1.01 GiB). Only the adapters (207,093,760 parameters) have gradients and Adam states.
 On 2 x 24 GB it does NOT fit by the planner: the sharded 4-bit base alone is 17.8 GiB per GPU, and the
-unquantized embedding and lm_head (2.1 GB each in bf16) with the logits of Llama 3's 128k vocabulary
-take the rest; the planner says so (below), and offloading a 4-bit base is not supported here.
+unquantized embedding and lm_head (2.1 GB each in bf16), the activations and the gathered layers take
+the rest; the planner says so (below), and offloading a 4-bit base is not supported here.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama70b_qlora_fsdp --gpus 2 --gpu-mem 48GB):
     params 19.29 (4-bit base shard 15.95 + quantization constants 1.01 + bf16 embedding and lm_head
-    shards 1.96 + adapters 0.39) + grads 0.39 + optimizer 0.77 + activations 6.73 + buffers 5.54
-    = total 32.72 GiB: fits 48 GB; with --gpu-mem 24GB it says "does NOT fit" (and so does every setup).
+    shards 1.96 + adapters 0.39) + grads 0.39 + optimizer 0.77 + activations 4.91 + buffers 5.54
+    = total 30.90 GiB: fits 48 GB; with --gpu-mem 24GB it says "does NOT fit" (and so does every setup).
 """
 
 from dataclasses import replace

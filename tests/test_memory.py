@@ -324,12 +324,14 @@ def test_cheapest_fit_prefers_less_communication():
     big = M.cheapest_fit(rows, 1000 * GIB, prefer=recipe.strategy)
     assert big.setup == M.Setup("ddp")
     at80 = M.cheapest_fit(rows, M.parse_size("80GB"), prefer=recipe.strategy)
-    assert at80.setup == M.Setup("zero1")  # ddp (134 GiB) does not fit; zero1 (46 GiB) does
+    assert at80.setup == M.Setup("zero1")  # ddp (157 GiB) does not fit; zero1 (44 GiB) does
 
 
 def test_cheapest_fit_goes_to_offload_when_it_must():
-    recipe, rows = _rows(n=1)
+    recipe, rows = _rows(n=1)  # a 7B on one GPU
     pick = M.cheapest_fit(rows, M.parse_size("24GB"), prefer=recipe.strategy)
+    assert pick.setup.offload_optimizer == "cpu" and pick.setup.offload_params == "none"  # ZeRO-Offload
+    pick = M.cheapest_fit(rows, M.parse_size("20GB"), prefer=recipe.strategy)
     assert pick.setup.offload_params != "none" and pick.setup.strategy == "zero3"
     assert M.cheapest_fit(rows, M.parse_size("4GB"), prefer=recipe.strategy) is None
 
@@ -369,7 +371,7 @@ def test_parse_size_rejects(text):
 def test_memory_report_for_a_dry_run():
     text = M.memory_report(resolve("llama7b_zero3", []), 8, "llama7b_zero3")
     assert "memory per GPU (planner estimate, zero3 on 8 process(es))" in text
-    assert "total 24.86 GiB" in text
+    assert "total 23.04 GiB" in text
     assert "not checked:" in text and "config.json" in text and "--recipe llama7b_zero3 --gpus 8" in text
 
 
@@ -401,8 +403,8 @@ def test_cli_table():
     for label in labels + ["zero3, optimizer->cpu, params->cpu", "fsdp, params->cpu", "ddp + sharded optimizer"]:
         assert any(line[2:].startswith(label) for line in out.splitlines()), label
     own = next(line for line in out.splitlines() if line.startswith("* zero3 "))
-    assert own.split()[-1] == "yes" and "24.86" in own
-    assert "cheapest that fits: zero1 (45.72 GiB per GPU); override with strategy=zero1" in out
+    assert own.split()[-1] == "yes" and "23.04" in own
+    assert "cheapest that fits: zero1 (43.90 GiB per GPU); override with strategy=zero1" in out
     assert "global batch 128 = micro 4 x accum 4 x 8 GPUs" in out
     assert proc.stderr == ""
 
@@ -501,3 +503,18 @@ def test_held_bytes_unwraps_optimizer_wrappers():
     optimizer = torch.optim.AdamW(model.parameters())
     _step(model, optimizer)
     assert held_bytes(model, Wrapper(Wrapper(optimizer)))["optimizer"] == 8 * p
+
+
+def test_the_chunked_loss_holds_one_chunk_of_logits():
+    """The logits term is B*T rows with loss_impl=full and one chunk with the chunked loss, the same
+    chunk finetune/loss.py takes."""
+    from finetune.loss import CHUNK_BYTES, chunk_rows
+
+    assert M.LOSS_CHUNK_BYTES == CHUNK_BYTES
+    a = A.known_architecture("meta-llama/Meta-Llama-3-8B")
+    assert M.loss_rows(a.vocab_size, 4 * 4096, "chunked") == chunk_rows(a.vocab_size) == 523
+    assert M.loss_rows(a.vocab_size, 4 * 4096, "chunked", 1024) == 1024
+    assert M.loss_rows(a.vocab_size, 100, "chunked") == 100 and M.loss_rows(a.vocab_size, 4 * 4096) == 4 * 4096
+    full = M.activation_bytes(a, 4, 4096, "bf16", True, "full")
+    chunked = M.activation_bytes(a, 4, 4096, "bf16", True, "chunked")
+    assert full - chunked == (4 * 4096 - 523) * a.vocab_size * 10  # about 19.4 GiB an 8B run no longer needs
