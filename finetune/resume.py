@@ -36,6 +36,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     (a dry run, or the `finetune` front that launches the ranks) leaves the universal conversion
     to the ranks that train."""
     from finetune.assets import resolve_model
+    from finetune.plan import derive_grad_accum
 
     point = find(resume, Path(recipe.output_dir), log)
     if point is None:
@@ -46,7 +47,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     check_fits(point, recipe, allow_data_change)
     check_model(point, resolve_model(recipe.model))
     changed = changes(point, recipe)
-    asked = recipe.global_batch_size or recipe.micro_batch_size * recipe.grad_accum * world_size
+    asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * world_size  # the plan's global batch
     if asked != point.global_batch_size:
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
     if convert and recipe.strategy.startswith("zero") and point.world_size != world_size:
@@ -62,9 +63,13 @@ class ResumePoint:
     global_batch_size: int
     strategy: str
     recipe: dict  # the recipe the checkpoint was trained with (its recipe.json; every save writes one)
-    fingerprint: dict = field(default_factory=dict)  # the manifest's: model, strategy and data it was made with
     manifest: dict = field(default_factory=dict, repr=False)  # read and verified once, by find
     load_from: Path | None = None  # what Checkpointer.load reads, when not `path`: its universal conversion
+
+    @property
+    def fingerprint(self) -> dict:
+        """The model, strategy and data the checkpoint was made with."""
+        return self.manifest["fingerprint"]
 
     @property
     def source(self) -> Path:
@@ -104,7 +109,7 @@ def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
     manifest = verify(path, manifest=manifest)  # the one read of the manifest (sizes, DCP metadata)
     return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
                        global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
-                       fingerprint=manifest["fingerprint"], manifest=manifest,
+                       manifest=manifest,
                        recipe=json.loads((path / "recipe.json").read_text()) if (path / "recipe.json").is_file() else {})
 
 

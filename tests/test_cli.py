@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from in_process import run_main
 
 REPO = Path(__file__).resolve().parents[1]
 GOOD = {"instruction": "Reverse the word.", "input": "abc", "output": "cba"}
@@ -129,23 +130,8 @@ SUBPROCESS = {"unknown_recipe", "latin1_jsonl_dry_run", "busy_output_dir", "dry_
 
 
 def in_process(argv: list[str]) -> SimpleNamespace:
-    """run.main(argv) here, with its signal handlers undone after; training would be a bug here."""
-    import contextlib
-    import io
-
-    from finetune import loop, run
-
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    train, loop.train = loop.train, None
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run.main(argv)
-    finally:
-        loop.train = train
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    code, out, err = run_main(argv)
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def _env(cache: Path) -> dict:

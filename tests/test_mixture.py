@@ -161,7 +161,7 @@ def test_a_resume_that_changes_the_mixture_is_refused(tmp_path):
     mix = Recipe(datasets=(DataSource(path="builtin:tiny-tasks", weight=0.5),))
     # the fingerprint as resume.find reads it from a checkpoint's manifest
     point = ResumePoint(tmp_path / "step_000000003", 3, 2, 16, "zero3", {},
-                        fingerprint=json.loads(json.dumps(fingerprint(mix))))
+                        manifest={"fingerprint": json.loads(json.dumps(fingerprint(mix)))})
     check_fits(point, mix, allow_data_change=False)
     changed = dataclasses.replace(mix, datasets=(DataSource(path="builtin:tiny-tasks", weight=0.6),))
     assert "datasets" in one_line(check_fits, point, changed, allow_data_change=False)

@@ -68,7 +68,7 @@ def test_a_checkpoint_from_before_a_data_key_existed_still_fits(tmp_path):
     from finetune.resume import check_fits
 
     old = {k: v for k, v in fingerprint(SAVED).items() if k not in ("tokenizer", "chat_template")}
-    resumed = dataclasses.replace(point(), fingerprint=old)  # as resume.find reads it from the manifest
+    resumed = dataclasses.replace(point(), manifest={"fingerprint": old})  # as resume.find reads it
     check_fits(resumed, SAVED, allow_data_change=False)
     with pytest.raises(RecipeError, match="chat_template"):
         check_fits(resumed, dataclasses.replace(SAVED, chat_template="{{ messages }}"), allow_data_change=False)

@@ -106,34 +106,19 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def run_in_process(launch_env, monkeypatch, capsys):
+def run_in_process(launch_env, monkeypatch):
     """`python finetune/run.py --recipe tiny ...` as a call of run.main in this process, for runs that
-    end before training (refusals, --dry-run): the same checks, messages and exit code as a launch,
-    without starting an interpreter (5-10 s here). Training in-process is refused by the fixture."""
-    import signal
-
-    from finetune import loop, run
+    end before training (refusals, --dry-run): tests/in_process.py, with the launches' environment."""
+    from in_process import run_main
 
     for key in ("FINETUNE_CACHE", "HF_DATASETS_CACHE", "HF_DATASETS_OFFLINE"):
         monkeypatch.setenv(key, launch_env[key])
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
 
-    def no_training(plan):
-        raise AssertionError("run_in_process is for runs that stop before training; use launch()")
-
-    monkeypatch.setattr(loop, "train", no_training)
-
     def call(*overrides: str, output_dir: Path, recipe: str = "tiny") -> Run:
-        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-        capsys.readouterr()
-        try:
-            code = run.main(["--recipe", recipe, *FAST, f"output_dir={output_dir}", *overrides])
-        finally:
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-        captured = capsys.readouterr()
-        return Run(Path(output_dir), code, captured.out, captured.err, launch_env)
+        code, out, err = run_main(["--recipe", recipe, *FAST, f"output_dir={output_dir}", *overrides])
+        return Run(Path(output_dir), code, out, err, launch_env)
 
     return call
 

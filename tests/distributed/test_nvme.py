@@ -34,15 +34,12 @@ def async_io_built(launch_env) -> None:
     import subprocess
     import sys
 
-    import os
-
-    # with this interpreter's ninja first on PATH, as setup.sh and every run build it
-    # (strategy.prefer_environment_ninja): another ninja would discard their build log and compile it again
-    path = os.pathsep.join([os.path.dirname(sys.executable), launch_env.get("PATH", "")])
-    proc = subprocess.run([sys.executable, "-c", "from deepspeed.ops.op_builder import AsyncIOBuilder; "
+    # with this interpreter's ninja first on PATH, as setup.sh and every run build it: another ninja
+    # would discard their build log and compile the op again
+    proc = subprocess.run([sys.executable, "-c", "from finetune.strategy import prefer_environment_ninja; "
+                           "prefer_environment_ninja(); from deepspeed.ops.op_builder import AsyncIOBuilder; "
                            "AsyncIOBuilder().load(verbose=False)"],
-                          env=dict(launch_env, DS_ACCELERATOR="cpu", PATH=path), capture_output=True, text=True,
-                          timeout=1500)
+                          env=dict(launch_env, DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, \
         f"DeepSpeed's async_io op does not build here (bash scripts/setup.sh):\n{proc.stderr[-3000:]}"
 

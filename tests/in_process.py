@@ -1,0 +1,30 @@
+"""`python finetune/run.py ARGS` as a call of run.main in the test process, for runs that end before
+training (refusals, dry runs): the same checks, messages and exit code, without starting an
+interpreter (5-10 s here). Used by tests/test_cli.py and tests/distributed/conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import signal
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of run.main(argv); its signal handlers are undone after, and a
+    run that would start training fails instead (that needs a real launch)."""
+    from finetune import loop, run
+
+    def no_training(plan):
+        raise AssertionError("run.main in the test process is for runs that stop before training; launch it")
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    train, loop.train = loop.train, no_training
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run.main(argv)
+    finally:
+        loop.train = train
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return code, out.getvalue(), err.getvalue()
