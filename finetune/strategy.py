@@ -96,6 +96,25 @@ def deepspeed_config(plan: Plan, hidden_size: int) -> dict:
     return config
 
 
+def fsdp2_mixed_precision(mixed_precision: str):
+    """FSDP2's own mixed precision instead of autocast over fp32 weights: each layer's parameters are
+    all-gathered once per forward in bf16 (half the traffic, and no per-op casts of fp32 weights,
+    which were most of the non-matmul GPU time in docs/benchmarks.md section 6); gradients are reduced
+    in fp32 into the fp32 sharded parameters, which stay the optimizer's master weights.
+
+    output_dtype stays unset. Accelerate's default casts every unit's output to bf16, and lm_head's
+    output is our loss (finetune/loss.py computes it inside lm_head's forward, in fp32): the cast
+    rounded it to 8 bits of mantissa, and the loss check refused the run. Measured on CPU before
+    this: fsdp with mixed_precision=bf16 stopped at step 1 with "llama changes the logits after its
+    output layer"; zero3 and ddp ran."""
+    if mixed_precision == "no":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=None)
+
+
 def _fsdp_plugin(plan: Plan, no_split_modules: list[str]):
     from accelerate import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
@@ -113,6 +132,7 @@ def _fsdp_plugin(plan: Plan, no_split_modules: list[str]):
         return FullyShardedDataParallelPlugin(
             reshard_after_forward=True,
             cpu_offload=CPUOffloadPolicy(pin_memory=plan.device == "cuda") if r.offload_params == "cpu" else OffloadPolicy(),
+            mixed_precision_policy=fsdp2_mixed_precision(r.mixed_precision),
             **common)
     return FullyShardedDataParallelPlugin(
         sharding_strategy="FULL_SHARD", use_orig_params=True, sync_module_states=True,
@@ -152,8 +172,14 @@ def build_accelerator(plan: Plan, config):
                 # Accelerate enables FSDP only for GPU-like types; FSDP itself runs on CPU tensors.
                 state.distributed_type = DistributedType.MULTI_GPU
 
+    handlers = []
+    if r.strategy == "fsdp" and r.fsdp_version == 2 and r.mixed_precision != "no":
+        from accelerate.utils import AutocastKwargs
+
+        handlers.append(AutocastKwargs(enabled=False))  # FSDP2's policy casts (fsdp2_mixed_precision)
     accelerator = Accelerator(
         cpu=on_cpu and r.strategy == "ddp",
+        kwargs_handlers=handlers,
         mixed_precision=r.mixed_precision,
         deepspeed_plugin=ds_plugin,
         fsdp_plugin=fsdp_plugin,
@@ -231,6 +257,10 @@ def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):
     r = plan.recipe
     groups = _param_groups(model, r.weight_decay)
     adam = dict(lr=r.lr, betas=(r.adam_beta1, r.adam_beta2), eps=r.adam_eps)
+    # On GPUs one fused kernel updates every parameter (the foreach AdamW was the optimizer phase of the
+    # 1B profile, docs/benchmarks.md section 6); on CPU the plain loop, with which the loss curves were
+    # matched to TRL's. Parameters offloaded to CPU by FSDP step on CPU.
+    fused = plan.device == "cuda" and r.offload_params == "none"
     if plan.is_deepspeed and r.offload_optimizer != "none":
         optimizer = DummyOptim(groups, **adam)  # DeepSpeed builds its CPU Adam from the config
         scheduler = DummyScheduler(optimizer, lr_scheduler_callable=lambda opt: build_scheduler(r, opt, total_steps))
@@ -239,11 +269,11 @@ def build_optimizer_and_scheduler(plan: Plan, model, total_steps: int):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
-                                            weight_decay=groups[0]["weight_decay"], **adam)
+                                            weight_decay=groups[0]["weight_decay"], fused=fused or None, **adam)
         for group in groups[1:]:
             optimizer.add_param_group({"params": group["params"], "weight_decay": group["weight_decay"]})
     else:
-        optimizer = torch.optim.AdamW(groups, foreach=plan.device == "cuda", **adam)
+        optimizer = torch.optim.AdamW(groups, fused=fused or None, foreach=False, **adam)
     return optimizer, build_scheduler(r, optimizer, total_steps)
 
 

@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 
 from finetune.plan import make_plan
 from finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe_module, validate
@@ -108,12 +109,36 @@ def test_launcher_mixed_precision_matching_recipe_passes():
     assert p.device == "cuda" and p.recipe.mixed_precision == "bf16"
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_needs_cuda(precision):
+def test_fp16_needs_cuda_and_bf16_runs_on_cpu():
     with pytest.raises(RecipeError) as info:
-        plan(f"mixed_precision={precision}", cuda=False)
-    assert f"mixed_precision={precision} needs a CUDA GPU" in str(info.value)
-    assert "mixed_precision=no" in str(info.value)
+        plan("mixed_precision=fp16", cuda=False)
+    assert "mixed_precision=fp16 needs a CUDA GPU" in str(info.value)
+    assert "mixed_precision=no (fp32) or bf16" in str(info.value)
+    assert plan("mixed_precision=bf16", cuda=False).recipe.mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_fsdp2_mixed_precision_is_its_own_policy(precision):
+    """bf16 (fp16) parameters for compute, gradients reduced in fp32, and no cast of the units' outputs:
+    lm_head's output is the loss, computed in fp32 (strategy.fsdp2_mixed_precision)."""
+    from finetune.strategy import _fsdp_plugin, fsdp2_mixed_precision
+
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    policy = _fsdp_plugin(plan(f"mixed_precision={precision}", "strategy=fsdp", cuda=True),
+                          ["LlamaDecoderLayer"]).mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (dtype, torch.float32, None)
+    assert fsdp2_mixed_precision("no") is None
+
+
+@pytest.mark.parametrize("device, fused", [("cuda", True), ("cpu", False)])
+def test_adamw_is_fused_on_cuda(device, fused):
+    """One kernel for the whole update on GPUs; on CPU the reference's own loop, which the curves
+    equal to TRL's were measured with."""
+    from finetune.strategy import build_optimizer_and_scheduler
+
+    p = plan("strategy=fsdp", cuda=device == "cuda")
+    optimizer, _ = build_optimizer_and_scheduler(p, torch.nn.Linear(4, 4), 10)
+    assert bool(optimizer.defaults.get("fused")) is fused
 
 
 def test_flash_attention_needs_cuda():
