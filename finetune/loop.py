@@ -92,6 +92,19 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
                          f"max_nonfinite_steps=N")
 
 
+def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple[float, int, int, bool]:
+    """What the host must know of a step, read back at once: the loss (for the NaN check before the
+    update, and the log), the global token counts, and whether any rank was asked to stop (a signal
+    caught during the step stops the run after it). The loop waits for the device here only, after
+    backward; it used to read the counts before the forward and the loss apart, three host syncs a
+    step, the first of which kept the host from queueing a step's kernels while the previous
+    step's optimizer ran (bench/step_overhead.py)."""
+    ends = reduce_sum(torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64,
+                                                           device=step_loss.device)]))
+    loss_sum, stops, targets, inputs = torch.cat([ends, counts]).tolist()
+    return loss_sum / targets, int(targets), int(inputs), stops > 0
+
+
 # The wrapped model holds the process group (DDP's reducer holds the last reference to it). Freed
 # on return from train(), it would tear the group down, which can deadlock (see
 # run.exit_without_teardown); kept here, it lives until run.py ends the process.
@@ -169,11 +182,12 @@ def train(plan: Plan) -> dict:
     stopping = False
     while state.step < total_steps:
         micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]
-        # one all-reduce carries the batch's target tokens and whether any rank was asked to stop
-        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches), stop.requested,
-                                          sum(D.input_tokens(b) for b in micro_batches)], device=device)).tolist()
-        global_tokens, stopping, global_inputs = int(counts[0]), counts[1] > 0, int(counts[2])
-        scale = world * plan.grad_accum / global_tokens  # the framework averages over ranks and micro-steps
+        # The global batch's target and input tokens, summed on the device and not read back here: the
+        # host queues the forward without waiting for the previous step to finish (see one_sync_per_step)
+        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches),
+                                          sum(D.input_tokens(b) for b in micro_batches)], dtype=torch.float64,
+                                         device=device))
+        scale = (world * plan.grad_accum / counts[0]).float()  # the framework averages over ranks and micro-steps
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         aux = []  # a mixture of experts' router loss per micro-batch, when its config asks for one
         for index, batch in enumerate(micro_batches):
@@ -183,7 +197,7 @@ def train(plan: Plan) -> dict:
                 accelerator.backward(loss * scale)
             step_loss += loss.detach().double()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
-        step_loss = float(reduce_sum(step_loss) / global_tokens)
+        step_loss, global_tokens, global_inputs, stopping = one_sync_per_step(step_loss, counts, stop, reduce_sum)
         if not skip_nonfinite(state, step_loss, grad_norm, r, out):  # or raises: a NaN run stops here
             optimizer.step()
             scheduler.step()
