@@ -6,6 +6,7 @@ Without --gpu it runs on this machine's CPU with 2 processes (gloo) and measures
   3. packing on against off (bench/packing.py),
   4. checkpoint save and resume cost at two step counts (bench/checkpoints.py),
   5. what the loop itself logs (read from the runs of 2 and 3),
+  7. the loss's memory with a 128k vocabulary at 256 and 2048 tokens (bench/loss_memory.py),
 prints the tables and writes docs/benchmarks.md. --quick uses smaller models, fewer steps, no offload
 rows in part 1 and one pair of launches per strategy in part 2 (the full mode: three, median), and
 finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu.py)
@@ -36,7 +37,7 @@ FULL = {"memory_model": "llama-100m", "train_model": "llama-20m",
         "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3, optimizer+params->cpu", "fsdp, params->cpu"],
         "steps": 20, "warmup": 5, "seq_len": 256, "micro": 4, "accum": 2, "rounds": 3, "memory_offload": True,
         "checkpoint_strategies": ["zero3", "fsdp", "ddp"], "checkpoint_steps": (5, 300)}
-PARTS = ("memory", "throughput", "packing", "checkpoints")
+PARTS = ("memory", "throughput", "packing", "checkpoints", "loss_memory")
 
 
 def parse(argv):
@@ -143,6 +144,15 @@ def main(argv=None) -> int:
         print("4. checkpoints", flush=True)
         early, late = cfg["checkpoint_steps"]
         results["checkpoints"] = checkpoints.measure(cfg["checkpoint_strategies"], early, late, work / "checkpoints")
+
+    if "loss_memory" in parts:
+        import loss_memory
+
+        # Written into its own marked section of the report (section 7), which write_cpu_report keeps.
+        print("7. the loss with a 128k vocabulary: peak memory at 256 and 2048 tokens", flush=True)
+        loss_memory.main(["--work", str(work / "loss_memory"), "--doc", args.doc]
+                         + (["--rounds", "1"] if args.quick else ["--sweep"]))
+        results["loss_memory"] = str(work / "loss_memory" / "loss_memory.json")
 
     results["wall_seconds"] = round(time.perf_counter() - t0, 1)
     save_json(work / "results.json", results)

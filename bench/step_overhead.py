@@ -1,0 +1,149 @@
+"""What a training step costs beyond the model and the framework, in finetune and in the Hugging Face
+Trainer: both launched as in the throughput part (bench/throughput.py: same model, rows, batch and
+DeepSpeed config or FSDP2 settings), each rank under cProfile, and the per-step time split into
+
+  forward   the model's forward with the loss (finetune: loss_sum; Trainer: compute_loss),
+  backward  the strategy's backward, its gradient collectives included,
+  step      the optimizer step, clipping and the scheduler,
+  own       everything else the step's code calls: fetching and collating rows, counting tokens across
+            ranks, the NaN check, metrics and progress (finetune); the dataloader, get_batch_samples'
+            token count, callbacks and logging (Trainer),
+
+as cumulative seconds in those functions over the run's steps, divided by the steps. cProfile slows
+Python-heavy code more than the kernels, so `own` is an upper bound of the real cost; compare the two
+toolkits' rows with each other, not with the unprofiled tokens/s.
+
+    python bench/step_overhead.py [--strategies ddp,zero2,fsdp] [--steps 15] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pstats
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import REPO, MODELS, build_model, table, varlen_dataset  # noqa: E402
+from throughput import common_overrides  # noqa: E402
+
+# (function-name pattern, phase) per toolkit; the first pattern a profiled function matches wins
+PHASES = {
+    "finetune": [("finetune/loss.py:.*(loss_sum)", "forward"),
+                 ("accelerate/accelerator.py:.*(backward)", "backward"),
+                 ("accelerate/accelerator.py:.*(clip_grad_norm_)", "step"),
+                 ("accelerate/optimizer.py:.*(step)|accelerate/utils/deepspeed.py:.*(step)", "step"),
+                 ("accelerate/scheduler.py:.*(step)", "step"),
+                 ("finetune/data.py:.*(fetch)", "own"), ("finetune/loop.py:.*(reduce_sum|one_sync_per_step)", "own"),
+                 ("finetune/loop.py:.*(skip_nonfinite)", "own"), ("finetune/metrics.py:.*(write|update|step|window)", "own"),
+                 ("finetune/stopping.py:.*(fault_point)", "own"), ("finetune/strategy.py:.*(accumulate)", "own"),
+                 ("accelerate/accelerator.py:.*(gather)", "own")],
+    "trainer": [("transformers/trainer.py:.*(compute_loss)", "forward"),
+                ("accelerate/accelerator.py:.*(backward)", "backward"),
+                ("accelerate/accelerator.py:.*(clip_grad_norm_)", "step"),
+                ("accelerate/optimizer.py:.*(step)|accelerate/utils/deepspeed.py:.*(step)", "step"),
+                ("accelerate/scheduler.py:.*(step)", "step"),
+                ("accelerate/data_loader.py:.*(__iter__)", "own"),
+                ("transformers/trainer.py:.*(get_batch_samples|_prepare_inputs|_maybe_log_save_evaluate)", "own"),
+                ("transformers/trainer_callback.py:.*(on_step_end|on_step_begin|on_log|on_substep_end)", "own")],
+}
+
+PROFILED = '''
+import cProfile, os, sys
+sys.path[:0] = [{repo!r}, {bench!r}]
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+prof, out = cProfile.Profile(), {out!r} + "/rank" + os.environ.get("RANK", "0") + ".prof"
+if {trainer!r}:
+    import trainer_baseline as T
+    from transformers import Trainer
+    inner = Trainer.train
+    def train(self, *a, **k):
+        prof.enable()
+        try:
+            return inner(self, *a, **k)
+        finally:
+            prof.disable(); prof.dump_stats(out)
+    Trainer.train = train
+    from finetune.run import exit_without_teardown
+    exit_without_teardown(T.main(sys.argv[1:]))
+else:
+    import finetune.loop as L
+    from finetune import run
+    inner = L.train
+    def train(plan):
+        prof.enable()
+        try:
+            return inner(plan)
+        finally:
+            prof.disable(); prof.dump_stats(out)
+    L.train = train
+    sys.exit(run.main(sys.argv[1:]))
+'''
+
+
+def profile(toolkit: str, strategy: str, base: list[str], work: Path) -> Path:
+    out = work / f"{toolkit}-{strategy}"
+    out.mkdir(parents=True, exist_ok=True)
+    script = out / "profiled.py"
+    script.write_text(PROFILED.format(repo=str(REPO), bench=str(REPO / "bench"), out=str(out),
+                                      trainer=toolkit == "trainer"))
+    args = ["--recipe", "tiny", *base, f"strategy={strategy}", "plot_loss=false", f"output_dir={out / 'run'}"]
+    if toolkit == "trainer":
+        args = [str(out / "run"), *[a for a in args if a != "plot_loss=false"]]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"{toolkit} {strategy} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return out / "rank0.prof"
+
+
+def phases(prof: Path, toolkit: str, steps: int) -> dict:
+    import re
+
+    stats = pstats.Stats(str(prof)).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
+    rules = [(re.compile(p), phase) for p, phase in PHASES[toolkit]]
+    seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0, "own": 0.0}
+    counted = {}
+    for (file, line, name), (_, _, _, cumtime, callers) in stats.items():
+        where = f"{file}:{line}({name})"
+        phase = next((ph for rule, ph in rules if rule.search(where)), None)
+        if phase is None:
+            continue
+        # a matched function called from another matched one is already inside its caller's time
+        caller_matched = any(any(rule.search(f"{f}:{ln}({n})") for rule, _ in rules) for f, ln, n in callers)
+        if not caller_matched:
+            seconds[phase] += cumtime
+            counted[where] = cumtime
+    return {k: v / steps for k, v in seconds.items()} | {"functions": counted}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strategies", default="ddp,zero2,fsdp")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--work", default=f"/tmp/bench-overhead-{time.strftime('%Y%m%d-%H%M%S')}")
+    args = p.parse_args(argv)
+    work = Path(args.work)
+    base = common_overrides(build_model(MODELS["llama-7m"]), varlen_dataset(), args.steps, 256, 4, 2)
+    rows = []
+    for strategy in args.strategies.split(","):
+        for toolkit in ("finetune", "trainer"):
+            ph = phases(profile(toolkit, strategy, base, work), toolkit, args.steps)
+            rows.append([strategy, toolkit] + [f"{1000 * ph[k]:.1f}" for k in ("forward", "backward", "step", "own")])
+            print(f"{strategy} {toolkit}: " + ", ".join(f"{k} {1000 * ph[k]:.1f} ms" for k in
+                                                     ("forward", "backward", "step", "own")), flush=True)
+            for where, s in sorted(ph["functions"].items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {1000 * s / args.steps:8.1f} ms/step  {where.split('site-packages/')[-1]}")
+    print()
+    print(table(["strategy", "toolkit", "forward ms/step", "backward ms/step", "step ms/step", "own ms/step"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
