@@ -10,6 +10,7 @@ from pathlib import Path
 import checkpoints as C
 import memory as M
 import packing as P
+import padding_free as PF
 import throughput as T
 from common import fmt, mib, table
 
@@ -41,6 +42,8 @@ def write_gpu_section(doc: Path, section: str) -> None:
 LOSS_BEGIN, LOSS_END = "<!-- loss-memory:begin -->", "<!-- loss-memory:end -->"
 LOSS_TITLE = "## 7. The loss with a large vocabulary"
 DATA_BEGIN, DATA_END = "<!-- data-prep:begin -->", "<!-- data-prep:end -->"
+FREE_BEGIN, FREE_END = "<!-- padding-free:begin -->", "<!-- padding-free:end -->"
+FREE_TITLE = "## 3b. Padding-free batches"
 DATA_TITLE = "## 8. Data preparation against TRL"
 
 
@@ -54,6 +57,23 @@ def write_marked_section(doc: Path, title: str, begin: str, end: str, section: s
     text = re.sub(re.escape(begin) + r"\n.*?" + re.escape(end), lambda _: begin + "\n" + section + "\n" + end, text,
                   flags=re.S)
     doc.write_text(text)
+
+
+def padding_free_block(results: dict) -> str:
+    return PF.section(results["padding_free"], results["command"], results["started"], results["versions"])
+
+
+def write_padding_free_section(doc: Path, results: dict) -> str:
+    """`bench/run.py --only padding_free`: its section alone, the rest of the report as it was (placed
+    before section 4 the first time)."""
+    section = padding_free_block(results)
+    text = doc.read_text() if doc.is_file() else _skeleton()
+    if FREE_BEGIN not in text and "\n## 4. " in text:
+        at = text.index("\n## 4. ") + 1
+        text = text[:at] + f"{FREE_TITLE}\n\n{FREE_BEGIN}\n{FREE_END}\n\n" + text[at:]
+        doc.write_text(text)
+    write_marked_section(doc, FREE_TITLE, FREE_BEGIN, FREE_END, section)
+    return section
 
 
 def _marked_block(doc: Path, begin: str, end: str) -> str | None:
@@ -114,6 +134,9 @@ def hung_runs(results: dict) -> list[str]:
     p = results.get("packing") or {}
     if (p.get("on") or {}).get("hung_at_exit"):
         out.append("finetune packing=true")
+    for name, side in ((results.get("padding_free") or {}).get("runs") or {}).items():
+        if side.get("hung_at_exit") and not side.get("reused"):
+            out.append(f"finetune {PF.LABELS[name]}")
     for row in (results.get("checkpoints") or {}).get("rows", []):
         for i, hung in enumerate(row.get("hung_at_exit") or []):
             if hung:
@@ -204,6 +227,11 @@ def write_cpu_report(doc: Path, results: dict) -> str:
         add(P.render(r) + "\n")
         add(packing_notes(r))
         add(f"Command: `{r['on']['command']}` (and the same with packing=false).\n")
+
+    free_block = padding_free_block(results) if "padding_free" in results else _marked_block(doc, FREE_BEGIN, FREE_END)
+    if free_block is not None:  # measured now, or by an earlier `--only padding_free`, kept as it is
+        add(FREE_TITLE + "\n")
+        add(FREE_BEGIN + "\n" + free_block + "\n" + FREE_END + "\n")
 
     if "checkpoints" in results:
         r = results["checkpoints"]

@@ -4,6 +4,7 @@ Without --gpu it runs on this machine's CPU with 2 processes (gloo) and measures
   1. model-state memory per rank for every strategy and offload setting (bench/memory.py),
   2. target tokens/s of finetune/run.py against the Hugging Face Trainer (bench/throughput.py),
   3. packing on against off (bench/packing.py),
+  3b. padding-free batches against today's packing (bench/padding_free.py),
   4. checkpoint save and resume cost at two step counts (bench/checkpoints.py),
   5. what the loop itself logs (read from the runs of 2 and 3),
   7. the loss's memory with a 128k vocabulary at 256 and 2048 tokens (bench/loss_memory.py),
@@ -37,7 +38,7 @@ FULL = {"memory_model": "llama-100m", "train_model": "llama-20m",
         "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp", "zero3, optimizer+params->cpu", "fsdp, params->cpu"],
         "steps": 20, "warmup": 5, "seq_len": 256, "micro": 4, "accum": 2, "rounds": 3, "memory_offload": True,
         "checkpoint_strategies": ["zero3", "fsdp", "ddp"], "checkpoint_steps": (5, 300)}
-PARTS = ("memory", "throughput", "packing", "checkpoints", "loss_memory")
+PARTS = ("memory", "throughput", "packing", "padding_free", "checkpoints", "loss_memory")
 
 
 def parse(argv):
@@ -138,6 +139,18 @@ def main(argv=None) -> int:
             if ddp and ddp["ours"].get("ok"):
                 off = dict(ddp["ours"], reused=True)
         results["packing"] = packing.measure(base, work / "packing", cfg["warmup"], off=off, strategy="ddp")
+    if "padding_free" in parts:
+        import padding_free
+        import throughput
+
+        print("3b. padding-free batches", flush=True)
+        base = throughput.common_overrides(train_dir, dataset, cfg["steps"], cfg["seq_len"], cfg["micro"],
+                                           cfg["accum"])
+        packing_result = results.get("packing") or {}
+        results["padding_free"] = padding_free.measure(base, work / "padding_free", cfg["warmup"],
+                                                       packed=packing_result.get("on"), off=packing_result.get("off"),
+                                                       strategy="ddp", model_dir=train_dir, dataset=dataset,
+                                                       seq_len=cfg["seq_len"], micro=cfg["micro"])
     if "checkpoints" in parts:
         import checkpoints
 
@@ -156,6 +169,16 @@ def main(argv=None) -> int:
 
     results["wall_seconds"] = round(time.perf_counter() - t0, 1)
     save_json(work / "results.json", results)
+    if parts == ["loss_memory"]:  # its section is written; the others stay as measured
+        print(f"\nwrote the loss-memory section of {args.doc}; {results['wall_seconds']:.0f}s in all")
+        return 0
+    if parts == ["padding_free"]:  # its own section only: the other sections of the report stay as measured
+        text = report.write_padding_free_section(Path(args.doc), results)
+        print()
+        print(text)
+        print(f"\nwrote the padding-free section of {args.doc} (raw results: {work / 'results.json'}); "
+              f"{results['wall_seconds']:.0f}s in all")
+        return 0
     text = report.write_cpu_report(Path(args.doc), results)
     print()
     print(text)

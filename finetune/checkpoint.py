@@ -53,6 +53,8 @@ RESUME_EFFECTS = {
     "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
     "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
     "micro_batch_size": "the global batch is kept, accumulation is recomputed",
+    "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
+                    "(false) from this step on",
 }
 
 

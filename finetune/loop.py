@@ -15,7 +15,7 @@ from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
 from finetune.export import merge_adapter, save_final_model
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
-from finetune.model import load_config, load_model, load_tokenizer, loss_sum
+from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer, loss_sum
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.stopping import StopRequest, fault_point
@@ -46,13 +46,14 @@ def main_first(accelerator, fn):
     return result if accelerator.is_local_main_process else fn()
 
 
-def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, loss) -> float:
+def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, loss,
+             padding_free: bool = False) -> float:
     """Mean loss per target token over the whole eval set, exact across ranks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for rows in batches:
-            batch = {k: v.to(device) for k, v in D.fetch(ds, rows, pad_id, packed).items()}
+            batch = {k: v.to(device) for k, v in D.fetch(ds, rows, pad_id, packed, padding_free).items()}
             total[0] += loss(model, batch).double()
             total[1] += D.target_tokens(batch)
     model.train()
@@ -117,6 +118,9 @@ def train(plan: Plan) -> dict:
     out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
     model_path, config = load_config(r)
+    problem = concatenation_problem(r, config)
+    if problem:
+        raise RecipeError(problem)
     accelerator = build_accelerator(plan, config)
     rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
     is_main = accelerator.is_main_process
@@ -134,7 +138,8 @@ def train(plan: Plan) -> dict:
     total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
     eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, rank, world, r.eval_max_samples) \
         if datasets.eval is not None else None
-    log.info(f"{len(datasets.train)} training rows ({datasets.format}{', packed' if packed else ''}), "
+    layout = (", packed" if packed else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
+    log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     for line in D.summary_lines(datasets, r):
         log.info(line)
@@ -175,13 +180,15 @@ def train(plan: Plan) -> dict:
     last_eval = None
     if eval_rows is not None and r.eval_at_start and state.step == 0:
         with meter.paused("eval"):
-            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
+            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
+                                 r.padding_free)
         metrics.write({"step": 0, "eval_loss": last_eval})
         progress.note(f"step 0: eval_loss {last_eval:.4f}")
     model.train()
     stopping = False
     while state.step < total_steps:
-        micro_batches = [D.fetch(datasets.train, rows, pad_id, packed) for rows in schedule.rows(state.step, rank)]
+        micro_batches = [D.fetch(datasets.train, rows, pad_id, packed, r.padding_free)
+                         for rows in schedule.rows(state.step, rank)]
         # The global batch's target and input tokens, summed on the device and not read back here: the
         # host queues the forward without waiting for the previous step to finish (see one_sync_per_step)
         counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches),
@@ -223,7 +230,8 @@ def train(plan: Plan) -> dict:
         end = state.step == total_steps
         if eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
             with meter.paused("eval"):
-                last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of)
+                last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
+                                     r.padding_free)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")

@@ -56,7 +56,10 @@ Estimate (no model loaded, no GPU needed)
    long, padded batches at most that long. R is the token rows whose logits the loss holds at once:
    B*T with loss_impl=full; with the default chunked loss (finetune/loss.py) one chunk,
    loss_chunk_tokens or as many rows as fit 256 MiB of fp32 logits (523 for a 128k vocabulary), so
-   the term no longer grows with B*T (measured: docs/benchmarks.md section 7).
+   the term no longer grows with B*T (measured: docs/benchmarks.md section 7). padding_free=true makes
+   the micro-batch one row of at most B*T tokens (no padding), so every B*T term holds as it is; its
+   attention is one mask over the whole row under sdpa/eager, so the scores term becomes 5*a*(B*T)^2
+   (B times larger); under flash_attention_2 it is per example (varlen) and the B*a*T^2 bound holds.
 
 4. Buffers: what a strategy allocates beyond the model states (rough, stated so that it can be
    checked): ddp, a second copy of every gradient in DDP's reduction buckets (Accelerate leaves
@@ -228,12 +231,16 @@ def loss_rows(vocab_size: int, tokens: int, loss_impl: str = "full", chunk_token
 
 
 def activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
-                     activation_checkpointing: bool, loss_impl: str = "full", loss_chunk_tokens: int = 0) -> int:
+                     activation_checkpointing: bool, loss_impl: str = "full", loss_chunk_tokens: int = 0,
+                     one_row: bool = False) -> int:
     """Activations per GPU; the formula is in this module's docstring (Korthikanti et al. 2022). The
-    logits term counts the rows the loss holds at once (loss_rows)."""
+    logits term counts the rows the loss holds at once (loss_rows). one_row: the micro-batch is one
+    row of up to B*T tokens attended under a full-row mask (padding_free=true with sdpa/eager), whose
+    scores term is a*(B*T)^2, B times a padded batch's; the B*T terms are unchanged (the row holds at
+    most B*T tokens)."""
     b, t, h, a, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_attention_heads, arch.num_hidden_layers
     scale = 1 if mixed_precision != "no" else 2
-    one_layer = 34 * b * t * h + 5 * b * a * t * t
+    one_layer = 34 * b * t * h + 5 * a * (b * t) ** 2 if one_row else 34 * b * t * h + 5 * b * a * t * t
     body = layers * 2 * b * t * h + one_layer if activation_checkpointing else layers * one_layer
     rows = loss_rows(arch.vocab_size, b * t, loss_impl, loss_chunk_tokens)
     logits = rows * arch.vocab_size * ((2 if mixed_precision != "no" else 4) + 8)
@@ -269,7 +276,7 @@ class Estimate:
 def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precision: str = "bf16",
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
-             loss_chunk_tokens: int = 0) -> Estimate:
+             loss_chunk_tokens: int = 0, one_row: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -347,7 +354,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
             buffers += 4 * trained / n  # torch AdamW's foreach temporary (on the CPU when offloaded)
     buffers += dequantized
     acts = activation_bytes(arch, micro_batch_size, seq_len, mixed_precision, activation_checkpointing, loss_impl,
-                            loss_chunk_tokens)
+                            loss_chunk_tokens, one_row)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]))
@@ -360,7 +367,15 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     activation_checkpointing=recipe.activation_checkpointing,
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
                     quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
-                    loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens)
+                    loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
+                    one_row=padding_free_scores(recipe))
+
+
+def padding_free_scores(recipe: Recipe) -> bool:
+    """padding_free=true under sdpa/eager: one row of the micro-batch's tokens under a block-diagonal
+    mask over the whole row (activation_bytes one_row). flash_attention_2 attends per example (varlen):
+    the sum of its examples' squared lengths is at most B*T^2, the padded bound, which then holds."""
+    return bool(getattr(recipe, "padding_free", False)) and recipe.attn_implementation != "flash_attention_2"
 
 
 def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[tuple[int, Estimate]]:

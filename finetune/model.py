@@ -22,6 +22,30 @@ def load_config(recipe: Recipe):
     return path, config
 
 
+# Model types (transformers 5.x) whose layers carry state along the sequence (state-space, recurrent,
+# convolutional or linear-attention layers), or whose attention is not masked from position ids
+# (masking_utils.find_packed_sequence_indices): examples concatenated into one row would leak into one
+# another whatever the position ids say. Read from transformers' modeling files: the causal LMs that
+# build no mask through masking_utils, and those with mamba/conv/linear-attention layers.
+SEQUENCE_STATE_MODELS = frozenset({
+    "bailing_hybrid", "bamba", "cpmant", "falcon_h1", "falcon_mamba", "fuyu", "glm5_next", "granitemoehybrid",
+    "inkling", "inkling2", "jamba", "kimi_linear", "kosmos2", "lfm2", "lfm2_moe", "lfm3", "mamba", "mamba2",
+    "minimax", "nemotron_h", "olmo_hybrid", "prophetnet", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp",
+    "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2"})
+
+
+def concatenation_problem(recipe: Recipe, config) -> str | None:
+    """packing=true and padding_free=true put several examples in one row and keep them apart only
+    through the position ids; a model that cannot is refused (one line), not trained on leaking rows."""
+    model_type = getattr(config, "model_type", "")
+    if not (recipe.packing or recipe.padding_free) or model_type not in SEQUENCE_STATE_MODELS:
+        return None
+    keys = " and ".join(f"{k}=true" for k in ("packing", "padding_free") if getattr(recipe, k))
+    return (f"{keys} with model type {model_type}: its layers carry state along the row (or its attention ignores "
+            "position ids), so examples concatenated in one row would see one another; set packing=false "
+            "padding_free=false (padded rows, one example each)")
+
+
 def no_split_modules(config) -> list[str]:
     """The decoder-layer class names, which FSDP wraps as its units."""
     from transformers import AutoModelForCausalLM

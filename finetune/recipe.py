@@ -97,6 +97,13 @@ class Recipe:
                          "CPU count")
     max_seq_len: int = _opt(2048, min=8)
     packing: bool = _opt(False)
+    padding_free: bool = _opt(False, help="each micro-batch as ONE row: its examples (the packed rows' examples "
+                              "with packing=true, else the micro-batch's rows) concatenated with no pad token, "
+                              "position ids restarting at 0 per example, no attention mask. Pays with "
+                              "attn_implementation=flash_attention_2 (GPU): attention is varlen, per example. With "
+                              "sdpa/eager the model builds a block-diagonal mask over the whole row, whose attention "
+                              "costs micro_batch_size times a padded row's: it pays only when padding is most of "
+                              "the batch and attention a small part of the compute (bench/padding_free.py)")
     train_on_prompt: bool = _opt(False, help="false: loss on the responses only")
     # How
     strategy: str = _opt("zero3", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"))
@@ -469,6 +476,11 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError(f"load_in_4bit=true with offload_params={r.offload_params}: offloading a 4-bit base is "
                           "not supported; use offload_params=none (the 4-bit base is a quarter of a 16-bit one; "
                           "shard it over more GPUs) or load_in_4bit=false")
+    if r.packing and not r.padding_free and r.attn_implementation == "flash_attention_2" and r.micro_batch_size > 1:
+        raise RecipeError(f"packing=true with attn_implementation=flash_attention_2 and micro_batch_size="
+                          f"{r.micro_batch_size}: transformers keeps packed examples apart under flash-attention only "
+                          "in a batch of one row (its varlen path), so each row's examples would attend to one "
+                          "another; set padding_free=true (one row per micro-batch, varlen) or micro_batch_size=1")
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
     trackers = [t for t in r.report_to if t != "none"]
