@@ -45,6 +45,8 @@ DATA_BEGIN, DATA_END = "<!-- data-prep:begin -->", "<!-- data-prep:end -->"
 FREE_BEGIN, FREE_END = "<!-- padding-free:begin -->", "<!-- padding-free:end -->"
 FREE_TITLE = "## 3b. Padding-free batches"
 DATA_TITLE = "## 8. Data preparation against TRL"
+STEP_BEGIN, STEP_END = "<!-- step-overhead:begin -->", "<!-- step-overhead:end -->"
+STEP_TITLE = "## 9. What a step costs beyond the model, against the Trainer"
 
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:
@@ -266,6 +268,10 @@ def write_cpu_report(doc: Path, results: dict) -> str:
     if data_block is not None:  # measured by bench/data_prep.py --doc, kept as it is
         add(DATA_TITLE + "\n")
         add(DATA_BEGIN + "\n" + data_block + "\n" + DATA_END + "\n")
+    step_block = _marked_block(doc, STEP_BEGIN, STEP_END)
+    if step_block is not None:  # measured by bench/step_overhead.py --doc, kept as it is
+        add(STEP_TITLE + "\n")
+        add(STEP_BEGIN + "\n" + step_block + "\n" + STEP_END + "\n")
     text = "\n".join(out)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

@@ -13,13 +13,14 @@ as cumulative seconds in those functions over the run's steps, divided by the st
 Python-heavy code more than the kernels, so `own` is an upper bound of the real cost; compare the two
 toolkits' rows with each other, not with the unprofiled tokens/s.
 
-    python bench/step_overhead.py [--strategies ddp,zero2,fsdp] [--steps 15] [--work DIR]
+    python bench/step_overhead.py [--strategies ddp,zero2,fsdp] [--steps 15] [--work DIR] [--doc docs/benchmarks.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import pstats
 import subprocess
 import sys
@@ -85,8 +86,10 @@ else:
 '''
 
 
-def profile(toolkit: str, strategy: str, base: list[str], work: Path) -> Path:
+def profile(toolkit: str, strategy: str, base: list[str], work: Path, reuse: bool = False) -> Path:
     out = work / f"{toolkit}-{strategy}"
+    if reuse and (out / "rank0.prof").is_file():
+        return out / "rank0.prof"
     out.mkdir(parents=True, exist_ok=True)
     script = out / "profiled.py"
     script.write_text(PROFILED.format(repo=str(REPO), bench=str(REPO / "bench"), out=str(out),
@@ -104,8 +107,6 @@ def profile(toolkit: str, strategy: str, base: list[str], work: Path) -> Path:
 
 
 def phases(prof: Path, toolkit: str, steps: int) -> dict:
-    import re
-
     stats = pstats.Stats(str(prof)).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
     rules = [(re.compile(p), phase) for p, phase in PHASES[toolkit]]
     seconds = {"forward": 0.0, "backward": 0.0, "step": 0.0, "own": 0.0}
@@ -128,21 +129,63 @@ def main(argv: list[str]) -> int:
     p.add_argument("--strategies", default="ddp,zero2,fsdp")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--work", default=f"/tmp/bench-overhead-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--reuse", action="store_true", help="read the profiles already in --work instead of launching")
+    p.add_argument("--doc", help="also write the table as section 9 of this file (docs/benchmarks.md)")
     args = p.parse_args(argv)
+    load_before = os.getloadavg()[0]
     work = Path(args.work)
     base = common_overrides(build_model(MODELS["llama-7m"]), varlen_dataset(), args.steps, 256, 4, 2)
-    rows = []
+    rows, top = [], {}
     for strategy in args.strategies.split(","):
         for toolkit in ("finetune", "trainer"):
-            ph = phases(profile(toolkit, strategy, base, work), toolkit, args.steps)
+            ph = phases(profile(toolkit, strategy, base, work, args.reuse), toolkit, args.steps)
             rows.append([strategy, toolkit] + [f"{1000 * ph[k]:.1f}" for k in ("forward", "backward", "step", "own")])
             print(f"{strategy} {toolkit}: " + ", ".join(f"{k} {1000 * ph[k]:.1f} ms" for k in
                                                      ("forward", "backward", "step", "own")), flush=True)
-            for where, s in sorted(ph["functions"].items(), key=lambda kv: -kv[1])[:8]:
-                print(f"    {1000 * s / args.steps:8.1f} ms/step  {where.split('site-packages/')[-1]}")
+            own = [(where, sec) for where, sec in ph["functions"].items()
+                   if next(phase for rule, phase in PHASES[toolkit] if re.search(rule, where)) == "own"]
+            top[strategy, toolkit] = sorted(own, key=lambda kv: -kv[1])[:3]
+            for where, sec in sorted(ph["functions"].items(), key=lambda kv: -kv[1])[:8]:
+                print(f"    {1000 * sec / args.steps:8.1f} ms/step  {short(where)}")
+    text = table(["strategy", "toolkit", "forward ms/step", "backward ms/step", "step ms/step", "own ms/step"], rows)
     print()
-    print(table(["strategy", "toolkit", "forward ms/step", "backward ms/step", "step ms/step", "own ms/step"], rows))
+    print(text)
+    if args.doc:
+        from common import git_state, machine, versions
+
+        from report import STEP_BEGIN, STEP_END, STEP_TITLE, write_marked_section
+
+        v = versions()
+        command = "python bench/step_overhead.py" + (f" --strategies {args.strategies}"
+                                                    if args.strategies != "ddp,zero2,fsdp" else "") + \
+            (f" --steps {args.steps}" if args.steps != 15 else "") + f" --doc {args.doc}"
+        biggest = "; ".join(f"{s} {t}: " + ", ".join(f"{short(w)} {1000 * sec / args.steps:.1f}" for w, sec in fns)
+                            for (s, t), fns in top.items())
+        section = "\n".join([
+            f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` at git {git_state()}; "
+            f"{machine()['cpu']}, {machine()['cores']} cores, load average {load_before:.2f} before and "
+            f"{os.getloadavg()[0]:.2f} after; torch {v['torch']}, transformers {v['transformers']}.",
+            "",
+            "Both toolkits on the throughput part's model and rows (llama-7m, max_seq_len 256, micro batch 4, 2 "
+            f"accumulation steps, 2 processes, log every step, {args.steps} steps), rank 0 under cProfile; ms per "
+            "optimizer step. forward: the model with its loss (finetune's loss_sum, the Trainer's compute_loss); "
+            "backward: Accelerate's backward, the strategy's gradient collectives included; step: clipping, the "
+            "optimizer and the scheduler; own: the rest of each toolkit's step code (rows to tensors, token "
+            "counts across ranks, the NaN check, metrics and logging; the Trainer's dataloader, get_batch_samples, "
+            "callbacks and _maybe_log_save_evaluate). A collective in `own` also holds the time the faster rank "
+            "waits there for the slower one, which it would otherwise wait at the next collective.",
+            "",
+            text,
+            "",
+            f"Largest `own` items (ms/step): {biggest}.",
+        ])
+        write_marked_section(Path(args.doc), STEP_TITLE, STEP_BEGIN, STEP_END, section)
+        print(f"wrote section 9 of {args.doc}")
     return 0
+
+
+def short(where: str) -> str:
+    return where.split("site-packages/")[-1].replace(str(REPO) + "/", "")
 
 
 if __name__ == "__main__":

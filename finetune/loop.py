@@ -53,7 +53,7 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, loss
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for rows in batches:
-            batch = {k: v.to(device) for k, v in D.fetch(ds, rows, pad_id, packed, padding_free).items()}
+            batch = to_device(D.fetch(ds, rows, pad_id, packed, padding_free), device)
             total[0] += loss(model, batch).double()
             total[1] += D.target_tokens(batch)
     model.train()
@@ -91,6 +91,18 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
                          f"without saving ({kept}); lower lr (now {recipe.lr}) or max_grad_norm, or check the "
                          f"data of step {step}, then continue with --resume auto; or let such steps be skipped with "
                          f"max_nonfinite_steps=N")
+
+
+def to_device(data, device):
+    """A tensor, or a dict of them, on the training device. On a GPU through pinned memory and without
+    waiting: PyTorch's blocking copy from pageable memory synchronises the stream, so every micro-batch's
+    `.to(cuda)` made the host wait for the previous micro-batch's backward before it could queue the
+    next forward."""
+    if isinstance(data, dict):
+        return {k: to_device(v, device) for k, v in data.items()}
+    if device.type == "cuda":
+        return data.pin_memory().to(device, non_blocking=True)
+    return data.to(device)
 
 
 def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple[float, int, int, bool]:
@@ -191,14 +203,13 @@ def train(plan: Plan) -> dict:
                          for rows in schedule.rows(state.step, rank)]
         # The global batch's target and input tokens, summed on the device and not read back here: the
         # host queues the forward without waiting for the previous step to finish (see one_sync_per_step)
-        counts = reduce_sum(torch.tensor([sum(D.target_tokens(b) for b in micro_batches),
-                                          sum(D.input_tokens(b) for b in micro_batches)], dtype=torch.float64,
-                                         device=device))
+        counts = reduce_sum(to_device(torch.tensor([sum(D.target_tokens(b) for b in micro_batches),
+                                                    sum(D.input_tokens(b) for b in micro_batches)],
+                                                   dtype=torch.float64), device))
         scale = (world * plan.grad_accum / counts[0]).float()  # the framework averages over ranks and micro-steps
         step_loss = torch.zeros((), dtype=torch.float64, device=device)
         aux = []  # a mixture of experts' router loss per micro-batch, when its config asks for one
-        for index, batch in enumerate(micro_batches):
-            batch = {k: v.to(device) for k, v in batch.items()}
+        for index, batch in enumerate(to_device(b, device) for b in micro_batches):
             with accumulate(accelerator, model, index):
                 loss = loss_of(model, batch, aux)
                 accelerator.backward(loss * scale)
