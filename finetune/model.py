@@ -94,7 +94,27 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
             model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     if recipe.lora:
         model = add_lora(model, recipe)
+    if recipe.compile:
+        compile_layers(model)
     return model
+
+
+def compile_layers(model) -> int:
+    """torch.compile each decoder layer in place (`module.compile()`), not the whole model; returns how
+    many were compiled. PLACEHOLDER"""
+    names = set(getattr(_hf_model(model), "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RecipeError(f"compile=true: {type(_hf_model(model)).__name__} names no decoder layers "
+                          "(_no_split_modules) to compile; set compile=false")
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def _hf_model(model):
+    get_base = getattr(model, "get_base_model", None)  # peft
+    return get_base() if callable(get_base) else model
 
 
 def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bool):

@@ -107,6 +107,10 @@ class Recipe:
     nvme_path: str = _opt("", help="directory on a fast local disk for offload=nvme")
     mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
     activation_checkpointing: bool = _opt(False)
+    compile: bool = _opt(False, help="torch.compile each decoder layer (fuses the element-wise ops: norms, rotary, "
+                         "activations) for faster steps; costs compile time at start on every rank (seconds for a "
+                         "small model on a GPU, up to minutes on CPU) and again once when the sequence length "
+                         "first changes; strategy=ddp, fsdp, zero1 or zero2 (finetune/model.py compile_layers)")
     loss_impl: str = _opt("chunked", choices=("chunked", "liger", "full"),
                           help="chunked: cross-entropy a chunk of tokens at a time, never the full logits; "
                           "liger: Liger-Kernel's fused kernel (CUDA, pip install liger-kernel); full: all "
@@ -469,6 +473,8 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError(f"load_in_4bit=true with offload_params={r.offload_params}: offloading a 4-bit base is "
                           "not supported; use offload_params=none (the 4-bit base is a quarter of a 16-bit one; "
                           "shard it over more GPUs) or load_in_4bit=false")
+    if r.compile:
+        _check_compile(r)
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
     trackers = [t for t in r.report_to if t != "none"]
@@ -495,6 +501,19 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError(f"model={r.model}: unknown builtin; available: "
                               + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS))
     return recipe
+
+
+def _check_compile(r: Recipe) -> None:
+    """compile=true where it was tried and works (finetune/model.py compile_layers): ddp, fsdp (FSDP2),
+    zero1, zero2, with or without activation checkpointing and LoRA."""
+    if r.strategy == "zero3":
+        raise RecipeError("compile=true with strategy=zero3: ZeRO-3 gathers every weight in a hook before each "
+                          "Linear and norm, which breaks the compiled layer into pieces at each of them (no fusion, "
+                          "slower than without compile); use strategy=fsdp, which shards like ZeRO-3, or "
+                          "compile=false")
+    if r.strategy == "fsdp" and r.fsdp_version == 1:
+        raise RecipeError("compile=true with fsdp_version=1: compiled layers are tested under FSDP2 only; use "
+                          "fsdp_version=2 or compile=false")
 
 
 def _check_source(key: str, source: str) -> None:
