@@ -30,7 +30,7 @@ def test_off_by_default_and_typed():
 @pytest.mark.parametrize("overrides", [
     ["strategy=ddp"], ["strategy=fsdp"], ["strategy=zero1"], ["strategy=zero2"],
     ["strategy=fsdp", "activation_checkpointing=true"], ["strategy=ddp", "lora=true"],
-    ["strategy=fsdp", "lora=true", "activation_checkpointing=true"],
+    ["strategy=fsdp", "lora=true", "activation_checkpointing=true"], ["strategy=ddp", "lora=true", "load_in_4bit=true"],
 ])
 def test_allowed(overrides):
     assert checked(*overrides).compile
@@ -40,7 +40,8 @@ def test_allowed(overrides):
     (["strategy=zero3"], ["compile=true with strategy=zero3", "use strategy=fsdp", "compile=false"]),
     (["strategy=zero3", "lora=true"], ["compile=true with strategy=zero3"]),
     (["strategy=fsdp", "fsdp_version=1"], ["compile=true with fsdp_version=1", "fsdp_version=2", "compile=false"]),
-    (["strategy=ddp", "lora=true", "load_in_4bit=true"], ["compile=true with load_in_4bit=true", "compile=false"]),
+    (["strategy=fsdp", "lora=true", "load_in_4bit=true"],
+     ["compile=true with load_in_4bit=true and strategy=fsdp", "compile=false"]),
 ])
 def test_refused(overrides, words):
     message = refusal(*overrides)
@@ -65,7 +66,7 @@ def tiny_model(*overrides):
     return load_model(recipe, path, config)
 
 
-@pytest.mark.parametrize("overrides", [[], ["lora=true", "strategy=fsdp", "activation_checkpointing=true"]])
+@pytest.mark.parametrize("overrides", [["strategy=ddp"], ["lora=true", "strategy=fsdp", "activation_checkpointing=true"]])
 def test_compiles_the_decoder_layers_in_place(overrides):
     """Only the layers FSDP wraps: their class stays (Accelerate's transformer_based_wrap finds them by
     class name), and lm_head, whose forward the chunked loss swaps, stays outside any compiled graph."""
