@@ -19,6 +19,7 @@ toolkits' rows with each other, not with the unprofiled tokens/s.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import pstats
@@ -100,10 +101,22 @@ def profile(toolkit: str, strategy: str, base: list[str], work: Path, reuse: boo
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    before = os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"{toolkit} {strategy} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    (out / "load.json").write_text(json.dumps({"before": before, "after": os.getloadavg()[0],
+                                               "at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}))
     return out / "rank0.prof"
+
+
+def loads(work: Path) -> str:
+    """The machine's 1-minute load average around each launch, as recorded next to its profile."""
+    seen = [json.loads(f.read_text()) for f in sorted(work.glob("*/load.json"))]
+    if not seen:
+        return "load average not recorded"
+    values = [x for d in seen for x in (d["before"], d["after"])]
+    return f"launches at {seen[0]['at']} to {seen[-1]['at']}, 1-minute load average {min(values):.2f} to {max(values):.2f}"
 
 
 def phases(prof: Path, toolkit: str, steps: int) -> dict:
@@ -132,7 +145,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reuse", action="store_true", help="read the profiles already in --work instead of launching")
     p.add_argument("--doc", help="also write the table as section 9 of this file (docs/benchmarks.md)")
     args = p.parse_args(argv)
-    load_before = os.getloadavg()[0]
     work = Path(args.work)
     base = common_overrides(build_model(MODELS["llama-7m"]), varlen_dataset(), args.steps, 256, 4, 2)
     rows, top = [], {}
@@ -162,9 +174,8 @@ def main(argv: list[str]) -> int:
         biggest = "; ".join(f"{s} {t}: " + ", ".join(f"{short(w)} {1000 * sec / args.steps:.1f}" for w, sec in fns)
                             for (s, t), fns in top.items())
         section = "\n".join([
-            f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `{command}` at git {git_state()}; "
-            f"{machine()['cpu']}, {machine()['cores']} cores, load average {load_before:.2f} before and "
-            f"{os.getloadavg()[0]:.2f} after; torch {v['torch']}, transformers {v['transformers']}.",
+            f"Measured by `{command}` at git {git_state()} ({loads(work)}); {machine()['cpu']}, "
+            f"{machine()['cores']} cores; torch {v['torch']}, transformers {v['transformers']}.",
             "",
             "Both toolkits on the throughput part's model and rows (llama-7m, max_seq_len 256, micro batch 4, 2 "
             f"accumulation steps, 2 processes, log every step, {args.steps} steps), rank 0 under cProfile; ms per "

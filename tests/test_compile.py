@@ -1,6 +1,6 @@
 """compile=true: which recipes it is refused for (one line, before any model loads), and what
 compile_layers compiles: the decoder layers in place, nothing else. Nothing here runs a compiled
-graph; tests/distributed/test_compile.py trains with one."""
+graph; tests/distributed/test_compile_run.py trains with one."""
 
 import pytest
 import torch

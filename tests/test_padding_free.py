@@ -1,7 +1,7 @@
 """padding_free=true (issue 12, item 2): every micro-batch is one row of its examples, concatenated with no
 pad token, position ids restarting at 0 per example, no attention mask. The layout (collate/fetch,
 placeholders), the loss of a real model on it against the padded batch's for each model family, the
-refusals, the resume rule and the planner. The 2-process launch is in tests/distributed/test_padding_free.py."""
+refusals, the resume rule and the planner. The 2-process launch is in tests/distributed/test_padding_free_run.py."""
 
 from __future__ import annotations
 
