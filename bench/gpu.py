@@ -11,6 +11,9 @@ order, batch, AdamW hyper-parameters, schedule, DeepSpeed config or FSDP2 mixed-
 said: loss_impl=liger under ddp (the Trainer with the same Liger kernel alongside) when liger_kernel
 is importable, else a row that says so; compile=true under fsdp when finetune/recipe.py has the
 field, else a row that says so. A run that fails is a row with its error; the others still run.
+Peak memory is torch.cuda.max_memory_allocated of the one process over its whole life: finetune's as
+its summary.json reports it (taken after its final save), the Trainer's after train() (it saves
+nothing here).
 
 Budget: 30 steps per run, the first 10 left out (the earlier single run took 40 and left out 10).
 Estimated, not yet timed: the 9 launches of the matrix, each with its start-up, model load and, for
