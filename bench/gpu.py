@@ -1,5 +1,27 @@
-"""Part 6 (`bench/run.py --gpu`): a 1B-class Llama-style model in bf16 on one GPU through
-finetune/run.py (strategy=ddp, one process, `python finetune/run.py ...`): tokens/s, MFU, peak memory.
+"""Part 6 (`bench/run.py --gpu`): a 1B-class Llama-style model in bf16 on one GPU, finetune/run.py
+against the Hugging Face Trainer (bench/trainer_baseline.py) for strategy ddp, fsdp (FSDP2) and
+zero3: tokens/s, MFU, peak memory and the losses at the first and last step, one row per (toolkit,
+strategy, variant), with finetune's ratio to the Trainer of the same strategy.
+
+Every run is one process, `python finetune/run.py ...` or `python bench/trainer_baseline.py OUT ...`,
+which forms a 1-process group for every strategy (finetune.strategy.ensure_process_env), so fsdp and
+zero3 run on the one GPU through the same code as on many. Both get the same model, rows in the same
+order, batch, AdamW hyper-parameters, schedule, DeepSpeed config or FSDP2 mixed-precision policy
+(bench/trainer_baseline.py says what is shared and what differs). Variants, finetune only unless
+said: loss_impl=liger under ddp (the Trainer with the same Liger kernel alongside) when liger_kernel
+is importable, else a row that says so; compile=true under fsdp when finetune/recipe.py has the
+field, else a row that says so. A run that fails is a row with its error; the others still run.
+Peak memory is torch.cuda.max_memory_allocated of the one process over its whole life: finetune's as
+its summary.json reports it (taken after its final save), the Trainer's after train() (it saves
+nothing here).
+
+Budget: 30 steps per run, the first 10 left out (the earlier single run took 40 and left out 10).
+Estimated, not yet timed: the 9 launches of the matrix, each with its start-up, model load and, for
+finetune, the end-of-run checkpoint and final model (20 s in the earlier ddp run), take about 9
+minutes on an H100. Where a command may run at most 10 minutes, run it again with `--reuse` and the
+same `--work` if it was cut off: the finished rows are kept. `--gpu-smoke` runs the same matrix on
+CPU with llama-7m in fp32, 128 tokens x 2 rows, 5 steps (2 left out): it checks the pipeline, it
+measures nothing worth reading.
 
 Data: "text" rows longer than max_seq_len, so every row is max_seq_len tokens with no padding and
 every token but the first is a target (the plain causal mask; no packing mask). MFU uses the
@@ -15,7 +37,7 @@ import os
 import random
 from pathlib import Path
 
-from common import CACHE, MODELS, PY, build_model, fmt, fresh_dir, read_jsonl, run, shown, table
+from common import CACHE, MODELS, PY, build_model, fmt, fresh_dir, run, shown, table
 from throughput import ours_steps, steady
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (figures.md; H200 = H100 chip)
@@ -46,89 +68,278 @@ def peak_flops(name: str) -> tuple[float | None, str]:
     return None, ""
 
 
-def measure(work: Path, smoke: bool = False) -> dict:
-    """smoke=True: the same pipeline on CPU with a small model in fp32, to check it without a GPU."""
+STRATEGIES = ("ddp", "fsdp", "zero3")
+GPU_RUN = {"model": "llama-1b", "seq_len": 2048, "micro": 4, "steps": 30, "warmup": 10, "precision": "bf16",
+           "rows": 600, "timeout": 600}
+SMOKE_RUN = {"model": "llama-7m", "seq_len": 128, "micro": 2, "steps": 5, "warmup": 2, "precision": "no",
+             "rows": 64, "timeout": 300}
+TOOLKITS = {"finetune": "finetune", "trainer": "Trainer"}
+
+
+def liger_problem(cuda: bool) -> str | None:
+    try:
+        import liger_kernel  # noqa: F401
+    except Exception:  # noqa: BLE001  (missing, or its triton does not import)
+        return "liger_kernel not installed"
+    return None if cuda else "liger needs CUDA"
+
+
+def compile_problem() -> str | None:
+    import dataclasses
+
+    from finetune.recipe import Recipe
+
+    if "compile" in {f.name for f in dataclasses.fields(Recipe)}:
+        return None
+    return "no compile field in finetune/recipe.py on this commit"
+
+
+def cases(cuda: bool) -> list[dict]:
+    """The matrix, in launch order: per strategy finetune and the Trainer (who goes first alternating),
+    then the variants."""
+    out = []
+    for i, strategy in enumerate(STRATEGIES):
+        pair = [("finetune", strategy, "default", [], None), ("trainer", strategy, "default", [], None)]
+        out += pair if i % 2 == 0 else pair[::-1]
+    liger = liger_problem(cuda)
+    out += [("finetune", "ddp", "loss_impl=liger", ["loss_impl=liger"], liger),
+            ("trainer", "ddp", "loss_impl=liger", ["loss_impl=liger"], liger),
+            ("finetune", "fsdp", "compile=true", ["compile=true"], compile_problem())]
+    return [{"toolkit": t, "strategy": s, "variant": v, "overrides": o, "skip": k} for t, s, v, o, k in out]
+
+
+def base_overrides(model_dir: Path, data: Path, cfg: dict) -> list[str]:
+    return [f"model={model_dir}", f"dataset={data}", "dataset_format=text", f"max_seq_len={cfg['seq_len']}",
+            "packing=false", f"mixed_precision={cfg['precision']}", f"micro_batch_size={cfg['micro']}",
+            "grad_accum=1", f"max_steps={cfg['steps']}", "log_every=1", "eval_fraction=0", "eval_at_start=false",
+            "save_every=0", "warmup_steps=2", "lr=1e-4", "activation_checkpointing=false",
+            "attn_implementation=sdpa", "plot_loss=false"]
+
+
+def measure(work: Path, smoke: bool = False, reuse: bool = False) -> dict:
+    """smoke=True: the same pipeline on CPU with a small model in fp32, to check it without a GPU.
+    reuse=True (`bench/run.py --gpu --reuse --work DIR`): rows that an earlier, interrupted run in the
+    same DIR finished are read back, not run again (each row is saved as it ends)."""
     import torch
 
-    if not smoke and not torch.cuda.is_available():
-        return {"ok": False, "error": "no CUDA GPU on this machine"}
-    spec = MODELS["llama-7m" if smoke else "llama-1b"]
-    seq, micro, steps, warmup = (128, 2, 6, 2) if smoke else (2048, 4, 40, 10)
-    model_dir = build_model(spec, device="cpu" if smoke else "cuda")
-    data = long_text_dataset(rows=64 if smoke else 600, min_chars=seq + 64)
-    out = fresh_dir(work / ("gpu-smoke" if smoke else "gpu"))
-    overrides = [f"model={model_dir}", f"dataset={data}", "dataset_format=text", f"max_seq_len={seq}",
-                 "packing=false", "strategy=ddp", f"mixed_precision={'no' if smoke else 'bf16'}",
-                 f"micro_batch_size={micro}", "grad_accum=1", f"max_steps={steps}", "log_every=1",
-                 "eval_fraction=0", "eval_at_start=false", "save_every=0", "warmup_steps=2", "lr=1e-4",
-                 "activation_checkpointing=false", "attn_implementation=sdpa", f"output_dir={out}"]
-    cmd = [PY, "finetune/run.py", "--recipe", "tiny", *overrides]
-    launch = run(cmd, work / ("gpu-smoke.log" if smoke else "gpu.log"), timeout=1800, done=(out / "summary.json").exists)
-    from common import versions
+    from common import launch_env, versions
 
-    res = {"ok": launch.ok, "command": shown(cmd), "versions": versions(), "seconds": round(launch.seconds, 1), "model": spec.describe(),
-           "parameters": spec.num_parameters(), "seq_len": seq, "micro_batch_size": micro, "steps": steps,
-           "warmup": warmup, "hung_at_exit": launch.hung_at_exit}
-    if torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not smoke and not cuda:
+        return {"ok": False, "error": "no CUDA GPU on this machine"}
+    cfg = dict(SMOKE_RUN if smoke else GPU_RUN)
+    spec = MODELS[cfg["model"]]
+    seq = cfg["seq_len"]
+    model_dir = build_model(spec, device="cuda" if cuda and not smoke else "cpu")
+    data = long_text_dataset(rows=cfg["rows"], min_chars=seq + 64)
+    work = work / ("gpu-smoke" if smoke else "gpu")
+    work.mkdir(parents=True, exist_ok=True)
+    base = base_overrides(model_dir, data, cfg)
+    env = launch_env(DS_ACCELERATOR="cuda" if cuda and not smoke else "cpu")
+    a = spec.architecture()
+    flops_per_token = 6 * spec.num_parameters() + 12 * a.num_hidden_layers * a.num_attention_heads * a.head_size * seq
+    res = {"ok": False, "smoke": smoke, "versions": versions(), "model": spec.describe(), "model_name": spec.name,
+           "parameters": spec.num_parameters(), "seq_len": seq, "micro_batch_size": cfg["micro"],
+           "steps": cfg["steps"], "warmup": cfg["warmup"], "precision": cfg["precision"],
+           "flops_per_token": flops_per_token, "base_overrides": base, "rows": []}
+    if cuda:
         props = torch.cuda.get_device_properties(0)
         res["gpu"] = props.name
         res["gpu_memory_gib"] = round(props.total_memory / 2**30, 1)
         res["torch_cuda"] = torch.version.cuda
-    if not launch.ok:
-        res["error"] = launch.error(6)
-        return res
-    steps_data = ours_steps(out)
-    target_tps = steady(steps_data["tokens"], steps_data["seconds"], warmup)
-    tokens_tps = target_tps * seq / (seq - 1) if target_tps else None
-    a = spec.architecture()
-    flops_per_token = 6 * spec.num_parameters() + 12 * a.num_hidden_layers * a.num_attention_heads * a.head_size * seq
-    peak, peak_name = peak_flops(res.get("gpu", ""))
-    res.update(target_tokens_per_s=target_tps, tokens_per_s=tokens_tps, flops_per_token=flops_per_token,
-               achieved_tflops=tokens_tps * flops_per_token / 1e12 if tokens_tps else None,
-               peak_flops=peak, peak_name=peak_name,
-               mfu=tokens_tps * flops_per_token / peak if tokens_tps and peak else None,
-               losses=[steps_data["losses"][0], steps_data["losses"][-1]], loop_fields=steps_data["loop_fields"],
-               peak_memory=steps_data["summary"].get("peak_memory_per_rank"),
-               peak_memory_kind=steps_data["summary"].get("peak_memory_kind"),
-               loop_records=[r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r][-2:],
-               summary_tokens_per_s=steps_data["summary"].get("tokens_per_s"),
-               summary_train_seconds=steps_data["summary"].get("train_seconds"),
-               summary_eval_seconds=steps_data["summary"].get("eval_seconds"),
-               summary_checkpoint_seconds=steps_data["summary"].get("checkpoint_seconds"),
-               checkpoint_seconds=_manifest_seconds(out))
+    peak, peak_name = peak_flops(res.get("gpu", "")) if not smoke else (None, "")
+    res["peak_flops"], res["peak_name"] = peak, peak_name
+    for case in cases(cuda and not smoke):
+        row = {k: case[k] for k in ("toolkit", "strategy", "variant")}
+        saved = work / (case_name(case) + ".row.json")
+        if case["skip"]:
+            row.update(ok=None, skipped=case["skip"])
+        elif reuse and saved.is_file() and json.loads(saved.read_text()).get("ok"):
+            row = dict(json.loads(saved.read_text()), reused=True)
+        else:
+            try:
+                row.update(run_case(case, base, work, env, cfg, flops_per_token, peak))
+            except Exception as e:  # noqa: BLE001  (a row that cannot be read back is a failed row)
+                row.update(ok=False, error=f"{type(e).__name__}: {e}")
+            saved.write_text(json.dumps(row, indent=2) + "\n")
+        res["rows"].append(row)
+        print(f"  {row['toolkit']} {row['strategy']} {row['variant']}: " + (
+            f"not run ({row['skipped']})" if row.get("skipped") else
+            f"{fmt(row.get('tokens_per_s'))} tok/s" + (f", MFU {row['mfu']:.1%}" if row.get("mfu") else "")
+            if row.get("ok") else f"failed: {str(row.get('error'))[:300]}"), flush=True)
+    res["ok"] = any(r.get("ok") for r in res["rows"])
+    res["failed"] = sum(1 for r in res["rows"] if r.get("ok") is False)
+    if not res["ok"]:
+        res["error"] = "every run failed; see the rows"
     return res
 
 
-def _manifest_seconds(out: Path):
-    manifests = sorted((out / "checkpoints").glob("step_*/manifest.json"))
-    return json.loads(manifests[-1].read_text()).get("seconds") if manifests else None
+def run_case(case: dict, base: list[str], work: Path, env: dict, cfg: dict, flops_per_token: int,
+             peak: float | None) -> dict:
+    name = case_name(case)
+    out = fresh_dir(work / name)
+    overrides = [*base, f"strategy={case['strategy']}", *case["overrides"], f"output_dir={out}"]
+    if case["toolkit"] == "finetune":
+        cmd = [PY, "finetune/run.py", "--recipe", "tiny", *overrides]
+        done = out / "summary.json"
+    else:
+        cmd = [PY, "bench/trainer_baseline.py", str(out), "--recipe", "tiny", *overrides]
+        done = out / "trainer_summary.json"
+    launch = run(cmd, work / f"{name}.log", timeout=cfg["timeout"], env=env, done=done.exists)
+    row = {"command": shown(cmd), "ok": launch.ok and done.exists(), "seconds": round(launch.seconds, 1),
+           "hung_at_exit": launch.hung_at_exit, "log": str(work / f"{name}.log")}
+    if not row["ok"]:
+        row["error"] = launch.error(6) or f"exit code {launch.returncode}"
+        return row
+    if case["toolkit"] == "finetune":
+        got = ours_steps(out)
+        tokens, seconds, losses = got["tokens"], got["seconds"], got["losses"]
+        peaks = got["summary"].get("peak_memory_per_rank") or [None]
+        row.update(peak_memory=peaks[0], peak_memory_kind=got["summary"].get("peak_memory_kind"),
+                   loop_fields=got["loop_fields"])
+    else:
+        s = json.loads(done.read_text())
+        tokens, seconds, losses = s["tokens"], s["step_seconds"], s["losses"]
+        row.update(peak_memory=s.get("peak_memory"), peak_memory_kind=s.get("peak_memory_kind"),
+                   engine=s.get("engine"), optim=s.get("optim"), autocast=s.get("autocast"),
+                   fsdp_mixed_precision_policy=s.get("fsdp_mixed_precision_policy"))
+    seq = cfg["seq_len"]
+    target_tps = steady(tokens, seconds, cfg["warmup"])
+    tokens_tps = target_tps * seq / (seq - 1) if target_tps else None
+    row.update(steps_run=len(losses), target_tokens_per_s=target_tps, tokens_per_s=tokens_tps,
+               achieved_tflops=tokens_tps * flops_per_token / 1e12 if tokens_tps else None,
+               mfu=tokens_tps * flops_per_token / peak if tokens_tps and peak else None,
+               losses=[losses[0], losses[-1]] if losses else None)
+    if tokens_tps is None:
+        row.update(ok=False, error=f"no steady-state steps to time ({len(losses)} steps logged)")
+    return row
+
+
+def case_name(case: dict) -> str:
+    return "-".join(slug(x) for x in (case["toolkit"], case["strategy"], case["variant"]))
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text).strip("_")
+
+
+def reference(res: dict, row: dict) -> tuple[dict | None, str]:
+    """The Trainer row finetune's row is compared with: the same strategy and variant, else the same
+    strategy's default (a variant the Trainer has no counterpart for, e.g. compile=true)."""
+    trainer = [r for r in res["rows"] if r["toolkit"] == "trainer" and r["strategy"] == row["strategy"] and r.get("ok")]
+    same = next((r for r in trainer if r["variant"] == row["variant"]), None)
+    if same:
+        return same, ""
+    default = next((r for r in trainer if r["variant"] == "default"), None)
+    return default, (" (Trainer default)" if default and row["variant"] != "default" else "")
+
+
+def ratio_value(res: dict, row: dict) -> tuple[float | None, str]:
+    """finetune's tokens/s over its reference Trainer row's, and a note naming that row if it is not
+    the same variant; None where either did not run."""
+    if row["toolkit"] != "finetune" or not row.get("ok"):
+        return None, ""
+    ref, note = reference(res, row)
+    if not ref or not ref.get("tokens_per_s") or not row.get("tokens_per_s"):
+        return None, ""
+    return row["tokens_per_s"] / ref["tokens_per_s"], note
+
+
+def ratio(res: dict, row: dict) -> str:
+    value, note = ratio_value(res, row)
+    return "-" if value is None else f"{value:.2f}x{note}"
+
+
+def _memory(row: dict) -> str:
+    b = row.get("peak_memory")
+    return f"{b / 2**30:.2f}" if b else "-"
+
+
+def _losses(row: dict) -> str:
+    losses = row.get("losses")
+    if not losses:
+        return "-"
+    return f"{losses[0]:.4f} -> {losses[-1]:.4f}"
 
 
 def render(res: dict, command: str, when: str, versions: dict) -> str:
-    if not res.get("ok"):
+    if not res.get("rows"):
         return f"Not measured: {res.get('error', 'unknown error')} (`{command}`, {when})."
-    peak = res.get("peak_memory") or [None]
-    rows = [
-        ["GPU", f"{res.get('gpu', '?')} ({res.get('gpu_memory_gib', '?')} GiB), CUDA {res.get('torch_cuda', '?')}"],
-        ["model", f"{res['model']}: {res['parameters']:,} parameters, bf16 autocast over fp32 master weights"],
-        ["batch", f"{res['micro_batch_size']} rows x {res['seq_len']} tokens, no padding; {res['steps']} steps, "
-                  f"the first {res['warmup']} left out"],
-        ["tokens/s", f"{fmt(res['tokens_per_s'])} ({fmt(res['target_tokens_per_s'])} target tokens/s)"],
-        ["FLOPs per token", f"{res['flops_per_token'] / 1e9:.2f} G (6 N + 12 L H Q T)"],
-        ["achieved", f"{fmt(res['achieved_tflops'], 1)} TFLOP/s"],
-        ["MFU", (f"{res['mfu']:.1%} of {res['peak_name']} dense bf16 {res['peak_flops'] / 1e12:.0f} TFLOP/s"
-                 if res.get("mfu") is not None else "peak of this GPU not known")],
-        ["peak memory", f"{peak[0] / 2**30:.2f} GiB ({res.get('peak_memory_kind')}, torch.cuda.max_memory_allocated)"
-         if peak[0] else "-"],
-        ["loss", f"{res['losses'][0]:.4f} at step 1 -> {res['losses'][-1]:.4f} at step {res['steps']}"],
-        ["loop's last record", ", ".join(f"{k}={v}" for k, v in (res.get("loop_fields") or {}).items()) or "-"],
-        ["summary.json", f"tokens_per_s {fmt(res.get('summary_tokens_per_s'))} (every step, the first ones "
-                         f"included) over train_seconds {fmt(res.get('summary_train_seconds'), 1)}, of which eval "
-                         f"{fmt(res.get('summary_eval_seconds'), 1)} s and checkpoints "
-                         f"{fmt(res.get('summary_checkpoint_seconds'), 1)} s are left out of tokens/s"],
-        ["versions", ", ".join(f"{k} {v}" for k, v in (res.get("versions") or versions).items())],
+    smoke = res.get("smoke")
+    header = ["toolkit", "strategy", "variant", "tokens/s", "MFU", "finetune / Trainer", "peak memory (GiB)",
+              f"loss step 1 -> {res['steps']}", "launch (s)", "note"]
+    body = []
+    for r in res["rows"]:
+        who = TOOLKITS.get(r["toolkit"], r["toolkit"])
+        if r.get("skipped"):
+            body.append([who, r["strategy"], r["variant"], "not run", "-", "-", "-", "-", "-", r["skipped"]])
+            continue
+        if not r.get("ok"):
+            err = " ".join(str(r.get("error", "unknown error")).split()).replace("|", "/")
+            body.append([who, r["strategy"], r["variant"], "failed", "-", "-", "-", "-",
+                         fmt(r.get("seconds"), 1), f"error: {err[:300]}"])
+            continue
+        note = "reference" if r["toolkit"] == "trainer" else ""
+        if r.get("reused"):
+            note = (note + "; " if note else "") + "from the interrupted run (--reuse)"
+        if r.get("hung_at_exit"):
+            note = (note + "; " if note else "") + "did not exit after its work (killed)"
+        body.append([who, r["strategy"], r["variant"], fmt(r.get("tokens_per_s")),
+                     f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-", ratio(res, r), _memory(r),
+                     _losses(r), fmt(r.get("seconds"), 1), note])
+    kinds = sorted({r.get("peak_memory_kind") for r in res["rows"] if r.get("peak_memory_kind")})
+    where = (f"{res.get('gpu', '?')} ({res.get('gpu_memory_gib', '?')} GiB), CUDA {res.get('torch_cuda', '?')}"
+             if res.get("gpu") else "CPU (smoke: no GPU)")
+    precision = ("bf16 (ddp: autocast over fp32 weights; fsdp: FSDP2 bf16 parameters, fp32 reduction and "
+                 "masters; zero3: DeepSpeed bf16)" if res.get("precision") == "bf16" else "fp32")
+    peak = (f"{res['peak_name']} dense bf16 {res['peak_flops'] / 1e12:.0f} TFLOP/s" if res.get("peak_flops")
+            else "peak of this device not known: no MFU")
+    lines = [
+        ("Smoke run (`--gpu-smoke`): the --gpu pipeline on CPU with a small model in fp32; its numbers check "
+         "the pipeline and say nothing about speed.\n\n" if smoke else "")
+        + f"Measured {when} on {where}. Model: {res['model']}, {res['parameters']:,} parameters, random weights; "
+        f"{precision}. Batch: {res['micro_batch_size']} rows x {res['seq_len']} tokens, no padding (generated text "
+        f"longer than a row), grad_accum 1; {res['steps']} steps per run, tokens/s over the steps after the first "
+        f"{res['warmup']}. One process per run: a 1-process group for every strategy. MFU: "
+        f"{res['flops_per_token'] / 1e9:.2f} GFLOPs per token (6 N + 12 L H Q T) x tokens/s over {peak}. "
+        f"finetune / Trainer: tokens/s against the Trainer's row of the same strategy and variant (else its "
+        f"default). Peak memory: {', '.join(kinds) or '-'} (rank 0).",
+        "",
+        table(header, body),
     ]
-    return table(["", f"measured {when}"], rows) + f"\n\nCommand: `{command}`; training launched as `{res['command']}`."
+    ran = [f"{r['strategy']}{'' if r['variant'] == 'default' else ' ' + r['variant']}: {r.get('engine')}, "
+           f"{r.get('optim')}, autocast {'on' if r.get('autocast') else 'off'}"
+           + (f", {r['fsdp_mixed_precision_policy']}" if r.get("fsdp_mixed_precision_policy") else "")
+           for r in res["rows"] if r["toolkit"] == "trainer" and r.get("ok") and r.get("engine")]
+    if ran:
+        lines += ["", "The Trainer as its Accelerator took it: " + "; ".join(ran) + "."]
+    verdict = targets(res)
+    if verdict:
+        lines += ["", "Targets: " + "; ".join(verdict) + "."]
+    base = " ".join(res.get("base_overrides") or [])
+    lines += ["", f"Command: `{command}`. Runs launched as `python finetune/run.py --recipe tiny {base} "
+              f"strategy=S [variant] output_dir=...` and `python bench/trainer_baseline.py OUT --recipe tiny "
+              f"{base} strategy=S [variant] output_dir=OUT`.",
+              "", "Versions: " + ", ".join(f"{k} {v}" for k, v in (res.get("versions") or versions).items()) + "."]
+    return "\n".join(lines)
+
+
+def targets(res: dict) -> list[str]:
+    """The issue's targets: MFU >= 40% for the 1B model on one H100, and ahead of the Trainer."""
+    out = []
+    ours = [r for r in res["rows"] if r["toolkit"] == "finetune" and r.get("ok")]
+    best = max((r for r in ours if r.get("mfu") is not None), key=lambda r: r["mfu"], default=None)
+    if best:
+        out.append(f"MFU >= 40%: {'met' if best['mfu'] >= 0.40 else 'not met'} (best finetune row "
+                   f"{best['mfu']:.1%}, {best['strategy']} {best['variant']})")
+    for strategy in STRATEGIES:
+        row = next((r for r in ours if r["strategy"] == strategy and r["variant"] == "default"), None)
+        value = ratio_value(res, row)[0] if row else None
+        if value is None:
+            out.append(f"ahead of the Trainer, {strategy}: not compared")
+        else:
+            out.append(f"ahead of the Trainer, {strategy}: {'met' if value > 1.0 else 'not met'} ({value:.3f}x)")
+    return out
 
 
 def render_profile(text: str, command: str, when: str) -> str:

@@ -17,8 +17,9 @@ from common import fmt, mib, table
 GPU_BEGIN, GPU_END = "<!-- gpu-section:begin -->", "<!-- gpu-section:end -->"
 GPU_PLACEHOLDER = ("Not yet measured: no CUDA GPU has run `python bench/run.py --gpu` for this report. It trains a "
                    "0.95B Llama-style model (hidden 2048, 16 layers, 32 heads, intermediate 5632, vocab 32000) in "
-                   "bf16 on one GPU through `python finetune/run.py` (strategy=ddp) and reports tokens/s, MFU "
-                   "(6 N + 12 L H Q T FLOPs per token over the GPU's dense bf16 peak) and peak memory.")
+                   "bf16 on one GPU, `python finetune/run.py` against the Hugging Face Trainer for strategy ddp, "
+                   "fsdp and zero3 (one process each), and reports tokens/s, MFU (6 N + 12 L H Q T FLOPs per token "
+                   "over the GPU's dense bf16 peak), peak memory and finetune / Trainer per strategy.")
 
 
 def _gpu_block(doc: Path) -> str:

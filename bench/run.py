@@ -10,8 +10,9 @@ Without --gpu it runs on this machine's CPU with 2 processes (gloo) and measures
   7. the loss's memory with a 128k vocabulary at 256 and 2048 tokens (bench/loss_memory.py),
 prints the tables and writes docs/benchmarks.md. --quick uses smaller models, fewer steps, no offload
 rows in part 1 and one pair of launches per strategy in part 2 (the full mode: three, median), and
-finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu.py)
-and rewrites only the GPU section of docs/benchmarks.md.
+finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu.py:
+the 1B model in bf16, finetune against the Trainer for ddp, fsdp and zero3, one process each, with
+MFU) and rewrites only the GPU section of docs/benchmarks.md.
 
 Run outputs go to /tmp/bench-<time>/ (or --work); the models and data it builds are cached in
 bench/.cache/ (or $BENCH_CACHE).
@@ -45,19 +46,23 @@ def parse(argv):
     p = argparse.ArgumentParser(prog="python bench/run.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smaller models, fewer steps: under 10 minutes on 2 cores")
-    p.add_argument("--gpu", action="store_true", help="the 1B bf16 run on one CUDA GPU (part 6) only")
+    p.add_argument("--gpu", action="store_true", help="part 6 only: the 1B bf16 model on one CUDA GPU, finetune "
+                   "against the Trainer for ddp, fsdp, zero3 (+ liger, compile variants), MFU")
     p.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--rounds", type=int, help="times each throughput pair runs, median taken (default: quick 1, full 3)")
     p.add_argument("--work", help="where run outputs go (default /tmp/bench-<time>)")
     p.add_argument("--doc", default=str(common.REPO / "docs" / "benchmarks.md"), help="the report to write")
     p.add_argument("--render", metavar="RESULTS_JSON", help="rewrite the report from a run's results.json, measuring "
                    "nothing (for changes to the report's wording)")
+    p.add_argument("--reuse", action="store_true", help="with --gpu and the --work of an interrupted run: keep the "
+                   "rows it finished instead of running them again")
     p.add_argument("--gpu-smoke", action="store_true", help=argparse.SUPPRESS)  # the --gpu pipeline on CPU, tiny
     return p.parse_args(argv)
 
 
 def command_line(args) -> str:
     return "python bench/run.py" + (" --quick" if args.quick else "") + (" --gpu" if args.gpu else "") + \
+        (" --gpu-smoke" if args.gpu_smoke else "") + \
         ("" if args.only == ",".join(PARTS) else f" --only {args.only}") + \
         (f" --rounds {args.rounds}" if args.rounds else "") + \
         ("" if Path(args.doc).resolve() == (common.REPO / "docs" / "benchmarks.md").resolve() else f" --doc {args.doc}")
@@ -83,15 +88,16 @@ def main(argv=None) -> int:
         import gpu
 
         print(f"GPU benchmark; outputs in {work}", flush=True)
-        res = gpu.measure(work, smoke=args.gpu_smoke)
+        res = gpu.measure(work, smoke=args.gpu_smoke, reuse=args.reuse)
         res["wall_seconds"] = round(time.perf_counter() - t0, 1)
         save_json(work / "gpu.json", res)
         section = gpu.render(res, command_line(args), started, common.versions())
         print(section)
-        if res.get("ok") and not args.gpu_smoke:
+        if res.get("ok") and not args.gpu_smoke:  # failed rows are written too, with their errors
             report.write_gpu_section(Path(args.doc), section)
             print(f"wrote the GPU section of {args.doc}")
-        return 0 if res.get("ok") else 1
+        print(f"{res['wall_seconds']:.0f}s in all; raw results: {work / 'gpu.json'}")
+        return 0 if res.get("ok") and not res.get("failed") else 1
 
     cfg = dict(QUICK if args.quick else FULL)
     if args.rounds:

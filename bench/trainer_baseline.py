@@ -19,9 +19,35 @@ The Trainer's own code does everything else: model wrapping, loss (the model's F
 num_items_in_batch over all ranks: the same sum / global target tokens), accumulation, clipping,
 optimizer, scheduler, logging.
 
+Precision and device follow the recipe and the machine, as finetune's plan does (plan.device):
+- mixed_precision=bf16 (fp16) is TrainingArguments(bf16=True) (fp16=True): Accelerate's autocast over
+  fp32 weights under ddp, as finetune; under zero1-3 the same DeepSpeed config with its "bf16" section
+  enabled (DeepSpeed's bf16 engine, as finetune).
+- fsdp: FSDP2 with finetune's own policy (finetune.strategy.fsdp2_mixed_precision: bf16 parameters for
+  compute, fp32 gradient reduction, fp32 sharded masters, no output cast) and autocast off, as
+  finetune/strategy.py sets it. Left to itself the Trainer would take Accelerate's default policy
+  (bf16 reduction, bf16 outputs) with autocast on top; that is a different numeric recipe, not a
+  different toolkit, so the comparison gives both the same one.
+- on a GPU (no gloo shim, NCCL group) the optimizer is AdamW "adamw_torch_fused" (the Trainer's own
+  default since torch 2.8, and the fused AdamW finetune uses on CUDA) and the DataLoader pins memory
+  (the Trainer's default; finetune copies from pinned memory too). On CPU: "adamw_torch" unfused and
+  no pinning, as finetune, and as section 2 of docs/benchmarks.md was measured.
+- loss_impl=liger in the recipe gives the Trainer use_liger_kernel=True with only Liger's fused linear
+  cross-entropy on (liger_kernel_config), the one kernel finetune's loss_impl=liger uses; any other
+  loss_impl is the model's own ForCausalLMLoss over full logits (finetune's default "chunked" never
+  holds them: that difference is finetune's and stays).
+What still differs: the Trainer keeps its DDP default find_unused_parameters=True (a PreTrainedModel
+without gradient checkpointing), and it logs through its own callbacks; both are the Trainer as a
+user gets it.
+
+Launched as one process (`python bench/trainer_baseline.py OUT_DIR --recipe NAME ...`), it forms a
+1-process group like `python finetune/run.py` (finetune.strategy.ensure_process_env), so ddp, fsdp
+and zero3 each run on one GPU: bench/gpu.py does that.
+
 Writes OUT_DIR/trainer_summary.json on rank 0: per-step wall-clock times (TrainerCallback.on_step_end),
 per-step target tokens (the Trainer's own num_items_in_batch: labels[..., 1:] != -100 over all
-ranks), per-step losses (the Trainer's logs), and train_runtime.
+ranks), per-step losses (the Trainer's logs), train_runtime, and the peak memory of rank 0
+(finetune.metrics.peak_memory_bytes: torch.cuda.max_memory_allocated on a GPU, peak RSS on CPU).
 """
 
 from __future__ import annotations
@@ -50,6 +76,59 @@ def form_cpu_group(strategy: str) -> bool:
         state = PartialState(backend="gloo")
         state.distributed_type = DistributedType.MULTI_GPU  # Accelerate turns FSDP on only for GPU-like types
     return True
+
+
+def trainer_kwargs(r, plan, config, on_cpu: bool) -> dict:
+    """The TrainingArguments that depend on strategy, precision and device (the module's docstring
+    says why each is what it is). On CPU it also forms the gloo group (form_cpu_group)."""
+    from finetune.model import no_split_modules
+    from finetune.strategy import deepspeed_config
+
+    kw = {"bf16": r.mixed_precision == "bf16", "fp16": r.mixed_precision == "fp16",
+          "optim": "adamw_torch" if on_cpu else "adamw_torch_fused", "dataloader_pin_memory": not on_cpu}
+    configured = form_cpu_group(r.strategy) if on_cpu else False
+    if r.strategy.startswith("zero"):
+        kw["deepspeed"] = deepspeed_config(plan, config.hidden_size)
+    elif r.strategy == "fsdp":
+        kw["fsdp"] = True
+        kw["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": no_split_modules(config),
+                             "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
+                             "activation_checkpointing": False, "cpu_offload": r.offload_params == "cpu",
+                             "cpu_ram_efficient_loading": False}
+    elif on_cpu:
+        kw["use_cpu"] = True
+        kw["ddp_backend"] = "gloo"
+    if on_cpu and r.mixed_precision != "no":
+        kw["use_cpu"] = True  # TrainingArguments refuses bf16 on CPU without it
+    if configured:
+        kw["accelerator_config"] = {"use_configured_state": True}
+    if r.loss_impl == "liger":
+        kw["use_liger_kernel"] = True
+        kw["liger_kernel_config"] = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False,
+                                     "rms_norm": False, "swiglu": False}
+    return kw
+
+
+def fsdp_mixed_precision(targs, r) -> bool:
+    """Give the Trainer's FSDP2 plugin finetune's MixedPrecisionPolicy; returns whether autocast must be
+    turned off (as finetune/strategy.py does when FSDP2's policy casts)."""
+    if r.strategy != "fsdp" or r.mixed_precision == "no" or targs.fsdp_plugin_args is None:
+        return False
+    from finetune.strategy import fsdp2_mixed_precision
+
+    targs.fsdp_plugin_args["mixed_precision_policy"] = fsdp2_mixed_precision(r.mixed_precision)
+    return True
+
+
+def what_ran(trainer) -> dict:
+    """Precision, optimizer and FSDP policy as the Trainer's Accelerator took them (not as asked)."""
+    acc = trainer.accelerator
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    fused = any(g.get("fused") for g in trainer.optimizer.param_groups)
+    policy = getattr(getattr(acc.state, "fsdp_plugin", None), "mixed_precision_policy", None)
+    return {"mixed_precision": acc.mixed_precision, "optim": type(inner).__name__ + (" (fused)" if fused else ""),
+            "autocast": bool(acc.native_amp and (acc.autocast_handler is None or acc.autocast_handler.enabled)),
+            "fsdp_mixed_precision_policy": None if policy is None else str(policy)}
 
 
 class ScheduleSampler:
@@ -95,35 +174,22 @@ def main(argv: list[str]) -> int:
 
     from finetune import data as D
     from finetune import loop
-    from finetune.model import load_config, load_tokenizer, no_split_modules
-    from finetune.strategy import deepspeed_config
+    from finetune.metrics import peak_memory_bytes
+    from finetune.model import load_config, load_tokenizer
 
     hf_logging.set_verbosity_warning()
     model_path, config = load_config(r)
-    configured = form_cpu_group(r.strategy)
-    kw = {}
-    if r.strategy.startswith("zero"):
-        kw["deepspeed"] = deepspeed_config(plan, config.hidden_size)
-    elif r.strategy == "fsdp":
-        kw["fsdp"] = True
-        kw["fsdp_config"] = {"version": 2, "transformer_layer_cls_to_wrap": no_split_modules(config),
-                             "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
-                             "activation_checkpointing": False, "cpu_offload": r.offload_params == "cpu",
-                             "cpu_ram_efficient_loading": False}
-    else:
-        kw["use_cpu"] = True
-        kw["ddp_backend"] = "gloo"
-    if configured:
-        kw["accelerator_config"] = {"use_configured_state": True}
+    on_cpu = plan.device == "cpu"
+    kw = trainer_kwargs(r, plan, config, on_cpu)
     targs = TrainingArguments(
         output_dir=str(out / "trainer"), per_device_train_batch_size=r.micro_batch_size,
         gradient_accumulation_steps=plan.grad_accum, learning_rate=r.lr, adam_beta1=r.adam_beta1,
         adam_beta2=r.adam_beta2, adam_epsilon=r.adam_eps, weight_decay=r.weight_decay,
         max_grad_norm=r.max_grad_norm, lr_scheduler_type=r.lr_scheduler, warmup_steps=r.warmup_steps,
-        max_steps=r.max_steps, seed=r.seed, optim="adamw_torch", logging_steps=1, logging_first_step=True,
+        max_steps=r.max_steps, seed=r.seed, logging_steps=1, logging_first_step=True,
         save_strategy="no", eval_strategy="no", report_to=[], disable_tqdm=True, remove_unused_columns=False,
-        dataloader_num_workers=0, dataloader_pin_memory=False, bf16=False, fp16=False,
-        **kw)
+        dataloader_num_workers=0, **kw)
+    autocast_off = fsdp_mixed_precision(targs, r)
 
     tokenizer = load_tokenizer(r, model_path)
     with targs.main_process_first():
@@ -159,6 +225,14 @@ def main(argv: list[str]) -> int:
         def _get_train_sampler(self, train_dataset=None):
             return ScheduleSampler(schedule, r.max_steps)
 
+        def _build_accelerator_args(self, **kwargs):
+            args = super()._build_accelerator_args(**kwargs)
+            if autocast_off:  # FSDP2's policy casts; autocast over it is off in finetune too
+                from accelerate.utils import AutocastKwargs
+
+                args["kwargs_handlers"] = [*args.get("kwargs_handlers", []), AutocastKwargs(enabled=False)]
+            return args
+
         def get_batch_samples(self, epoch_iterator, num_batches, device):
             batch_samples, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
             items.append(num_items)  # a tensor; read once training is over
@@ -167,6 +241,7 @@ def main(argv: list[str]) -> int:
     trainer = SameRowsTrainer(model=model, args=targs, train_dataset=datasets.train, data_collator=collator,
                               callbacks=[Clock()])
     result = trainer.train()
+    peak = peak_memory_bytes(torch.device("cpu") if on_cpu else trainer.args.device)
     tokens = [int(t.item()) if torch.is_tensor(t) else int(t or 0) for t in items]
     if trainer.is_world_process_zero():
         summary = {
@@ -177,6 +252,9 @@ def main(argv: list[str]) -> int:
             "losses": [losses.get(s) for s in range(1, trainer.state.global_step + 1)],
             "wall_seconds": time.perf_counter() - t_wall,
             "deepspeed_config": kw.get("deepspeed"), "fsdp_config": kw.get("fsdp_config"),
+            **what_ran(trainer),
+            "liger": bool(kw.get("use_liger_kernel")), "device": plan.device,
+            "peak_memory": peak, "peak_memory_kind": "GPU allocated" if not on_cpu else "process resident",
         }
         out.mkdir(parents=True, exist_ok=True)
         (out / "trainer_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -186,7 +264,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not __import__("torch").cuda.is_available():  # as finetune/run.py: say it, rather than have DeepSpeed guess
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from finetune.run import exit_without_teardown
 
     exit_without_teardown(main(sys.argv[1:]))
