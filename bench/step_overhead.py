@@ -112,7 +112,7 @@ def profile(toolkit: str, strategy: str, base: list[str], work: Path, reuse: boo
 
 def loads(work: Path) -> str:
     """The machine's 1-minute load average around each launch, as recorded next to its profile."""
-    seen = [json.loads(f.read_text()) for f in sorted(work.glob("*/load.json"))]
+    seen = sorted((json.loads(f.read_text()) for f in work.glob("*/load.json")), key=lambda d: d["at"])
     if not seen:
         return "load average not recorded"
     values = [x for d in seen for x in (d["before"], d["after"])]
