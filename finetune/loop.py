@@ -155,6 +155,11 @@ def train(plan: Plan) -> dict:
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     for line in D.summary_lines(datasets, r):
         log.info(line)
+    if r.padding_free and packed and r.attn_implementation != "flash_attention_2" and r.micro_batch_size > 1 and is_main:
+        log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
+                    "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
+                    "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "
+                    "flash_attention_2, else set padding_free=false")
 
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
