@@ -13,6 +13,7 @@ import torch
 from finetune import data as D
 from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
 from finetune.export import merge_adapter, save_final_model
+from finetune.memory import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
 from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer, loss_sum
@@ -109,9 +110,9 @@ def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple
     """What the host must know of a step, read back at once: the loss (for the NaN check before the
     update, and the log), the global token counts, and whether any rank was asked to stop (a signal
     caught during the step stops the run after it). The loop waits for the device here only, after
-    backward; it used to read the counts before the forward and the loss apart, three host syncs a
-    step, the first of which kept the host from queueing a step's kernels while the previous
-    step's optimizer ran (bench/step_overhead.py)."""
+    backward (the gradient norm, read next, is computed by then). It used to wait twice: for the
+    counts before the forward, which kept the host from queueing a step's kernels while the previous
+    step's optimizer ran, and for the loss after backward (bench/step_overhead.py)."""
     ends = reduce_sum(torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64,
                                                            device=step_loss.device)]))
     loss_sum, stops, targets, inputs = torch.cat([ends, counts]).tolist()
@@ -155,7 +156,7 @@ def train(plan: Plan) -> dict:
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     for line in D.summary_lines(datasets, r):
         log.info(line)
-    if r.padding_free and packed and r.attn_implementation != "flash_attention_2" and r.micro_batch_size > 1 and is_main:
+    if padding_free_scores(r) and packed and r.micro_batch_size > 1 and is_main:
         log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
                     "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
                     "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "

@@ -106,7 +106,7 @@ def router_aux_loss(model, outputs, labels: torch.Tensor, record: list | None = 
     return coef * aux.float() * (labels != IGNORE).sum()
 
 
-def _unwrap(model):
+def hf_model(model):
     """The Hugging Face model under DDP / DeepSpeed / FSDP1 wrappers, torch.compile and peft."""
     while True:
         if isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, DeepSpeedEngine, FSDP1
@@ -128,7 +128,7 @@ class OutputHeadLoss:
 
     def __init__(self, model, impl: str, chunk: int | None):
         self.impl, self.chunk = impl, chunk
-        hf = _unwrap(model)
+        hf = hf_model(model)
         self.head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
         # A Linear whose forward is Linear's own (FSDP2 makes lm_head an FSDPLinear that only adds hooks),
         # in a dtype matmul takes: not a peft LoRA layer, not a quantized Linear subclass.

@@ -154,19 +154,16 @@ def compile_layers(model) -> int:
     (110 s against 52 s for the tiny model, 2 loaded cores). LoRA dropout inside a compiled layer draws
     from inductor's random numbers, not eager's: another random mask, so the curve differs from an
     uncompiled run's by noise (6e-4 relative measured at lora_dropout=0.05; 4e-8 at 0)."""
-    names = set(getattr(_hf_model(model), "_no_split_modules", None) or [])
+    from finetune.loss import hf_model
+
+    names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise RecipeError(f"compile=true: {type(_hf_model(model)).__name__} names no decoder layers "
+        raise RecipeError(f"compile=true: {type(hf_model(model)).__name__} names no decoder layers "
                           "(_no_split_modules) to compile; set compile=false")
     for layer in layers:
         layer.compile()
     return len(layers)
-
-
-def _hf_model(model):
-    get_base = getattr(model, "get_base_model", None)  # peft
-    return get_base() if callable(get_base) else model
 
 
 def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bool):

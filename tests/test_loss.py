@@ -76,7 +76,7 @@ def make_batch(seed: int = 1) -> dict:
 
 def run(model, batch, impl: str, chunk: int | None = None):
     """Loss, the gradient of the hidden states lm_head reads, and every parameter's gradient."""
-    from finetune.loss import _unwrap
+    from finetune.loss import hf_model
 
     model.zero_grad(set_to_none=True)
     hidden = {}
@@ -85,7 +85,7 @@ def run(model, batch, impl: str, chunk: int | None = None):
         args[0].retain_grad()
         hidden["h"] = args[0]
 
-    handle = _unwrap(model).get_output_embeddings().register_forward_pre_hook(keep)
+    handle = hf_model(model).get_output_embeddings().register_forward_pre_hook(keep)
     try:
         loss = loss_sum(model, batch, impl, chunk)
         loss.backward()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
-from suite_runs import SAVE
+from suite_runs import SAVE, resume_copy
 
 # bf16 keeps 8 bits of mantissa: one rounding is 2**-8 relative. The tiny model's 12-step curve in bf16
 # stayed within 2e-4 of fp32's on CPU (measured); 1e-2 leaves room for other machines' kernels while
@@ -73,7 +72,6 @@ def test_zero3_bf16_keeps_fp32_master_partitions(bf16_runs):
 
 def test_fsdp_bf16_resumes_exactly(bf16_runs, launch, tmp_path_factory):
     run = bf16_runs["fsdp"]
-    out = tmp_path_factory.mktemp("bf16-resume")
-    shutil.copytree(run.output_dir / "checkpoints" / "step_000000005", out / "checkpoints" / "step_000000005")
+    out = resume_copy(run, 5, tmp_path_factory)
     resumed = launch(2, "strategy=fsdp", "mixed_precision=bf16", *SAVE, "--resume", "auto", output_dir=out)
     assert resumed.losses == run.losses[5:]

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file
-from suite_runs import SAVE
+from suite_runs import SAVE, resume_copy
 
 # Where each strategy is interrupted, and how (FINETUNE_FAULT=where:rank:step[:signal], see
 # finetune.stopping.fault_point), and the checkpoint the resumed run must continue from. The runs
@@ -51,14 +51,6 @@ def assert_same_weights(a, b):
 def uninterrupted(strategy_run):
     """The uninterrupted run of a strategy: the same launch test_strategies checks against the reference."""
     return strategy_run
-
-
-def resume_copy(run, step, tmp_path_factory):
-    """A new output_dir holding only `run`'s checkpoint of `step` (as if the run had stopped there)."""
-    out = tmp_path_factory.mktemp("resume")
-    name = f"step_{step:09d}"
-    shutil.copytree(run.output_dir / "checkpoints" / name, out / "checkpoints" / name)
-    return out
 
 
 @pytest.mark.parametrize("strategy", list(FAULTS))

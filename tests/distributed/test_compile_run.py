@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 
 import pytest
-from suite_runs import SAVE, STRATEGIES
+from suite_runs import SAVE, STRATEGIES, resume_copy
 
 COMPILE = ["activation_checkpointing=true", "compile=true"]
 # Inductor fuses and reorders fp32 element-wise ops (RMSNorm's mean, rotary, SwiGLU) and recomputes the
@@ -66,9 +65,8 @@ def test_compiled_fsdp_matches_uncompiled(compiled, strategy_run):
 
 
 def test_compiled_fsdp_resumes(compiled, launch, tmp_path_factory):
-    out = tmp_path_factory.mktemp("compile-resume")
+    out = resume_copy(compiled, 5, tmp_path_factory)
     name = "step_000000005"
-    shutil.copytree(compiled.output_dir / "checkpoints" / name, out / "checkpoints" / name)
     resumed = launch(2, *STRATEGIES["fsdp"], *SAVE, *COMPILE, "--resume", "auto", output_dir=out)
     assert f"resumed from {out / 'checkpoints' / name} at step 5" in resumed.stderr
     train, evals = train_eval(compiled)
