@@ -63,15 +63,19 @@ def _sharegpt_hint(fields) -> str:
     return ""
 
 
+def unknown_role(where: str, index: int, role) -> DataError:
+    return DataError(f"{where}: message {index} has role {role!r}, which is none of {', '.join(ROLES)}; map it with "
+                     f"roles={{{role!r}: 'assistant'}} (or user, system, tool) on the source's DataSource in the "
+                     "recipe file (datasets=[DataSource(path=..., roles={...})])")
+
+
 def check_roles(messages: list, where: str) -> None:
     """Every message's role is one the chat templates know: a role they do not (ShareGPT's `bot`, a
     typo) would be rendered as a turn nobody trains, or make the template fail later."""
     for j, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if isinstance(role, str) and role not in ROLES:
-            raise DataError(f"{where}: message {j} has role {role!r}, which is none of {', '.join(ROLES)}; map it "
-                            f"with roles={{{role!r}: 'assistant'}} (or user, system, tool) on the source's "
-                            "DataSource in the recipe file (datasets=[DataSource(path=..., roles={...})])")
+            raise unknown_role(where, j, role)
 
 
 def check_row(row, fmt: str, where: str) -> None:
@@ -192,9 +196,7 @@ def map_row(row: dict, spec: DataSource, where: str) -> dict:
                                     f"to {name!r}); its fields: {have}")
             role = roles.get(m[role_key], m[role_key])
             if role not in ROLES:
-                raise DataError(f"{where}: message {j} has role {m[role_key]!r}, which is none of "
-                                f"{', '.join(ROLES)}; map it with roles={{{m[role_key]!r}: 'assistant'}} (or user, "
-                                "system)")
+                raise unknown_role(where, j, m[role_key])
             mapped.append({"role": role, "content": m[content_key]})
         out["messages"] = mapped
     return out
@@ -389,9 +391,10 @@ def _num_rows(path: Path, required=(), fmt: str = "") -> int:
         import pyarrow.parquet as pq
 
         meta = pq.ParquetFile(path).metadata
+        flat = [meta.schema.column(i).path for i in range(meta.num_columns)]  # a nested column has no one path
         for name in required:
-            index = meta.schema.names.index(name)
-            stats = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
+            stats = [meta.row_group(g).column(flat.index(name)).statistics for g in range(meta.num_row_groups)] \
+                if name in flat else [None]
             if all(s is not None and s.has_null_count and s.null_count == 0 for s in stats):
                 continue  # the footer says so; no need to read the column
             nulls = pc.is_null(pq.read_table(path, columns=[name]).column(name))
