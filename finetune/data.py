@@ -648,7 +648,7 @@ def _span_labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[
     """The labels of a chat row: a token is labelled if it holds any character of a span (its
     characters [start, end) meet some [lo, hi)). That is transformers' return_assistant_tokens_mask,
     which marks the tokens from the one holding a span's first character through the one holding its
-    last: a token that straddles a turn's end (`|><` finishing `<|eot_id|>` and starting the next
+    last: a token that straddles a turn's end (`><` finishing `<|eot_id|>` and starting the next
     header, in a tokenizer without those special tokens) is trained, as is one that carries the space
     before an answer (`▁4`). Spans are disjoint: the first span ending after a token's start is the
     only one it can meet."""
