@@ -12,7 +12,7 @@ import bisect
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ FORMAT_FIELDS = {
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-PIPELINE_VERSION = "3"  # bump when tokenization/packing output changes, to invalidate caches
+PIPELINE_VERSION = "4"  # bump when tokenization/packing output changes, to invalidate caches
 
 
 class DataError(RecipeError):
@@ -55,13 +55,36 @@ def detect_format(columns, where: str) -> str:
     )
 
 
+def _sharegpt_hint(fields) -> str:
+    """What to set when rows that hold ShareGPT conversations are read as another format."""
+    if "conversations" in fields and "messages" not in fields:
+        return ("; these rows hold ShareGPT conversations: set dataset_format=messages (or auto; format='messages' "
+                "on a DataSource), which reads conversations of {from, value} as messages")
+    return ""
+
+
+def unknown_role(where: str, index: int, role) -> DataError:
+    return DataError(f"{where}: message {index} has role {role!r}, which is none of {', '.join(ROLES)}; map it with "
+                     f"roles={{{role!r}: 'assistant'}} (or user, system, tool) on the source's DataSource in the "
+                     "recipe file (datasets=[DataSource(path=..., roles={...})])")
+
+
+def check_roles(messages: list, where: str) -> None:
+    """Every message's role is one the chat templates know: a role they do not (ShareGPT's `bot`, a
+    typo) would be rendered as a turn nobody trains, or make the template fail later."""
+    for j, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if isinstance(role, str) and role not in ROLES:
+            raise unknown_role(where, j, role)
+
+
 def check_row(row, fmt: str, where: str) -> None:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for name in FORMAT_FIELDS[fmt]:
         if name not in row or row[name] is None:
             raise DataError(f"{where}: missing field {name!r} (dataset_format={fmt} needs "
-                            f"{', '.join(FORMAT_FIELDS[fmt])})")
+                            f"{', '.join(FORMAT_FIELDS[fmt])}){_sharegpt_hint(row)}")
     if fmt == "messages":
         msgs = row["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -69,6 +92,7 @@ def check_row(row, fmt: str, where: str) -> None:
         for m in msgs:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise DataError(f"{where}: each message needs string 'role' and 'content', got {m!r:.80}")
+        check_roles(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message to learn from")
     else:
@@ -80,6 +104,27 @@ def check_row(row, fmt: str, where: str) -> None:
 # ---------------------------------------------------------------- sources, splits and column mapping
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+SHAREGPT_COLUMNS = {"messages": "conversations", "role": "from", "content": "value"}
+
+
+def with_sharegpt(spec: DataSource, fields, first_row=None) -> DataSource:
+    """The source as it is read: rows with a `conversations` field and no `messages` (ShareGPT's
+    layout) are read as messages when the source maps no columns and its format is auto or messages:
+    each turn's `from`/`value` (or `role`/`content`, as the first turn has them) become role/content,
+    with human/gpt/system as user/assistant/system (SHAREGPT_ROLES; others go in roles=...)."""
+    fields = set(fields)
+    if spec.columns or spec.format not in ("auto", "messages") or "messages" in fields or "conversations" not in fields:
+        return spec
+    turns = first_row.get("conversations") if isinstance(first_row, dict) else None
+    first = turns[0] if isinstance(turns, list) and turns else None
+    if isinstance(first, dict) and "from" not in first and "role" in first:
+        return replace(spec, columns={"messages": "conversations"})
+    return replace(spec, columns=dict(SHAREGPT_COLUMNS))
+
+
+def _first_row(ds):
+    """A datasets.Dataset's first row (one row read from its Arrow table), or None when it is empty."""
+    return ds[0] if len(ds) else None
 
 
 def train_sources(recipe: Recipe) -> list[tuple[str, str, DataSource]]:
@@ -151,9 +196,7 @@ def map_row(row: dict, spec: DataSource, where: str) -> dict:
                                     f"to {name!r}); its fields: {have}")
             role = roles.get(m[role_key], m[role_key])
             if role not in ROLES:
-                raise DataError(f"{where}: message {j} has role {m[role_key]!r}, which is none of "
-                                f"{', '.join(ROLES)}; map it with roles={{{m[role_key]!r}: 'assistant'}} (or user, "
-                                "system)")
+                raise unknown_role(where, j, m[role_key])
             mapped.append({"role": role, "content": m[content_key]})
         out["messages"] = mapped
     return out
@@ -201,7 +244,7 @@ def _need_split(split_key: str, source: str, split: str, available: list[str]) -
 def _need_fields(names, fmt: str, where: str) -> None:
     missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
     if missing:
-        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}")
+        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}{_sharegpt_hint(names)}")
 
 
 def _data_files(path: Path) -> list[Path]:
@@ -231,6 +274,7 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
         _need_split(split_key, source, split, saved_splits(path))
         saved = datasets.load_from_disk(str(path))  # memory-mapped: reads the features, not the rows
         saved = saved[split] if isinstance(saved, datasets.DatasetDict) else saved
+        spec = with_sharegpt(spec, saved.column_names, _first_row(saved))
         names = check_columns(saved.column_names, spec, str(path))
         fmt = detect_format(names, str(path)) if fmt == "auto" else fmt
         _need_fields(names, fmt, str(path))
@@ -255,6 +299,8 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                 numbered = _jsonl_rows(path, text)
             for where, row in numbered:
                 if isinstance(row, dict):
+                    if rows_seen == 0:  # the source's first row tells ShareGPT's layout (with_sharegpt)
+                        spec = with_sharegpt(spec, row.keys(), row)
                     row = map_row(row, spec, where)
                 if fmt == "auto":
                     fmt = detect_format(row.keys() if isinstance(row, dict) else [], where)
@@ -262,12 +308,13 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                 rows_seen += 1
         else:
             columns = _columns(path)
+            spec = with_sharegpt(spec, columns, _parquet_first_row(path, columns))
             names = check_columns(columns, spec, str(path))
             if fmt == "auto":
                 fmt = detect_format(names, str(path))
             missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
             if missing:
-                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}")
+                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}{_sharegpt_hint(names)}")
             rows_seen += _num_rows(path, [_top(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
     if rows_seen == 0:
         raise DataError(f"{key}={source}: the dataset is empty")
@@ -326,6 +373,16 @@ def _columns(path: Path) -> list[str]:
     return [c.strip() for c in next(_csv_rows(path), [])]
 
 
+def _parquet_first_row(path: Path, columns: list[str]) -> dict | None:
+    """A parquet file's first `conversations` value (what with_sharegpt looks at), read alone."""
+    if path.suffix.lower() != ".parquet" or "conversations" not in columns:
+        return None
+    import pyarrow.parquet as pq
+
+    batch = next(pq.ParquetFile(path).iter_batches(batch_size=1, columns=["conversations"]), None)
+    return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+
+
 def _num_rows(path: Path, required=(), fmt: str = "") -> int:
     """Rows of a parquet or csv file, after checking that no required field is missing in any row."""
     needs = f"dataset_format={fmt} needs {', '.join(FORMAT_FIELDS[fmt])}" if fmt else "it is required"
@@ -334,9 +391,10 @@ def _num_rows(path: Path, required=(), fmt: str = "") -> int:
         import pyarrow.parquet as pq
 
         meta = pq.ParquetFile(path).metadata
+        flat = [meta.schema.column(i).path for i in range(meta.num_columns)]  # a nested column has no one path
         for name in required:
-            index = meta.schema.names.index(name)
-            stats = [meta.row_group(g).column(index).statistics for g in range(meta.num_row_groups)]
+            stats = [meta.row_group(g).column(flat.index(name)).statistics for g in range(meta.num_row_groups)] \
+                if name in flat else [None]
             if all(s is not None and s.has_null_count and s.null_count == 0 for s in stats):
                 continue  # the footer says so; no need to read the column
             nulls = pc.is_null(pq.read_table(path, columns=[name]).column(name))
@@ -365,11 +423,15 @@ def _num_rows(path: Path, required=(), fmt: str = "") -> int:
 
 # ---------------------------------------------------------------- tokenization
 #
-# One rule for every format: a row starts the way `tokenizer(prompt)` starts at inference (the BOS that
-# the tokenizer adds by itself: Llama, Mistral, Gemma; nothing for Qwen or GPT-2), or the way the chat
-# template starts it, exactly once; texts are tokenized without special tokens so that nothing is
-# added twice; a prompt_completion/alpaca/text row ends with one EOS, a chat row with the end-of-turn
-# markers its template renders, which are labelled as part of their assistant turn.
+# One rule for every format: a row starts the way inference starts it: a prompt_completion/alpaca/text
+# row as `tokenizer(prompt)` does (the BOS that the tokenizer adds by itself: Llama, Mistral, Gemma;
+# nothing for Qwen or GPT-2), a chat row as `apply_chat_template(messages, tokenize=True)` does (the
+# template's BOS if it renders one, else none: serving adds none); texts are tokenized without special
+# tokens so that nothing is added twice; a prompt_completion/alpaca/text row ends with one EOS, a chat
+# row with the end-of-turn markers its template renders, which are labelled as part of their
+# assistant turn. The row's text is its parts joined (prompt + completion; the template's rendering),
+# tokenized as one text, so it decodes to exactly that text; a token is trained where it holds a
+# character of what the model learns to produce (see _trained_from and _span_labels).
 
 
 def _bos(tokenizer) -> list[int]:
@@ -400,25 +462,36 @@ def _eos(tokenizer) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
 
 
-def encode_prompt_completion(tokenizer, prompt: str, completion: str, train_on_prompt: bool, max_len: int):
-    """BOS + prompt + completion + EOS; labels on the completion and its EOS.
+def _trained_from(prompt_ids: list[int], both: list[int]) -> int:
+    """Where the completion's tokens start in prompt + completion tokenized together: after the tokens
+    it shares with the prompt tokenized alone (TRL's common_prefix_length). Usually that is all of the
+    prompt's tokens; where a token merges across the seam (a prompt ending in a space: sentencepiece's
+    `▁` and a byte-level BPE's ` ` join the completion's first word, `▁Paris`), the merged token holds
+    the completion's first characters and is trained with it."""
+    n = 0
+    while n < min(len(prompt_ids), len(both)) and prompt_ids[n] == both[n]:
+        n += 1
+    return n
 
-    The completion is tokenized as it continues the prompt (prompt + completion tokenized together,
-    minus the prompt's own tokens), which is what a model continuing the tokenized prompt produces: a
-    sentencepiece tokenizer would otherwise put a word-start marker on the completion's first token.
-    Where a BPE merge crosses the seam, the completion is tokenized alone."""
-    completion = _without_eos(tokenizer, completion)
-    prompt_ids = _text_ids(tokenizer, prompt)
-    both = _text_ids(tokenizer, prompt + completion)
-    if both[:len(prompt_ids)] == prompt_ids:
-        completion_ids = both[len(prompt_ids):]
-    else:
-        completion_ids = _text_ids(tokenizer, completion)
-    prompt_ids = _bos(tokenizer) + prompt_ids
-    completion_ids = completion_ids + _eos(tokenizer)
-    ids = (prompt_ids + completion_ids)[:max_len]
-    labels = (prompt_ids if train_on_prompt else [IGNORE] * len(prompt_ids)) + completion_ids
+
+def _prompt_completion_row(bos, prompt_ids, both, eos, train_on_prompt: bool, max_len: int):
+    start = _trained_from(prompt_ids, both)
+    prompt, completion = bos + both[:start], both[start:] + eos
+    ids = (prompt + completion)[:max_len]
+    labels = (prompt if train_on_prompt else [IGNORE] * len(prompt)) + completion
     return ids, labels[:max_len]
+
+
+def encode_prompt_completion(tokenizer, prompt: str, completion: str, train_on_prompt: bool, max_len: int):
+    """BOS + (prompt + completion, tokenized as one text) + EOS; labels on the completion and its EOS.
+
+    As TRL's SFTTrainer does: the row decodes to exactly prompt + completion (the completion
+    tokenized alone would start with sentencepiece's word-start `▁`: "Answer: " + "Paris" would read
+    "Answer:  Paris"), and the completion starts where the prompt's own tokens stop matching
+    (_trained_from)."""
+    completion = _without_eos(tokenizer, completion)
+    return _prompt_completion_row(_bos(tokenizer), _text_ids(tokenizer, prompt),
+                                  _text_ids(tokenizer, prompt + completion), _eos(tokenizer), train_on_prompt, max_len)
 
 
 def encode_text(tokenizer, text: str, max_len: int):
@@ -495,12 +568,14 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
             if prompt and full.find(prompt, cursor) >= 0:
                 start = full.find(prompt, cursor) + len(prompt)
                 limit = full.find(prompt, start) % (len(full) + 1)  # the next turn's prompt, else the end
-            spans.append(_find_turn(full[:limit], through[len(before):], start, m["content"], i))
+            spans.append(_find_turn(full[:limit], through[len(before):], start, m["content"], i,
+                                    list(tokenizer.get_added_vocab())))
         cursor = spans[-1][1]
     return full, spans
 
 
-def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tuple[int, int]:
+def _find_turn(full: str, body: str, start: int, content: str, index: int,
+               added: list[str] = ()) -> tuple[int, int]:
     """Where a turn whose own rendering is `body` sits in `full` (cut where the next turn's generation
     prompt begins), its own generation prompt ending at `start`.
 
@@ -518,6 +593,10 @@ def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tu
     same = 0
     while same < len(body) and start + same < len(full) and full[start + same] == body[same]:
         same += 1
+    for token in added:  # a match that stops inside an added token ("<|" of Phi-3's <|user|>) stops before it
+        at = full.rfind(token, max(0, start + same - len(token) + 1), start + same + len(token) - 1)
+        if 0 <= at - start < same < at - start + len(token):
+            same = at - start
     if same == len(body) or holds_content(0, same):
         return start, start + same
     lo, hi = 0, len(body)  # the longest tail found after start (a found tail's own tails are found too)
@@ -537,24 +616,20 @@ def _find_turn(full: str, body: str, start: int, content: str, index: int) -> tu
 
 def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_len: int):
     """Render with the chat template and label every assistant turn (see assistant_spans), mapped from
-    characters to tokens with the tokenizer's offsets: a token is labelled if it ends inside a turn (a
-    word-start token that carries the space before the answer is the answer's; a token that only begins
-    with the turn's last characters is not). The template's BOS is kept; a template that renders none
-    gets the tokenizer's own (see _bos), once."""
+    characters to tokens with the tokenizer's offsets (_span_labels: a token that holds any character
+    of a turn is labelled, as transformers' return_assistant_tokens_mask does). The tokens are
+    `apply_chat_template(messages, tokenize=True)`'s: the rendering without added special tokens, so a
+    row has the BOS the template renders, and none where it renders none."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set chat_template=... (a "
                         "file or the template itself), tokenizer=... to one that has it, or use "
                         "dataset_format=prompt_completion")
     text, spans = (_render(tokenizer, messages, False), []) if train_on_prompt else assistant_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    bos = _bos(tokenizer)
-    prefix = [] if enc.input_ids[:len(bos)] == bos else bos
-    ids = (prefix + enc.input_ids)[:max_len]
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=not train_on_prompt)
+    ids = enc.input_ids[:max_len]
     if train_on_prompt:
         return ids, list(ids)
-    offsets = [(0, 0)] * len(prefix) + [tuple(o) for o in enc.offset_mapping]
-    labels = [tok if any(lo < end <= hi for lo, hi in spans) else IGNORE for tok, (_, end) in zip(ids, offsets)]
-    return ids, labels
+    return ids, _span_labels(ids, enc.offset_mapping, spans)
 
 
 def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: int):
@@ -569,15 +644,21 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
     return encode_prompt_completion(tokenizer, row["prompt"], row["completion"], train_on_prompt, max_len)
 
 
-def _span_labels(ids: list[int], ends: list[int], spans: list[tuple[int, int]]) -> list[int]:
-    """encode_messages' rule (a token is labelled if it ends inside a span), vectorized: the first span
-    that ends at or after a token's end holds the token if it starts before that end."""
+def _span_labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
+    """The labels of a chat row: a token is labelled if it holds any character of a span (its
+    characters [start, end) meet some [lo, hi)). That is transformers' return_assistant_tokens_mask,
+    which marks the tokens from the one holding a span's first character through the one holding its
+    last: a token that straddles a turn's end (`><` finishing `<|eot_id|>` and starting the next
+    header, in a tokenizer without those special tokens) is trained, as is one that carries the space
+    before an answer (`▁4`). Spans are disjoint: the first span ending after a token's start is the
+    only one it can meet."""
     if not spans:
         return [IGNORE] * len(ids)
     spans = sorted(spans)
     los, his = np.array([lo for lo, _ in spans]), np.array([hi for _, hi in spans])
-    ends = np.asarray(ends[:len(ids)], dtype=np.int64)
-    at = np.searchsorted(his, ends, side="left")
+    cuts = np.asarray(offsets[:len(ids)], dtype=np.int64).reshape(-1, 2)
+    starts, ends = cuts[:, 0], cuts[:, 1]
+    at = np.searchsorted(his, starts, side="right")
     inside = (at < len(spans)) & (los[np.minimum(at, len(spans) - 1)] < ends)
     return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
 
@@ -607,14 +688,8 @@ def encode_batch(rows: list[dict], fmt: str, tokenizer, train_on_prompt: bool, m
         enc = tokenizer([text for text, _ in rendered], add_special_tokens=False,
                         return_offsets_mapping=not train_on_prompt)
         for k, (_, spans) in enumerate(rendered):
-            tokens = enc.input_ids[k]
-            prefix = [] if tokens[:len(bos)] == bos else bos
-            ids = (prefix + tokens)[:max_len]
-            if train_on_prompt:
-                out.append((ids, list(ids)))
-            else:
-                ends = [0] * len(prefix) + [end for _, end in enc.offset_mapping[k]]
-                out.append((ids, _span_labels(ids, ends, spans)))
+            ids = enc.input_ids[k][:max_len]
+            out.append((ids, list(ids)) if train_on_prompt else (ids, _span_labels(ids, enc.offset_mapping[k], spans)))
         return out
     if fmt == "text":
         texts = tokenizer([_without_eos(tokenizer, r["text"]) for r in rows], add_special_tokens=False).input_ids
@@ -627,16 +702,8 @@ def encode_batch(rows: list[dict], fmt: str, tokenizer, train_on_prompt: bool, m
     completions = [_without_eos(tokenizer, c) for _, c in pairs]
     prompt_ids = tokenizer(prompts, add_special_tokens=False).input_ids
     both = tokenizer([p + c for p, c in zip(prompts, completions)], add_special_tokens=False).input_ids
-    seams = [k for k in range(len(rows)) if both[k][:len(prompt_ids[k])] != prompt_ids[k]]
-    alone = dict(zip(seams, tokenizer([completions[k] for k in seams], add_special_tokens=False).input_ids)) \
-        if seams else {}
-    for k in range(len(rows)):
-        completion = (alone[k] if k in alone else both[k][len(prompt_ids[k]):]) + eos
-        prompt = bos + prompt_ids[k]
-        ids = (prompt + completion)[:max_len]
-        labels = (prompt if train_on_prompt else [IGNORE] * len(prompt)) + completion
-        out.append((ids, labels[:max_len]))
-    return out
+    return [_prompt_completion_row(bos, prompt_ids[k], both[k], eos, train_on_prompt, max_len)
+            for k in range(len(rows))]
 
 
 def plan_packing(lengths: list[int], max_len: int) -> list[list[int]]:
@@ -751,6 +818,8 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     if len(ds) == 0:
         raise DataError(f"{where}: the dataset is empty")
     spec = spec or DataSource(path=where)
+    if fmt in ("auto", "messages"):
+        spec = with_sharegpt(spec, ds.column_names, _first_row(ds))
     names = check_columns(ds.column_names, spec, where)
     if fmt == "auto":
         fmt = detect_format(names, where)
@@ -764,6 +833,9 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     def encode(batch, indices):
         rows = [map_row({k: batch[k][i] for k in batch}, spec, f"{where} row {index}")
                 for i, index in enumerate(indices)]
+        if fmt == "messages":
+            for row, index in zip(rows, indices):
+                check_roles(row["messages"] or [], f"{where} row {index}")
         out = {"input_ids": [], "labels": [], "n_tokens": [], "n_targets": []}
         for ids, labels in encode_batch(rows, fmt, tokenizer, train_on_prompt, max_len):
             out["input_ids"].append(ids)
@@ -851,6 +923,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
     parts, held, formats, raw_rows = [], [], [], []
     for i, (key, split_key, spec) in enumerate(sources):
         raw = load_source(spec, key, split_key)
+        spec = with_sharegpt(spec, raw.column_names, _first_row(raw))
         where = spec.path if not recipe.datasets else f"datasets[{i}] {spec.path}"
         names = check_columns(raw.column_names, spec, where)
         fmt = spec.format if spec.format != "auto" else detect_format(names, where)
@@ -899,6 +972,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
     if evaluated is not None:
         key, split_key, spec = evaluated
         raw_eval = load_source(spec, key, split_key)
+        spec = with_sharegpt(spec, raw_eval.column_names, _first_row(raw_eval))
         eval_fmt = formats[0] if not recipe.datasets and spec.format == "auto" and not isinstance(
             recipe.eval_dataset, DataSource) else spec.format
         evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,

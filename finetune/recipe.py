@@ -51,8 +51,8 @@ class DataSource:
     this many rows per epoch instead (fewer than the source has: a seeded subset; more: repeats).
     Either is counted after rows without a target token within max_seq_len are dropped.
     columns: the format's field -> the dataset's field; for messages also role and content, each
-    message's fields. roles: the data's role names -> system/user/assistant/tool; when columns maps
-    messages, ShareGPT's human/gpt are understood without it.
+    message's fields (ShareGPT's conversations of from/value need none: data.with_sharegpt). roles:
+    the data's role names -> system/user/assistant/tool; ShareGPT's human/gpt are understood without it.
     """
 
     path: str

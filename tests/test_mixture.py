@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -218,6 +219,77 @@ def test_prevalidate_applies_the_mapping_and_names_the_line(tmp_path):
     assert "columns maps completion to 'response', but the rows have no field 'response'" in msg
     ok = DataSource(path=qa.path, columns={"prompt": "question", "completion": "answer"})
     assert D.prevalidate(qa.path, "auto", spec=ok) == "prompt_completion"
+
+
+def test_sharegpt_without_a_mapping_is_read_as_messages(tmp_path, mistral):
+    """Issue 20 item 5: a ShareGPT file (conversations of {from, value}) needs no columns=: with
+    format auto or messages its rows are read as the explicit mapping reads them; JSONL, parquet and
+    save_to_disk alike, and conversations of {role, content} too."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    tok, _ = mistral
+    path = write_jsonl(tmp_path / "share.jsonl", chats(6))
+    assert D.prevalidate(str(path), "auto") == "messages" == D.prevalidate(str(path), "messages")
+    pq.write_table(pa.Table.from_pylist(chats(3)), tmp_path / "share.parquet")
+    assert D.prevalidate(str(tmp_path / "share.parquet"), "auto") == "messages"
+    Dataset.from_list(chats(3)).save_to_disk(str(tmp_path / "saved"))
+    assert D.prevalidate(str(tmp_path / "saved"), "auto") == "messages"
+    recipe = Recipe(max_seq_len=256, eval_fraction=0)
+    mapped = D.build_datasets(replace(recipe, datasets=(DataSource(path=str(path), columns=SHAREGPT),)), tok)
+    for plain in (replace(recipe, dataset=str(path)), replace(recipe, dataset=str(path), dataset_format="messages")):
+        data = D.build_datasets(plain, tok)
+        assert data.format == "messages" and data.train["input_ids"] == mapped.train["input_ids"]
+        assert data.train["labels"] == mapped.train["labels"]
+    trained = [t for t, lab in zip(data.train[0]["input_ids"], data.train[0]["labels"]) if lab != IGNORE]
+    assert tok.decode(trained).replace(" ", "") == "0.</s>Itis0.</s>"  # both gpt turns, nothing else
+    turns = [{"id": r["id"], "conversations": [{"role": {"human": "user", "gpt": "assistant"}.get(m["from"], m["from"]),
+                                                "content": m["value"]} for m in r["conversations"]]} for r in chats(6)]
+    role_content = write_jsonl(tmp_path / "turns.jsonl", turns)
+    assert D.prevalidate(str(role_content), "auto") == "messages"
+    data = D.build_datasets(replace(recipe, dataset=str(role_content)), tok)
+    assert data.train["input_ids"] == mapped.train["input_ids"] and data.train["labels"] == mapped.train["labels"]
+
+
+def test_sharegpt_read_as_another_format_says_what_to_set(tmp_path):
+    """A recipe whose dataset_format is alpaca (as recipes/tiny.py's) given a ShareGPT file: one line
+    naming the file, the line and the setting that reads it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = write_jsonl(tmp_path / "share.jsonl", chats(2))
+    msg = one_line(D.prevalidate, str(path), "alpaca", error=DataError)
+    assert msg.startswith(f"{path} line 1: missing field 'instruction' (dataset_format=alpaca needs instruction, "
+                          "output); these rows hold ShareGPT conversations: set dataset_format=messages"), msg
+    pq.write_table(pa.Table.from_pylist(chats(2)), tmp_path / "share.parquet")
+    msg = one_line(D.prevalidate, str(tmp_path / "share.parquet"), "alpaca", error=DataError)
+    assert "missing column(s) ['instruction', 'output']" in msg and "set dataset_format=messages" in msg
+
+
+def test_an_unknown_role_is_named_with_file_line_and_the_roles_allowed(tmp_path, mistral):
+    """Issue 20 item 5: a `bot` turn (a messages row, or a ShareGPT row without a mapping) is named:
+    file, line, message, role, the roles there are and the mapping that fixes it; also in data that is
+    only seen while tokenizing (a hub dataset)."""
+    from datasets import Dataset
+
+    allowed = "which is none of system, user, assistant, tool; map it with roles={'bot': 'assistant'}"
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 2
+    rows.append({"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]})
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    msg = one_line(D.prevalidate, str(path), "auto", error=DataError)
+    assert msg.startswith(f"{path} line 3: message 1 has role 'bot', {allowed}"), msg
+    share = chats(3)
+    share[1]["conversations"][4]["from"] = "bot"
+    path = write_jsonl(tmp_path / "share.jsonl", share)
+    msg = one_line(D.prevalidate, str(path), "auto", error=DataError)
+    assert msg.startswith(f"{path} line 2: message 4 has role 'bot', {allowed}"), msg
+    fixed = DataSource(path=str(path), roles={"bot": "assistant"})
+    assert D.prevalidate(str(path), "auto", spec=fixed) == "messages"
+    tok, _ = mistral
+    msg = one_line(D.tokenize_dataset, Dataset.from_list(rows), "auto", tok, Recipe(max_seq_len=256), "hub/chat",
+                   error=DataError)
+    assert msg.startswith(f"hub/chat row 2: message 1 has role 'bot', {allowed}"), msg
 
 
 # ---------------------------------------------------------------- splits

@@ -3,10 +3,13 @@ sentencepiece and tekken tokenizers from the mistral_common wheel, family-style 
 templates reproducing Llama 3, Mistral, ChatML, Qwen3, Gemma and Phi-3. One BOS where the model
 expects one, one EOS, every assistant turn (with its end-of-turn marker) trained as it appears in the
 full rendering, and labels equal to transformers' own return_assistant_tokens_mask where a template
-marks its turns with {% generation %}."""
+marks its turns with {% generation %}. Rows decode to exactly their text (prompt + completion, as
+TRL's SFTTrainer tokenizes it) and chat rows start as apply_chat_template(tokenize=True) starts them
+(issue 20)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -54,6 +57,31 @@ def tekken(tmp_path_factory):
     tok = FA.tekken_tokenizer(tmp_path_factory.mktemp("tekken") / "tok")
     tok.chat_template = FA.CHATML.replace("<|im_start|>", "[INST]").replace("<|im_end|>", "</s>")
     return tok
+
+
+@pytest.fixture(scope="module")
+def llama3_bpe(tmp_path_factory):
+    """A Llama-3-style byte-level BPE (Llama 3's pre-tokenizer; adds <|begin_of_text|> itself)."""
+    corpus = [m["content"] for m in CHAT] + ["Question: What is the capital of France? Answer: Paris",
+                                             "The capital of France is Paris."]
+    return FA.make_tokenizer(FA.FAMILIES["llama3"], corpus, tmp_path_factory.mktemp("llama3"))
+
+
+@pytest.fixture(scope="module")
+def qwen_bpe(tmp_path_factory):
+    """A Qwen2-style byte-level BPE: no BOS at all, ChatML's tokens special."""
+    return FA.make_tokenizer(FA.FAMILIES["qwen2"], [m["content"] for m in CHAT], tmp_path_factory.mktemp("qwen"))
+
+
+@contextlib.contextmanager
+def templated(tok, template: str):
+    """The module's tokenizer with another chat template for the length of a test."""
+    kept = tok.chat_template
+    tok.chat_template = template
+    try:
+        yield tok
+    finally:
+        tok.chat_template = kept
 
 
 def runs(ids, labels):
@@ -106,10 +134,28 @@ def test_template_bos_and_tokenizer_bos_are_not_doubled(mistral):
     """The [INST] template renders {{ bos_token }}; the tokenizer would add another: one stays."""
     ids, _ = D.encode_messages(mistral, CHAT, False, 512)
     assert ids[:2].count(mistral.bos_token_id) == 1
-    chatml = mistral.__class__.from_pretrained(mistral.name_or_path)
-    chatml.chat_template = FA.CHATML  # renders no BOS: the tokenizer's own is put in front, once
-    ids, _ = D.encode_messages(chatml, CHAT, False, 512)
-    assert ids[0] == mistral.bos_token_id and ids.count(mistral.bos_token_id) == 1
+
+
+@pytest.mark.parametrize("name,template", [
+    (name, template) for name in ("mistral", "mistral_v3", "tekken", "llama3_bpe") for template in ("llama3", "mistral",
+                                                                                                  "chatml")
+] + [("qwen_bpe", "chatml")])  # Qwen has no BOS token for a template to render
+def test_chat_rows_start_as_apply_chat_template_tokenizes_them(name, template, request):
+    """Issue 20 item 8: a chat row is apply_chat_template(messages, tokenize=True)'s tokens (what
+    serving feeds the model): the template's BOS where it renders one (Llama 3's and our [INST]
+    template render {{ bos_token }}), none where it renders none (ChatML), whatever the tokenizer
+    adds to plain text (the sentencepiece models and the Llama-3 BPE add one; tekken and Qwen none)."""
+    tok = request.getfixturevalue(name)
+    with templated(tok, FA.TEMPLATES[template]):
+        for train_on_prompt in (False, True):
+            ids, labels = D.encode_messages(tok, CHAT, train_on_prompt, 512)
+            served = list(tok.apply_chat_template(CHAT, tokenize=True)["input_ids"])
+            assert ids == served, (tok.convert_ids_to_tokens(ids[:3]), tok.convert_ids_to_tokens(served[:3]))
+            assert D.encode_batch([{"messages": CHAT}], "messages", tok, train_on_prompt, 512) == [(ids, labels)]
+        renders_bos = template != "chatml"
+        assert (ids[0] == tok.bos_token_id) == renders_bos and ids.count(tok.bos_token_id) == int(renders_bos)
+        if not renders_bos and D._bos(tok):  # the case the issue reports: the tokenizer's BOS is not put in front
+            assert D._bos(tok) == [tok.bos_token_id] and tok("x").input_ids[0] == tok.bos_token_id
 
 
 @pytest.mark.parametrize("name", ["mistral", "tekken"])
@@ -132,6 +178,61 @@ def test_completion_is_tokenized_as_it_continues_the_prompt(mistral):
     assert ids == alone + [mistral.eos_token_id]
     assert trained_texts(mistral, ids, labels) == ["Paris</s>"]
     assert not mistral.convert_ids_to_tokens(runs(ids, labels)[0])[0].startswith("▁")
+
+
+# ---------------------------------------------------------------- the seam between prompt and completion
+
+SEAMS = [  # (prompt, completion): a prompt ending in a space; the space in the completion; a newline; a word cut
+    ("Question: What is the capital of France? Answer: ", "Paris"),
+    ("Question: What is the capital of France? Answer:", " Paris"),
+    ("Question: What is the capital of France?\n", "Paris"),
+    ("The capital of France is Par", "is."),
+]
+
+
+def trl_row(tok, prompt: str, completion: str):
+    """TRL 1.16 SFTTrainer's row for a prompt-completion example (trl/trainer/sft_trainer.py,
+    tokenize_fn): EOS appended to the completion's text, prompt and prompt + completion tokenized
+    with the tokenizer's special tokens, the completion from their common prefix's length on
+    (trl/data_utils.py, common_prefix_length)."""
+    prompt_ids = tok(prompt).input_ids
+    ids = tok(prompt + completion + tok.eos_token).input_ids
+    n = next((k for k, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), min(len(prompt_ids), len(ids)))
+    return ids, [IGNORE] * n + ids[n:]
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral_v3", "tekken", "llama3_bpe"])
+def test_prompt_completion_rows_decode_to_their_text_as_trl_tokenizes_them(name, request):
+    """Issue 20 item 6: "Answer: " + "Paris" trained as "Answer:  Paris" (':', '▁', '▁Paris') with
+    Mistral's sentencepiece models: the completion tokenized alone got sentencepiece's word-start ▁.
+    Now the row is prompt + completion tokenized as one text, so it decodes to exactly that text, for
+    sentencepiece and byte-level tokenizers alike, and its tokens and labels are TRL's: the completion
+    starts where the prompt's own tokens stop matching, so a token merged across the seam (▁Paris,
+    ' Paris', ▁Paris from ▁Par + is) is trained, as the completion's first characters are in it."""
+    tok = request.getfixturevalue(name)
+    bos = D._bos(tok)
+    for prompt, completion in SEAMS:
+        row = {"prompt": prompt, "completion": completion}
+        ids, labels = D.encode_row(row, "prompt_completion", tok, False, 512)
+        assert ids[:len(bos)] == bos and ids[-1] == tok.eos_token_id
+        assert tok.decode(ids[len(bos):-1]) == prompt + completion, (name, prompt, tok.convert_ids_to_tokens(ids[-5:]))
+        assert (ids, labels) == trl_row(tok, prompt, completion), (prompt, tok.convert_ids_to_tokens(ids[-5:]))
+        assert D.encode_batch([row], "prompt_completion", tok, False, 512) == [(ids, labels)]
+        trained = runs(ids, labels)
+        assert len(trained) == 1 and trained[0][-1] == tok.eos_token_id
+        text = tok.decode(trained[0][:-1])
+        assert completion.strip() in text and (prompt + completion).endswith(text.lstrip()), (prompt, text)
+        assert D.encode_row(row, "prompt_completion", tok, True, 512) == (ids, ids)
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral_v3"])
+def test_a_prompt_ending_in_a_space_trains_one_answer_token(name, request):
+    """The issue's case in tokens: '▁' + '▁Paris' (two spaces) is now '▁Paris', trained."""
+    tok = request.getfixturevalue(name)
+    ids, labels = D.encode_row({"prompt": "Answer: ", "completion": "Paris"}, "prompt_completion", tok, False, 64)
+    assert tok.convert_ids_to_tokens(ids) == ["<s>", "▁Answer", ":", "▁Paris", "</s>"]
+    assert labels == [IGNORE, IGNORE, IGNORE, ids[3], ids[4]]
+    assert tok.decode(ids, skip_special_tokens=True) == "Answer: Paris"
 
 
 # ---------------------------------------------------------------- chat templates of each family
@@ -175,6 +276,43 @@ def test_generation_marks_give_transformers_assistant_mask(name, tmp_path):
     assert ids == list(want["input_ids"]) == plain_ids
     assert [lab != IGNORE for lab in labels] == [bool(m) for m in want["assistant_masks"]]
     assert labels == plain_labels and any(m for m in want["assistant_masks"])
+
+
+@pytest.mark.parametrize("template", ["llama3", "chatml"])
+@pytest.mark.parametrize("name", ["mistral", "mistral_v3", "tekken", "llama3_bpe"])
+def test_generation_labels_are_transformers_mask_where_a_token_straddles_a_turn(name, template, request):
+    """Issue 20 item 7: a tokenizer that does not know a template's markers as tokens (Mistral's
+    sentencepiece models and tekken under Llama 3's or ChatML's template) has tokens that span the end
+    of an assistant turn, `><` finishing `<|eot_id|>` and opening `<|start_header_id|>`. transformers'
+    return_assistant_tokens_mask marks every token that holds a character of a {% generation %} block;
+    the labels are that mask, and the same template without the marks trains the same tokens."""
+    tok = request.getfixturevalue(name)
+    with templated(tok, FA.TEMPLATES[template]):
+        plain = D.encode_messages(tok, CHAT, False, 512)
+    with templated(tok, FA.with_generation_marks(FA.TEMPLATES[template])):
+        ids, labels = D.encode_messages(tok, CHAT, False, 512)
+        want = tok.apply_chat_template(CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert D.encode_batch([{"messages": CHAT}], "messages", tok, False, 512) == [(ids, labels)]
+    assert ids == list(want["input_ids"])
+    assert [lab != IGNORE for lab in labels] == [bool(m) for m in want["assistant_masks"]]
+    assert (ids, labels) == plain
+    end = "<|eot_id|>" if template == "llama3" else "<|im_end|>"
+    assert len(trained_texts(tok, ids, labels)) == 2
+    for text in trained_texts(tok, ids, labels):
+        assert end in text, text  # every trained turn holds its whole end-of-turn marker
+
+
+def test_the_straddling_token_of_the_issue_is_trained(mistral):
+    """Mistral v1 under a Llama-3 template with {% generation %}: `><` spans the first answer's
+    `<|eot_id|>` and the next header; transformers trains it, and so do we."""
+    with templated(mistral, FA.with_generation_marks(FA.LLAMA3)):
+        ids, labels = D.encode_messages(mistral, CHAT, False, 512)
+        want = mistral.apply_chat_template(CHAT, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        text, spans = D.assistant_spans(mistral, CHAT)
+    enc = mistral(text, add_special_tokens=False, return_offsets_mapping=True)
+    straddling = [k for k, (a, b) in enumerate(enc.offset_mapping) if any(a < hi < b for _, hi in spans)]
+    assert straddling and all(mistral.convert_ids_to_tokens(ids[k]) == "><" for k in straddling)
+    assert all(labels[k] == ids[k] and want["assistant_masks"][k] == 1 for k in straddling)
 
 
 def test_qwen3_trains_each_answer_as_the_full_rendering_shows_it(tmp_path):
