@@ -82,6 +82,9 @@ def test_qlora_trains_adapter_on_frozen_4bit_base(strategy, qlora_runs, monkeypa
             f"{checkpoint.name} holds frozen base weights or quantization constants: {keys[:3]}"
 
     _, base_path = _recipe(run)
+    # bitsandbytes decides as on a CPU with AVX512-BF16, whatever this one has (tests/test_qlora_cpu_paths.py
+    # forces both decisions): the reload must still compute what the run computed.
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
     four_bit = load_4bit_base(base_path, torch.float32)  # the run's base_dtype (mixed_precision=no)
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in four_bit.modules()) == 14
     on_4bit = eval_loss(PeftModel.from_pretrained(four_bit, out / "final"), run, monkeypatch)
