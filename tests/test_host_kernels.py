@@ -48,7 +48,8 @@ def test_bf16_loss_within_tolerance_on_every_cpu_kernel_set(capability):
         repo = Path(__file__).resolve().parents[1]
         env = dict(os.environ, PYTHONPATH=str(repo), ATEN_CPU_CAPABILITY=capability)  # read at torch's start;
         # a capability above the CPU's dies of SIGILL, so only the machine's own and lower ones can be forced
-        code = "import json, sys; from tests.test_host_kernels import losses; print('RESULT ' + json.dumps(losses(sys.argv[1])))"
+        code = ("import json, sys; from tests.test_host_kernels import losses; "
+                "print('RESULT ' + json.dumps(losses(sys.argv[1])))")
         proc = subprocess.run([sys.executable, "-c", code, str(tiny_model_dir())], env=env, cwd=repo,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
