@@ -187,24 +187,16 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     """
     import os
 
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     dtype = base_dtype(recipe)
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
     if recipe.strategy == "ddp":
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
     else:
         device = "cpu"  # sharded at prepare; Accelerate / DeepSpeed move the shards to the GPU
     if weights_on_this_rank:
-        from finetune.export import _without_zero3_init
-
-        with _without_zero3_init():
-            model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=dtype,
-                                                         device_map={"": device},
-                                                         attn_implementation=recipe.attn_implementation)
+        model = load_4bit_base(model_path, dtype, device, recipe.attn_implementation)
     else:
         from accelerate import init_empty_weights
+        from transformers import AutoModelForCausalLM
 
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype,
@@ -213,13 +205,11 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
         model.is_loaded_in_4bit = True  # as from_pretrained marks it; peft then puts its 4-bit LoRA layers on
     if recipe.strategy == "fsdp":
         _share_quantized_layers(model, weights_on_this_rank, dtype)
+    keep_4bit_layout(model)  # the Linear4bit modules _share_quantized_layers made too (other ranks than 0)
     import bitsandbytes as bnb
 
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
-            # On a CPU with AVX512-BF16, bitsandbytes repacks the weight in place at the first eval
-            # forward, a layout the training forward and FSDP's shards do not expect.
-            module.support_avx512bf16_for_cpu = False
             module._register_state_dict_hook(_without_quant_state)
     if recipe.strategy == "ddp":
         from peft import prepare_model_for_kbit_training
@@ -228,6 +218,54 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
         # the training dtype: FSDP2 all-gathers a layer in one dtype (TRL skips this for sharded QLoRA too).
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
+
+
+def load_4bit_base(model_path: str, dtype: torch.dtype, device: str = "cpu", attn_implementation: str | None = None):
+    """The frozen base as a QLoRA run computes with it: `from_pretrained` quantizing the decoder Linears to
+    NF4 with double quantization, compute and storage dtype `dtype` (model.base_dtype of the run: fp32
+    on CPU), on `device`, with bitsandbytes' packed CPU layout kept off (keep_4bit_layout). The one
+    loader of a 4-bit base: the run's (_load_4bit) and the one to evaluate or generate from a QLoRA
+    adapter, `PeftModel.from_pretrained(load_4bit_base(base, dtype), "final")`, which then computes
+    what the run computed on any CPU."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from finetune.export import _without_zero3_init
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+    with _without_zero3_init():
+        model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=dtype,
+                                                     device_map={"": device}, attn_implementation=attn_implementation)
+    keep_4bit_layout(model)
+    return model
+
+
+def keep_4bit_layout(model) -> int:
+    """Keeps bitsandbytes' packed CPU inference layout off for every Linear4bit of `model` (returns how
+    many); call it before the model's first forward.
+
+    bitsandbytes (0.50.2) sets `support_avx512bf16_for_cpu = has_avx512bf16()` when it makes a
+    Linear4bit, and with it true, the layer's first forward on the CPU in eval mode with an input that
+    needs no gradient (any eval or generation under no_grad) rewrites the weight in place: NF4 bits
+    regrouped in blocks of 32 output rows (uint8 [N, K/2]), absmax dequantized to bf16, computed by a
+    bf16-only kernel. That is its only trigger (nn/modules.py, Linear4bit.forward; matmul_4bit and the
+    CPU gemv kernel then follow the flag the layer's quant_state carries). Off for every layer, not only
+    where the shape cannot take it:
+    - it asserts out_features % 32 == 0 ("N must be divisible by block_n"): a model with any other
+      projection (the tiny model's MLP: 176) would stop at its first eval;
+    - the layer stays packed after model.train(), in a layout FSDP2's shards and ZeRO-3's partitions
+      (the packed bits in the training dtype, see _load_4bit) do not hold;
+    - its numbers are not the training forward's (bf16 activations and absmax), so an eval on such a
+      CPU would not give the loss the run computed;
+    - a state dict taken after it (save_pretrained of the 4-bit model) converts back with absmax
+      re-quantized from bf16: other quantization constants than the ones the base was loaded with.
+    Off, the layer computes as on any other CPU (dequantize NF4, then a matmul in the compute dtype)."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for module in layers:
+        module.support_avx512bf16_for_cpu = False
+    return len(layers)
 
 
 def _without_quant_state(module, state_dict, prefix, local_metadata):

@@ -1,7 +1,8 @@
 """QLoRA on 2 real processes under FSDP2 and ZeRO-3 (CPU, gloo, fp32: the 4-bit NF4 base's packed bits
 stored in fp32): the loss falls; the frozen 4-bit base is unchanged (final/ on a base freshly quantized by
-plain transformers + bitsandbytes gives exactly the run's final eval loss, and on the unquantized base a
-different one, so the run computed with the 4-bit base); final/ is an adapter plain peft loads;
+finetune.model.load_4bit_base, the loader a user evaluates or generates from a QLoRA adapter with, gives
+exactly the run's final eval loss, and on the unquantized base a different one, so the run computed with
+the 4-bit base); final/ is an adapter plain peft loads;
 final_merged/ is base + adapter in fp32; checkpoints hold the adapter only; a resume from the middle
 checkpoint continues bit for bit.
 
@@ -58,20 +59,13 @@ def eval_loss(model, run, monkeypatch) -> float:
                     lambda t: t, lambda m, b: loss_sum(m, b, recipe.loss_impl, recipe.loss_chunk_tokens))
 
 
-def quantized_base(path):
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.float32,
-                                                device_map={"": "cpu"})
-
-
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
 def test_qlora_trains_adapter_on_frozen_4bit_base(strategy, qlora_runs, monkeypatch):
     import bitsandbytes as bnb
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from finetune.model import load_4bit_base
 
     run = qlora_runs(strategy)
     out = run.output_dir
@@ -88,7 +82,10 @@ def test_qlora_trains_adapter_on_frozen_4bit_base(strategy, qlora_runs, monkeypa
             f"{checkpoint.name} holds frozen base weights or quantization constants: {keys[:3]}"
 
     _, base_path = _recipe(run)
-    four_bit = quantized_base(base_path)
+    # bitsandbytes decides as on a CPU with AVX512-BF16, whatever this one has (tests/test_qlora_cpu_paths.py
+    # forces both decisions): the reload must still compute what the run computed.
+    monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)
+    four_bit = load_4bit_base(base_path, torch.float32)  # the run's base_dtype (mixed_precision=no)
     assert sum(isinstance(m, bnb.nn.Linear4bit) for m in four_bit.modules()) == 14
     on_4bit = eval_loss(PeftModel.from_pretrained(four_bit, out / "final"), run, monkeypatch)
     assert on_4bit == pytest.approx(evals[-1], rel=1e-6, abs=0), \
