@@ -24,6 +24,7 @@ if __package__ in (None, ""):  # python finetune/export.py: make the repository 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.files import publish  # noqa: E402
+from finetune.strategy import running_strategy, strategy_for  # noqa: E402
 
 
 def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB") -> Path:
@@ -67,26 +68,9 @@ def is_lora(model) -> bool:
 def trainable_state_dict(accelerator, model) -> dict:
     """Full tensors of the trainable parameters only (a LoRA adapter), on the main process: gathering
     them is cheap, unlike the frozen base. Collective: every rank must call it."""
-    import torch
-
     unwrapped = accelerator.unwrap_model(model)
     named = [(n, p) for n, p in unwrapped.named_parameters() if p.requires_grad]
-    out = {}
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            if accelerator.is_main_process:
-                out = {n: p.detach().to("cpu", copy=True) for n, p in named}
-        return out
-    from torch.distributed.tensor import DTensor
-
-    for name, param in named:
-        full = param.full_tensor() if isinstance(param, DTensor) else param  # collective for FSDP2 shards
-        if accelerator.is_main_process:
-            out[name] = full.detach().to("cpu", torch.float32, copy=True)
-    return out
+    return running_strategy(accelerator).gather_trainable(accelerator, named)
 
 
 def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
@@ -235,7 +219,8 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     model.tie_weights()
     # final/ of a DeepSpeed run in bf16/fp16 holds 16-bit weights; the export matches it
     precision = recipe.get("mixed_precision", "no")
-    if str(recipe.get("strategy", "")).startswith("zero") and precision in ("bf16", "fp16"):
+    strategy = recipe.get("strategy")
+    if strategy and strategy_for(strategy).final_in_training_dtype and precision in ("bf16", "fp16"):
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     model.eval()
 

@@ -7,6 +7,7 @@ import torch
 
 from finetune.assets import resolve_model
 from finetune.recipe import Recipe, RecipeError, chat_template_text
+from finetune.strategy import strategy_for
 
 
 def load_config(recipe: Recipe):
@@ -44,19 +45,6 @@ def concatenation_problem(recipe: Recipe, config) -> str | None:
     return (f"{keys} with model type {model_type}: its layers carry state along the row (or its attention ignores "
             "position ids), so examples concatenated in one row would see one another; set packing=false "
             "padding_free=false (padded rows, one example each)")
-
-
-def no_split_modules(config) -> list[str]:
-    """The decoder-layer class names, which FSDP wraps as its units."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    names = list(getattr(skeleton, "_no_split_modules", None) or [])
-    if not names:
-        raise RecipeError(f"model type {config.model_type} does not name its decoder layers (_no_split_modules); "
-                          "FSDP cannot tell what to wrap: use a ZeRO strategy")
-    return names
 
 
 def load_tokenizer(recipe: Recipe, model_path: str):
@@ -183,15 +171,11 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     partitions it when the model is prepared. fsdp: rank 0 loads it on the CPU; the other ranks build
     a meta-device skeleton with the same Linear4bit modules and receive the quantization constants from
     rank 0 here and their shards of the packed weights when Accelerate prepares the model
-    (prepare_4bit_for_fsdp).
+    (strategy.Fsdp.prepare_4bit). Where each strategy puts the base is its Strategy object's answer.
     """
-    import os
-
+    strategy = strategy_for(recipe.strategy)
     dtype = base_dtype(recipe)
-    if recipe.strategy == "ddp":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-    else:
-        device = "cpu"  # sharded at prepare; Accelerate / DeepSpeed move the shards to the GPU
+    device = strategy.quantized_base_device()
     if weights_on_this_rank:
         model = load_4bit_base(model_path, dtype, device, recipe.attn_implementation)
     else:
@@ -203,7 +187,7 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
                                                      attn_implementation=recipe.attn_implementation)
         model.tie_weights()
         model.is_loaded_in_4bit = True  # as from_pretrained marks it; peft then puts its 4-bit LoRA layers on
-    if recipe.strategy == "fsdp":
+    if strategy.shares_quantized_layers:
         _share_quantized_layers(model, weights_on_this_rank, dtype)
     keep_4bit_layout(model)  # the Linear4bit modules _share_quantized_layers made too (other ranks than 0)
     import bitsandbytes as bnb
@@ -211,7 +195,7 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module._register_state_dict_hook(_without_quant_state)
-    if recipe.strategy == "ddp":
+    if strategy.prepares_for_kbit_training:
         from peft import prepare_model_for_kbit_training
 
         # peft's recipe for one GPU per process: norms and embeddings in fp32. Sharded runs keep them in
@@ -306,38 +290,6 @@ def _share_quantized_layers(model, has_weights: bool, dtype) -> None:
                                   bnb_quantized=True, module=layer)
         layer.quant_state = quant_state
         setattr(parent, child, layer)
-
-
-def prepare_4bit_for_fsdp(model, device) -> None:
-    """Before FSDP2 shards a 4-bit base: each Linear4bit's weight becomes a plain frozen Parameter
-    holding the packed NF4 bits, and its quantization constants stay on the module (`quant_state`),
-    on the run's device.
-
-    Accelerate treats a model with bitsandbytes' Params4bit as one every rank loaded in full: it would
-    skip the rank-0 load and broadcast and shard what each rank holds, so the meta skeletons of ranks
-    other than 0 would never get weights. As plain parameters they are broadcast and sharded like any
-    other (the packed bits in the training dtype, see _load_4bit). At each forward, FSDP puts the
-    gathered weight back on the module and bitsandbytes' Linear4bit re-attaches the module's
-    quant_state to it (fix_4bit_weight_quant_state_from_module, which bitsandbytes has for FSDP)."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            state = module.weight.quant_state if module.weight.quant_state is not None else module.quant_state
-            state.to(device)
-            module.quant_state = state
-            module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
-
-
-def move_quant_states(model, device) -> None:
-    """ZeRO-3 and DDP on a GPU: the quantization constants to the run's device (DeepSpeed moves the
-    parameters, not these)."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state is not None:
-            module.weight.quant_state.to(device)
-            module.quant_state = module.weight.quant_state
 
 
 def is_default_lora_target(name: str, module) -> bool:

@@ -9,12 +9,9 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from finetune.recipe import Recipe, RecipeError
-
-if TYPE_CHECKING:
-    from finetune.resume import ResumePoint
+from finetune.strategy import Strategy, strategy_for
 
 
 @dataclass(frozen=True)
@@ -25,7 +22,7 @@ class Plan:
     grad_accum: int
     device: str  # "cuda" or "cpu"
     unchecked: tuple[str, ...] = ()  # machine-dependent problems a dry run reports instead of raising
-    resume: ResumePoint | None = None  # the checked checkpoint this run continues from (finetune.resume)
+    resume: object | None = None  # the checked checkpoint this run continues from: a resume.ResumePoint
 
     @property
     def resumes_on_other_world_size(self) -> bool:
@@ -36,12 +33,16 @@ class Plan:
         return self.recipe.micro_batch_size * self.grad_accum * self.world_size
 
     @property
+    def strategy(self) -> Strategy:
+        return strategy_for(self.recipe.strategy)
+
+    @property
     def is_deepspeed(self) -> bool:
-        return self.recipe.strategy.startswith("zero")
+        return self.strategy.is_deepspeed
 
     @property
     def zero_stage(self) -> int:
-        return int(self.recipe.strategy[-1]) if self.is_deepspeed else 0
+        return self.strategy.zero_stage
 
     def describe(self) -> str:
         r = self.recipe
@@ -80,17 +81,17 @@ def check_launcher(recipe: Recipe, env=os.environ) -> None:
     """The recipe decides the strategy; a launcher config that says otherwise is an error, not a vote."""
     fix = ("the recipe decides the strategy; launch with a plain multi-process config such as "
            "accelerate_configs/multi_gpu_8.yaml, or change strategy= to match")
+    strategy = strategy_for(recipe.strategy)
+    problem = strategy.launcher_problem(env)
+    if problem:
+        raise RecipeError(f"{problem}; {fix}")
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        if not recipe.strategy.startswith("zero"):
-            raise RecipeError(f"the launcher config enables DeepSpeed but strategy={recipe.strategy}; {fix}")
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        if stage and stage.isdigit() and f"zero{stage}" != recipe.strategy:
+        if stage and stage.isdigit() and int(stage) != strategy.zero_stage:
             raise RecipeError(f"the launcher config asks for ZeRO stage {stage} but strategy={recipe.strategy}; {fix}")
         if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
             raise RecipeError("the launcher config names a deepspeed_config_file, but the DeepSpeed config is built "
                               "from the recipe; remove deepspeed_config_file from the launcher config")
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and recipe.strategy != "fsdp":
-        raise RecipeError(f"the launcher config enables FSDP but strategy={recipe.strategy}; {fix}")
     launched_mp = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if launched_mp != "no" and launched_mp != recipe.mixed_precision:
         raise RecipeError(f"the launcher says mixed_precision={launched_mp} but the recipe says "
@@ -105,8 +106,9 @@ def gpu_only_problems(recipe: Recipe) -> list[str]:
     if recipe.mixed_precision == "fp16":
         problems.append("mixed_precision=fp16 needs a CUDA GPU and this machine has none; "
                         "use mixed_precision=no (fp32) or bf16 on CPU")
-    if recipe.strategy == "fsdp" and recipe.fsdp_version == 1:
-        problems.append("fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2")
+    strategy_problem = strategy_for(recipe.strategy).gpu_only_problem(recipe)
+    if strategy_problem:
+        problems.append(strategy_problem)
     if recipe.attn_implementation == "flash_attention_2":
         problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
     if recipe.loss_impl == "liger":
@@ -199,7 +201,7 @@ def stale_build_lock_problems(recipe: Recipe, now: float | None = None, root: st
     ~/.cache/torch_extensions, under a `lock` file that torch's builder waits on. A build that was
     killed leaves the lock behind, and every later run that needs the op sleeps on it forever,
     without a word. A lock older than any real build is named here, with the one command that fixes it."""
-    if not recipe.strategy.startswith("zero"):
+    if not strategy_for(recipe.strategy).is_deepspeed:
         return []
     import time
 

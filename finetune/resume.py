@@ -25,6 +25,7 @@ from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS,
                                  partial_checkpoints, read_manifest, verify)
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
+from finetune.strategy import strategy_for
 
 
 def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_size: int, rank: int = 0,
@@ -50,7 +51,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * world_size  # the plan's global batch
     if asked != point.global_batch_size:
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
-    if convert and recipe.strategy.startswith("zero") and point.world_size != world_size:
+    if convert and strategy_for(recipe.strategy).converts_on_world_size_change and point.world_size != world_size:
         point = replace(point, load_from=ensure_universal(point, rank))
     return point, recipe, changed
 
