@@ -12,18 +12,18 @@ Either way the directory is written under a temporary name and renamed, so it is
 
 from __future__ import annotations
 
-import argparse
 import json
-import pickle
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from finetune.checkpoint import HF_DIR, safe_loading, verify  # noqa: E402
 from finetune.files import publish  # noqa: E402
+from finetune.model import add_lora, without_zero3_init  # noqa: E402
+from finetune.recipe import Recipe, RecipeError  # noqa: E402
 from finetune.strategy import running_strategy, strategy_for  # noqa: E402
 
 
@@ -94,7 +94,7 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _without_zero3_init():
+    with without_zero3_init():
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     tmp = Path(out_dir).with_name(Path(out_dir).name + ".tmp")
@@ -103,20 +103,6 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
     publish(tmp, Path(out_dir))
     return Path(out_dir)
-
-
-@contextmanager
-def _without_zero3_init():
-    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init, which partitions
-    it with collectives; a load on the main process alone would then wait for the other ranks forever."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _plain_architecture(config_path: Path) -> None:
@@ -138,8 +124,6 @@ def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
     model's state dict (its keys and shapes), filled in place for the FSDP case; None for a LoRA
     checkpoint, which holds the adapter only."""
     import torch
-
-    from finetune.checkpoint import safe_loading
 
     fsdp_dir = ckpt / "pytorch_model_fsdp_0"
     zero_dir = ckpt / "pytorch_model"
@@ -180,9 +164,6 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     checkpoint becomes a peft adapter, or with `merge` a plain model (see export_lora)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from finetune.checkpoint import HF_DIR, verify
-    from finetune.recipe import RecipeError
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     if out_dir.exists():
@@ -266,13 +247,9 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     from peft import PeftModel, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.checkpoint import HF_DIR
-    from finetune.model import add_lora
-    from finetune.recipe import Recipe, RecipeError
-
     base_path = base or manifest["fingerprint"]["model"]
     try:
-        with _without_zero3_init():
+        with without_zero3_init():
             base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ExportError(f"{ckpt} holds a LoRA adapter, not a whole model, and its base {base_path} cannot be "
@@ -345,49 +322,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
                    "parameters": sum(p.numel() for p in again.parameters())}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.export",
-                                     description="Turn any finetune checkpoint into a plain Hugging Face model.")
-    parser.add_argument("checkpoint", type=Path, help="e.g. OUTPUT_DIR/checkpoints/step_000000200")
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--max-shard-size", default="5GB")
-    parser.add_argument("--merge", action="store_true",
-                        help="LoRA checkpoints: write base + adapter as one plain model (default: a peft adapter)")
-    parser.add_argument("--base", help="LoRA checkpoints: the base model (default: the one the run loaded)")
-    args = parser.parse_args(argv)
-    import os
-    import warnings
+if __name__ == "__main__":  # python -m finetune.export
+    import runpy
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export never needs a GPU
-    warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")  # one process is the intent
-    from finetune.metrics import setup_logging
-
-    setup_logging("warning", 0)
-    try:
-        result = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size, args.merge, args.base,
-                                   log=lambda m: print(m, file=sys.stderr))
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpoint.safe_loading)
-        print(f"error: checkpoint {args.checkpoint}: {e}; use a checkpoint from a source you trust; nothing was "
-              "written", file=sys.stderr)
-        return 2
-    if result.get("lora") and not result["merged"]:
-        print(f"exported the LoRA adapter of step {result['step']} (written by {result['world_size']} process(es)) "
-              f"to {result['out_dir']}: {result['adapter_parameters']:,} parameters; reloaded with "
-              f"PeftModel.from_pretrained on {result['base']}, probe logits identical")
-        return 0
-    if result.get("lora"):
-        print(f"exported step {result['step']} merged into {result['base']} to {result['out_dir']}: "
-              f"{result['parameters']:,} parameters, {result['dtype']}; reloaded with from_pretrained, probe logits "
-              f"identical, within {result['probe_max_abs_diff']:.2g} of base + adapter")
-        return 0
-    print(f"exported step {result['step']} (written by {result['world_size']} process(es)) to {result['out_dir']}: "
-          f"{result['parameters']:,} parameters, {result['dtype']}; reloaded with from_pretrained, probe logits "
-          "identical")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("finetune.commands.export", run_name="__main__")

@@ -88,7 +88,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, _offline, load_architecture
+from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
 from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local
 from finetune.strategy import strategy_for
 
@@ -479,12 +479,12 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
     if arch.source.startswith(TABLE_SOURCE):
-        unchecked.append(f"the model's own config.json (not in the local cache{', offline' if _offline() else ''}; "
+        unchecked.append(f"the model's own config.json (not in the local cache{', offline' if offline() else ''}; "
                          "the published numbers were used)")
     if arch.model_type not in LLAMA_LIKE and not arch.measured:
         unchecked.append(f"the parameter count of model_type {arch.model_type} (counted as a Llama-style decoder)")
     if not looks_local(recipe.model) and not recipe.model.startswith(BUILTIN_PREFIX):
-        unchecked.append("that the model's weights can be downloaded" if not _offline()
+        unchecked.append("that the model's weights can be downloaded" if not offline()
                          else "that the model's weights are in the cache (offline)")
     gpu = _gpu_memory()
     if gpu is None:

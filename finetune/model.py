@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from finetune import loss
+from finetune.arch import is_default_lora_target
 from finetune.assets import resolve_model
+from finetune.loss import hf_model
 from finetune.recipe import Recipe, RecipeError, chat_template_text
 from finetune.strategy import strategy_for
 
@@ -142,8 +147,6 @@ def compile_layers(model) -> int:
     (110 s against 52 s for the tiny model, 2 loaded cores). LoRA dropout inside a compiled layer draws
     from inductor's random numbers, not eager's: another random mask, so the curve differs from an
     uncompiled run's by noise (6e-4 relative measured at lora_dropout=0.05; 4e-8 at 0)."""
-    from finetune.loss import hf_model
-
     names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -213,11 +216,9 @@ def load_4bit_base(model_path: str, dtype: torch.dtype, device: str = "cpu", att
     what the run computed on any CPU."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from finetune.export import _without_zero3_init
-
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
-    with _without_zero3_init():
+    with without_zero3_init():
         model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=dtype,
                                                      device_map={"": device}, attn_implementation=attn_implementation)
     keep_4bit_layout(model)
@@ -292,12 +293,6 @@ def _share_quantized_layers(model, has_weights: bool, dtype) -> None:
         setattr(parent, child, layer)
 
 
-def is_default_lora_target(name: str, module) -> bool:
-    short = name.rsplit(".", 1)[-1]
-    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and short != "gate"
-            and not short.endswith("_gate"))
-
-
 def lora_targets(model, recipe: Recipe) -> list[str]:
     """The recipe's modules, else every Linear inside the decoder layers: the attention and MLP
     projections, fused ones included (Phi-3's qkv_proj, gate_up_proj), but not a mixture of experts'
@@ -333,6 +328,18 @@ def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int = 0, aux: lis
     target tokens of the whole global batch, so every split of that batch gives the same update.
     impl and chunk are the recipe's loss_impl and loss_chunk_tokens; finetune/loss.py says how each works;
     aux collects a mixture of experts' router loss (see loss.router_aux_loss)."""
-    from finetune import loss
-
     return loss.loss_sum(model, batch, impl, chunk or None, aux)
+
+
+@contextmanager
+def without_zero3_init():
+    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init, which partitions
+    it with collectives; a load on the main process alone would then wait for the other ranks forever."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

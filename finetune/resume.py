@@ -23,8 +23,10 @@ from pathlib import Path
 from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
                                  checksum_mismatches, complete_checkpoints, damaged_by_checksum, fingerprint,
                                  partial_checkpoints, read_manifest, verify)
+from finetune.assets import resolve_model
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
+from finetune.plan import derive_grad_accum, world_size_from_env
 from finetune.strategy import strategy_for
 
 
@@ -36,9 +38,6 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     on another world size or micro batch the accumulation is recomputed from it). convert=False
     (a dry run, or the `finetune` front that launches the ranks) leaves the universal conversion
     to the ranks that train."""
-    from finetune.assets import resolve_model
-    from finetune.plan import derive_grad_accum
-
     point = find(resume, Path(recipe.output_dir), log)
     if point is None:
         return None, recipe, []
@@ -165,8 +164,6 @@ def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> s
         return (f"global_batch_size={recipe.global_batch_size} (the checkpoint's global batch is "
                 f"{point.global_batch_size})")
     if "grad_accum" in changed and not recipe.global_batch_size:
-        from finetune.plan import world_size_from_env
-
         asked = recipe.micro_batch_size * recipe.grad_accum * world_size_from_env()
         if asked != point.global_batch_size:
             return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "

@@ -8,6 +8,8 @@ import os
 import signal
 import time
 
+from finetune.lock import release_all
+
 
 class StopRequest:
     """SIGTERM / SIGUSR1 (what schedulers send before preemption) and SIGINT (Ctrl-C) ask for a
@@ -36,8 +38,6 @@ class StopRequest:
                 signum == signal.SIGTERM or (signum == signal.SIGINT and now - self._interrupted_at >= self.REPEAT_S)):
             _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest complete "
                  "checkpoint is kept; continue from it with --resume auto)")
-            from finetune.lock import release_all
-
             release_all()
             os._exit(130)
         if signum == signal.SIGINT and self._interrupted_at is None:
