@@ -9,6 +9,7 @@ second way to train.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -237,6 +238,12 @@ def _kill_tree(root) -> set[int]:
     return {proc.pid for proc in procs}
 
 
+def _forwarding_notices(record) -> bool:
+    """False for the launcher's notices that it forwards a signal (one line per worker): the workers say
+    what they do with it. Its warning that a worker did not stop in time and was killed stays."""
+    return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
+
+
 def accelerate_launch(argv: list[str]) -> int:
     """`accelerate launch ARGS` in this process. Signalled, torch's launcher forwards the signal to the
     workers, waits for them and raises SignalException, whose traceback says nothing the workers did
@@ -246,6 +253,8 @@ def accelerate_launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     args = launch_command_parser().parse_args(argv)
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(_forwarding_notices)
     try:
         accelerate_command(args)
     except SignalException as e:
