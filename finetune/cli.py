@@ -171,14 +171,15 @@ def supervise(cmd: list[str], output_dir: Path) -> int:
     and stop (finetune.stopping); the front waits for that, then exits 128 + the signal (130, 143). A
     second signal stops at once: the launcher and the workers are killed (the newest complete checkpoint
     stays) and their output_dir lock released. Should the front itself die, the kernel sends the
-    launcher SIGTERM (PR_SET_PDEATHSIG): the run still saves and stops rather than training on orphaned.
+    launcher SIGTERM (stopping.stop_with_front): the run still saves and stops rather than train on orphaned.
     """
     import psutil
 
     env = dict(os.environ)
     # the launcher's wait for the workers after a signal, before it kills them: long enough for a checkpoint
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
-    child = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_term_with_parent)
+    env[FRONT_PID] = str(os.getpid())  # see stopping.stop_with_front
+    child = subprocess.Popen(cmd, env=env, start_new_session=True)
     launcher = psutil.Process(child.pid)
     received: list[int] = []
 
@@ -206,18 +207,8 @@ def supervise(cmd: list[str], output_dir: Path) -> int:
 
 
 SHUTDOWN_TIMEOUT_S = 900
+FRONT_PID = "FINETUNE_FRONT_PID"
 LAUNCH = "_launch"  # `python -m finetune.cli _launch accelerate ARGS`: accelerate launch, quiet when signalled
-
-
-def _term_with_parent() -> None:
-    """In the launcher, before it runs: SIGTERM when the front that started it dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
 
 
 def _kill_tree(root) -> set[int]:
@@ -252,6 +243,9 @@ def accelerate_launch(argv: list[str]) -> int:
     from accelerate.commands.launch import launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from finetune.stopping import stop_with_front
+
+    stop_with_front()
     args = launch_command_parser().parse_args(argv)
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(_forwarding_notices)

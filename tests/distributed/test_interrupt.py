@@ -203,6 +203,7 @@ def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_onc
         kill_all(first, procs)
     assert first.returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
+    assert "death signal" not in stderr and "closing signal" not in stderr, stderr  # the launcher's notices
     lines = worker_lines(stderr, -1)
     stopped = [int(m.group(1)) for m in map(re.compile(r"^stopped by signal at step (\d+); checkpoint saved; "
                                                        r"continue with --resume auto$").match, lines) if m]
