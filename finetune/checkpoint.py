@@ -228,6 +228,59 @@ def verify_checksums(path: Path, manifest: dict, rank: int, world: int, all_gath
         raise damaged_by_checksum(path, bad)
 
 
+def manifest_digest(path: Path) -> str:
+    """xxh3-128 of a checkpoint's manifest: names that exact checkpoint (its manifest holds every file's
+    checksum), so that what is derived from it can say from which one."""
+    return _xxh3_file(path / MANIFEST)
+
+
+def seal(directory: Path, name: str, fields: dict) -> dict:
+    """Write `name` into `directory`, listing every other file in it with its size and checksum, plus
+    `fields`: last, once everything else is written, and atomically (a temporary file, fsync'd, renamed),
+    so that a directory with this file is complete and checkable (see seal_problem)."""
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != name}
+    listing = {**fields, "files": files, "checksum": CHECKSUM,
+               "checksums": dict(sorted(file_checksums(directory, sorted(files)).items()))}
+    tmp = directory / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(listing, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / name)
+    return listing
+
+
+def seal_problem(directory: Path, name: str, fields: dict) -> str | None:
+    """Why `directory` is not exactly what its `name` (written by seal) lists, with `fields` as given;
+    None when every file is there, alone, with its size and checksum."""
+    try:
+        listing = json.loads((directory / name).read_bytes())
+    except FileNotFoundError:
+        return f"no {name}: its writing did not finish, or an older finetune wrote it"
+    except (OSError, ValueError) as e:
+        return f"{name} is unreadable ({type(e).__name__})"
+    if not isinstance(listing, dict) or listing.get("checksum") != CHECKSUM \
+            or not isinstance(listing.get("files"), dict) or not isinstance(listing.get("checksums"), dict):
+        return f"{name} is not a finetune listing"
+    for key, value in fields.items():
+        if listing.get(key) != value:
+            return f"{name} says {key} {listing.get(key)!r}, not {value!r}"
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")
+             if p.is_file() and p.name != name}
+    if set(files) != set(listing["files"]):
+        missing, extra = sorted(set(listing["files"]) - set(files)), sorted(set(files) - set(listing["files"]))
+        return f"{', '.join(missing[:3]) or ', '.join(extra[:3])} {'missing' if missing else 'not listed'}"
+    sizes = [rel for rel, size in listing["files"].items() if files[rel] != size]
+    if sizes:
+        return f"{', '.join(sizes[:3])} {'has' if len(sizes) == 1 else 'have'} another size than {name} lists"
+    bad = checksum_mismatches(directory, listing, sorted(files))
+    if bad:
+        return (f"{', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} do{'es' if len(bad) == 1 else ''} "
+                f"not match the {CHECKSUM} checksum in {name}")
+    return None
+
+
 # ---------------------------------------------------------------- loading without unpickling code
 
 

@@ -17,6 +17,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from finetune.recipe import FIELDS, RecipeError, available_recipes, describe_fields  # noqa: E402
+from finetune.stopping import stop_with_front  # noqa: E402
 
 
 def _rank() -> str:
@@ -169,6 +170,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_before_training)
     _die_with_launcher()
+    stop_with_front()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 
@@ -46,6 +47,24 @@ class StopRequest:
                 _say("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, "
                      "without saving)")
         self.requested = self.requested or signum
+
+
+def stop_with_front() -> None:
+    """In the process the `finetune` front starts (its launcher, or the one run): SIGTERM, which saves a
+    checkpoint and stops, when the front dies (the kernel's PR_SET_PDEATHSIG), instead of training on
+    orphaned. The front's pid comes in FINETUNE_FRONT_PID, taken out of the environment here so that the
+    workers a launcher starts do not see it (they die with their launcher: run.py)."""
+    front = os.environ.pop("FINETUNE_FRONT_PID", None)
+    if not front or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(front):  # the front was gone before the call
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _say(line: str) -> None:

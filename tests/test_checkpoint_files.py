@@ -289,3 +289,35 @@ def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
     (root / "step_000000010" / MANIFEST).write_text("{}")
     assert rotate(root, keep_last=1, keep=root / "step_000000010") == [root / "step_000000015"]
     assert sorted(p.name for p in root.iterdir()) == [".step_000000025.partial", "step_000000010", "step_000000020"]
+
+
+def test_a_sealed_directory_is_checked_file_by_file(tmp_path):
+    """checkpoint.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
+    from finetune.checkpoint import seal, seal_problem
+
+    d = tmp_path / "universal"
+    (d / "pytorch_model" / "zero" / "w").mkdir(parents=True)
+    (d / "pytorch_model" / "zero" / "w" / "fp32.pt").write_bytes(os.urandom(4000))
+    (d / "latest").write_text("pytorch_model")
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}).startswith("no conversion.json")
+    listing = seal(d, "conversion.json", {"source_manifest": "a"})
+    assert sorted(listing["files"]) == ["latest", "pytorch_model/zero/w/fp32.pt"] and listing["checksum"] == CHECKSUM
+    assert not list(d.glob(".*"))  # the temporary file was renamed
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) is None
+    assert "source_manifest" in seal_problem(d, "conversion.json", {"source_manifest": "b"})  # another checkpoint
+
+    f = d / "pytorch_model" / "zero" / "w" / "fp32.pt"
+    data = bytearray(f.read_bytes())
+    data[2000] ^= 0xFF
+    f.write_bytes(bytes(data))  # same size: only the checksum sees it
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == \
+        "pytorch_model/zero/w/fp32.pt does not match the xxh3_128 checksum in conversion.json"
+    data[2000] ^= 0xFF
+    f.write_bytes(bytes(data))
+    (d / "extra.pt").write_bytes(b"x")
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == "extra.pt not listed"
+    (d / "extra.pt").unlink()
+    (d / "latest").unlink()
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == "latest missing"
+    (d / "conversion.json").write_text("{")
+    assert seal_problem(d, "conversion.json", {}) == "conversion.json is unreadable (JSONDecodeError)"

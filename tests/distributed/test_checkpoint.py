@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -174,9 +178,9 @@ def test_damaged_checkpoint_is_refused_and_kept(damage, words, run_in_process, e
     assert message.startswith("error: checkpoint") and words in message and shard.name in message
     assert "nothing was deleted" in message and "Traceback" not in refused.stderr
     after = sorted(p.name for p in ckpt.rglob("*"))
-    # rank 0 checks the checksums before converting for the other world size, and leaves its reason
-    # for the other ranks (which wait on the conversion) in universal.failed; nothing else changes
-    assert set(before) <= set(after) and set(after) - set(before) <= {"universal.failed"}
+    # rank 0 checks the checksums before converting for the other world size (and leaves its reason
+    # for the other ranks in output_dir's .universal.failed): nothing in the checkpoint changes
+    assert after == before
     exported = export_in_process(ckpt, tmp_path / "exported")
     assert exported.returncode == 2 and words in exported.stderr and not (tmp_path / "exported").exists()
 
@@ -293,3 +297,72 @@ def test_unreadable_manifest(launch, run_in_process, uninterrupted, tmp_path):
     assert f"resumed from {out / 'checkpoints' / 'step_000000010'} at step 10" in resumed.stderr
     assert [r["step"] for r in resumed.train_records if r["step"] > 10] == [11, 12]
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_universal_conversion_is_verified_rebuilt_and_made_elsewhere_on_read_only_storage(launch, uninterrupted,
+                                                                                        tmp_path_factory):
+    """A ZeRO resume on another process count converts the checkpoint to DeepSpeed's universal format,
+    sealed by its own listing (resume.CONVERSION: every file's size and xxh3 checksum, and the
+    checkpoint's manifest digest). A flipped byte in one fp32.pt is found at the next resume and the
+    conversion rebuilt: the curve is the good conversion's. A checkpoint on read-only storage is
+    converted into the new run's output_dir/universal-cache/ instead."""
+    from finetune.checkpoint import manifest_digest, seal_problem
+    from finetune.resume import CONVERSION, UNIVERSAL_CACHE
+
+    reference = uninterrupted("zero2")
+    out = resume_copy(reference, 5, tmp_path_factory)
+    good = launch(1, "strategy=zero2", *SAVE, "--resume", "auto", output_dir=out)
+    ckpt = out / "checkpoints" / "step_000000005"
+    assert seal_problem(ckpt / "universal", CONVERSION, {"source_manifest": manifest_digest(ckpt)}) is None
+    assert_close_after(good, reference, 5)
+
+    damaged_out = tmp_path_factory.mktemp("damaged-universal")
+    copy = damaged_out / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)  # the checkpoint with its conversion, as the good resume left it
+    fp32 = sorted((copy / "universal").rglob("fp32.pt"))[0]
+    flip_a_byte(fp32)
+    rebuilt = launch(1, "strategy=zero2", *SAVE, "--resume", "auto", output_dir=damaged_out)
+    rel = fp32.relative_to(copy / "universal")
+    assert (f"the universal conversion {copy / 'universal'} does not verify ({rel} does not match the xxh3_128 "
+            f"checksum in {CONVERSION}): converting {copy} again") in rebuilt.stderr, rebuilt.stderr
+    assert records(rebuilt) == records(good)
+    assert_same_weights(damaged_out / "final", out / "final")
+    assert seal_problem(copy / "universal", CONVERSION, {"source_manifest": manifest_digest(copy)}) is None
+
+    storage = tmp_path_factory.mktemp("read-only")
+    shutil.copytree(reference.output_dir / "checkpoints" / ckpt.name, storage / ckpt.name)  # never converted
+    before = sorted(str(p) for p in storage.rglob("*"))
+    new_out = tmp_path_factory.mktemp("from-read-only") / "run"
+    with read_only(storage):
+        converted = launch(1, "strategy=zero2", *SAVE, "--resume", str(storage / ckpt.name), output_dir=new_out)
+    cache = new_out / UNIVERSAL_CACHE / f"{ckpt.name}-{manifest_digest(storage / ckpt.name)[:16]}" / "universal"
+    assert f"{storage / ckpt.name} cannot be written: converting it to the universal format in {cache}" \
+        in converted.stderr, converted.stderr
+    assert "Traceback" not in converted.stderr and "OSError" not in converted.stderr
+    assert records(converted) == records(good)
+    assert seal_problem(cache, CONVERSION, {"source_manifest": manifest_digest(storage / ckpt.name)}) is None
+    assert sorted(str(p) for p in storage.rglob("*")) == before
+
+
+@contextmanager
+def read_only(path):
+    """`path` read-only even for root: a read-only bind mount of it on itself (chmod does not stop root);
+    without the right to mount, the immutable attribute (chattr +i), or chmod when not root."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        undo = ["chmod", "755", str(path)]
+    elif subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode == 0:
+        undo = ["umount", str(path)]
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(undo, check=True)
+            pytest.fail(f"could bind-mount {path} but not remount it read-only")
+    else:
+        subprocess.run(["chattr", "-R", "+i", str(path)], check=True)
+        undo = ["chattr", "-R", "-i", str(path)]
+    try:
+        probe = Path(path) / "probe"
+        with pytest.raises(OSError):
+            probe.touch()
+        yield
+    finally:
+        subprocess.run(undo, check=True)
