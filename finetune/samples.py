@@ -96,7 +96,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, stop: set[int], temp
 @dataclass
 class Prompt:
     ids: list[int]  # the prompt's tokens, as the run rendered them
-    text: str  # the same, decoded (without the BOS the tokenizer adds itself): `finetune chat --format raw`
+    text: str  # the same, decoded with its special tokens: `finetune chat --format raw` gives back the ids
     reference: str  # the row's answer
 
 
@@ -110,7 +110,6 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
         raise RecipeError(f"sample_prompts={n} is more than the {available} eval rows"
                           f"{' (eval_max_samples)' if limit and limit < len(ds) else ''}; lower sample_prompts "
                           "(0: no samples)")
-    bos = D._bos(tokenizer)
     prompts = []
     for i in range(n):
         row = ds[i]
@@ -124,9 +123,8 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
             continue
         stop = next((j for j in range(start, len(labels)) if labels[j] == D.IGNORE), len(labels))
         prompt = list(ids[:start])
-        shown = prompt[len(bos):] if prompt[:len(bos)] == bos else prompt
-        prompts.append(Prompt(prompt, tokenizer.decode(shown), tokenizer.decode(ids[start:stop],
-                                                                                 skip_special_tokens=True)))
+        prompts.append(Prompt(prompt, tokenizer.decode(prompt),
+                              tokenizer.decode(ids[start:stop], skip_special_tokens=True)))
     return prompts
 
 
