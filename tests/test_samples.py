@@ -174,3 +174,19 @@ def test_chat_bad_input_is_one_line_exit_2(argv, message, plain_model, tmp_path,
     fill = {"tmp": tmp_path, "model": plain_model}
     code, out, err = _chat(capsys, *[a.format(**fill) for a in argv])
     assert code == 2 and out == "" and err == message.format(**fill) + "\n"
+
+
+def test_planner_counts_the_gathered_model_under_sharded_strategies():
+    """zero3/fsdp gather the whole model for samples (as stored: fp32 here); ddp holds it whole already."""
+    from finetune import memory as M
+    from finetune.arch import Architecture
+
+    arch = Architecture(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=32)
+    for strategy in ("zero3", "fsdp", "ddp", "zero2"):
+        off = M.estimate(arch, M.Setup(strategy), world_size=8, mixed_precision="no")
+        on = M.estimate(arch, M.Setup(strategy), world_size=8, mixed_precision="no", samples=True)
+        whole = 4 * arch.num_parameters() if strategy in ("zero3", "fsdp") else 0
+        assert on.samples == whole
+        assert on.total == off.model_states + max(off.activations + off.buffers, whole)
+    assert on.total == off.total  # zero2: nothing more

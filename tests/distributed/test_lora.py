@@ -157,10 +157,3 @@ def test_lora_export_without_its_base_says_so(lora_runs, tmp_path):
                                           ".* pass --base"):
         export_checkpoint(ckpt, tmp_path / "out", base=str(tmp_path / "no-such-model"), log=lambda m: None)
     assert not (tmp_path / "out").exists()
-
-
-def test_lora_samples_equal_chat_on_adapter(lora_runs):
-    """FSDP2 LoRA: the samples at eval equal `finetune chat` on final/ (the adapter, on its base)."""
-    from test_samples_run import assert_samples_equal_chat
-
-    assert_samples_equal_chat(lora_runs("fsdp"))
