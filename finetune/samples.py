@@ -176,17 +176,22 @@ def whole_weights(accelerator, model):
 
 
 def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int) -> list[dict]:
-    """Greedy answers to the prompts, weights gathered once; every rank gets the same list."""
+    """Greedy answers to the prompts, weights gathered once; every rank gets the same list. Each sample
+    also says how many tokens it generated and in how many seconds (the gather not included)."""
     was_training = model.training
     model.eval()
+    answers, seconds = [], []
     try:
         with whole_weights(accelerator, model) as whole:
             stop = stop_ids(tokenizer, whole)
-            answers = [generate(whole, p.ids, max_new_tokens, stop) for p in prompts]
+            for p in prompts:
+                t0 = time.perf_counter()
+                answers.append(generate(whole, p.ids, max_new_tokens, stop))
+                seconds.append(time.perf_counter() - t0)
     finally:
         model.train(was_training)
-    return [{"prompt": p.text, "reference": p.reference,
-             "generated": tokenizer.decode(a, skip_special_tokens=True)} for p, a in zip(prompts, answers)]
+    return [{"prompt": p.text, "reference": p.reference, "generated": tokenizer.decode(a, skip_special_tokens=True),
+             "tokens": len(a), "seconds": round(t, 4)} for p, a, t in zip(prompts, answers, seconds)]
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -195,7 +200,8 @@ def _short(text: str, width: int = 60) -> str:
 
 
 class SampleWriter:
-    """samples.jsonl (one line per sample: step, prompt, reference, generated), a TensorBoard text
+    """samples.jsonl (one line per sample: step, prompt, reference, generated, and the generated tokens
+    and seconds), a TensorBoard text
     entry per eval, and one short sample for the progress output."""
 
     def __init__(self, path: Path, enabled: bool, accelerator=None):
@@ -216,7 +222,7 @@ class SampleWriter:
                                   ("prompt", "reference", "generated")) + " |" for s in samples)
             tracker.add_text("samples", table, step)
         first = samples[0]
-        return (f"step {step}: sample ({len(samples)} in {seconds:.1f}s, samples.jsonl): "
+        return (f"step {step}: sample ({len(samples)} in {seconds:.2f}s, samples.jsonl): "
                 f"{_short(first['prompt'])!r} -> {_short(first['generated'])!r}")
 
     def _tensorboard(self):
