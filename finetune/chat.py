@@ -11,6 +11,7 @@ base is loaded through finetune's own loading (finetune.model.load_model).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -97,14 +98,22 @@ def _with_adapter(base: str, recipe: dict, adapter: dict | None, adapter_dir: Pa
 
 def _from_checkpoint(ckpt: Path, base: str | None):
     """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from finetune.checkpoint import HF_DIR, verify
-    from finetune.export import ExportError, _lora_keys, checkpoint_state_dict
+    from finetune.checkpoint import verify
 
     manifest = verify(ckpt)
     recipe = json.loads((ckpt / "recipe.json").read_text()) if (ckpt / "recipe.json").is_file() else {}
+    # DeepSpeed's ZeRO reader prints to stdout, which holds only the answers
+    with contextlib.redirect_stdout(sys.stderr):
+        return _rebuild(ckpt, base, manifest, recipe)
+
+
+def _rebuild(ckpt: Path, base: str | None, manifest: dict, recipe: dict):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.checkpoint import HF_DIR
+    from finetune.export import ExportError, _lora_keys, checkpoint_state_dict
+
     try:
         if recipe.get("lora"):
             adapter = _lora_keys(checkpoint_state_dict(ckpt, None))

@@ -19,7 +19,7 @@ SAMPLES = ["max_steps=4", "warmup_steps=1", "sample_max_new_tokens=16"]
 RUNS = {
     "zero3_offload": ["strategy=zero3", "offload_params=cpu", "offload_optimizer=cpu", "lr=1e-4"],
     "fsdp": ["strategy=fsdp", "lr=1e-4"],
-    "fsdp_lora": ["strategy=fsdp", "lora=true", "lr=3e-3"],
+    "fsdp_lora": ["strategy=fsdp", "lora=true", "lr=3e-4"],
 }
 
 
