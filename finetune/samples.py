@@ -182,7 +182,9 @@ def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_to
     model.eval()
     answers, seconds = [], []
     try:
-        with whole_weights(accelerator, model) as whole:
+        # compile=true layers run eagerly here: a token at a time with a growing cache would recompile
+        # them (about a minute each on CPU), for a few forwards
+        with torch.compiler.set_stance("force_eager"), whole_weights(accelerator, model) as whole:
             stop = stop_ids(tokenizer, whole)
             for p in prompts:
                 t0 = time.perf_counter()
