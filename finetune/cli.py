@@ -28,6 +28,8 @@ commands:
                          the rows a run trains on, trained tokens marked, and a per-source summary
   export CHECKPOINT OUT_DIR
                          any checkpoint -> a plain Hugging Face model, verified
+  chat PATH [PROMPT] [--temperature T] [--max-new-tokens N]
+                         answers from final/, final_merged/, a LoRA adapter or a checkpoint
 
 `finetune COMMAND --help` says more about each."""
 
@@ -51,10 +53,14 @@ def main(argv=None) -> int:
         from finetune.export import main as export_main
 
         return export_main(rest)
+    if command == "chat":
+        from finetune.chat import main as chat_main
+
+        return chat_main(rest)
     if command in ("-h", "--help"):
         print(USAGE)
         return 0
-    print(USAGE if not command else f"error: unknown command {command!r}; use train, plan, data or export\n\n{USAGE}",
+    print(USAGE if not command else f"error: unknown command {command!r}; use train, plan, data, export or chat\n\n{USAGE}",
           file=sys.stderr)
     return 2
 

@@ -18,6 +18,7 @@ from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, forma
                               setup_logging, start_trackers)
 from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer, loss_sum
 from finetune.plan import Plan
+from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.recipe import RecipeError
 from finetune.stopping import StopRequest, fault_point
 from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
@@ -154,6 +155,8 @@ def train(plan: Plan) -> dict:
     layout = (", packed" if packed else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
+    prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
+        if datasets.eval is not None and r.sample_prompts else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
     if padding_free_scores(r) and packed and r.micro_batch_size > 1 and is_main:
@@ -181,6 +184,7 @@ def train(plan: Plan) -> dict:
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)
     plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main and r.plot_loss)
+    samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
     state = LoopState()
     if plan.resume is not None:
@@ -200,8 +204,11 @@ def train(plan: Plan) -> dict:
         with meter.paused("eval"):
             last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
                                  r.padding_free)
+            shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples, 0)
         metrics.write({"step": 0, "eval_loss": last_eval})
         progress.note(f"step 0: eval_loss {last_eval:.4f}")
+        if shown:
+            progress.note(shown)
     model.train()
     stopping = False
     while state.step < total_steps:
@@ -249,9 +256,13 @@ def train(plan: Plan) -> dict:
             with meter.paused("eval"):
                 last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
                                      r.padding_free)
+                shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples,
+                                       state.step)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
+            if shown:
+                progress.note(shown)
             plot.update()
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
@@ -281,7 +292,7 @@ def train(plan: Plan) -> dict:
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
                "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
-               "loss_plot": None, "metrics": str(out / "metrics.jsonl")}
+               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": samples.summary()}
     if is_main:
         summary["loss_plot"] = str(plot.final() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

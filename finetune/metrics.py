@@ -328,5 +328,9 @@ def format_summary(summary: dict) -> str:
         ("loss plot", summary.get("loss_plot") or "n/a"),
         ("metrics", summary.get("metrics", "")),
     ]
+    for sample in summary.get("samples") or []:  # the last eval's, as samples.jsonl has them
+        rows.append(("sample", f"{' '.join(sample['prompt'].split())[-50:]!r} -> "
+                               f"{' '.join(sample['generated'].split())[:60]!r} (reference "
+                               f"{' '.join(sample['reference'].split())[:40]!r})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["=" * 72, "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["=" * 72])

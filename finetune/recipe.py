@@ -159,6 +159,9 @@ class Recipe:
     eval_every: int = _opt(100, min=0, help="0: evaluate only at the end")
     eval_at_start: bool = _opt(False, help="also evaluate before the first step, as a baseline")
     eval_max_samples: int = _opt(0, min=0, help="evaluate on the first N eval rows; 0: all")
+    sample_prompts: int = _opt(3, min=0, help="at each eval, greedy answers to the first N eval rows' prompts: "
+                               "samples.jsonl, the progress output, TensorBoard, the summary; 0: none")
+    sample_max_new_tokens: int = _opt(32, min=1, help="the most tokens each sample answer gets")
     save_every: int = _opt(0, min=0, help="0: no periodic checkpoints")
     keep_last: int = _opt(2, min=1)
     log_level: str = _opt("warning", choices=("debug", "info", "warning", "error"))

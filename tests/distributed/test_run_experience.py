@@ -20,18 +20,24 @@ def test_tensorboard_plot_and_summary(launch):
 
     event_files = sorted((out / "finetune").rglob("events.out.tfevents.*"))
     assert event_files, "TensorBoard wrote no event file"
-    scalars = {}
+    scalars, texts = {}, {}
     for f in event_files:
         acc = EventAccumulator(str(f))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+        for tag in acc.Tags()["tensors"]:  # text summaries: the samples at each eval
+            texts.setdefault(tag, []).extend((e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
     assert [s for s, _ in sorted(scalars["train/loss"])] == list(range(1, 13))
     assert [s for s, _ in sorted(scalars["eval/loss"])] == [0, 6, 12]
     logged = {r["step"]: r["loss"] for r in run.train_records}
     for step, value in scalars["train/loss"]:
         assert abs(value - logged[step]) < 1e-5 * abs(logged[step])
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(scalars)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s for s, _ in sorted(texts["samples/text_summary"])] == [0, 6, 12]
+    last = dict(texts["samples/text_summary"])[12]
+    assert all(s["reference"] in last for s in samples if s["step"] == 12)
 
     png = Image.open(out / "loss.png")
     assert png.format == "PNG" and png.size[0] >= 600 and png.size[1] >= 400
