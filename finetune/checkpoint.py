@@ -592,7 +592,7 @@ class Checkpointer:
         try:
             fn()
         except (Exception, CheckpointException) as e:
-            error = _first_failure(e)
+            error = _first_failure(e, tmp)
         failed = [(rank, e) for rank, e in enumerate(_all_gather(self.accelerator)(error)) if e is not None]
         if not failed:
             return
@@ -609,8 +609,8 @@ class Checkpointer:
         count = nonfinite_count(self.optimizer)
         bad = int(self.accelerator.reduce(count.to(self.accelerator.device), reduction="sum").item())
         if bad:
-            raise NonFiniteWeights(f"step {step}: the updated weights hold {bad} NaN/inf value(s) although the "
-                                   f"step's loss and gradient norm were finite; stopped without saving "
+            raise NonFiniteWeights(f"step {step}: the weights to be saved hold {bad} NaN/inf value(s), while the "
+                                   f"loss and gradient norm were finite; stopped without saving "
                                    f"({after_nonfinite(self.root, self.recipe, step)})")
 
     def load(self, point) -> LoopState:
@@ -660,27 +660,37 @@ class SaveError(RecipeError):
     def __init__(self, root: Path, step: int, failed: list):
         rank, error = failed[0]
         saved = complete_checkpoints(root)
-        free = ""
-        try:
-            free = f"; {shutil.disk_usage(root).free / 2**20:.1f} MiB free on its filesystem"
-        except OSError:
-            pass
-        kept = (f"the newest complete checkpoint, {saved[-1]}, is intact; continue from it with --resume {saved[-1]}"
+        kept = (f"the newest complete checkpoint, {saved[-1]}, is intact; continue from it with --resume {saved[-1]} "
+                "once there is room (free space, lower keep_last, or move output_dir to a larger filesystem)"
                 if saved else "no complete checkpoint had been saved")
-        super().__init__(f"saving checkpoint {checkpoint_name(step)} into {root} failed on rank {rank}: {error}"
-                         f"{free}; the partial checkpoint was removed and {kept} once there is room (free space, "
-                         "or lower keep_last; or move output_dir to a larger filesystem)")
+        super().__init__(f"saving checkpoint {checkpoint_name(step)} into {root} failed on rank {rank}: {error}; the "
+                         f"partial checkpoint was removed and {kept}")
 
 
-def _first_failure(error: BaseException) -> str:
+def _first_failure(error: BaseException, directory: Path) -> str:
     """One line for an exception of a save: for DCP's CheckpointException (each failed rank's exception
-    and traceback, many lines), the first rank's exception."""
+    and traceback, many lines), the first rank's exception; led by "the filesystem is full" when it
+    is: ENOSPC, or torch.save's short write ("unexpected pos"), which loses the errno, on a filesystem
+    with (almost) nothing left."""
+    import errno
+
     failures = getattr(error, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
         error = inner[0] if isinstance(inner, tuple) else inner
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
+    line = f"{type(error).__name__}: {text[0] if text else ''}"
+    try:
+        usage = shutil.disk_usage(directory if directory.exists() else directory.parent)
+    except OSError:
+        return line
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or usage.free <= usage.total // 100:
+        return f"the filesystem is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB; {line})"
+    return line
 
 
 def nonfinite_count(optimizer):
