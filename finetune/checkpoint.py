@@ -15,6 +15,7 @@ resume.ensure_universal). The loop's own state is JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -603,11 +604,16 @@ class Checkpointer:
     def check_finite(self, step: int) -> None:
         """Collective: refuse to save weights that hold NaN or inf, on any rank. The guard before each
         update (loop.skip_nonfinite) sees the loss and gradient norm only; an update can still turn
-        weights non-finite with both finite (measured: adam_eps=0 made 4,608 values of fsdp's
-        embed_tokens NaN at step 1). Each rank counts its own shard of what the optimizer updates
-        (a pass over the weights per save, no copies); one all-reduce adds them up."""
-        count = nonfinite_count(self.optimizer)
-        bad = int(self.accelerator.reduce(count.to(self.accelerator.device), reduction="sum").item())
+        weights non-finite with both finite (adam_eps=0, which the recipe now refuses, made 4,608
+        values of fsdp's embed_tokens NaN at step 1). Each rank counts the non-finite values of its
+        part of the weights (updated_weights; one pass over them per save) and one all-reduce adds the
+        counts up (averages them where every rank holds all the weights)."""
+        import torch
+
+        acc = self.accelerator
+        count = nonfinite_count(self.optimizer).to(acc.device, torch.float64)
+        replicated = acc.distributed_type.name not in ("DEEPSPEED", "FSDP")  # DDP: every rank holds them all
+        bad = math.ceil(acc.reduce(count, reduction="mean" if replicated else "sum").item())
         if bad:
             raise NonFiniteWeights(f"step {step}: the weights to be saved hold {bad} NaN/inf value(s), while the "
                                    f"loss and gradient norm were finite; stopped without saving "
@@ -693,18 +699,27 @@ def _first_failure(error: BaseException, directory: Path) -> str:
     return line
 
 
+def updated_weights(optimizer) -> list:
+    """This rank's part of the weights the optimizer updates: its shard under FSDP (the local tensor of
+    each DTensor), its fp32 partitions under DeepSpeed, every parameter under DDP. ZeRO-3 hands its
+    flat fp32 partitions to the torch optimizer only for the duration of a step (its param_groups are
+    empty in between), so they are taken from ZeRO-3 itself."""
+    while not hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return [p.to_local() if hasattr(p, "to_local") else p for g in optimizer.param_groups for p in g["params"]]
+
+
 def nonfinite_count(optimizer):
-    """How many values of this rank's weights (the optimizer's parameters: this rank's shard under
-    FSDP, its fp32 partitions under DeepSpeed) are NaN or inf, as a tensor on their device."""
+    """How many values of this rank's updated weights (updated_weights) are NaN or inf, as a tensor."""
     import torch
 
     counts = {}  # per device, read back once each (a CPU-offloaded shard lives apart from the GPU's)
-    for group in _innermost(optimizer).param_groups:
-        for p in group["params"]:
-            t = p.to_local() if hasattr(p, "to_local") else p  # FSDP2: a DTensor; its local shard
-            if t.numel():
-                n = (~torch.isfinite(t.detach())).sum()
-                counts[n.device] = counts.get(n.device, 0) + n
+    for t in updated_weights(optimizer):
+        if t.numel():
+            n = (~torch.isfinite(t.detach())).sum()
+            counts[n.device] = counts.get(n.device, 0) + n
     return sum((n.cpu() for n in counts.values()), torch.zeros((), dtype=torch.int64))
 
 

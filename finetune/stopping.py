@@ -60,7 +60,7 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
     """Fault injection for the crash tests, real signals at exact places:
     FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
     SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank); NAN writes a NaN
-    into that rank's shard of the first weight the optimizer updates (an update gone wrong)."""
+    into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
     spec = os.environ.get("FINETUNE_FAULT")
     if not spec:
         return
@@ -72,10 +72,9 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
         if how == "NAN" and optimizer is not None:
             import torch
 
-            while hasattr(optimizer, "optimizer"):  # Accelerate's and DeepSpeed's wrappers
-                optimizer = optimizer.optimizer
-            weight = optimizer.param_groups[0]["params"][0]
+            from finetune.checkpoint import updated_weights
+
             with torch.no_grad():
-                (weight.to_local() if hasattr(weight, "to_local") else weight).view(-1)[0] = float("nan")
+                next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")
             return
         os.kill(os.getpid(), getattr(signal, how))

@@ -49,14 +49,16 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(strategy, laun
     assert math.isfinite(losses[2]) and math.isnan(losses[3]) and math.isnan(losses[4])
 
 
-def test_non_finite_weights_are_never_saved_and_the_advice_runs(launch, tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
+def test_non_finite_weights_are_never_saved_and_the_advice_runs(strategy, launch, tmp_path):
     """Weights can turn NaN with the loss and gradient norm finite (adam_eps=0 did, before the recipe
     refused it: 0/0 in a row of embed_tokens no token of the batch uses). Here a NaN is written into
-    rank 1's shard of embed_tokens after step 3 (FINETUNE_FAULT ...:NAN): in a row no token uses, so
-    step 4's loss and norm stay finite and only the save of step 4 sees it. Both ranks stop with one
-    line naming the newest good checkpoint and a command that continues from it; that command runs."""
+    rank 1's part of the weights after step 3 (FINETUNE_FAULT ...:NAN: its FSDP shard of embed_tokens,
+    its ZeRO-3 fp32 partition), in a row no token uses, so step 4's loss and norm stay finite and only
+    the save of step 4 sees it. Both ranks stop with one line naming the newest good checkpoint and a
+    command that continues from it; that command runs (fsdp)."""
     out = tmp_path / "out"
-    args = ("strategy=fsdp", "max_steps=6", "save_every=2")
+    args = (f"strategy={strategy}", "max_steps=6", "save_every=2")
     run = launch(2, *args, output_dir=out, check=False, extra_env={"FINETUNE_FAULT": "after_step:1:3:NAN"})
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
@@ -69,7 +71,8 @@ def test_non_finite_weights_are_never_saved_and_the_advice_runs(launch, tmp_path
     assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())  # the guard saw nothing
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002"]  # no partial either
     assert not (out / "final").exists() and not (out / "finetune.lock").exists()
-
+    if strategy != "fsdp":
+        return
     resumed = launch(2, *args, "--resume", str(good), output_dir=out)  # the command the line gives
     assert f"resumed from {good} at step 2" in resumed.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir())[-1] == "step_000000006"
