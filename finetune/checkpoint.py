@@ -15,6 +15,7 @@ resume.ensure_universal). The loop's own state is JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -455,6 +456,39 @@ def save_rng(directory: Path, rank: int) -> None:
     save_file(tensors, str(directory / f"rank_{rank}.safetensors"))
 
 
+def check_small_files(path: Path, manifest: dict) -> None:
+    """loop_state.json and the RNG states read as what they must be, before anything loads (every rank
+    checks them all, so all refuse alike): a file planted under rng/ after the save (not in the
+    manifest), or one that is not safetensors of uint8 generator states, is one line, not a traceback
+    at the load."""
+    read_loop_state(path)
+    rng = path / RNG_DIR
+    if not rng.is_dir():
+        return
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    sizes = {"torch": torch.get_rng_state().numel()}
+    for f in sorted(rng.iterdir()):
+        rel = f"{RNG_DIR}/{f.name}"
+        if rel not in manifest["files"]:
+            raise RecipeError(f"checkpoint {path}: {rel} is not in its {MANIFEST} (put there after the save); "
+                              f"nothing was loaded; remove {f} and resume again")
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            problem = f"is not a safetensors file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        else:
+            bad = [k for k, t in tensors.items() if t.dtype != torch.uint8 or t.dim() != 1
+                   or (k in sizes and t.numel() != sizes[k])]
+            problem = ("holds no 'torch' generator state" if "torch" not in tensors else
+                       f"holds {bad[0]!r}, which is not a generator state (a uint8 vector)" if bad else None)
+        if problem:
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing was loaded; resume from an "
+                              "earlier checkpoint with --resume PATH")
+
+
 def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
     """Restore this rank's generators. A rank that did not exist in the saved run (resuming on more
     processes) gets a fresh generator derived from (seed, rank, step); returns whether it was restored."""
@@ -488,6 +522,32 @@ class LoopState:
     nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss or gradient norm (recipe.max_nonfinite_steps)
 
 
+def read_loop_state(path: Path) -> LoopState:
+    """The loop's state of a checkpoint, its keys and types checked (a missing key, from an older
+    finetune, takes its default)."""
+    import dataclasses
+
+    f = path / LOOP_STATE
+    try:
+        values = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} is unreadable ({type(e).__name__}); "
+                          "resume from an earlier checkpoint with --resume PATH") from None
+    fields = {f.name: f.type for f in dataclasses.fields(LoopState)}
+    problem = (f"a JSON {type(values).__name__}, not an object" if not isinstance(values, dict) else None)
+    if problem is None:
+        unknown = sorted(set(values) - set(fields))
+        wrong = [k for k, v in values.items() if k in fields and not (
+            (v is None and "None" in fields[k]) or (isinstance(v, int) and not isinstance(v, bool))
+            or (isinstance(v, float) and "float" in fields[k]))]
+        problem = (f"unknown key(s) {', '.join(map(repr, unknown))} (it holds {', '.join(fields)})" if unknown else
+                   f"{wrong[0]}={values[wrong[0]]!r}, not a number" if wrong else None)
+    if problem:
+        raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} holds {problem}; nothing was loaded; restore "
+                          "the file as the save wrote it, or resume from an earlier checkpoint with --resume PATH")
+    return LoopState(**values)
+
+
 class Checkpointer:
     """Two calls: `save(state)` writes a checkpoint of everything (collective), `load(point)` restores
     it in place and returns the loop's state. Built once the model and optimizer are prepared."""
@@ -505,15 +565,50 @@ class Checkpointer:
         self.keep_last = r.keep_last
 
     def save(self, state: LoopState) -> Path:
-        """Collective: every rank calls it. Returns the committed checkpoint directory."""
+        """Collective: every rank calls it. Returns the committed checkpoint directory. Refuses (every rank
+        alike, NonFiniteWeights) weights that are not finite; a write that fails on any rank (a full disk)
+        fails the save on every rank alike (SaveError), the partial directory removed and the newest
+        complete checkpoint untouched."""
         acc, optimizer = self.accelerator, self.optimizer
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
+        self.check_finite(state.step)
+
+        def start():
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        self._together(start, tmp, state.step)
         t0 = time.perf_counter()
+        self._together(lambda: self._write(state, tmp), tmp, state.step)  # every rank's shards are on disk
+        files = None
+        if acc.is_main_process:
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = _broadcast(acc, files)  # one listing (a shared filesystem may list late on other nodes)
+        # each rank hashes about 1/N of the bytes, in parallel
+        mine = file_checksums(tmp, shares(files, acc.num_processes)[acc.process_index])
+        checksums = {k: v for part in _all_gather(acc)(mine) for k, v in part.items()}
+
+        def commit():
+            if acc.is_main_process:
+                manifest = {"step": state.step, "world_size": acc.num_processes,
+                            "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
+                            "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
+                            "seconds": round(time.perf_counter() - t0, 3)}
+                with open(tmp / MANIFEST, "w") as f:  # fsync'd: an empty manifest after a power cut would hide
+                    f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
+                    f.flush()
+                    os.fsync(f.fileno())
+                publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
+                rotate(self.root, self.keep_last, keep=final)
+
+        self._together(commit, tmp, state.step)
+        return final
+
+    def _write(self, state: LoopState, tmp: Path) -> None:
+        """This rank's part of a checkpoint (rank 0 also writes the loop state, recipe and hf/)."""
+        acc, optimizer = self.accelerator, self.optimizer
         with adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
             if acc.distributed_type.name == "DEEPSPEED":
                 # universal_checkpoint_info lets ds_to_universal convert it for another world size (models
@@ -539,27 +634,43 @@ class Checkpointer:
                 self.tokenizer.save_pretrained(tmp / HF_DIR)
         if acc.local_process_index == 0:
             os.sync()
-        acc.wait_for_everyone()  # every rank's shards are on disk
-        files = None
-        if acc.is_main_process:
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        files = _broadcast(acc, files)  # one listing (a shared filesystem may list late on other nodes)
-        # each rank hashes about 1/N of the bytes, in parallel
-        mine = file_checksums(tmp, shares(files, acc.num_processes)[acc.process_index])
-        checksums = {k: v for part in _all_gather(acc)(mine) for k, v in part.items()}
-        if acc.is_main_process:
-            manifest = {"step": state.step, "world_size": acc.num_processes,
-                        "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
-                        "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
-                        "seconds": round(time.perf_counter() - t0, 3)}
-            with open(tmp / MANIFEST, "w") as f:  # fsync'd: an empty manifest after a power cut would hide
-                f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
-                f.flush()
-                os.fsync(f.fileno())
-            publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
-            rotate(self.root, self.keep_last, keep=final)
-        acc.wait_for_everyone()
-        return final
+
+    def _together(self, fn, tmp: Path, step: int) -> None:
+        """fn() on this rank, then a collective in place of a barrier: every rank learns whether any rank
+        failed, and then all raise the same SaveError (rank 0 first removes the partial directory). A
+        rank raising alone would leave the others waiting at the next barrier; DCP's CheckpointException
+        is a BaseException, which would pass run.py's handlers and leave the lock behind."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        error = None
+        try:
+            fn()
+        except (Exception, CheckpointException) as e:
+            error = _first_failure(e, tmp)
+        failed = [(rank, e) for rank, e in enumerate(_all_gather(self.accelerator)(error)) if e is not None]
+        if not failed:
+            return
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(self.root, step, failed)
+
+    def check_finite(self, step: int) -> None:
+        """Collective: refuse to save weights that hold NaN or inf, on any rank. The guard before each
+        update (loop.skip_nonfinite) sees the loss and gradient norm only; an update can still turn
+        weights non-finite with both finite (adam_eps=0, which the recipe now refuses, made 4,608
+        values of fsdp's embed_tokens NaN at step 1). Each rank counts the non-finite values of its
+        part of the weights (updated_weights; one pass over them per save) and one all-reduce adds the
+        counts up (averages them where every rank holds all the weights)."""
+        import torch
+
+        acc = self.accelerator
+        count = nonfinite_count(self.optimizer).to(acc.device, torch.float64)
+        replicated = acc.distributed_type.name not in ("DEEPSPEED", "FSDP")  # DDP: every rank holds them all
+        bad = math.ceil(acc.reduce(count, reduction="mean" if replicated else "sum").item())
+        if bad:
+            raise NonFiniteWeights(f"step {step}: the weights to be saved hold {bad} NaN/inf value(s), while the "
+                                   f"loss and gradient norm were finite; stopped without saving "
+                                   f"({after_nonfinite(self.root, self.recipe, step)})")
 
     def load(self, point) -> LoopState:
         """Collective. Restores model, optimizer, scheduler and RNG in place from a resume.ResumePoint
@@ -592,9 +703,90 @@ class Checkpointer:
         zro = point.path / ZERO_REDUNDANCY_OPTIMIZER
         if hasattr(optimizer, "consolidate_state_dict") and zro.is_file():
             optimizer.load_state_dict(torch.load(zro, map_location="cpu", weights_only=True))
-        state = LoopState(**json.loads((point.path / LOOP_STATE).read_text()))
+        state = read_loop_state(point.path)
         load_rng(point.path / RNG_DIR, acc.process_index, self.recipe.seed, state.step)
         return state
+
+
+class NonFiniteWeights(RecipeError):
+    """Weights about to be saved hold NaN or inf: said as one line (exit code 2); nothing is written."""
+
+
+class SaveError(RecipeError):
+    """Writing a checkpoint failed on some rank (a full disk, a read-only or vanished filesystem): one
+    line naming the rank, the error and the newest complete checkpoint, which is left as it was."""
+
+    def __init__(self, root: Path, step: int, failed: list):
+        rank, error = failed[0]
+        saved = complete_checkpoints(root)
+        kept = (f"the newest complete checkpoint, {saved[-1]}, is intact; continue from it with --resume {saved[-1]} "
+                "once there is room (free space, lower keep_last, or move output_dir to a larger filesystem)"
+                if saved else "no complete checkpoint had been saved")
+        super().__init__(f"saving checkpoint {checkpoint_name(step)} into {root} failed on rank {rank}: {error}; the "
+                         f"partial checkpoint was removed and {kept}")
+
+
+def _first_failure(error: BaseException, directory: Path) -> str:
+    """One line for an exception of a save: for DCP's CheckpointException (each failed rank's exception
+    and traceback, many lines), the first rank's exception; led by "the filesystem is full" when it
+    is: ENOSPC, or torch.save's short write ("unexpected pos"), which loses the errno, on a filesystem
+    with (almost) nothing left."""
+    import errno
+
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        error = inner[0] if isinstance(inner, tuple) else inner
+    text = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {text[0] if text else ''}"
+    try:
+        usage = shutil.disk_usage(directory if directory.exists() else directory.parent)
+    except OSError:
+        return line
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or usage.free <= usage.total // 100:
+        return f"the filesystem is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB; {line})"
+    return line
+
+
+def updated_weights(optimizer) -> list:
+    """This rank's part of the weights the optimizer updates: its shard under FSDP (the local tensor of
+    each DTensor), its fp32 partitions under DeepSpeed, every parameter under DDP. ZeRO-3 hands its
+    flat fp32 partitions to the torch optimizer only for the duration of a step (its param_groups are
+    empty in between), so they are taken from ZeRO-3 itself."""
+    while not hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return [p.to_local() if hasattr(p, "to_local") else p for g in optimizer.param_groups for p in g["params"]]
+
+
+def nonfinite_count(optimizer):
+    """How many values of this rank's updated weights (updated_weights) are NaN or inf, as a tensor."""
+    import torch
+
+    counts = {}  # per device, read back once each (a CPU-offloaded shard lives apart from the GPU's)
+    for t in updated_weights(optimizer):
+        if t.numel():
+            n = (~torch.isfinite(t.detach())).sum()
+            counts[n.device] = counts.get(n.device, 0) + n
+    return sum((n.cpu() for n in counts.values()), torch.zeros((), dtype=torch.int64))
+
+
+def after_nonfinite(root: Path, recipe, step: int) -> str:
+    """What a NaN stop leaves, and what continues from it: commands that run. A resumed run keeps the
+    checkpoint's lr and Adam settings (resume.changes refuses another lr), so a lower lr is a new run."""
+    saved = complete_checkpoints(root)
+    lower = (f"for a lower lr (now {recipe.lr}) start a new run in another output_dir (a resumed run keeps the "
+             "checkpoint's lr)")
+    if not saved:
+        return f"no checkpoint had been saved; {lower}, or check the data of step {step}"
+    return (f"the newest checkpoint, {saved[-1]}, is from before it; continue from it with --resume {saved[-1]} "
+            f"(with max_grad_norm lower, or max_nonfinite_steps=N to skip such steps), or {lower}, or check the data "
+            f"of step {step}")
 
 
 def rotate(root: Path, keep_last: int, keep: Path) -> list[Path]:

@@ -502,34 +502,40 @@ def encode_text(tokenizer, text: str, max_len: int):
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+def _template_failed(tokenizer, error: Exception) -> DataError:
+    """A chat template that fails while rendering: raise_exception() and Jinja's own errors
+    (TemplateError), and the Python errors of its expressions (a TypeError adding a str to an int,
+    a ZeroDivisionError), said as one line naming where the template comes from."""
+    where = getattr(tokenizer, "chat_template_source", None) or f"the tokenizer's, {tokenizer.name_or_path}"
+    message = str(error).splitlines()[0] if str(error) else ""
+    return DataError(f"the chat template ({where}) failed on a conversation ({type(error).__name__}: {message}); "
+                     "fix the template (or set the recipe's chat_template to one that renders this data), or the data")
+
+
 def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False):
     """The chat template's text (and, with spans=True, its {% generation %} character spans), rendered
     the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables."""
-    from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=[messages], chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
             add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
-    except TemplateError as e:  # a template bug, or one that refuses this conversation (roles, order)
-        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
-                        "or the data") from None
+    except Exception as e:  # a template bug, or one that refuses this conversation (roles, order)
+        raise _template_failed(tokenizer, e) from None
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 
 def _render_many(tokenizer, conversations: list[list[dict]], spans: bool = False):
     """_render of many conversations in one call (one template lookup and setup for the batch)."""
-    from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
             add_generation_prompt=False, **tokenizer.special_tokens_map)
-    except TemplateError as e:
-        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
-                        "or the data") from None
+    except Exception as e:
+        raise _template_failed(tokenizer, e) from None
     return [(t, [tuple(s) for s in i]) for t, i in zip(texts, indices)] if spans else list(texts)
 
 

@@ -149,6 +149,22 @@ class ExportError(Exception):
     pass
 
 
+def _unwritable(out_dir: Path) -> str | None:
+    """OUT_DIR's directory cannot be written (permissions, a read-only filesystem): said before the
+    checkpoint is read. out_dir is written beside itself under a temporary name, then renamed."""
+    import os
+
+    parent = out_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{out_dir} cannot be created: {parent} is a file; choose another OUT_DIR (nothing was written)"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return (f"{out_dir} cannot be created: {parent} is not writable (permissions or a read-only filesystem); "
+                "choose a writable OUT_DIR (nothing was written)")
+    return None
+
+
 def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
     """Full, unsharded fp32 weights from a checkpoint, whatever wrote it. `template` is the plain
     model's state dict (its keys and shapes), filled in place for the FSDP case; None for a LoRA
@@ -204,6 +220,9 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     if out_dir.exists():
         raise ExportError(f"{out_dir} already exists; choose another OUT_DIR or move that one away (nothing was "
                           "overwritten)")
+    problem = _unwritable(out_dir)
+    if problem:
+        raise ExportError(problem)
     try:
         manifest = verify(ckpt, checksums=True)
     except RecipeError as e:
@@ -387,6 +406,11 @@ def main(argv=None) -> int:
     except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpoint.safe_loading)
         print(f"error: checkpoint {args.checkpoint}: {e}; use a checkpoint from a source you trust; nothing was "
               "written", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing failed after all (a full disk, storage that went away); the partial is removed
+        print(f"error: writing {args.out_dir} failed: {type(e).__name__}: {e}; it was not created (a partial "
+              f"{args.out_dir.name}.tmp beside it may be deleted); free space or choose another OUT_DIR",
+              file=sys.stderr)
         return 2
     if result.get("lora") and not result["merged"]:
         print(f"exported the LoRA adapter of step {result['step']} (written by {result['world_size']} process(es)) "

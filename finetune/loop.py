@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
-from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
+from finetune.checkpoint import Checkpointer, LoopState, after_nonfinite
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
@@ -85,14 +85,10 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
             log.warning(f"step {step}: loss {loss}, gradient norm {norm}: not finite; update skipped "
                         f"({state.nonfinite_steps} of max_nonfinite_steps={recipe.max_nonfinite_steps})")
         return True
-    saved = complete_checkpoints(out / "checkpoints")
-    kept = f"the newest checkpoint, {saved[-1]}, is from before it" if saved else "no checkpoint had been saved"
     allowed = (f"{recipe.max_nonfinite_steps} such step(s) were skipped already; " if recipe.max_nonfinite_steps
                else "")
     raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}stopped "
-                         f"without saving ({kept}); lower lr (now {recipe.lr}) or max_grad_norm, or check the "
-                         f"data of step {step}, then continue with --resume auto; or let such steps be skipped with "
-                         f"max_nonfinite_steps=N")
+                         f"without saving ({after_nonfinite(out / 'checkpoints', recipe, step)})")
 
 
 def to_device(data, device):
@@ -237,7 +233,7 @@ def train(plan: Plan) -> dict:
         state.tokens += global_tokens
         state.samples += schedule.global_batch
         meter.step(global_tokens, global_inputs)
-        fault_point("after_step", rank, state.step)
+        fault_point("after_step", rank, state.step, optimizer)
 
         record = None
         if state.step % r.log_every == 0 or state.step == total_steps:

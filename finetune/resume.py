@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
-                                 checksum_mismatches, complete_checkpoints, damaged_by_checksum, fingerprint,
-                                 partial_checkpoints, read_manifest, verify)
+                                 check_small_files, checksum_mismatches, complete_checkpoints, damaged_by_checksum,
+                                 fingerprint, partial_checkpoints, read_manifest, verify)
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 
@@ -107,6 +107,7 @@ def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
         if not path.is_dir():
             raise RecipeError(f"--resume {resume}: no such checkpoint directory")
     manifest = verify(path, manifest=manifest)  # the one read of the manifest (sizes, DCP metadata)
+    check_small_files(path, manifest)
     return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
                        global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
                        manifest=manifest,

@@ -75,10 +75,11 @@ def _say(line: str) -> None:
 
 
 
-def fault_point(where: str, rank: int, step: int) -> None:
+def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
     """Fault injection for the crash tests, real signals at exact places:
     FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
-    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank)."""
+    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank); NAN writes a NaN
+    into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
     spec = os.environ.get("FINETUNE_FAULT")
     if not spec:
         return
@@ -87,4 +88,12 @@ def fault_point(where: str, rank: int, step: int) -> None:
         how = parts[3] if len(parts) > 3 else "SIGKILL"
         if how == "RAISE":
             raise RuntimeError(f"injected fault ({spec})")
+        if how == "NAN" and optimizer is not None:
+            import torch
+
+            from finetune.checkpoint import updated_weights
+
+            with torch.no_grad():
+                next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")
+            return
         os.kill(os.getpid(), getattr(signal, how))

@@ -321,3 +321,29 @@ def test_a_sealed_directory_is_checked_file_by_file(tmp_path):
     assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == "latest missing"
     (d / "conversion.json").write_text("{")
     assert seal_problem(d, "conversion.json", {}) == "conversion.json is unreadable (JSONDecodeError)"
+
+
+def test_a_failed_save_is_one_line(tmp_path):
+    """DCP's CheckpointException (a BaseException, each failed rank's traceback on many lines) and an
+    ENOSPC deep in a chain become one line that says the filesystem is full; other errors say what
+    they are; SaveError names the intact checkpoint and the command that continues from it."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from finetune.checkpoint import SaveError, _first_failure
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as e:
+        full = CheckpointException("failed", {1: _wrap_exception(e)})
+    line = _first_failure(full, tmp_path / ".step_000000004.partial")
+    assert line.startswith("the filesystem is full (") and "\n" not in line
+    assert line.endswith("; OSError: [Errno 28] No space left on device)"), line
+    assert _first_failure(RuntimeError("boom\nmore"), tmp_path) == "RuntimeError: boom"
+    root = tmp_path / "checkpoints"
+    (root / "step_000000002").mkdir(parents=True)
+    (root / "step_000000002" / "manifest.json").write_text("{}")
+    message = str(SaveError(root, 4, [(1, line)]))
+    assert message.startswith(f"saving checkpoint step_000000004 into {root} failed on rank 1: the filesystem is full")
+    assert f"continue from it with --resume {root / 'step_000000002'} once there is room" in message

@@ -365,6 +365,42 @@ def test_template_that_raises_is_a_data_error(tmp_path):
         D.encode_messages(tok, CHAT, False, 512)
 
 
+# Templates whose expressions fail in Python, not in Jinja: what a template bug looks like at run time
+PYTHON_ERRORS = {
+    "TypeError": "{% for m in messages %}{{ m['content'] + loop.index }}{% endfor %}",
+    "ZeroDivisionError": "{{ bos_token }}{{ messages | length // 0 }}",
+    "ValueError": "{% for m in messages %}{{ '{:d}'.format(m['content']) }}{% endfor %}",
+    "UndefinedError": "{{ messages[99]['content'] }}",  # an index past the end is Undefined; its item raises
+}
+
+
+@pytest.mark.parametrize("error", list(PYTHON_ERRORS))
+@pytest.mark.parametrize("tokenizer", ["mistral-v1", "chatml-bpe"])
+def test_template_that_fails_in_python_is_one_data_error_line(error, tokenizer, tmp_path):
+    """A Python error inside the template (not a Jinja syntax error, not raise_exception) is a DataError,
+    one line naming the template's source and the error, with Mistral's sentencepiece tokenizer and a
+    byte-level BPE, and in both renderings (one conversation, a batch)."""
+    from finetune.model import load_tokenizer
+
+    if tokenizer == "mistral-v1":
+        FA.mistral_tokenizer("v1", tmp_path / "tok").save_pretrained(tmp_path / "tok")
+    else:
+        _family_tokenizer("chatml", tmp_path / "bpe").save_pretrained(tmp_path / "tok")
+    (tmp_path / "broken.jinja").write_text(PYTHON_ERRORS[error])
+    recipe = Recipe(tokenizer=str(tmp_path / "tok"), chat_template=str(tmp_path / "broken.jinja"))
+    tok = load_tokenizer(recipe, str(tmp_path / "tok"))
+    for encode in (lambda: D.encode_messages(tok, CHAT, False, 512),
+                   lambda: D._render_many(tok, [CHAT, CHAT])):
+        with pytest.raises(D.DataError) as e:
+            encode()
+        message = str(e.value)
+        assert "\n" not in message
+        assert message.startswith(f"the chat template (chat_template={tmp_path / 'broken.jinja'}) failed on a "
+                                  f"conversation ({error}: "), message
+        assert message.endswith("fix the template (or set the recipe's chat_template to one that renders this "
+                                "data), or the data")
+
+
 # ---------------------------------------------------------------- recipe fields tokenizer and chat_template
 
 

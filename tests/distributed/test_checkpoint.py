@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from suite_runs import SAVE, resume_copy
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Where each strategy is interrupted, and how (FINETUNE_FAULT=where:rank:step[:signal], see
 # finetune.stopping.fault_point), and the checkpoint the resumed run must continue from. The runs
@@ -366,3 +368,128 @@ def read_only(path):
         yield
     finally:
         subprocess.run(undo, check=True)
+
+
+# ------------------------------------------------------------------ storage and planted files: one line, lock released
+
+
+@contextmanager
+def tmpfs(path, options):
+    """A real small (or read-only) filesystem at `path` when this process may mount one (root); yields
+    whether it did."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+# Where no filesystem can be mounted: DCP's writer fails with ENOSPC for the files of step 4, as it does
+# on a full disk (a sitecustomize.py, which every launched process imports at start-up).
+ENOSPC_WRITER = '''
+import errno, os
+if os.environ.get("FINETUNE_TEST_ENOSPC"):
+    import torch.distributed.checkpoint.filesystem as fs
+    original = fs._write_item
+    def _write_item(transforms, stream, *args, **kwargs):
+        if os.environ["FINETUNE_TEST_ENOSPC"] in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(transforms, stream, *args, **kwargs)
+    fs._write_item = _write_item
+'''
+
+
+def test_full_disk_during_an_fsdp_save(launch, tmp_path):
+    """An fsdp run on 2 processes whose output_dir is a 2.6 MiB filesystem: the checkpoint of step 2
+    (1.7 MB for the tiny model) fits, step 4's does not. Every rank stops with one line saying the
+    filesystem is full and naming the intact checkpoint to continue from (once, not "unexpected pos
+    704 vs 598" and DCP's CheckpointException, a BaseException that passed run.py's handlers); the
+    partial checkpoint is removed, the lock released, and step 2 still verifies."""
+    from finetune.checkpoint import verify
+
+    disk = tmp_path / "disk"
+    with tmpfs(disk, "size=2600k") as mounted:
+        env = {}
+        if not mounted:
+            site = tmp_path / "site"
+            site.mkdir()
+            (site / "sitecustomize.py").write_text(ENOSPC_WRITER)
+            env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "FINETUNE_TEST_ENOSPC": "step_000000004"}
+        out = disk / "out"
+        run = launch(2, "strategy=fsdp", "max_steps=6", "save_every=2", output_dir=out, check=False, extra_env=env)
+        assert run.returncode != 0
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, run.stderr[-4000:]
+        good = out / "checkpoints" / "step_000000002"
+        assert errors[0].startswith(f"error: saving checkpoint step_000000004 into {out / 'checkpoints'} failed on "
+                                    "rank "), errors[0]
+        assert "the filesystem is full" in errors[0], errors[0]
+        assert errors[0].endswith(f"the partial checkpoint was removed and the newest complete checkpoint, {good}, "
+                                  f"is intact; continue from it with --resume {good} once there is room (free "
+                                  "space, lower keep_last, or move output_dir to a larger filesystem)")
+        assert "error: rank" not in run.stderr and "CheckpointException" not in run.stderr
+        assert run.stderr.count("Traceback") <= 1  # the launcher's report that its workers exited with 2
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002"]
+        assert not (out / "finetune.lock").exists() and not (out / "final").exists()
+        verify(good, checksums=True)
+        assert [r["step"] for r in run.train_records] == [1, 2, 3, 4]
+
+
+def small_file_copy(run, tmp_path):
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints" / "step_000000012"
+    shutil.copytree(run.output_dir / "checkpoints" / ckpt.name, ckpt)
+    return out, ckpt
+
+
+@pytest.mark.parametrize("plant,words", [
+    # a damaged RNG state whose manifest was made to match, and one planted beside those of the run
+    (lambda ckpt: (ckpt / "rng" / "rank_1.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"),
+     "is damaged: rng/rank_1.safetensors is not a safetensors file"),
+    (lambda ckpt: save_file({"torch": torch.zeros(7, dtype=torch.float32)}, str(ckpt / "rng" / "rank_0.safetensors")),
+     "is damaged: rng/rank_0.safetensors holds 'torch', which is not a generator state"),
+    (lambda ckpt: shutil.copy(ckpt / "rng" / "rank_0.safetensors", ckpt / "rng" / "rank_2.safetensors"),
+     "rng/rank_2.safetensors is not in its manifest.json (put there after the save)"),
+    (lambda ckpt: (ckpt / "loop_state.json").write_text(json.dumps(
+        json.loads((ckpt / "loop_state.json").read_text()) | {"extra": 1})),
+     "is damaged: loop_state.json holds unknown key(s) 'extra' (it holds step, tokens, samples"),
+    (lambda ckpt: (ckpt / "loop_state.json").write_text('{"step": "12"}'),
+     "is damaged: loop_state.json holds step='12', not a number"),
+], ids=["rng-damaged", "rng-not-a-state", "rng-planted", "loop-state-extra-key", "loop-state-type"])
+def test_planted_or_damaged_small_files_are_one_line(plant, words, run_in_process, uninterrupted, tmp_path):
+    """loop_state.json and rng/ are checked with the manifest, before anything loads: one line naming
+    the file, exit 2, the lock released, nothing deleted (they used to end in a traceback at the load)."""
+    out, ckpt = small_file_copy(uninterrupted("fsdp"), tmp_path)
+    plant(ckpt)
+    if "not in its manifest" not in words:
+        changed = [ckpt / "loop_state.json"] if "loop_state" in words else sorted((ckpt / "rng").iterdir())
+        consistent_manifest(ckpt, *changed)  # the content, not the checksum, must refuse it
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    refused = run_in_process("strategy=fsdp", *SAVE, "--resume", str(ckpt), output_dir=out)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    message = refused.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: checkpoint {ckpt}") and words in message, message
+    assert "nothing was loaded" in message
+    assert sorted(p.name for p in ckpt.rglob("*")) == before
+    assert not (out / "finetune.lock").exists()
+
+
+def test_export_into_a_read_only_directory(uninterrupted, export_in_process, tmp_path):
+    """Export into a read-only filesystem (a tmpfs mounted ro; chmod where the test is not root, which
+    could write anyway): one line before the checkpoint is read, exit 2."""
+    ckpt = uninterrupted("fsdp").output_dir / "checkpoints" / "step_000000012"
+    place = tmp_path / "ro"
+    with tmpfs(place, "ro,size=1m") as mounted:
+        if not mounted:
+            if os.geteuid() == 0:
+                pytest.skip("root without permission to mount: no directory is read-only to this process")
+            place.chmod(0o555)
+        exported = export_in_process(ckpt, place / "model")
+        assert exported.returncode == 2 and "Traceback" not in exported.stderr
+        assert exported.stderr.strip().splitlines() == [
+            f"error: {place / 'model'} cannot be created: {place} is not writable (permissions or a read-only "
+            "filesystem); choose a writable OUT_DIR (nothing was written)"]
+        assert not (place / "model").exists()

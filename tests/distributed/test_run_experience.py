@@ -63,3 +63,23 @@ def test_failing_rank_ends_the_launch(launch):
     assert run.returncode != 0
     assert "error: rank 1 failed: RuntimeError: injected fault" in run.stderr
     assert seconds < 150, f"the launch took {seconds:.0f}s to end after rank 1 failed"
+
+
+def test_a_chat_template_that_fails_in_python_is_one_line(launch, tmp_path):
+    """A chat template whose expression raises a Python error (a TypeError here, not a Jinja syntax error
+    or raise_exception) stops both ranks with one line naming the template file, exit 2, before the
+    model loads, and releases output_dir's lock."""
+    chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(64)))
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] + loop.index }}{% endfor %}")
+    out = tmp_path / "out"
+    run = launch(2, f"dataset={data}", "dataset_format=messages", f"chat_template={template}", output_dir=out,
+                 check=False)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stderr[-4000:]
+    assert errors[0].startswith(f"error: the chat template (chat_template={template}) failed on a conversation "
+                                "(TypeError: "), errors[0]
+    assert "error: rank" not in run.stderr and run.stderr.count("Traceback") <= 1  # the launcher's report
+    assert run.returncode != 0 and not (out / "finetune.lock").exists()
