@@ -20,6 +20,7 @@ counts it when sample_prompts > 0).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import torch
 
 from finetune import data as D
 from finetune.recipe import RecipeError
+
+log = logging.getLogger("finetune")
 
 # How a prompt typed by a user becomes the tokens the model continues (render_prompt): the chat
 # template with its generation prompt, a run's alpaca or prompt_completion prompt, or the text as is.
@@ -175,9 +178,56 @@ def whole_weights(accelerator, model):
     yield accelerator.unwrap_model(model)
 
 
+def gathered_bytes(model) -> int:
+    """What whole_weights adds on each rank: the whole model in the dtype it is gathered in (ZeRO-3:
+    its partitions' dtype; FSDP2: the mixed-precision policy's param_dtype, else the parameters' own).
+    0 where the weights are whole already."""
+    engine = _deepspeed_engine(model)
+    if engine is not None and engine.zero_optimization_stage() == 3:
+        return sum(p.ds_numel * p.ds_tensor.element_size() for p in engine.module.parameters())
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        dtype = model._get_fsdp_state()._mp_policy.param_dtype
+        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+        return sum(p.numel() * (size or p.element_size()) for p in model.parameters())
+    return 0
+
+
+def gather_problem(needed: int, free: int | None, headroom: float = 0.1) -> str | None:
+    """Why this eval's samples are skipped: the gathered model would not fit the GPU memory left free
+    by training (an out-of-memory at an eval could come before any checkpoint). None when it fits, or
+    off a GPU (free is None: host memory is not checked)."""
+    if free is None or needed <= free * (1 - headroom):
+        return None
+    return (f"samples skipped: gathering the whole model for generation needs {needed / 2**30:.1f} GiB per GPU and "
+            f"{free / 2**30:.1f} GiB is free; set sample_prompts=0 (or generate from final/ with finetune chat)")
+
+
+def samples_fit(accelerator, model) -> str | None:
+    """gather_problem on every rank, agreed: the gather is a collective, so all ranks skip or none does."""
+    needed = gathered_bytes(model)
+    device = accelerator.device
+    free = torch.cuda.mem_get_info(device)[0] if needed and device.type == "cuda" else None
+    problem = gather_problem(needed, free)
+    flag = torch.tensor([1.0 if problem else 0.0], device=device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, reduction="sum")
+    if flag.item() == 0:
+        return None
+    return problem or ("samples skipped: another rank lacks the free GPU memory to gather the whole model for "
+                       "generation; set sample_prompts=0 (or generate from final/ with finetune chat)")
+
+
 def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int) -> list[dict]:
     """Greedy answers to the prompts, weights gathered once; every rank gets the same list. Each sample
-    also says how many tokens it generated and in how many seconds (the gather not included)."""
+    also says how many tokens it generated and in how many seconds (the gather not included). Empty when
+    the gathered model would not fit the GPU (samples_fit: said as a warning)."""
+    problem = samples_fit(accelerator, model)
+    if problem:
+        if accelerator.is_main_process:
+            log.warning(problem)
+        return []
     was_training = model.training
     model.eval()
     answers, seconds = [], []

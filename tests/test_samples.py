@@ -190,3 +190,19 @@ def test_planner_counts_the_gathered_model_under_sharded_strategies():
         assert on.samples == whole
         assert on.total == off.model_states + max(off.activations + off.buffers, whole)
     assert on.total == off.total  # zero2: nothing more
+
+
+def test_samples_are_skipped_when_the_gathered_model_would_not_fit_the_gpu():
+    """An eval's samples gather the whole model on each GPU under zero3/fsdp: where that would not fit the
+    memory training left free they are skipped with one line (an out-of-memory at an eval could come
+    before any checkpoint); off a GPU (free unknown) and where it fits, they run."""
+    from finetune.samples import gather_problem
+
+    gib = 2**30
+    assert gather_problem(14 * gib, None) is None
+    assert gather_problem(14 * gib, 40 * gib) is None
+    assert gather_problem(0, 0) is None
+    problem = gather_problem(140 * gib, 40 * gib)
+    assert problem == ("samples skipped: gathering the whole model for generation needs 140.0 GiB per GPU and 40.0 GiB "
+                       "is free; set sample_prompts=0 (or generate from final/ with finetune chat)")
+    assert gather_problem(37 * gib, 40 * gib) is not None  # within the 10% headroom
