@@ -646,7 +646,7 @@ class Checkpointer:
         try:
             fn()
         except (Exception, CheckpointException) as e:
-            error = _first_failure(e, tmp)
+            error = first_failure(e, tmp)
         failed = [(rank, e) for rank, e in enumerate(_all_gather(self.accelerator)(error)) if e is not None]
         if not failed:
             return
@@ -726,7 +726,7 @@ class SaveError(RecipeError):
                          f"partial checkpoint was removed and {kept}")
 
 
-def _first_failure(error: BaseException, directory: Path) -> str:
+def first_failure(error: BaseException, directory: Path) -> str:
     """One line for an exception of a save: for DCP's CheckpointException (each failed rank's exception
     and traceback, many lines), the first rank's exception; led by "the filesystem is full" when it
     is: ENOSPC, or torch.save's short write ("unexpected pos"), which loses the errno, on a filesystem

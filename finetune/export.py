@@ -23,7 +23,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from finetune.checkpoint import complete_checkpoints, first_failure  # noqa: E402
 from finetune.files import publish  # noqa: E402
+from finetune.recipe import RecipeError  # noqa: E402
+from finetune.stopping import fault_point  # noqa: E402
 
 
 def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB") -> Path:
@@ -33,17 +36,50 @@ def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_siz
         return save_final_adapter(accelerator, model, tokenizer, out_dir)
     state_dict = accelerator.get_state_dict(model)  # collective: every rank must call it
     out_dir = Path(out_dir)
+
+    def write(tmp: Path) -> None:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=without_tied_copies(unwrapped, state_dict), safe_serialization=True,
+                                  max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        _plain_architecture(tmp / "config.json")
+
+    write_on_main(accelerator, out_dir, write)
+    return out_dir
+
+
+class FinalWriteError(RecipeError):
+    """Writing final/ failed (a full disk, a read-only filesystem): one line on every rank, naming the
+    checkpoint of the same step, which the loop saved just before and `finetune export` turns into the
+    same directory."""
+
+
+def write_on_main(accelerator, out_dir: Path, write) -> None:
+    """write(tmp) on the main process, published as out_dir; a failure there removes the partial
+    directory and stops every rank with the same line (FinalWriteError), instead of a traceback on one
+    rank while the others wait at the barrier."""
+    import torch.distributed as dist
+
+    error = None
     if accelerator.is_main_process:
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        state_dict = without_tied_copies(unwrapped, state_dict)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
-        _plain_architecture(tmp / "config.json")
-        publish(tmp, out_dir)
-    accelerator.wait_for_everyone()
-    return out_dir
+        try:
+            write(tmp)
+            fault_point("final_write", 0, 0)
+            publish(tmp, out_dir)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            saved = complete_checkpoints(out_dir.parent / "checkpoints")
+            kept = (f"the checkpoint {saved[-1]} holds the same weights: once there is room, finetune export "
+                    f"{saved[-1]} {out_dir}" if saved else "no checkpoint holds these weights")
+            error = f"writing {out_dir} failed: {first_failure(e, out_dir.parent)}; the partial directory was " \
+                    f"removed and {kept}"
+    box = [error]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise FinalWriteError(box[0])
 
 
 def without_tied_copies(model, state_dict: dict) -> dict:
@@ -93,13 +129,12 @@ def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
     """final/ of a LoRA run: the adapter in peft's own format (PeftModel.from_pretrained(base, final))."""
     state_dict = trainable_state_dict(accelerator, model)
     out_dir = Path(out_dir)
-    if accelerator.is_main_process:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        publish(tmp, out_dir)
-    accelerator.wait_for_everyone()
+
+    write_on_main(accelerator, out_dir, write)
     return out_dir
 
 

@@ -78,7 +78,8 @@ def _say(line: str) -> None:
 def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
     """Fault injection for the crash tests, real signals at exact places:
     FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
-    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank); NAN writes a NaN
+    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank), ENOSPC the OSError of
+    a full disk; NAN writes a NaN
     into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
     spec = os.environ.get("FINETUNE_FAULT")
     if not spec:
@@ -88,6 +89,10 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
         how = parts[3] if len(parts) > 3 else "SIGKILL"
         if how == "RAISE":
             raise RuntimeError(f"injected fault ({spec})")
+        if how == "ENOSPC":  # a disk that fills up there
+            import errno
+
+            raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec})")
         if how == "NAN" and optimizer is not None:
             import torch
 

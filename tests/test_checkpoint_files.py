@@ -331,16 +331,16 @@ def test_a_failed_save_is_one_line(tmp_path):
 
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    from finetune.checkpoint import SaveError, _first_failure
+    from finetune.checkpoint import SaveError, first_failure
 
     try:
         raise OSError(errno.ENOSPC, "No space left on device")
     except OSError as e:
         full = CheckpointException("failed", {1: _wrap_exception(e)})
-    line = _first_failure(full, tmp_path / ".step_000000004.partial")
+    line = first_failure(full, tmp_path / ".step_000000004.partial")
     assert line.startswith("the filesystem is full (") and "\n" not in line
     assert line.endswith("; OSError: [Errno 28] No space left on device)"), line
-    assert _first_failure(RuntimeError("boom\nmore"), tmp_path) == "RuntimeError: boom"
+    assert first_failure(RuntimeError("boom\nmore"), tmp_path) == "RuntimeError: boom"
     root = tmp_path / "checkpoints"
     (root / "step_000000002").mkdir(parents=True)
     (root / "step_000000002" / "manifest.json").write_text("{}")

@@ -438,6 +438,32 @@ def test_full_disk_during_an_fsdp_save(launch, tmp_path):
         assert [r["step"] for r in run.train_records] == [1, 2, 3, 4]
 
 
+def test_a_full_disk_at_final_is_one_line_naming_the_checkpoint_to_export(launch, tmp_path):
+    """final/ is written by rank 0 after the last checkpoint; a full disk there (ENOSPC raised where the
+    files are written) stops every rank with one line, removes final.tmp, releases the lock, and names the
+    export that makes final/ from the last checkpoint: that command works."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    run = launch(2, "strategy=zero3", "max_steps=4", output_dir=out, check=False,
+                 extra_env={"FINETUNE_FAULT": "final_write:0:0:ENOSPC"})
+    assert run.returncode != 0  # the ranks exit 2; accelerate launch reports it as its own 1
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stderr[-4000:]
+    ckpt, final = out / "checkpoints" / "step_000000004", out / "final"
+    assert errors[0].startswith(f"error: writing {final} failed: the filesystem is full ("), errors[0]
+    assert errors[0].endswith(f"the partial directory was removed and the checkpoint {ckpt} holds the same weights: "
+                              f"once there is room, finetune export {ckpt} {final}"), errors[0]
+    assert run.stderr.count("Traceback") <= 1  # the launcher's report that its workers exited with 2
+    assert not final.exists() and not (out / "final.tmp").exists() and not (out / "finetune.lock").exists()
+    exported = subprocess.run([sys.executable, "-m", "finetune.export", str(ckpt), str(final)], env=run.env,
+                              capture_output=True, text=True, timeout=600)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(final) is not None
+
+
 def small_file_copy(run, tmp_path):
     out = tmp_path / "out"
     ckpt = out / "checkpoints" / "step_000000012"
