@@ -12,6 +12,7 @@ import torch
 
 from finetune import data as D
 from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
+from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
@@ -156,6 +157,12 @@ def train(plan: Plan) -> dict:
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     for line in D.summary_lines(datasets, r):
         log.info(line)
+    # what final/ and every checkpoint's hf/ name as stop tokens: a chat run's end-of-turn token too
+    generation_config, turn = with_end_of_turn(base_generation_config(model_path, config), tokenizer,
+                                               trains_chats(s["format"] for s in datasets.sources))
+    stops = describe(turn, generation_config)
+    if turn is not None and is_main:
+        (log.info if turn.ids else log.warning)(f"end of turn: {stops}")
     if padding_free_scores(r) and packed and r.micro_batch_size > 1 and is_main:
         log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
                     "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
@@ -181,7 +188,7 @@ def train(plan: Plan) -> dict:
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)
     plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main and r.plot_loss)
-    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
+    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -266,7 +273,7 @@ def train(plan: Plan) -> dict:
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
 
-    final = save_final_model(accelerator, model, tokenizer, out / "final")
+    final = save_final_model(accelerator, model, tokenizer, out / "final", generation_config=generation_config)
     if r.merge_lora:
         if is_main:
             merge_adapter(model_path, final, out / "final_merged",
@@ -280,7 +287,8 @@ def train(plan: Plan) -> dict:
                "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
-               "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
+               "final_model": str(final), "end_of_turn": stops,
+               "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
                "loss_plot": None, "metrics": str(out / "metrics.jsonl")}
     if is_main:
         summary["loss_plot"] = str(plot.final() or "") or None
