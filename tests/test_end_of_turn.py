@@ -180,7 +180,8 @@ def test_run_summary_says_what_stops_generation():
     summary = {"steps": 3, "train_seconds": 1.0, "wall_seconds": 2.0, "tokens": 10, "tokens_per_s": 10.0,
                "end_of_turn": "<|end|> (id 7) ends an assistant turn; generation_config.eos_token_id [3, 7]"}
     lines = [line.split() for line in format_summary(summary).splitlines()]
-    assert " ".join(summary["end_of_turn"].split()) in [" ".join(words[2:]) for words in lines if words[:2] == ["stops", "at"]]
+    rows = [" ".join(words[2:]) for words in lines if words[:2] == ["stops", "at"]]
+    assert rows == [summary["end_of_turn"]]
 
 
 def _generation_config(eos):
