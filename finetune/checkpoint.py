@@ -552,10 +552,12 @@ class Checkpointer:
     """Two calls: `save(state)` writes a checkpoint of everything (collective), `load(point)` restores
     it in place and returns the loop's state. Built once the model and optimizer are prepared."""
 
-    def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None):
+    def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None,
+                 generation_config=None):
         r = plan.recipe
         self.root = Path(r.output_dir) / "checkpoints"
-        self.model_config, self.tokenizer = model_config, tokenizer  # copied in, so export needs nothing else
+        # copied in, so export needs nothing else (the generation config: the one final/ gets)
+        self.model_config, self.tokenizer, self.generation_config = model_config, tokenizer, generation_config
         if r.lora and accelerator.distributed_type.name not in ("DEEPSPEED", "FSDP"):
             accelerator.register_save_state_pre_hook(_keep_trainable_weights)
         self.accelerator, self.optimizer = accelerator, optimizer
@@ -632,6 +634,8 @@ class Checkpointer:
                 self.model_config.save_pretrained(tmp / HF_DIR)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp / HF_DIR)
+            if self.generation_config is not None:
+                self.generation_config.save_pretrained(tmp / HF_DIR)
         if acc.local_process_index == 0:
             os.sync()
 

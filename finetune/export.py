@@ -29,11 +29,14 @@ from finetune.recipe import RecipeError  # noqa: E402
 from finetune.stopping import fault_point  # noqa: E402
 
 
-def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB") -> Path:
+def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB",
+                     generation_config=None) -> Path:
     """Gather the full weights (ZeRO-3 and FSDP hold shards) and write them on the main process.
-    A LoRA model writes its adapter only (see save_final_adapter)."""
+    A LoRA model writes its adapter only (see save_final_adapter). generation_config, when given,
+    replaces the model's generation_config.json (a chat run's names the end-of-turn token:
+    finetune/end_of_turn.py)."""
     if is_lora(accelerator.unwrap_model(model)):
-        return save_final_adapter(accelerator, model, tokenizer, out_dir)
+        return save_final_adapter(accelerator, model, tokenizer, out_dir, generation_config)
     state_dict = accelerator.get_state_dict(model)  # collective: every rank must call it
     out_dir = Path(out_dir)
 
@@ -42,6 +45,8 @@ def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_siz
         unwrapped.save_pretrained(tmp, state_dict=without_tied_copies(unwrapped, state_dict), safe_serialization=True,
                                   max_shard_size=max_shard_size)
         tokenizer.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
         _plain_architecture(tmp / "config.json")
 
     write_on_main(accelerator, out_dir, write)
@@ -125,14 +130,18 @@ def trainable_state_dict(accelerator, model) -> dict:
     return out
 
 
-def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
-    """final/ of a LoRA run: the adapter in peft's own format (PeftModel.from_pretrained(base, final))."""
+def save_final_adapter(accelerator, model, tokenizer, out_dir: Path, generation_config=None) -> Path:
+    """final/ of a LoRA run: the adapter in peft's own format (PeftModel.from_pretrained(base, final)),
+    with the run's generation_config.json next to it (peft does not read it: final_merged/ carries it,
+    or pass GenerationConfig.from_pretrained(final) to generate)."""
     state_dict = trainable_state_dict(accelerator, model)
     out_dir = Path(out_dir)
 
     def write(tmp: Path) -> None:
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
 
     write_on_main(accelerator, out_dir, write)
     return out_dir
@@ -140,14 +149,17 @@ def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
 
 def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: str = "float32") -> Path:
     """final_merged/: the base with the adapter folded in, as one plain model. Done on one process
-    from the files alone, with plain transformers and peft, which also proves the adapter loads."""
+    from the files alone, with plain transformers and peft, which also proves the adapter loads. The
+    adapter's generation_config.json (the run's, see save_final_adapter) replaces the base's."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     with _without_zero3_init():
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    if (Path(adapter_dir) / "generation_config.json").is_file():
+        merged.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     tmp = Path(out_dir).with_name(Path(out_dir).name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
@@ -249,6 +261,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from finetune.checkpoint import HF_DIR, verify
+    from finetune.end_of_turn import checkpoint_generation_config
     from finetune.recipe import RecipeError
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
@@ -292,11 +305,13 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     if str(recipe.get("strategy", "")).startswith("zero") and precision in ("bf16", "fp16"):
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model.generation_config = checkpoint_generation_config(hf, model.generation_config, recipe, tokenizer)
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-    AutoTokenizer.from_pretrained(hf).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
     _plain_architecture(tmp / "config.json")
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype).eval()
@@ -336,6 +351,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.checkpoint import HF_DIR
+    from finetune.end_of_turn import checkpoint_generation_config
     from finetune.model import add_lora
     from finetune.recipe import Recipe, RecipeError
 
@@ -367,6 +383,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
                           f"unexpected {list(result.unexpected_keys)[:3]}")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_DIR)
+    generation_config = checkpoint_generation_config(ckpt / HF_DIR, base_model.generation_config, recipe, tokenizer)
     probe = torch.randint(0, base_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=probe).logits
@@ -375,6 +392,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     shutil.rmtree(adapter_tmp, ignore_errors=True)
     model.save_pretrained(adapter_tmp, safe_serialization=True)
     tokenizer.save_pretrained(adapter_tmp)
+    generation_config.save_pretrained(adapter_tmp)
     reloaded = PeftModel.from_pretrained(model.unload(), adapter_tmp).eval()  # the base again, adapter from disk
     with torch.no_grad():
         got = reloaded(input_ids=probe).logits
@@ -392,6 +410,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     merged = reloaded.merge_and_unload()
     if recipe.get("mixed_precision") == "bf16":  # as final_merged/ of a bf16 run
         merged = merged.to(torch.bfloat16)
+    merged.generation_config = generation_config
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)

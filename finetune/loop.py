@@ -12,6 +12,7 @@ import torch
 
 from finetune import data as D
 from finetune.checkpoint import Checkpointer, LoopState, after_nonfinite
+from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
@@ -155,6 +156,12 @@ def train(plan: Plan) -> dict:
         if datasets.eval is not None and r.sample_prompts else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
+    # what final/ and every checkpoint's hf/ name as stop tokens: a chat run's end-of-turn token too
+    generation_config, turn = with_end_of_turn(base_generation_config(model_path, config), tokenizer,
+                                               trains_chats(s["format"] for s in datasets.sources))
+    stops = describe(turn, generation_config)
+    if turn is not None and is_main:
+        (log.info if turn.ids else log.warning)(f"end of turn: {stops}")
     if padding_free_scores(r) and packed and r.micro_batch_size > 1 and is_main:
         log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
                     "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
@@ -181,7 +188,7 @@ def train(plan: Plan) -> dict:
     start_trackers(accelerator, r, out)
     plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main and r.plot_loss)
     samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
-    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
+    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -200,7 +207,8 @@ def train(plan: Plan) -> dict:
         with meter.paused("eval"):
             last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
                                  r.padding_free)
-            shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples, 0)
+            shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples, 0,
+                                   generation_config)
         metrics.write({"step": 0, "eval_loss": last_eval})
         progress.note(f"step 0: eval_loss {last_eval:.4f}")
         if shown:
@@ -253,7 +261,7 @@ def train(plan: Plan) -> dict:
                 last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
                                      r.padding_free)
                 shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples,
-                                       state.step)
+                                       state.step, generation_config)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
@@ -273,7 +281,7 @@ def train(plan: Plan) -> dict:
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
 
-    final = save_final_model(accelerator, model, tokenizer, out / "final")
+    final = save_final_model(accelerator, model, tokenizer, out / "final", generation_config=generation_config)
     if r.merge_lora:
         if is_main:
             merge_adapter(model_path, final, out / "final_merged",
@@ -287,7 +295,8 @@ def train(plan: Plan) -> dict:
                "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
-               "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
+               "final_model": str(final), "end_of_turn": stops,
+               "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
                "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": samples.summary()}
     if is_main:
         summary["loss_plot"] = str(plot.final() or "") or None

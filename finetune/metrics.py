@@ -324,6 +324,7 @@ def format_summary(summary: dict) -> str:
          f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),
+        ("stops at", summary.get("end_of_turn") or "n/a"),
         ("checkpoints", summary.get("checkpoints") or "none written"),
         ("loss plot", summary.get("loss_plot") or "n/a"),
         ("metrics", summary.get("metrics", "")),

@@ -60,10 +60,13 @@ def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
     return D._bos(tokenizer) + D._text_ids(tokenizer, text)
 
 
-def stop_ids(tokenizer, model) -> set[int]:
-    """Where an answer ends: the tokenizer's EOS and the generation config's (a chat model's end of turn)."""
+def stop_ids(tokenizer, model, generation_config=None) -> set[int]:
+    """Where an answer ends: the tokenizer's EOS and the generation config's (a chat model's end of turn).
+    generation_config: the one the run writes into final/ (finetune/end_of_turn.py), so that samples at
+    eval stop where `finetune chat` on final/ stops; else the model's own."""
     ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
-    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    config_eos = getattr(config, "eos_token_id", None)
     ids |= set(config_eos if isinstance(config_eos, (list, tuple)) else [] if config_eos is None else [config_eos])
     return ids
 
@@ -219,7 +222,8 @@ def samples_fit(accelerator, model) -> str | None:
                        "generation; set sample_prompts=0 (or generate from final/ with finetune chat)")
 
 
-def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int) -> list[dict]:
+def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int,
+                generation_config=None) -> list[dict]:
     """Greedy answers to the prompts, weights gathered once; every rank gets the same list. Each sample
     also says how many tokens it generated and in how many seconds (the gather not included). Empty when
     the gathered model would not fit the GPU (samples_fit: said as a warning)."""
@@ -235,7 +239,7 @@ def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_to
         # compile=true layers run eagerly here: a token at a time with a growing cache would recompile
         # them (about a minute each on CPU), for a few forwards
         with torch.compiler.set_stance("force_eager"), whole_weights(accelerator, model) as whole:
-            stop = stop_ids(tokenizer, whole)
+            stop = stop_ids(tokenizer, whole, generation_config)
             for p in prompts:
                 t0 = time.perf_counter()
                 answers.append(generate(whole, p.ids, max_new_tokens, stop))
@@ -291,10 +295,10 @@ class SampleWriter:
 
 
 def sample_at_eval(accelerator, model, prompts, tokenizer, max_new_tokens: int, writer: SampleWriter,
-                   step: int) -> str:
+                   step: int, generation_config=None) -> str:
     """One eval's samples, written; returns the progress line ('' when there are none)."""
     if not prompts:
         return ""
     t0 = time.perf_counter()
-    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens)
+    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, generation_config)
     return writer.write(step, samples, time.perf_counter() - t0)
