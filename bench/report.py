@@ -48,6 +48,8 @@ FREE_TITLE = "## 3b. Padding-free batches"
 DATA_TITLE = "## 8. Data preparation against TRL"
 STEP_BEGIN, STEP_END = "<!-- step-overhead:begin -->", "<!-- step-overhead:end -->"
 STEP_TITLE = "## 9. What a step costs beyond the model, against the Trainer"
+SAMPLES_BEGIN, SAMPLES_END = "<!-- samples:begin -->", "<!-- samples:end -->"
+SAMPLES_TITLE = "## 10. Samples at eval: seconds per sample under ddp, zero3 and fsdp"
 
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:
@@ -273,6 +275,10 @@ def write_cpu_report(doc: Path, results: dict) -> str:
     if step_block is not None:  # measured by bench/step_overhead.py --doc, kept as it is
         add(STEP_TITLE + "\n")
         add(STEP_BEGIN + "\n" + step_block + "\n" + STEP_END + "\n")
+    samples_block = _marked_block(doc, SAMPLES_BEGIN, SAMPLES_END)
+    if samples_block is not None:  # measured by bench/samples.py, kept as it is
+        add(SAMPLES_TITLE + "\n")
+        add(SAMPLES_BEGIN + "\n" + samples_block + "\n" + SAMPLES_END + "\n")
     text = "\n".join(out)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)

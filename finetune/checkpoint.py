@@ -15,6 +15,7 @@ resume.ensure_universal). The loop's own state is JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import shutil
@@ -27,6 +28,7 @@ from pathlib import Path
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 from finetune.stopping import fault_point
+from finetune.strategy import nonfinite_count
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -228,6 +230,59 @@ def verify_checksums(path: Path, manifest: dict, rank: int, world: int, all_gath
         raise damaged_by_checksum(path, bad)
 
 
+def manifest_digest(path: Path) -> str:
+    """xxh3-128 of a checkpoint's manifest: names that exact checkpoint (its manifest holds every file's
+    checksum), so that what is derived from it can say from which one."""
+    return _xxh3_file(path / MANIFEST)
+
+
+def seal(directory: Path, name: str, fields: dict) -> dict:
+    """Write `name` into `directory`, listing every other file in it with its size and checksum, plus
+    `fields`: last, once everything else is written, and atomically (a temporary file, fsync'd, renamed),
+    so that a directory with this file is complete and checkable (see seal_problem)."""
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name != name}
+    listing = {**fields, "files": files, "checksum": CHECKSUM,
+               "checksums": dict(sorted(file_checksums(directory, sorted(files)).items()))}
+    tmp = directory / f".{name}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(listing, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / name)
+    return listing
+
+
+def seal_problem(directory: Path, name: str, fields: dict) -> str | None:
+    """Why `directory` is not exactly what its `name` (written by seal) lists, with `fields` as given;
+    None when every file is there, alone, with its size and checksum."""
+    try:
+        listing = json.loads((directory / name).read_bytes())
+    except FileNotFoundError:
+        return f"no {name}: its writing did not finish, or an older finetune wrote it"
+    except (OSError, ValueError) as e:
+        return f"{name} is unreadable ({type(e).__name__})"
+    if not isinstance(listing, dict) or listing.get("checksum") != CHECKSUM \
+            or not isinstance(listing.get("files"), dict) or not isinstance(listing.get("checksums"), dict):
+        return f"{name} is not a finetune listing"
+    for key, value in fields.items():
+        if listing.get(key) != value:
+            return f"{name} says {key} {listing.get(key)!r}, not {value!r}"
+    files = {str(p.relative_to(directory)): p.stat().st_size for p in directory.rglob("*")
+             if p.is_file() and p.name != name}
+    if set(files) != set(listing["files"]):
+        missing, extra = sorted(set(listing["files"]) - set(files)), sorted(set(files) - set(listing["files"]))
+        return f"{', '.join(missing[:3]) or ', '.join(extra[:3])} {'missing' if missing else 'not listed'}"
+    sizes = [rel for rel, size in listing["files"].items() if files[rel] != size]
+    if sizes:
+        return f"{', '.join(sizes[:3])} {'has' if len(sizes) == 1 else 'have'} another size than {name} lists"
+    bad = checksum_mismatches(directory, listing, sorted(files))
+    if bad:
+        return (f"{', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} do{'es' if len(bad) == 1 else ''} "
+                f"not match the {CHECKSUM} checksum in {name}")
+    return None
+
+
 # ---------------------------------------------------------------- loading without unpickling code
 
 
@@ -367,26 +422,6 @@ def safe_loading():
         filesystem.pickle = original
 
 
-@contextmanager
-def adapter_only_fsdp(enabled: bool):
-    """Accelerate's FSDP save/load with adapter_only=True, so that a LoRA checkpoint holds the adapter
-    (and its optimizer state) but not the frozen base, which every run reloads from the model."""
-    if not enabled:
-        yield
-        return
-    import functools
-
-    import accelerate.accelerator as accelerator_module
-
-    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
-    accelerator_module.save_fsdp_model = functools.partial(saved[0], adapter_only=True)
-    accelerator_module.load_fsdp_model = functools.partial(saved[1], adapter_only=True)
-    try:
-        yield
-    finally:
-        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
-
-
 # ---------------------------------------------------------------- RNG states (safetensors, not pickle)
 
 
@@ -400,6 +435,39 @@ def save_rng(directory: Path, rank: int) -> None:
             tensors[f"cuda_{i}"] = torch.cuda.get_rng_state(i)
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / f"rank_{rank}.safetensors"))
+
+
+def check_small_files(path: Path, manifest: dict) -> None:
+    """loop_state.json and the RNG states read as what they must be, before anything loads (every rank
+    checks them all, so all refuse alike): a file planted under rng/ after the save (not in the
+    manifest), or one that is not safetensors of uint8 generator states, is one line, not a traceback
+    at the load."""
+    read_loop_state(path)
+    rng = path / RNG_DIR
+    if not rng.is_dir():
+        return
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    sizes = {"torch": torch.get_rng_state().numel()}
+    for f in sorted(rng.iterdir()):
+        rel = f"{RNG_DIR}/{f.name}"
+        if rel not in manifest["files"]:
+            raise RecipeError(f"checkpoint {path}: {rel} is not in its {MANIFEST} (put there after the save); "
+                              f"nothing was loaded; remove {f} and resume again")
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            problem = f"is not a safetensors file ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        else:
+            bad = [k for k, t in tensors.items() if t.dtype != torch.uint8 or t.dim() != 1
+                   or (k in sizes and t.numel() != sizes[k])]
+            problem = ("holds no 'torch' generator state" if "torch" not in tensors else
+                       f"holds {bad[0]!r}, which is not a generator state (a uint8 vector)" if bad else None)
+        if problem:
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing was loaded; resume from an "
+                              "earlier checkpoint with --resume PATH")
 
 
 def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
@@ -435,16 +503,44 @@ class LoopState:
     nonfinite_steps: int = 0  # steps skipped for a NaN/inf loss or gradient norm (recipe.max_nonfinite_steps)
 
 
+def read_loop_state(path: Path) -> LoopState:
+    """The loop's state of a checkpoint, its keys and types checked (a missing key, from an older
+    finetune, takes its default)."""
+    import dataclasses
+
+    f = path / LOOP_STATE
+    try:
+        values = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} is unreadable ({type(e).__name__}); "
+                          "resume from an earlier checkpoint with --resume PATH") from None
+    fields = {f.name: f.type for f in dataclasses.fields(LoopState)}
+    problem = (f"a JSON {type(values).__name__}, not an object" if not isinstance(values, dict) else None)
+    if problem is None:
+        unknown = sorted(set(values) - set(fields))
+        wrong = [k for k, v in values.items() if k in fields and not (
+            (v is None and "None" in fields[k]) or (isinstance(v, int) and not isinstance(v, bool))
+            or (isinstance(v, float) and "float" in fields[k]))]
+        problem = (f"unknown key(s) {', '.join(map(repr, unknown))} (it holds {', '.join(fields)})" if unknown else
+                   f"{wrong[0]}={values[wrong[0]]!r}, not a number" if wrong else None)
+    if problem:
+        raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} holds {problem}; nothing was loaded; restore "
+                          "the file as the save wrote it, or resume from an earlier checkpoint with --resume PATH")
+    return LoopState(**values)
+
+
 class Checkpointer:
     """Two calls: `save(state)` writes a checkpoint of everything (collective), `load(point)` restores
     it in place and returns the loop's state. Built once the model and optimizer are prepared."""
 
-    def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None):
+    def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None,
+                 generation_config=None):
         r = plan.recipe
         self.root = Path(r.output_dir) / "checkpoints"
-        self.model_config, self.tokenizer = model_config, tokenizer  # copied in, so export needs nothing else
-        if r.lora and accelerator.distributed_type.name not in ("DEEPSPEED", "FSDP"):
-            accelerator.register_save_state_pre_hook(_keep_trainable_weights)
+        # copied in, so export needs nothing else (the generation config: the one final/ gets)
+        self.model_config, self.tokenizer, self.generation_config = model_config, tokenizer, generation_config
+        self.strategy = plan.strategy
+        self.strategy.on_checkpointer(accelerator, r.lora)
         self.accelerator, self.optimizer = accelerator, optimizer
         self.recipe = r
         self.fingerprint = fingerprint(r, model_path)
@@ -452,23 +548,51 @@ class Checkpointer:
         self.keep_last = r.keep_last
 
     def save(self, state: LoopState) -> Path:
-        """Collective: every rank calls it. Returns the committed checkpoint directory."""
+        """Collective: every rank calls it. Returns the committed checkpoint directory. Refuses (every rank
+        alike, NonFiniteWeights) weights that are not finite; a write that fails on any rank (a full disk)
+        fails the save on every rank alike (SaveError), the partial directory removed and the newest
+        complete checkpoint untouched."""
         acc, optimizer = self.accelerator, self.optimizer
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
+        self.check_finite(state.step)
+
+        def start():
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        self._together(start, tmp, state.step)
         t0 = time.perf_counter()
-        with adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
-            if acc.distributed_type.name == "DEEPSPEED":
-                # universal_checkpoint_info lets ds_to_universal convert it for another world size (models
-                # without tensor parallelism need no patterns); a LoRA run leaves its frozen base out
-                acc.save_state(str(tmp), exclude_frozen_parameters=self.recipe.lora, client_state={
-                    "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
-            else:
-                acc.save_state(str(tmp))
+        self._together(lambda: self._write(state, tmp), tmp, state.step)  # every rank's shards are on disk
+        files = None
+        if acc.is_main_process:
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+        files = _broadcast(acc, files)  # one listing (a shared filesystem may list late on other nodes)
+        # each rank hashes about 1/N of the bytes, in parallel
+        mine = file_checksums(tmp, shares(files, acc.num_processes)[acc.process_index])
+        checksums = {k: v for part in _all_gather(acc)(mine) for k, v in part.items()}
+
+        def commit():
+            if acc.is_main_process:
+                manifest = {"step": state.step, "world_size": acc.num_processes,
+                            "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
+                            "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
+                            "seconds": round(time.perf_counter() - t0, 3)}
+                with open(tmp / MANIFEST, "w") as f:  # fsync'd: an empty manifest after a power cut would hide
+                    f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
+                    f.flush()
+                    os.fsync(f.fileno())
+                publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
+                rotate(self.root, self.keep_last, keep=final)
+
+        self._together(commit, tmp, state.step)
+        return final
+
+    def _write(self, state: LoopState, tmp: Path) -> None:
+        """This rank's part of a checkpoint (rank 0 also writes the loop state, recipe and hf/)."""
+        acc, optimizer = self.accelerator, self.optimizer
+        self.strategy.save_state(acc, tmp, self.recipe.lora)
         save_rng(tmp / RNG_DIR, acc.process_index)
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: gather shards on rank 0
             import torch
@@ -484,29 +608,47 @@ class Checkpointer:
                 self.model_config.save_pretrained(tmp / HF_DIR)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp / HF_DIR)
+            if self.generation_config is not None:
+                self.generation_config.save_pretrained(tmp / HF_DIR)
         if acc.local_process_index == 0:
             os.sync()
-        acc.wait_for_everyone()  # every rank's shards are on disk
-        files = None
-        if acc.is_main_process:
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-        files = _broadcast(acc, files)  # one listing (a shared filesystem may list late on other nodes)
-        # each rank hashes about 1/N of the bytes, in parallel
-        mine = file_checksums(tmp, shares(files, acc.num_processes)[acc.process_index])
-        checksums = {k: v for part in _all_gather(acc)(mine) for k, v in part.items()}
-        if acc.is_main_process:
-            manifest = {"step": state.step, "world_size": acc.num_processes,
-                        "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
-                        "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
-                        "seconds": round(time.perf_counter() - t0, 3)}
-            with open(tmp / MANIFEST, "w") as f:  # fsync'd: an empty manifest after a power cut would hide
-                f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
-                f.flush()
-                os.fsync(f.fileno())
-            publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
-            rotate(self.root, self.keep_last, keep=final)
-        acc.wait_for_everyone()
-        return final
+
+    def _together(self, fn, tmp: Path, step: int) -> None:
+        """fn() on this rank, then a collective in place of a barrier: every rank learns whether any rank
+        failed, and then all raise the same SaveError (rank 0 first removes the partial directory). A
+        rank raising alone would leave the others waiting at the next barrier; DCP's CheckpointException
+        is a BaseException, which would pass run.py's handlers and leave the lock behind."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        error = None
+        try:
+            fn()
+        except (Exception, CheckpointException) as e:
+            error = first_failure(e, tmp)
+        failed = [(rank, e) for rank, e in enumerate(_all_gather(self.accelerator)(error)) if e is not None]
+        if not failed:
+            return
+        if self.accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(self.root, step, failed)
+
+    def check_finite(self, step: int) -> None:
+        """Collective: refuse to save weights that hold NaN or inf, on any rank. The guard before each
+        update (loop.skip_nonfinite) sees the loss and gradient norm only; an update can still turn
+        weights non-finite with both finite (adam_eps=0 can: the recipe refuses it, docs/design-notes.md).
+        Each rank counts the non-finite values of its
+        part of the weights (updated_weights; one pass over them per save) and one all-reduce adds the
+        counts up (averages them where every rank holds all the weights)."""
+        import torch
+
+        acc = self.accelerator
+        count = nonfinite_count(self.optimizer).to(acc.device, torch.float64)
+        replicated = self.strategy.replicates_weights  # every rank holds them all
+        bad = math.ceil(acc.reduce(count, reduction="mean" if replicated else "sum").item())
+        if bad:
+            raise NonFiniteWeights(f"step {step}: the weights to be saved hold {bad} NaN/inf value(s), while the "
+                                   f"loss and gradient norm were finite; stopped without saving "
+                                   f"({after_nonfinite(self.root, self.recipe, step)})")
 
     def load(self, point) -> LoopState:
         """Collective. Restores model, optimizer, scheduler and RNG in place from a resume.ResumePoint
@@ -520,14 +662,9 @@ class Checkpointer:
 
         verify_checksums(point.path, point.manifest, acc.process_index, acc.num_processes,
                          _all_gather(acc), log=logging.getLogger("finetune").warning)
-        with safe_loading(), adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
+        with safe_loading():
             try:
-                if self.recipe.lora and acc.distributed_type.name == "DEEPSPEED":
-                    acc.load_state(str(source), load_module_strict=False)  # the frozen base comes from the model
-                elif self.recipe.lora and acc.distributed_type.name != "FSDP":
-                    acc.load_state(str(source), strict=False)
-                else:
-                    acc.load_state(str(source))
+                self.strategy.load_state(acc, source, self.recipe.lora)
             except pickle.UnpicklingError as e:
                 raise UnsafeCheckpointError(f"checkpoint {point.path}: {e}; use a checkpoint from a source you "
                                             "trust") from None
@@ -539,9 +676,66 @@ class Checkpointer:
         zro = point.path / ZERO_REDUNDANCY_OPTIMIZER
         if hasattr(optimizer, "consolidate_state_dict") and zro.is_file():
             optimizer.load_state_dict(torch.load(zro, map_location="cpu", weights_only=True))
-        state = LoopState(**json.loads((point.path / LOOP_STATE).read_text()))
+        state = read_loop_state(point.path)
         load_rng(point.path / RNG_DIR, acc.process_index, self.recipe.seed, state.step)
         return state
+
+
+class NonFiniteWeights(RecipeError):
+    """Weights about to be saved hold NaN or inf: said as one line (exit code 2); nothing is written."""
+
+
+class SaveError(RecipeError):
+    """Writing a checkpoint failed on some rank (a full disk, a read-only or vanished filesystem): one
+    line naming the rank, the error and the newest complete checkpoint, which is left as it was."""
+
+    def __init__(self, root: Path, step: int, failed: list):
+        rank, error = failed[0]
+        saved = complete_checkpoints(root)
+        kept = (f"the newest complete checkpoint, {saved[-1]}, is intact; continue from it with --resume {saved[-1]} "
+                "once there is room (free space, lower keep_last, or move output_dir to a larger filesystem)"
+                if saved else "no complete checkpoint had been saved")
+        super().__init__(f"saving checkpoint {checkpoint_name(step)} into {root} failed on rank {rank}: {error}; the "
+                         f"partial checkpoint was removed and {kept}")
+
+
+def first_failure(error: BaseException, directory: Path) -> str:
+    """One line for an exception of a save: for DCP's CheckpointException (each failed rank's exception
+    and traceback, many lines), the first rank's exception; led by "the filesystem is full" when it
+    is: ENOSPC, or torch.save's short write ("unexpected pos"), which loses the errno, on a filesystem
+    with (almost) nothing left."""
+    import errno
+
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        error = inner[0] if isinstance(inner, tuple) else inner
+    text = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {text[0] if text else ''}"
+    try:
+        usage = shutil.disk_usage(directory if directory.exists() else directory.parent)
+    except OSError:
+        return line
+    chain, e = [], error
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if any(getattr(e, "errno", None) == errno.ENOSPC for e in chain) or usage.free <= usage.total // 100:
+        return f"the filesystem is full ({usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB; {line})"
+    return line
+
+
+def after_nonfinite(root: Path, recipe, step: int) -> str:
+    """What a NaN stop leaves, and what continues from it: commands that run. A resumed run keeps the
+    checkpoint's lr and Adam settings (resume.changes refuses another lr), so a lower lr is a new run."""
+    saved = complete_checkpoints(root)
+    lower = (f"for a lower lr (now {recipe.lr}) start a new run in another output_dir (a resumed run keeps the "
+             "checkpoint's lr)")
+    if not saved:
+        return f"no checkpoint had been saved; {lower}, or check the data of step {step}"
+    return (f"the newest checkpoint, {saved[-1]}, is from before it; continue from it with --resume {saved[-1]} "
+            f"(with max_grad_norm lower, or max_nonfinite_steps=N to skip such steps), or {lower}, or check the data "
+            f"of step {step}")
 
 
 def rotate(root: Path, keep_last: int, keep: Path) -> list[Path]:
@@ -552,15 +746,6 @@ def rotate(root: Path, keep_last: int, keep: Path) -> list[Path]:
     for old in dropped:
         shutil.rmtree(old, ignore_errors=True)
     return dropped
-
-
-def _keep_trainable_weights(models, weights, output_dir) -> None:
-    """Accelerate save_state hook for DDP LoRA runs: write the adapter, not the frozen base."""
-    for i, model in enumerate(models):
-        inner = getattr(model, "module", model)
-        trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
-        if i < len(weights) and trainable:
-            weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
 
 
 def _all_gather(acc):

@@ -435,7 +435,7 @@ def _num_rows(path: Path, required=(), fmt: str = "") -> int:
 # character of what the model learns to produce (see _trained_from and _span_labels).
 
 
-def _bos(tokenizer) -> list[int]:
+def bos_ids(tokenizer) -> list[int]:
     """The tokens the tokenizer puts before any text by itself (its BOS, or nothing).
 
     Read from the tokenizer's own behaviour, not from `bos_token`: a sentencepiece Llama/Mistral
@@ -449,7 +449,7 @@ def _bos(tokenizer) -> list[int]:
     return full[:1] if full and full[0] == tokenizer.bos_token_id else []
 
 
-def _text_ids(tokenizer, text: str) -> list[int]:
+def text_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
@@ -491,46 +491,52 @@ def encode_prompt_completion(tokenizer, prompt: str, completion: str, train_on_p
     "Answer:  Paris"), and the completion starts where the prompt's own tokens stop matching
     (_trained_from)."""
     completion = _without_eos(tokenizer, completion)
-    return _prompt_completion_row(_bos(tokenizer), _text_ids(tokenizer, prompt),
-                                  _text_ids(tokenizer, prompt + completion), _eos(tokenizer), train_on_prompt, max_len)
+    return _prompt_completion_row(bos_ids(tokenizer), text_ids(tokenizer, prompt),
+                                  text_ids(tokenizer, prompt + completion), _eos(tokenizer), train_on_prompt, max_len)
 
 
 def encode_text(tokenizer, text: str, max_len: int):
-    ids = (_bos(tokenizer) + _text_ids(tokenizer, _without_eos(tokenizer, text)) + _eos(tokenizer))[:max_len]
+    ids = (bos_ids(tokenizer) + text_ids(tokenizer, _without_eos(tokenizer, text)) + _eos(tokenizer))[:max_len]
     return ids, list(ids)
 
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-def _render(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False):
+def _template_failed(tokenizer, error: Exception) -> DataError:
+    """A chat template that fails while rendering: raise_exception() and Jinja's own errors
+    (TemplateError), and the Python errors of its expressions (a TypeError adding a str to an int,
+    a ZeroDivisionError), said as one line naming where the template comes from."""
+    where = getattr(tokenizer, "chat_template_source", None) or f"the tokenizer's, {tokenizer.name_or_path}"
+    message = str(error).splitlines()[0] if str(error) else ""
+    return DataError(f"the chat template ({where}) failed on a conversation ({type(error).__name__}: {message}); "
+                     "fix the template (or set the recipe's chat_template to one that renders this data), or the data")
+
+
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False):
     """The chat template's text (and, with spans=True, its {% generation %} character spans), rendered
     the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables."""
-    from jinja2 import TemplateError
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=[messages], chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
             add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
-    except TemplateError as e:  # a template bug, or one that refuses this conversation (roles, order)
-        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
-                        "or the data") from None
+    except Exception as e:  # a template bug, or one that refuses this conversation (roles, order)
+        raise _template_failed(tokenizer, e) from None
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 
 def _render_many(tokenizer, conversations: list[list[dict]], spans: bool = False):
-    """_render of many conversations in one call (one template lookup and setup for the batch)."""
-    from jinja2 import TemplateError
+    """render_chat of many conversations in one call (one template lookup and setup for the batch)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
             add_generation_prompt=False, **tokenizer.special_tokens_map)
-    except TemplateError as e:
-        raise DataError(f"the chat template failed on a conversation ({type(e).__name__}: {e}); fix chat_template "
-                        "or the data") from None
+    except Exception as e:
+        raise _template_failed(tokenizer, e) from None
     return [(t, [tuple(s) for s in i]) for t, i in zip(texts, indices)] if spans else list(texts)
 
 
@@ -548,13 +554,13 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     must still hold the end of the turn's content (the answer and end-of-turn marker that remain once a
     reasoning block is dropped)."""
     if GENERATION_TAG.search(tokenizer.chat_template):
-        return _render(tokenizer, messages, False, spans=True)
-    full = _render(tokenizer, messages, False)
+        return render_chat(tokenizer, messages, False, spans=True)
+    full = render_chat(tokenizer, messages, False)
     spans, cursor = [], 0
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, through = _render(tokenizer, messages[:i], True), _render(tokenizer, messages[:i + 1], False)
+        before, through = render_chat(tokenizer, messages[:i], True), render_chat(tokenizer, messages[:i + 1], False)
         if not through.startswith(before):
             raise DataError(f"the chat template renders the conversation before assistant message {i} differently "
                             "once that message is added, so its tokens cannot be located; mark assistant turns with "
@@ -562,7 +568,7 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
         if full.startswith(through) and len(before) >= cursor:
             spans.append((len(before), len(through)))
         else:
-            without = _render(tokenizer, messages[:i], False)
+            without = render_chat(tokenizer, messages[:i], False)
             same = next((k for k, (a, b) in enumerate(zip(before, without)) if a != b), min(len(before), len(without)))
             prompt = before[same:]  # the generation prompt (or its end, where a closing EOS shares its first chars)
             start, limit = cursor, len(full)
@@ -625,7 +631,7 @@ def encode_messages(tokenizer, messages: list[dict], train_on_prompt: bool, max_
         raise DataError("dataset_format=messages needs a tokenizer with a chat_template; set chat_template=... (a "
                         "file or the template itself), tokenizer=... to one that has it, or use "
                         "dataset_format=prompt_completion")
-    text, spans = (_render(tokenizer, messages, False), []) if train_on_prompt else assistant_spans(tokenizer, messages)
+    text, spans = (render_chat(tokenizer, messages, False), []) if train_on_prompt else assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=not train_on_prompt)
     ids = enc.input_ids[:max_len]
     if train_on_prompt:
@@ -674,7 +680,7 @@ def _prompt_and_completion(row: dict, fmt: str) -> tuple[str, str]:
 def encode_batch(rows: list[dict], fmt: str, tokenizer, train_on_prompt: bool, max_len: int):
     """encode_row of many rows: the same (ids, labels), with one tokenizer call per kind of text
     (tests/test_mixture.py checks it against encode_row on real tokenizers)."""
-    bos, eos = _bos(tokenizer), _eos(tokenizer)
+    bos, eos = bos_ids(tokenizer), _eos(tokenizer)
     out = []
     if fmt == "messages":
         if not getattr(tokenizer, "chat_template", None):

@@ -20,31 +20,71 @@ from pathlib import Path
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.checkpoint import HF_DIR, safe_loading, verify  # noqa: E402
+from finetune.checkpoint import HF_DIR, complete_checkpoints, first_failure, safe_loading, verify  # noqa: E402
+from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
 from finetune.files import publish  # noqa: E402
 from finetune.model import add_lora, without_zero3_init  # noqa: E402
 from finetune.recipe import Recipe, RecipeError  # noqa: E402
-from finetune.strategy import running_strategy, strategy_for  # noqa: E402
+from finetune.stopping import fault_point  # noqa: E402
+from finetune.strategy import final_in_training_dtype, running_strategy  # noqa: E402
 
 
-def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB") -> Path:
+def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB",
+                     generation_config=None) -> Path:
     """Gather the full weights (ZeRO-3 and FSDP hold shards) and write them on the main process.
-    A LoRA model writes its adapter only (see save_final_adapter)."""
+    A LoRA model writes its adapter only (see save_final_adapter). generation_config, when given,
+    replaces the model's generation_config.json (a chat run's names the end-of-turn token:
+    finetune/end_of_turn.py)."""
     if is_lora(accelerator.unwrap_model(model)):
-        return save_final_adapter(accelerator, model, tokenizer, out_dir)
+        return save_final_adapter(accelerator, model, tokenizer, out_dir, generation_config)
     state_dict = accelerator.get_state_dict(model)  # collective: every rank must call it
     out_dir = Path(out_dir)
+
+    def write(tmp: Path) -> None:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(tmp, state_dict=without_tied_copies(unwrapped, state_dict), safe_serialization=True,
+                                  max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        _plain_architecture(tmp / "config.json")
+
+    write_on_main(accelerator, out_dir, write)
+    return out_dir
+
+
+class FinalWriteError(RecipeError):
+    """Writing final/ failed (a full disk, a read-only filesystem): one line on every rank, naming the
+    checkpoint of the same step, which the loop saved just before and `finetune export` turns into the
+    same directory."""
+
+
+def write_on_main(accelerator, out_dir: Path, write) -> None:
+    """write(tmp) on the main process, published as out_dir; a failure there removes the partial
+    directory and stops every rank with the same line (FinalWriteError), instead of a traceback on one
+    rank while the others wait at the barrier."""
+    import torch.distributed as dist
+
+    error = None
     if accelerator.is_main_process:
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped = accelerator.unwrap_model(model)
-        state_dict = without_tied_copies(unwrapped, state_dict)
-        unwrapped.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(tmp)
-        _plain_architecture(tmp / "config.json")
-        publish(tmp, out_dir)
-    accelerator.wait_for_everyone()
-    return out_dir
+        try:
+            write(tmp)
+            fault_point("final_write", 0, 0)
+            publish(tmp, out_dir)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            saved = complete_checkpoints(out_dir.parent / "checkpoints")
+            kept = (f"the checkpoint {saved[-1]} holds the same weights: once there is room, finetune export "
+                    f"{saved[-1]} {out_dir}" if saved else "no checkpoint holds these weights")
+            error = f"writing {out_dir} failed: {first_failure(e, out_dir.parent)}; the partial directory was " \
+                    f"removed and {kept}"
+    box = [error]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise FinalWriteError(box[0])
 
 
 def without_tied_copies(model, state_dict: dict) -> dict:
@@ -73,30 +113,36 @@ def trainable_state_dict(accelerator, model) -> dict:
     return running_strategy(accelerator).gather_trainable(accelerator, named)
 
 
-def save_final_adapter(accelerator, model, tokenizer, out_dir: Path) -> Path:
-    """final/ of a LoRA run: the adapter in peft's own format (PeftModel.from_pretrained(base, final))."""
+def save_final_adapter(accelerator, model, tokenizer, out_dir: Path, generation_config=None) -> Path:
+    """final/ of a LoRA run: the adapter in peft's own format (PeftModel.from_pretrained(base, final)),
+    with the run's generation_config.json next to it (peft does not read it: final_merged/ carries it,
+    or pass GenerationConfig.from_pretrained(final) to generate)."""
     state_dict = trainable_state_dict(accelerator, model)
     out_dir = Path(out_dir)
-    if accelerator.is_main_process:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def write(tmp: Path) -> None:
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        publish(tmp, out_dir)
-    accelerator.wait_for_everyone()
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+
+    write_on_main(accelerator, out_dir, write)
     return out_dir
 
 
 def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: str = "float32") -> Path:
     """final_merged/: the base with the adapter folded in, as one plain model. Done on one process
-    from the files alone, with plain transformers and peft, which also proves the adapter loads."""
+    from the files alone, with plain transformers and peft, which also proves the adapter loads. The
+    adapter's generation_config.json (the run's, see save_final_adapter) replaces the base's."""
     import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     with without_zero3_init():
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    if (Path(adapter_dir) / "generation_config.json").is_file():
+        merged.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     tmp = Path(out_dir).with_name(Path(out_dir).name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True)
@@ -117,6 +163,22 @@ def _plain_architecture(config_path: Path) -> None:
 
 class ExportError(Exception):
     pass
+
+
+def _unwritable(out_dir: Path) -> str | None:
+    """OUT_DIR's directory cannot be written (permissions, a read-only filesystem): said before the
+    checkpoint is read. out_dir is written beside itself under a temporary name, then renamed."""
+    import os
+
+    parent = out_dir.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{out_dir} cannot be created: {parent} is a file; choose another OUT_DIR (nothing was written)"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return (f"{out_dir} cannot be created: {parent} is not writable (permissions or a read-only filesystem); "
+                "choose a writable OUT_DIR (nothing was written)")
+    return None
 
 
 def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
@@ -169,6 +231,9 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     if out_dir.exists():
         raise ExportError(f"{out_dir} already exists; choose another OUT_DIR or move that one away (nothing was "
                           "overwritten)")
+    problem = _unwritable(out_dir)
+    if problem:
+        raise ExportError(problem)
     try:
         manifest = verify(ckpt, checksums=True)
     except RecipeError as e:
@@ -200,15 +265,16 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     model.tie_weights()
     # final/ of a DeepSpeed run in bf16/fp16 holds 16-bit weights; the export matches it
     precision = recipe.get("mixed_precision", "no")
-    strategy = recipe.get("strategy")
-    if strategy and strategy_for(strategy).final_in_training_dtype and precision in ("bf16", "fp16"):
+    if final_in_training_dtype(recipe):
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    model.generation_config = checkpoint_generation_config(hf, model.generation_config, recipe, tokenizer)
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-    AutoTokenizer.from_pretrained(hf).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
     _plain_architecture(tmp / "config.json")
 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype).eval()
@@ -226,7 +292,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
             "parameters": sum(p.numel() for p in model.parameters()), "probe_max_abs_diff": max_diff}
 
 
-def _lora_keys(state_dict: dict) -> dict:
+def lora_keys(state_dict: dict) -> dict:
     """Adapter tensors named as in peft's adapter_model.safetensors: DeepSpeed and DDP keep the adapter
     name in the key (`lora_A.default.weight`), peft's saved form (and FSDP's adapter_only save) has none."""
     import re
@@ -255,7 +321,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
         raise ExportError(f"{ckpt} holds a LoRA adapter, not a whole model, and its base {base_path} cannot be "
                           f"loaded ({str(e).strip().splitlines()[0]}); pass --base PATH_OR_HUB_ID of the model it "
                           "was trained on") from None
-    adapter = _lora_keys(checkpoint_state_dict(ckpt, None))
+    adapter = lora_keys(checkpoint_state_dict(ckpt, None))
     not_lora = [k for k in adapter if "lora_" not in k]
     if not adapter or not_lora:
         raise ExportError(f"{ckpt} is marked lora=true but holds {not_lora[:3] or 'no tensors'} besides/instead of "
@@ -275,6 +341,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
                           f"unexpected {list(result.unexpected_keys)[:3]}")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_DIR)
+    generation_config = checkpoint_generation_config(ckpt / HF_DIR, base_model.generation_config, recipe, tokenizer)
     probe = torch.randint(0, base_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=probe).logits
@@ -283,6 +350,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     shutil.rmtree(adapter_tmp, ignore_errors=True)
     model.save_pretrained(adapter_tmp, safe_serialization=True)
     tokenizer.save_pretrained(adapter_tmp)
+    generation_config.save_pretrained(adapter_tmp)
     reloaded = PeftModel.from_pretrained(model.unload(), adapter_tmp).eval()  # the base again, adapter from disk
     with torch.no_grad():
         got = reloaded(input_ids=probe).logits
@@ -300,6 +368,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     merged = reloaded.merge_and_unload()
     if recipe.get("mixed_precision") == "bf16":  # as final_merged/ of a bf16 run
         merged = merged.to(torch.bfloat16)
+    merged.generation_config = generation_config
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)

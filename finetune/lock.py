@@ -246,6 +246,18 @@ def release_all(abandon: bool = False) -> None:
         lock.abandon() if abandon else lock.release()
 
 
+def release_for(output_dir: Path, pids: set[int]) -> None:
+    """Remove the lock of output_dir when one of `pids` held it and is gone: the `finetune` front, after it
+    killed the run it launched (a second Ctrl-C or SIGTERM)."""
+    path = Path(output_dir) / LOCK_NAME
+    try:
+        holder = _holder(path, wait_s=0)
+    except RecipeError:
+        return
+    if holder is not None and holder.pid in pids and holder.alive() is False:
+        path.unlink(missing_ok=True)
+
+
 def check_not_busy(output_dir: Path, env=os.environ) -> None:
     """For the ranks that do not take the lock: refuse exactly when rank 0 will, i.e. when the lock
     belongs to another launch whose process is alive on this machine. Anything else (no lock yet,

@@ -11,13 +11,15 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
-from finetune.checkpoint import Checkpointer, LoopState, complete_checkpoints
+from finetune.checkpoint import Checkpointer, LoopState, after_nonfinite
+from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
 from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer, loss_sum
 from finetune.plan import Plan
+from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.recipe import RecipeError
 from finetune.stopping import StopRequest, fault_point
 from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
@@ -84,14 +86,10 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
             log.warning(f"step {step}: loss {loss}, gradient norm {norm}: not finite; update skipped "
                         f"({state.nonfinite_steps} of max_nonfinite_steps={recipe.max_nonfinite_steps})")
         return True
-    saved = complete_checkpoints(out / "checkpoints")
-    kept = f"the newest checkpoint, {saved[-1]}, is from before it" if saved else "no checkpoint had been saved"
     allowed = (f"{recipe.max_nonfinite_steps} such step(s) were skipped already; " if recipe.max_nonfinite_steps
                else "")
     raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}stopped "
-                         f"without saving ({kept}); lower lr (now {recipe.lr}) or max_grad_norm, or check the "
-                         f"data of step {step}, then continue with --resume auto; or let such steps be skipped with "
-                         f"max_nonfinite_steps=N")
+                         f"without saving ({after_nonfinite(out / 'checkpoints', recipe, step)})")
 
 
 def to_device(data, device):
@@ -110,9 +108,9 @@ def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple
     """What the host must know of a step, read back at once: the loss (for the NaN check before the
     update, and the log), the global token counts, and whether any rank was asked to stop (a signal
     caught during the step stops the run after it). The loop waits for the device here only, after
-    backward (the gradient norm, read next, is computed by then). It used to wait twice: for the
-    counts before the forward, which kept the host from queueing a step's kernels while the previous
-    step's optimizer ran, and for the loss after backward (bench/step_overhead.py)."""
+    backward (the gradient norm, read next, is computed by then): a wait for the counts before the
+    forward would keep the host from queueing a step's kernels while the previous step's optimizer
+    runs (bench/step_overhead.py; docs/design-notes.md)."""
     ends = reduce_sum(torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64,
                                                            device=step_loss.device)]))
     loss_sum, stops, targets, inputs = torch.cat([ends, counts]).tolist()
@@ -154,8 +152,16 @@ def train(plan: Plan) -> dict:
     layout = (", packed" if packed else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
+    prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
+        if datasets.eval is not None and r.sample_prompts else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
+    # what final/ and every checkpoint's hf/ name as stop tokens: a chat run's end-of-turn token too
+    generation_config, turn = with_end_of_turn(base_generation_config(model_path, config), tokenizer,
+                                               trains_chats(s["format"] for s in datasets.sources))
+    stops = describe(turn, generation_config)
+    if turn is not None and is_main:
+        (log.info if turn.ids else log.warning)(f"end of turn: {stops}")
     if padding_free_scores(r) and packed and r.micro_batch_size > 1 and is_main:
         log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
                     "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
@@ -181,7 +187,8 @@ def train(plan: Plan) -> dict:
     metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
     start_trackers(accelerator, r, out)
     plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main and r.plot_loss)
-    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer)
+    samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
+    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -200,8 +207,12 @@ def train(plan: Plan) -> dict:
         with meter.paused("eval"):
             last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
                                  r.padding_free)
+            shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples, 0,
+                                   generation_config)
         metrics.write({"step": 0, "eval_loss": last_eval})
         progress.note(f"step 0: eval_loss {last_eval:.4f}")
+        if shown:
+            progress.note(shown)
     model.train()
     stopping = False
     while state.step < total_steps:
@@ -230,7 +241,7 @@ def train(plan: Plan) -> dict:
         state.tokens += global_tokens
         state.samples += schedule.global_batch
         meter.step(global_tokens, global_inputs)
-        fault_point("after_step", rank, state.step)
+        fault_point("after_step", rank, state.step, optimizer)
 
         record = None
         if state.step % r.log_every == 0 or state.step == total_steps:
@@ -249,9 +260,13 @@ def train(plan: Plan) -> dict:
             with meter.paused("eval"):
                 last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
                                      r.padding_free)
+                shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples,
+                                       state.step, generation_config)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
             metrics.write({"step": state.step, "eval_loss": last_eval})
             progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
+            if shown:
+                progress.note(shown)
             plot.update()
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
@@ -266,7 +281,7 @@ def train(plan: Plan) -> dict:
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
 
-    final = save_final_model(accelerator, model, tokenizer, out / "final")
+    final = save_final_model(accelerator, model, tokenizer, out / "final", generation_config=generation_config)
     if r.merge_lora:
         if is_main:
             merge_adapter(model_path, final, out / "final_merged",
@@ -280,8 +295,9 @@ def train(plan: Plan) -> dict:
                "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
-               "final_model": str(final), "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
-               "loss_plot": None, "metrics": str(out / "metrics.jsonl")}
+               "final_model": str(final), "end_of_turn": stops,
+               "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
+               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": samples.summary()}
     if is_main:
         summary["loss_plot"] = str(plot.final() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -294,8 +310,8 @@ def finish_together(accelerator=None) -> None:
     """Trackers flushed, and every rank has written its part (metrics, checkpoint, final model) before
     any rank exits; run.py then ends the process without tearing the process group down (see its
     exit_without_teardown). Not accelerator.end_training(): it destroys the process group, which is
-    that teardown (measured: 2 of about 20 zero3 launches of a clean CI run aborted at exit with
-    "terminate called without an active exception"), and the barrier below then never ran."""
+    that teardown (it can abort the process at exit with "terminate called without an active
+    exception": docs/design-notes.md), and the barrier below would then never run."""
     for tracker in getattr(accelerator, "trackers", None) or []:
         tracker.finish()
     if torch.distributed.is_available() and torch.distributed.is_initialized():

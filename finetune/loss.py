@@ -4,7 +4,7 @@ exist at once.
 
 Why: with Llama-3's 128,256-token vocabulary the full logits of 2048 tokens are 1 GB in fp32, and the
 loss kept three tensors that size (the logits, their log-softmax, their gradient): 2.5 GiB of the
-3.7 GiB peak of a small model on CPU (../shared/reference/real-assets.md), about 20 GB for an 8B model
+3.7 GiB peak of a small model on CPU (docs/benchmarks.md section 7), about 20 GB for an 8B model
 at 4 x 4096 tokens per GPU. Chunked, the loss needs one chunk's logits (CHUNK_BYTES) whatever the
 sequence length.
 
@@ -214,15 +214,16 @@ class OutputHeadLoss:
         """The model's `logits` must be our loss, unchanged: anything the model did to it after lm_head
         is a computation this module does not reproduce. The strategies wrap outputs in identity
         autograd functions (ZeRO-3 for its backward hooks), so the test is on the value, not the
-        object; it costs a host sync, so it runs on the first call per output layer and mode
-        (training/eval), which is enough for what is a property of the model's code."""
+        object (equal, NaN where NaN: weights gone NaN are the loss guard's to report, not a model that
+        changes its logits); it costs a host sync, so it runs on the first call per output layer and
+        mode (training/eval), which is enough for what is a property of the model's code."""
         if self.loss is None:
             raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} did not call its output layer "
                                "(get_output_embeddings) in forward; use loss_impl=full")
         seen = _CHECKED.setdefault(self.head, set())
         if torch.is_grad_enabled() not in seen:
             if not (torch.is_tensor(logits) and logits.shape == self.loss.shape
-                    and torch.equal(logits.detach(), self.loss.detach())):
+                    and torch.allclose(logits.detach(), self.loss.detach(), rtol=0, atol=0, equal_nan=True)):
                 raise RuntimeError(f"loss_impl={self.impl}: {self.model_type} changes the logits after its output "
                                    "layer in a way finetune/loss.py does not know; use loss_impl=full (and report "
                                    "the model)")

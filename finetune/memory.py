@@ -13,8 +13,7 @@ Estimate (no model loaded, no GPU needed)
    (k and v have kv_heads*head_dim outputs), gate/up/down of the SwiGLU MLP, two RMSNorms; a final
    RMSNorm; lm_head V*h unless tied. Qwen2 adds q/k/v biases (`attention_bias`).
 
-2. Model states, the ZeRO paper's accounting (arXiv:1910.02054 section 3.1, and
-   ../shared/reference/figures.md): Adam keeps 16 bytes per trained parameter, split
+2. Model states, the ZeRO paper's accounting (arXiv:1910.02054 section 3.1): Adam keeps 16 bytes per trained parameter, split
    2 P weights + 2 P gradients + 12 P (fp32 master, momentum, variance) in 16-bit mixed precision,
    4 P + 4 P + 8 P in fp32 (`mixed_precision=no`). Per GPU with N data-parallel ranks:
 
@@ -191,7 +190,7 @@ SETUPS: tuple[tuple[int, Setup], ...] = (
 
 
 def paper_model_states(strategy: str, mixed_precision: str, params: int, world_size: int) -> int:
-    """Model-state bytes per rank exactly as the ZeRO paper / figures.md give them."""
+    """Model-state bytes per rank exactly as the ZeRO paper gives them (arXiv:1910.02054 section 3.1)."""
     return strategy_for(strategy).paper_model_states(mixed_precision, params, world_size)
 
 
@@ -244,6 +243,7 @@ class Estimate:
     buffers: int
     cpu: int = 0  # bytes per rank moved to CPU memory
     nvme: int = 0  # bytes per rank moved to NVMe
+    samples: int = 0  # the whole model gathered on each GPU while it generates samples at eval (zero3, fsdp)
 
     @property
     def model_states(self) -> int:
@@ -251,7 +251,9 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations + self.buffers
+        """The step's peak, or the eval samples' where that is larger: they run after the step, when its
+        activations and buffers are freed, with the whole model gathered (finetune/samples.py)."""
+        return self.model_states + max(self.activations + self.buffers, self.samples)
 
     def fits(self, budget: int, headroom: float = HEADROOM) -> bool:
         return self.total <= budget * (1 - headroom)
@@ -260,14 +262,16 @@ class Estimate:
 def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precision: str = "bf16",
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
-             loss_chunk_tokens: int = 0, one_row: bool = False) -> Estimate:
+             loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
     in the training dtype and sharded like any weight by fsdp/zero3) plus the quantization constants
     (QUANT_CONSTANTS, double-quantized absmax), which are no parameters and which every rank keeps
     whole; embeddings, lm_head and norms stay as they are. A gathered layer then holds its packed
-    weights, and bitsandbytes dequantizes one Linear at a time into the compute dtype (buffers)."""
+    weights, and bitsandbytes dequantizes one Linear at a time into the compute dtype (buffers).
+    samples: sample_prompts > 0, whose generation gathers the whole sharded model on each GPU at every
+    eval (zero3, fsdp; ddp, zero1 and zero2 hold it whole already), as the ranks store it."""
     n = world_size
     strategy = strategy_for(setup.strategy)
     base = arch.num_parameters()
@@ -287,6 +291,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     quantized = arch.decoder_linear_weights() if quantized_base and lora_params else 0
     frozen -= quantized * (frozen_pb - QUANT_PACKED)
     params = (trained * pb + frozen) / (n if shard_params else 1)
+    gathered = (trained * pb + frozen) if samples and shard_params else 0
     if quantized:
         params += quantized * QUANT_CONSTANTS + arch.decoder_linears() * QUANT_TABLES
     grads = trained * gb / (n if shard_grads else 1)
@@ -310,7 +315,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
                             loss_chunk_tokens, one_row)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
-                    buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]))
+                    buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered))
 
 
 def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None) -> Estimate:
@@ -321,7 +326,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
                     quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
-                    one_row=padding_free_scores(recipe))
+                    one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0)
 
 
 def padding_free_scores(recipe: Recipe) -> bool:
@@ -478,6 +483,9 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
              f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
+    if e.samples:
+        lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
+                        f"{gib(e.samples, unit)} {name}, counted in the total; sample_prompts=0 saves it")
     if arch.source.startswith(TABLE_SOURCE):
         unchecked.append(f"the model's own config.json (not in the local cache{', offline' if offline() else ''}; "
                          "the published numbers were used)")

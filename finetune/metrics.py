@@ -324,9 +324,14 @@ def format_summary(summary: dict) -> str:
          f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),
+        ("stops at", summary.get("end_of_turn") or "n/a"),
         ("checkpoints", summary.get("checkpoints") or "none written"),
         ("loss plot", summary.get("loss_plot") or "n/a"),
         ("metrics", summary.get("metrics", "")),
     ]
+    for sample in summary.get("samples") or []:  # the last eval's, as samples.jsonl has them
+        rows.append(("sample", f"{' '.join(sample['prompt'].split())[-50:]!r} -> "
+                               f"{' '.join(sample['generated'].split())[:60]!r} (reference "
+                               f"{' '.join(sample['reference'].split())[:40]!r})"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(["=" * 72, "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["=" * 72])

@@ -58,10 +58,14 @@ def load_tokenizer(recipe: Recipe, model_path: str):
     was trained with)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(recipe.tokenizer) if recipe.tokenizer else model_path)
+    source = resolve_model(recipe.tokenizer) if recipe.tokenizer else model_path
+    tokenizer = AutoTokenizer.from_pretrained(source)
     template = chat_template_text(recipe)
     if template is not None:
         tokenizer.chat_template = template
+    # where the template came from, for the one line that says it failed (data._template_failed)
+    tokenizer.chat_template_source = (f"the tokenizer's, in {source}" if template is None else "chat_template="
+                                      + (recipe.chat_template if template != recipe.chat_template else "<the text>"))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -161,6 +161,9 @@ class Recipe:
     eval_every: int = _opt(100, min=0, help="0: evaluate only at the end")
     eval_at_start: bool = _opt(False, help="also evaluate before the first step, as a baseline")
     eval_max_samples: int = _opt(0, min=0, help="evaluate on the first N eval rows; 0: all")
+    sample_prompts: int = _opt(3, min=0, help="at each eval, greedy answers to the first N eval rows' prompts: "
+                               "samples.jsonl, the progress output, TensorBoard, the summary; 0: none")
+    sample_max_new_tokens: int = _opt(32, min=1, help="the most tokens each sample answer gets")
     save_every: int = _opt(0, min=0, help="0: no periodic checkpoints")
     keep_last: int = _opt(2, min=1)
     log_level: str = _opt("warning", choices=("debug", "info", "warning", "error"))
@@ -444,6 +447,7 @@ def validate(recipe: Recipe) -> Recipe:
         _check_field(name, getattr(recipe, name))
 
     r = recipe
+    _check_optimizer(r)
     zero = r.strategy.startswith("zero")
     if r.offload_params != "none" and r.strategy not in ("zero3", "fsdp"):
         raise RecipeError(
@@ -514,6 +518,35 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError(f"model={r.model}: unknown builtin; available: "
                               + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS))
     return recipe
+
+
+# The largest finite float32 (torch.finfo(torch.float32).max) and its smallest normal number (.tiny):
+# the master weights and Adam's moments are float32 (bf16 has the same exponent range).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
+def _check_optimizer(r: Recipe) -> None:
+    """AdamW's hyper-parameters where its first update is finite. Adam divides the first moment by
+    sqrt(second moment) + adam_eps: with adam_eps 0 (or below float32's range, where it rounds to 0)
+    a weight whose gradient is 0 gets 0/0 = NaN while the loss and gradient norm stay finite. A beta
+    of 1 divides by its bias correction 1 - beta^t = 0. The first update moves a weight by up to
+    lr / (1 - adam_beta1) (the bias-corrected step size) and weight decay scales it by lr x
+    weight_decay: both must be finite in float32."""
+    if r.adam_eps < FLOAT32_TINY:
+        raise RecipeError(f"adam_eps={r.adam_eps}: must be > 0 (at least {FLOAT32_TINY:.3g}, float32's smallest "
+                          "normal number): Adam divides by sqrt(v) + adam_eps, and a weight whose gradient is 0 "
+                          "would become 0/0 = NaN; the usual value is 1e-8")
+    for key in ("adam_beta1", "adam_beta2"):
+        if getattr(r, key) >= 1.0:
+            raise RecipeError(f"{key}={getattr(r, key)}: must be >= 0 and < 1 (Adam divides by 1 - {key}^step, "
+                              "which is 0 at 1); the usual values are adam_beta1=0.9, adam_beta2=0.999")
+    step = max(r.lr / (1.0 - r.adam_beta1), r.lr * r.weight_decay)
+    if step >= FLOAT32_MAX:
+        raise RecipeError(f"lr={r.lr} with adam_beta1={r.adam_beta1} and weight_decay={r.weight_decay}: the first "
+                          f"update would move a weight by up to max(lr / (1 - adam_beta1), lr x weight_decay) = "
+                          f"{step:.3g}, beyond float32's largest number ({FLOAT32_MAX:.3g}); lower lr (fine-tunes "
+                          "use 1e-6 to 1e-3)")
 
 
 def _check_compile(r: Recipe) -> None:

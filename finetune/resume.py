@@ -20,13 +20,15 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
-                                 checksum_mismatches, complete_checkpoints, damaged_by_checksum, fingerprint,
-                                 partial_checkpoints, read_manifest, verify)
 from finetune.assets import resolve_model
+from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
+                                 check_small_files, checksum_mismatches, complete_checkpoints, damaged_by_checksum,
+                                 fingerprint, manifest_digest, partial_checkpoints, read_manifest, seal, seal_problem,
+                                 verify)
 from finetune.files import publish
-from finetune.recipe import Recipe, RecipeError
+from finetune.lock import launch_id
 from finetune.plan import derive_grad_accum, world_size_from_env
+from finetune.recipe import Recipe, RecipeError
 from finetune.strategy import strategy_for
 
 
@@ -51,7 +53,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     if asked != point.global_batch_size:
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
     if convert and strategy_for(recipe.strategy).converts_on_world_size_change and point.world_size != world_size:
-        point = replace(point, load_from=ensure_universal(point, rank))
+        point = replace(point, load_from=ensure_universal(point, rank, Path(recipe.output_dir), log=log))
     return point, recipe, changed
 
 
@@ -107,6 +109,7 @@ def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
         if not path.is_dir():
             raise RecipeError(f"--resume {resume}: no such checkpoint directory")
     manifest = verify(path, manifest=manifest)  # the one read of the manifest (sizes, DCP metadata)
+    check_small_files(path, manifest)
     return ResumePoint(path=path, step=manifest["step"], world_size=manifest["world_size"],
                        global_batch_size=manifest["global_batch_size"], strategy=manifest["fingerprint"]["strategy"],
                        manifest=manifest,
@@ -181,26 +184,72 @@ def check_model(point: ResumePoint, model_path: str) -> None:
 # ---------------------------------------------------------------- DeepSpeed on another world size
 
 
-def ensure_universal(point: ResumePoint, rank: int, timeout_s: float = 3600) -> Path:
-    """Convert a ZeRO checkpoint to DeepSpeed's universal format, once, next to it.
+UNIVERSAL = "universal"
+CONVERSION = "conversion.json"  # the universal conversion's own listing: files, sizes, checksums (checkpoint.seal)
+UNIVERSAL_CACHE = "universal-cache"  # in output_dir: conversions of checkpoints on storage this run cannot write
 
-    Rank 0 converts (a separate CPU job, before the process group exists); the other ranks wait for
-    the result or its failure marker. The universal copy is published by rename like a checkpoint.
-    """
-    target = point.path / "universal"
-    failed = point.path / "universal.failed"
-    if rank == 0 and not target.is_dir():
-        failed.unlink(missing_ok=True)
+
+def ensure_universal(point: ResumePoint, rank: int, output_dir: Path, timeout_s: float = 3600, log=print) -> Path:
+    """The checkpoint in DeepSpeed's universal format, for a resume on another world size: converted
+    once, verified before every reuse.
+
+    Rank 0 decides (a separate CPU job, before the process group exists) and tells the other ranks
+    which directory to load in output_dir's `.universal.ready` (or why it failed in `.universal.failed`),
+    each naming this launch, so that a marker of an earlier launch is never taken for this one's."""
+    ready, failed = output_dir / ".universal.ready", output_dir / ".universal.failed"
+    launch = launch_id()
+    if rank == 0:
         try:
-            bad = checksum_mismatches(point.path, point.manifest, sorted(point.manifest.get("checksums") or {}))
-            if bad:  # the conversion reads every shard: check them first
-                raise damaged_by_checksum(point.path, bad)
+            target = _universal(point, output_dir, log)
         except RecipeError as e:
-            failed.write_text(str(e))
+            _mark(failed, launch, str(e))
             raise
-        tmp = point.path / ".universal.partial"
+        _mark(ready, launch, str(target))
+        return target
+    deadline = time.monotonic() + timeout_s
+    while True:
+        said = _marked(ready, launch)
+        if said is not None:
+            return Path(said)
+        if _marked(failed, launch) is not None:
+            raise RecipeError(f"converting {point.path} to a universal checkpoint failed on rank 0")
+        if time.monotonic() > deadline:
+            raise RecipeError(f"timed out waiting for rank 0 to convert {point.path} to a universal checkpoint")
+        time.sleep(0.5)
+
+
+def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
+    """A conversion that verifies against its CONVERSION listing: beside the checkpoint
+    (<checkpoint>/universal), else in output_dir/universal-cache/<checkpoint>-<manifest digest>/universal;
+    when neither does, converted again, beside the checkpoint if it can be written there, else into the
+    cache. The listing names the checkpoint's manifest, so a conversion of another save is never taken."""
+    digest = manifest_digest(point.path)
+    fields = {"source_manifest": digest}
+    beside = point.path / UNIVERSAL
+    cache = output_dir / UNIVERSAL_CACHE / f"{point.path.name}-{digest[:16]}" / UNIVERSAL
+    problems = {}
+    for candidate in (beside, cache):
+        if candidate.is_dir():
+            problem = seal_problem(candidate, CONVERSION, fields)
+            if problem is None:
+                return candidate
+            problems[candidate] = problem
+    target = beside if _writable(point.path) else cache
+    for bad, problem in problems.items():
+        log(f"the universal conversion {bad} does not verify ({problem}): converting {point.path} again")
+    if target == cache:
+        log(f"{point.path} cannot be written: converting it to the universal format in {cache}")
+    bad = checksum_mismatches(point.path, point.manifest, sorted(point.manifest.get("checksums") or {}))
+    if bad:  # the conversion reads every shard: check them first
+        raise damaged_by_checksum(point.path, bad)
+    tmp = target.parent / f".{UNIVERSAL}.{os.getpid()}.partial"
+    try:
+        if target == cache and cache.parent.parent.is_dir():  # one cached conversion at a time: they are large
+            for old in cache.parent.parent.iterdir():
+                if old != cache.parent:
+                    shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / "pytorch_model").parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(parents=True)
         cmd = [sys.executable, "-m", "finetune.checkpoint", "to-universal",
                "--input_folder", str(point.path / "pytorch_model"),
                "--output_folder", str(tmp / "pytorch_model"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
@@ -208,22 +257,50 @@ def ensure_universal(point: ResumePoint, rank: int, timeout_s: float = 3600) -> 
                                                                         os.environ.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            failed.write_text(proc.stderr[-2000:])
+            shutil.rmtree(tmp, ignore_errors=True)
             raise RecipeError(f"converting {point.path} to a universal checkpoint failed: "
                               f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
         for item in point.path.iterdir():  # everything Accelerate reads besides the ZeRO shards
             if item.is_file():
                 shutil.copy2(item, tmp / item.name)
         (tmp / "latest").write_text("pytorch_model")
+        seal(tmp, CONVERSION, fields)  # last: a conversion without it is never reused
         publish(tmp, target)
-    deadline = time.monotonic() + timeout_s
-    while not target.is_dir():
-        if failed.is_file():
-            raise RecipeError(f"converting {point.path} to a universal checkpoint failed on rank 0")
-        if time.monotonic() > deadline:
-            raise RecipeError(f"timed out waiting for rank 0 to convert {point.path} to a universal checkpoint")
-        time.sleep(0.5)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise RecipeError(f"cannot write the universal conversion of {point.path} into {target.parent}: "
+                          f"{e.strerror or e}; free space there, or resume on {point.world_size} processes, "
+                          "which needs no conversion") from None
     return target
+
+
+def _writable(directory: Path) -> bool:
+    """Whether a file can be made in `directory` (a read-only mount or an immutable directory stops even
+    root, which os.access would not always say)."""
+    probe = directory / f".write-probe.{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+        return True
+    except OSError:
+        return False
+
+
+def _mark(path: Path, launch: str, text: str) -> None:
+    """`launch`, then `text`, in path, whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(f"{launch}\n{text}")
+    os.replace(tmp, path)
+
+
+def _marked(path: Path, launch: str) -> str | None:
+    """The text of a mark of this launch; None when there is none."""
+    try:
+        first, _, rest = path.read_text().partition("\n")
+    except OSError:
+        return None
+    return rest if first == launch else None
 
 
 def nvme_resume_problem(checkpoint, recipe: Recipe) -> str | None:
@@ -232,11 +309,9 @@ def nvme_resume_problem(checkpoint, recipe: Recipe) -> str | None:
     DeepSpeed's load_checkpoint with NVMe optimizer offload copies the swapped optimizer files back
     (`pytorch_model/offloaded_tensors/`) and skips the ZeRO optimizer file: Adam's step count
     starts again from 0, and the optimizer partitions too small to swap (under 1 MiB per rank:
-    norms) keep their initial weights and moments. Measured with deepspeed 0.19.8 on the 1.2M-
-    parameter Llama of tests/distributed/test_nvme.py, one process, stopped at step 3: the resumed
-    losses at steps 4 and 5 were 7.4564 and 7.5465 against 7.4550 and 7.1936 uninterrupted (and
-    with cpu offload, resumed or not). offload_params=nvme with the optimizer on cpu resumed bit
-    for bit.
+    norms) keep their initial weights and moments, so the resumed run's losses differ from the
+    uninterrupted run's (docs/design-notes.md has the measurement). offload_params=nvme with the
+    optimizer on cpu resumes bit for bit.
     """
     from pathlib import Path
 

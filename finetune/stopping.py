@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 from finetune.lock import release_all
+from finetune.strategy import updated_weights
 
 
 class StopRequest:
@@ -48,6 +50,24 @@ class StopRequest:
         self.requested = self.requested or signum
 
 
+def stop_with_front() -> None:
+    """In the process the `finetune` front starts (its launcher, or the one run): SIGTERM, which saves a
+    checkpoint and stops, when the front dies (the kernel's PR_SET_PDEATHSIG), instead of training on
+    orphaned. The front's pid comes in FINETUNE_FRONT_PID, taken out of the environment here so that the
+    workers a launcher starts do not see it (they die with their launcher: run.py)."""
+    front = os.environ.pop("FINETUNE_FRONT_PID", None)
+    if not front or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(front):  # the front was gone before the call
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _say(line: str) -> None:
     """One line on stderr from rank 0, safe inside a signal handler (print could re-enter a print
     the signal interrupted)."""
@@ -56,10 +76,12 @@ def _say(line: str) -> None:
 
 
 
-def fault_point(where: str, rank: int, step: int) -> None:
+def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
     """Fault injection for the crash tests, real signals at exact places:
     FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
-    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank)."""
+    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank), ENOSPC the OSError of
+    a full disk; NAN writes a NaN
+    into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
     spec = os.environ.get("FINETUNE_FAULT")
     if not spec:
         return
@@ -68,4 +90,14 @@ def fault_point(where: str, rank: int, step: int) -> None:
         how = parts[3] if len(parts) > 3 else "SIGKILL"
         if how == "RAISE":
             raise RuntimeError(f"injected fault ({spec})")
+        if how == "ENOSPC":  # a disk that fills up there
+            import errno
+
+            raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec})")
+        if how == "NAN" and optimizer is not None:
+            import torch
+
+            with torch.no_grad():
+                next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")
+            return
         os.kill(os.getpid(), getattr(signal, how))

@@ -2,8 +2,9 @@
 
 `strategy_for(name)` (or `Plan.strategy`) gives a Ddp, Zero(stage) or Fsdp object. It answers every
 question whose answer depends on the strategy: the Accelerate plugin or DeepSpeed config, which ranks
-read the weights, where a 4-bit base is placed and how it is prepared, the optimizer, how a live model's
-trainable weights are gathered, whether a resume on another world size needs DeepSpeed's universal
+read the weights, where a 4-bit base is placed and how it is prepared, the optimizer, how checkpoint
+state is saved and loaded, how a live model's weights are gathered (a LoRA adapter at the end, the
+whole model for samples at eval), whether a resume on another world size needs DeepSpeed's universal
 conversion, and the memory planner's per-strategy terms (bytes per parameter, what is sharded or
 offloaded, the buffers). The rest of the package asks these objects and never compares strategy names.
 
@@ -21,6 +22,7 @@ import os
 import shutil
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from finetune.recipe import RecipeError
@@ -87,7 +89,7 @@ class Strategy:
         return 4, 4, 8
 
     def paper_model_states(self, mixed_precision: str, params: int, world_size: int) -> float:
-        """Model-state bytes per rank exactly as the ZeRO paper / figures.md give them."""
+        """Model-state bytes per rank exactly as the ZeRO paper gives them (arXiv:1910.02054 section 3.1)."""
         return 16 * params / world_size
 
     def offload(self, setup, params: float, grads: float, optimizer: float, trained: int, grad_bytes: int,
@@ -166,6 +168,33 @@ class Strategy:
     def after_prepare(self, accelerator, model, optimizer) -> None:
         """Anything the wrapped model and optimizer need before the first step."""
 
+    # -- checkpoints (checkpoint.Checkpointer asks these)
+
+    replicates_weights = False  # every rank holds all the weights (a sum over ranks counts them N times)
+
+    def on_checkpointer(self, accelerator, lora: bool) -> None:
+        """Hooks that accelerator.save_state needs for this strategy."""
+
+    def save_state(self, accelerator, directory: Path, lora: bool) -> None:
+        """This rank's part of the model, optimizer and scheduler state. Collective."""
+        accelerator.save_state(str(directory))
+
+    def load_state(self, accelerator, directory: Path, lora: bool) -> None:
+        """Restore what save_state wrote, in place. A LoRA checkpoint holds no frozen base: it comes from
+        the model as loaded. Collective."""
+        accelerator.load_state(str(directory))
+
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """The Hugging Face (or peft) model with whole weights on every rank for a block of forwards
+        (samples at eval); a collective, every rank must enter it. ddp, zero1 and zero2 hold the weights
+        whole already."""
+        yield accelerator.unwrap_model(model)
+
+    def gathered_bytes(self, model) -> int:
+        """What whole_weights adds on each rank; 0 where the weights are whole already."""
+        return 0
+
     def gather_trainable(self, accelerator, named: list) -> dict:
         """Full tensors of the given (name, parameter) pairs on the main process. Collective."""
         import torch
@@ -206,6 +235,17 @@ class Ddp(Strategy):
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
 
     prepares_for_kbit_training = True
+    replicates_weights = True
+
+    def on_checkpointer(self, accelerator, lora):
+        if lora:
+            accelerator.register_save_state_pre_hook(_keep_trainable_weights)
+
+    def load_state(self, accelerator, directory, lora):
+        if lora:
+            accelerator.load_state(str(directory), strict=False)
+        else:
+            accelerator.load_state(str(directory))
 
     def build_optimizer(self, plan, groups, adam, fused):
         if not plan.recipe.ddp_shard_optimizer:
@@ -289,6 +329,48 @@ class Zero(Strategy):
 
         return DummyOptim(groups, **adam)  # DeepSpeed builds its CPU Adam from the config
 
+    def save_state(self, accelerator, directory, lora):
+        # universal_checkpoint_info lets ds_to_universal convert it for another world size (models
+        # without tensor parallelism need no patterns); a LoRA run leaves its frozen base out
+        accelerator.save_state(str(directory), exclude_frozen_parameters=lora, client_state={
+            "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+
+    def load_state(self, accelerator, directory, lora):
+        if lora:
+            accelerator.load_state(str(directory), load_module_strict=False)  # the frozen base comes from the model
+        else:
+            accelerator.load_state(str(directory))
+
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """ZeRO-3: `deepspeed.zero.GatheredParameters` over every parameter, with the engine's per-module
+        fetch/release hooks taken off for the duration (TRL's unwrap_model_for_generation does the same)."""
+        engine = _deepspeed_engine(model)
+        if self.zero_stage < 3 or engine is None:
+            with super().whole_weights(accelerator, model) as whole:
+                yield whole
+            return
+        import deepspeed
+
+        offload = engine.optimizer.parameter_offload
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            for p in engine.module.parameters():
+                p.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield engine.module
+            finally:
+                offload._register_deepspeed_module(offload.module)
+
+    def gathered_bytes(self, model):
+        """ZeRO-3: the whole model in its partitions' dtype."""
+        engine = _deepspeed_engine(model)
+        if self.zero_stage < 3 or engine is None:
+            return 0
+        return sum(p.ds_numel * p.ds_tensor.element_size() for p in engine.module.parameters())
+
     def gather_trainable(self, accelerator, named):
         if self.zero_stage < 3:
             return super().gather_trainable(accelerator, named)
@@ -371,8 +453,58 @@ class Fsdp(Strategy):
                 module.quant_state = state
                 module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
 
+    def save_state(self, accelerator, directory, lora):
+        with adapter_only_fsdp(lora):
+            accelerator.save_state(str(directory))
+
+    def load_state(self, accelerator, directory, lora):
+        with adapter_only_fsdp(lora):
+            accelerator.load_state(str(directory))
+
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """FSDP2: each FSDP module keeps its parameters unsharded after its first forward
+        (set_reshard_after_forward(False)) and is resharded at the end. FSDP1: called through its
+        wrapper, which gathers per forward (at every token)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            saved = [[g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups] for m in units]
+            auto = [m._get_fsdp_state()._auto_reshard_after_forward for m in units]
+            model.set_reshard_after_forward(False)
+            try:
+                yield model
+            finally:
+                for m, infos, a in zip(units, saved, auto):
+                    m.reshard()
+                    state = m._get_fsdp_state()
+                    state._auto_reshard_after_forward = a
+                    for g, info in zip(state._fsdp_param_groups, infos):
+                        g.post_forward_mesh_info = info
+            return
+        if type(model).__name__ == "FullyShardedDataParallel":  # FSDP1
+            yield model
+            return
+        yield accelerator.unwrap_model(model)
+
+    def gathered_bytes(self, model):
+        """FSDP2: the whole model in the mixed-precision policy's param_dtype, else the parameters' own."""
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            return 0
+        dtype = model._get_fsdp_state()._mp_policy.param_dtype
+        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+        return sum(p.numel() * (size or p.element_size()) for p in model.parameters())
+
     def after_prepare(self, accelerator, model, optimizer):
         _point_optimizer_at(optimizer.optimizer, accelerator.unwrap_model(model))
+
+
+def _deepspeed_engine(model):
+    return model if hasattr(model, "optimizer") and hasattr(model, "zero_optimization_stage") else None
 
 
 def strategy_for(name: str) -> Strategy:
@@ -384,6 +516,14 @@ def strategy_for(name: str) -> Strategy:
     if name in ("zero1", "zero2", "zero3"):
         return Zero(int(name[-1]))
     raise ValueError(f"unknown strategy {name!r}")
+
+
+def final_in_training_dtype(recipe: dict) -> bool:
+    """Whether final/ of the run with this recipe.json holds 16-bit weights (a DeepSpeed run in bf16 or
+    fp16), which an export or a model rebuilt from its checkpoints then matches."""
+    name = recipe.get("strategy")
+    return bool(name) and strategy_for(name).final_in_training_dtype and recipe.get("mixed_precision") in (
+        "bf16", "fp16")
 
 
 def running_strategy(accelerator) -> Strategy:
@@ -408,6 +548,62 @@ def no_split_modules(config) -> list[str]:
         raise RecipeError(f"model type {config.model_type} does not name its decoder layers (_no_split_modules); "
                           "FSDP cannot tell what to wrap: use a ZeRO strategy")
     return names
+
+
+# ---------------------------------------------------------------- the weights of each strategy
+
+
+@contextmanager
+def adapter_only_fsdp(enabled: bool):
+    """Accelerate's FSDP save/load with adapter_only=True, so that a LoRA checkpoint holds the adapter
+    (and its optimizer state) but not the frozen base, which every run reloads from the model."""
+    if not enabled:
+        yield
+        return
+    import functools
+
+    import accelerate.accelerator as accelerator_module
+
+    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
+    accelerator_module.save_fsdp_model = functools.partial(saved[0], adapter_only=True)
+    accelerator_module.load_fsdp_model = functools.partial(saved[1], adapter_only=True)
+    try:
+        yield
+    finally:
+        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
+
+
+def _keep_trainable_weights(models, weights, output_dir) -> None:
+    """Accelerate save_state hook for DDP LoRA runs: write the adapter, not the frozen base."""
+    for i, model in enumerate(models):
+        inner = getattr(model, "module", model)
+        trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
+        if i < len(weights) and trainable:
+            weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
+
+
+def updated_weights(optimizer) -> list:
+    """This rank's part of the weights the optimizer updates: its shard under FSDP (the local tensor of
+    each DTensor), its fp32 partitions under DeepSpeed, every parameter under DDP. ZeRO-3 hands its
+    flat fp32 partitions to the torch optimizer only for the duration of a step (its param_groups are
+    empty in between), so they are taken from ZeRO-3 itself."""
+    while not hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return [p.to_local() if hasattr(p, "to_local") else p for g in optimizer.param_groups for p in g["params"]]
+
+
+def nonfinite_count(optimizer):
+    """How many values of this rank's updated weights (updated_weights) are NaN or inf, as a tensor."""
+    import torch
+
+    counts = {}  # per device, read back once each (a CPU-offloaded shard lives apart from the GPU's)
+    for t in updated_weights(optimizer):
+        if t.numel():
+            n = (~torch.isfinite(t.detach())).sum()
+            counts[n.device] = counts.get(n.device, 0) + n
+    return sum((n.cpu() for n in counts.values()), torch.zeros((), dtype=torch.int64))
 
 
 # ---------------------------------------------------------------- building the run's parts
@@ -472,9 +668,8 @@ def fsdp2_mixed_precision(mixed_precision: str):
 
     output_dtype stays unset. Accelerate's default casts every unit's output to bf16, and lm_head's
     output is our loss (finetune/loss.py computes it inside lm_head's forward, in fp32): the cast
-    rounded it to 8 bits of mantissa, and the loss check refused the run. Measured on CPU before
-    this: fsdp with mixed_precision=bf16 stopped at step 1 with "llama changes the logits after its
-    output layer"; zero3 and ddp ran."""
+    would round it to 8 bits of mantissa, and the loss check would refuse the run ("llama changes the
+    logits after its output layer")."""
     if mixed_precision == "no":
         return None
     import torch
@@ -555,8 +750,8 @@ def accumulate(accelerator, model, index: int):
 
     Accelerate decides that from its running micro-batch counter, which a checkpoint restores. After
     a resume with another accumulation (another world size keeps the global batch, so accumulation
-    changes) that counter no longer falls on step boundaries, and the optimizer silently skipped
-    steps or stepped mid-batch. Counting from the step's own first micro-batch keeps both right.
+    changes) that counter does not fall on step boundaries, and the optimizer would skip steps or
+    step mid-batch without a word. Counting from the step's own first micro-batch keeps both right.
     """
     accelerator.step = index
     return accelerator.accumulate(model)

@@ -40,6 +40,7 @@ recipe = Recipe(
     max_grad_norm=1.0,
     epochs=1,
     output_dir="runs/llama70b_qlora_fsdp",
+    sample_prompts=0,  # samples at eval gather the whole 70B model on each GPU: it would not fit
     log_every=5,
     eval_every=100,
     save_every=100,

@@ -228,6 +228,12 @@ def _task(rng: random.Random) -> tuple[str, str]:
     return f"Capitalise {word}.", word.upper()
 
 
+# One exchange repeated through the training data (every other conversation), short enough for a
+# tiny model to learn within a family run: a test can then generate from its question greedily and
+# expect exactly its answer followed by the template's end-of-turn token.
+LEARNED = [{"role": "user", "content": "Say ok."}, {"role": "assistant", "content": "ok"}]
+
+
 def conversations(n: int, seed: int, reasoning: bool = False) -> list[list[dict]]:
     """Short chats: a system prompt in some, one or two user/assistant exchanges; with reasoning, each
     answer starts with a <think> block (as Qwen3's data does)."""
@@ -275,11 +281,11 @@ FAMILIES = {
         SMALL, tie_word_embeddings=False, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 64}),
-        LLAMA3, "llama3", sorted(ATTENTION + MLP)),
+        LLAMA3, "llama3-base", sorted(ATTENTION + MLP)),
     "mistral": Family("mistral", "MistralConfig", dict(SMALL, hidden_size=32, intermediate_size=64, sliding_window=16,
                                                         tie_word_embeddings=False),
                       MISTRAL, "mistral-v3", sorted(ATTENTION + MLP)),
-    "qwen2": Family("qwen2", "Qwen2Config", dict(SMALL, tie_word_embeddings=True), CHATML, "qwen",
+    "qwen2": Family("qwen2", "Qwen2Config", dict(SMALL, tie_word_embeddings=True), CHATML, "qwen-base",
                     sorted(ATTENTION + MLP)),
     "gemma2": Family("gemma2", "Gemma2Config", dict(
         SMALL, head_dim=16, tie_word_embeddings=True, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
@@ -311,17 +317,23 @@ def family_config(name: str, vocab_size: int = 512, **token_ids):
 
 
 def make_tokenizer(family: Family, corpus: list[str], out: Path):
+    """The family's tokenizer. `llama3` and `qwen` are the instruct models' (EOS = the template's end of
+    turn: <|eot_id|>, <|im_end|>); `llama3-base` and `qwen-base` the base models' (EOS <|end_of_text|>,
+    <|endoftext|>), whose chat template ends a turn with a token that is not the EOS: the case of a base
+    model fine-tuned on chats (finetune/end_of_turn.py)."""
     kind = family.tokenizer
     if kind == "mistral-v3":
         return mistral_tokenizer("v3", out)
     if kind == "phi3":  # Llama-2-style sentencepiece with Phi-3's role tokens; it adds no BOS
         return trained_bpe(corpus, "llama2", SPECIALS["phi3"], bos="<s>", eos="<|endoftext|>", add_bos=False,
                            pad="<|endoftext|>")
-    if kind == "llama3":
-        return trained_bpe(corpus, "bytelevel", SPECIALS["llama3"], bos="<|begin_of_text|>", eos="<|eot_id|>",
+    if kind in ("llama3", "llama3-base"):
+        eos = "<|eot_id|>" if kind == "llama3" else "<|end_of_text|>"
+        return trained_bpe(corpus, "bytelevel", SPECIALS["llama3"], bos="<|begin_of_text|>", eos=eos,
                            add_bos=True, pad="<|end_of_text|>")
-    if kind == "qwen":  # Qwen: no BOS; <|endoftext|> pads; the chat model's EOS is <|im_end|>
-        return trained_bpe(corpus, "qwen", SPECIALS["qwen"], bos=None, eos="<|im_end|>", add_bos=False,
+    if kind in ("qwen", "qwen-base"):  # Qwen: no BOS; <|endoftext|> pads; the chat model's EOS is <|im_end|>
+        eos = "<|im_end|>" if kind == "qwen" else "<|endoftext|>"
+        return trained_bpe(corpus, "qwen", SPECIALS["qwen"], bos=None, eos=eos, add_bos=False,
                            pad="<|endoftext|>")
     if kind == "gemma":
         return trained_bpe(corpus, "metaspace", SPECIALS["gemma"], bos="<bos>", eos="<eos>", add_bos=True,
@@ -330,13 +342,15 @@ def make_tokenizer(family: Family, corpus: list[str], out: Path):
 
 
 def build_family(name: str, root: Path, n_train: int = 96, n_eval: int = 16) -> dict:
-    """model/ (random weights, tokenizer with the family's chat template), train.jsonl, eval.jsonl."""
+    """model/ (random weights, tokenizer with the family's chat template), train.jsonl (every other
+    conversation the LEARNED exchange), eval.jsonl."""
     import torch
     import transformers
 
     family = FAMILIES[name]
     root.mkdir(parents=True, exist_ok=True)
-    train = conversations(n_train, seed=1, reasoning=family.reasoning)
+    train = [LEARNED if i % 2 == 0 else chat
+             for i, chat in enumerate(conversations(n_train, seed=1, reasoning=family.reasoning))]
     evals = conversations(n_eval, seed=2, reasoning=family.reasoning)
     corpus = [m["content"] for chat in train + evals for m in chat] + ["Answer briefly.", "system user assistant model"]
     tok = make_tokenizer(family, corpus, root / "tokenizer-src")

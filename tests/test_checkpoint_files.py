@@ -289,3 +289,61 @@ def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
     (root / "step_000000010" / MANIFEST).write_text("{}")
     assert rotate(root, keep_last=1, keep=root / "step_000000010") == [root / "step_000000015"]
     assert sorted(p.name for p in root.iterdir()) == [".step_000000025.partial", "step_000000010", "step_000000020"]
+
+
+def test_a_sealed_directory_is_checked_file_by_file(tmp_path):
+    """checkpoint.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
+    from finetune.checkpoint import seal, seal_problem
+
+    d = tmp_path / "universal"
+    (d / "pytorch_model" / "zero" / "w").mkdir(parents=True)
+    (d / "pytorch_model" / "zero" / "w" / "fp32.pt").write_bytes(os.urandom(4000))
+    (d / "latest").write_text("pytorch_model")
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}).startswith("no conversion.json")
+    listing = seal(d, "conversion.json", {"source_manifest": "a"})
+    assert sorted(listing["files"]) == ["latest", "pytorch_model/zero/w/fp32.pt"] and listing["checksum"] == CHECKSUM
+    assert not list(d.glob(".*"))  # the temporary file was renamed
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) is None
+    assert "source_manifest" in seal_problem(d, "conversion.json", {"source_manifest": "b"})  # another checkpoint
+
+    f = d / "pytorch_model" / "zero" / "w" / "fp32.pt"
+    data = bytearray(f.read_bytes())
+    data[2000] ^= 0xFF
+    f.write_bytes(bytes(data))  # same size: only the checksum sees it
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == \
+        "pytorch_model/zero/w/fp32.pt does not match the xxh3_128 checksum in conversion.json"
+    data[2000] ^= 0xFF
+    f.write_bytes(bytes(data))
+    (d / "extra.pt").write_bytes(b"x")
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == "extra.pt not listed"
+    (d / "extra.pt").unlink()
+    (d / "latest").unlink()
+    assert seal_problem(d, "conversion.json", {"source_manifest": "a"}) == "latest missing"
+    (d / "conversion.json").write_text("{")
+    assert seal_problem(d, "conversion.json", {}) == "conversion.json is unreadable (JSONDecodeError)"
+
+
+def test_a_failed_save_is_one_line(tmp_path):
+    """DCP's CheckpointException (a BaseException, each failed rank's traceback on many lines) and an
+    ENOSPC deep in a chain become one line that says the filesystem is full; other errors say what
+    they are; SaveError names the intact checkpoint and the command that continues from it."""
+    import errno
+
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from finetune.checkpoint import SaveError, first_failure
+
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError as e:
+        full = CheckpointException("failed", {1: _wrap_exception(e)})
+    line = first_failure(full, tmp_path / ".step_000000004.partial")
+    assert line.startswith("the filesystem is full (") and "\n" not in line
+    assert line.endswith("; OSError: [Errno 28] No space left on device)"), line
+    assert first_failure(RuntimeError("boom\nmore"), tmp_path) == "RuntimeError: boom"
+    root = tmp_path / "checkpoints"
+    (root / "step_000000002").mkdir(parents=True)
+    (root / "step_000000002" / "manifest.json").write_text("{}")
+    message = str(SaveError(root, 4, [(1, line)]))
+    assert message.startswith(f"saving checkpoint step_000000004 into {root} failed on rank 1: the filesystem is full")
+    assert f"continue from it with --resume {root / 'step_000000002'} once there is room" in message

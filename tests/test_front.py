@@ -22,7 +22,7 @@ def test_several_processes_go_through_accelerate_launch():
     options, rest = _launcher_options(["tiny", "--num_processes", "4", "lr=1e-5", "--main_process_port=2950"])
     assert options == {"--num_processes": "4", "--main_process_port": "2950"} and rest == ["tiny", "lr=1e-5"]
     cmd = launch_command(options, ["--recipe", "tiny", "lr=1e-5"], 4)
-    assert cmd[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert cmd[:5] == [sys.executable, "-m", "finetune.cli", "_launch", "accelerate"]  # accelerate launch, in-process
     assert cmd[cmd.index("--num_processes") + 1] == "4" and cmd[cmd.index("--main_process_port") + 1] == "2950"
     assert cmd[-4:] == [str(RUN_SCRIPT), "--recipe", "tiny", "lr=1e-5"] and "--multi_gpu" in cmd
 
@@ -34,7 +34,7 @@ def test_a_launcher_config_gives_the_process_count(tmp_path):
     config.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")
     assert _processes({"--config_file": str(config)}) == 8
     cmd = launch_command({"--config_file": str(config)}, ["--recipe", "tiny"], 8)
-    assert cmd[3:5] == ["--config_file", str(config)] and "--multi_gpu" not in cmd
+    assert cmd[5:7] == ["--config_file", str(config)] and "--multi_gpu" not in cmd
 
 
 def front(*args):

@@ -80,10 +80,28 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def private_imports(trees: dict[str, ast.Module]) -> list[str]:
+    """`from finetune.x import _name` in another module, and `x._name` through a module imported as x."""
     known = set(trees)
-    return [f"{name}:{line} imports {target}.{n}" for name, tree in trees.items()
-            for target, names, line in imports(name, tree, known) for n in names
-            if n.startswith("_") and not n.startswith("__")]
+    found = []
+    for name, tree in trees.items():
+        found += [f"{name}:{line} imports {target}.{n}" for target, names, line in imports(name, tree, known)
+                  for n in names if n.startswith("_") and not n.startswith("__")]
+        aliases = {}  # local name -> finetune module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in known:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in known:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != name and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{name}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    return found
 
 
 def test_no_import_cycle_counting_imports_inside_functions():
@@ -105,10 +123,12 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     (pkg / "commands" / "__init__.py").write_text("")
     (pkg / "model.py").write_text("def load():\n    from finetune.export import _without_zero3_init\n")
     (pkg / "export.py").write_text("from finetune import model\n")
+    (pkg / "samples.py").write_text("from finetune import export as E\nE._private()\n")
     (pkg / "plan.py").write_text("from finetune.strategy import strategy_for\n")
     (pkg / "strategy.py").write_text("def strategy_for(name):\n    return name\n")
     (pkg / "commands" / "plan.py").write_text("from finetune.plan import strategy_for\nfrom ..model import load\n")
     trees = modules(pkg)
     assert cycles(graph(trees)) == [["finetune.export", "finetune.model"]]
-    assert private_imports(trees) == ["finetune.model:2 imports finetune.export._without_zero3_init"]
+    assert private_imports(trees) == ["finetune.model:2 imports finetune.export._without_zero3_init",
+                                      "finetune.samples:2 uses finetune.export._private"]
     assert graph(trees)["finetune.commands.plan"] == {"finetune.plan", "finetune.model"}

@@ -262,6 +262,18 @@ def test_unknown_post_processing_is_an_error():
     assert "forward" not in model.lm_head.__dict__  # restored after the error too
 
 
+def test_nan_logits_are_not_taken_for_post_processing():
+    """Weights gone NaN (a checkpoint saved before saves checked them) give NaN logits, equal to the loss
+    module's own NaN logits: the loss is NaN, for the loop's guard to report, not "changes the logits"."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(**SMALL))
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    assert torch.isnan(loss_sum(model, make_batch(), "chunked"))
+
+
 def test_chunk_bounds_bytes_by_vocab():
     assert chunk_rows(128256) == 523 and chunk_rows(32000) == 2097 and chunk_rows(256000) == 262
     assert all(r * v * 4 <= 256 * 2**20 for v in (1000, 32000, 128256, 256000) for r in [chunk_rows(v)])

@@ -65,7 +65,11 @@ def test_a_non_finite_step_stops_the_run_by_default(tmp_path, loss, norm):
     assert isinstance(e.value, RecipeError)  # printed as one `error:` line by run.py, exit code 2
     assert message.startswith("step 7: loss") and "not finite" in message and "\n" not in message
     assert f"the newest checkpoint, {tmp_path / 'checkpoints' / 'step_000000004'}, is from before it" in message
-    assert "lr (now 1e+30)" in message and "--resume auto" in message and "max_nonfinite_steps=N" in message
+    # the advice names what runs: resuming keeps the checkpoint's lr (resume.changes refuses another), so
+    # the checkpoint itself, with the keys a resume may change, or a new run for a lower lr
+    assert f"continue from it with --resume {tmp_path / 'checkpoints' / 'step_000000004'}" in message
+    assert "max_nonfinite_steps=N" in message and "max_grad_norm" in message
+    assert "lr (now 1e+30) start a new run in another output_dir" in message and "--resume auto" not in message
 
 
 def test_max_nonfinite_steps_skips_that_many_then_stops(tmp_path, caplog):

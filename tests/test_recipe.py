@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from finetune.recipe import (
     RECIPES_DIR,
@@ -313,3 +314,58 @@ def test_recipe_file_with_recipe_of_wrong_type(tmp_path):
         recipe = {"lr": 1.0}
     """)
     assert "(found dict)" in error_of(str(path))
+
+
+# ---------------------------------------------------------------- AdamW's bounds: a first update that is finite
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["adam_eps=0"], "adam_eps=0.0: must be > 0 (at least 1.18e-38"),
+    (["adam_eps=1e-46"], "adam_eps=1e-46: must be > 0"),  # > 0, but 0 in float32
+    (["adam_beta1=1"], "adam_beta1=1.0: must be >= 0 and < 1"),
+    (["adam_beta2=1.0"], "adam_beta2=1.0: must be >= 0 and < 1"),
+    (["lr=1e38"], "lr=1e+38 with adam_beta1=0.9 and weight_decay=0.0: the first update would move a weight by up "
+                  "to max(lr / (1 - adam_beta1), lr x weight_decay) = 1e+39, beyond float32's largest number"),
+    (["lr=1e30", "weight_decay=1e10"], "lr=1e+30 with adam_beta1=0.9 and weight_decay=10000000000.0"),
+])
+def test_adam_settings_whose_first_update_is_not_finite_are_refused(overrides, words):
+    assert error_of(overrides).startswith(words)
+
+
+def _first_adamw_step(lr=1e-3, eps=1e-8, betas=(0.9, 0.999), weight_decay=0.0, foreach=True):
+    """One real torch.optim.AdamW step (what every strategy runs) on float32 weights, one of which
+    gets a zero gradient (an embedding row no token of the batch uses)."""
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([p], lr=lr, eps=eps, betas=betas, weight_decay=weight_decay, foreach=foreach)
+    p.grad = torch.tensor([1.0, -2.0, 0.0, 3.0])
+    optimizer.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("foreach", [True, False])
+def test_the_bounds_are_where_adamw_stops_being_finite(foreach):
+    from finetune.recipe import FLOAT32_MAX, FLOAT32_TINY
+
+    assert FLOAT32_MAX == torch.finfo(torch.float32).max and FLOAT32_TINY == torch.finfo(torch.float32).tiny
+    # adam_eps: 0 turns the zero-gradient weight into 0/0 = NaN with everything else finite; the smallest
+    # accepted value does not
+    assert torch.isnan(_first_adamw_step(eps=0.0, foreach=foreach)[2])
+    assert resolve("tiny", [f"adam_eps={FLOAT32_TINY}"]).adam_eps == FLOAT32_TINY
+    assert torch.isfinite(_first_adamw_step(eps=FLOAT32_TINY, foreach=foreach)).all()
+    # lr: the largest accepted lr still steps finitely; 1% more (refused) overflows torch's step size
+    largest = FLOAT32_MAX * (1 - 0.9) * 0.999
+    assert resolve("tiny", [f"lr={largest!r}"]).lr == largest
+    assert torch.isfinite(_first_adamw_step(lr=largest, foreach=foreach)).all()
+    assert "beyond float32's largest number" in error_of([f"lr={largest * 1.01!r}"])
+    with pytest.raises(RuntimeError, match="overflow"):
+        _first_adamw_step(lr=largest * 1.01, foreach=foreach)
+    # weight decay scales weights by 1 - lr x weight_decay, refused where that leaves float32
+    # weight decay scales weights by 1 - lr x weight_decay, refused where that leaves float32 (torch then
+    # either refuses the scalar or writes inf)
+    assert "lr x weight_decay" in error_of(["lr=1e30", "weight_decay=1e9"])
+    try:
+        assert not torch.isfinite(_first_adamw_step(lr=1e30, weight_decay=1e9, foreach=foreach)).all()
+    except RuntimeError as e:
+        assert "overflow" in str(e)
+    assert torch.isfinite(_first_adamw_step(lr=1e30, weight_decay=1e8 * 0.3, foreach=foreach)).all()
+    assert resolve("tiny", ["lr=1e30", "weight_decay=3e7"]).weight_decay == 3e7

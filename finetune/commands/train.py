@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune.recipe import FIELDS, RecipeError, available_recipes, describe_fields
+from finetune.stopping import stop_with_front
 
 
 def _rank() -> str:
@@ -167,6 +168,7 @@ def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_before_training)
     _die_with_launcher()
+    stop_with_front()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)

@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import pickle
 import shutil
+import subprocess
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from suite_runs import SAVE, resume_copy
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Where each strategy is interrupted, and how (FINETUNE_FAULT=where:rank:step[:signal], see
 # finetune.stopping.fault_point), and the checkpoint the resumed run must continue from. The runs
@@ -174,9 +180,9 @@ def test_damaged_checkpoint_is_refused_and_kept(damage, words, run_in_process, e
     assert message.startswith("error: checkpoint") and words in message and shard.name in message
     assert "nothing was deleted" in message and "Traceback" not in refused.stderr
     after = sorted(p.name for p in ckpt.rglob("*"))
-    # rank 0 checks the checksums before converting for the other world size, and leaves its reason
-    # for the other ranks (which wait on the conversion) in universal.failed; nothing else changes
-    assert set(before) <= set(after) and set(after) - set(before) <= {"universal.failed"}
+    # rank 0 checks the checksums before converting for the other world size (and leaves its reason
+    # for the other ranks in output_dir's .universal.failed): nothing in the checkpoint changes
+    assert after == before
     exported = export_in_process(ckpt, tmp_path / "exported")
     assert exported.returncode == 2 and words in exported.stderr and not (tmp_path / "exported").exists()
 
@@ -293,3 +299,223 @@ def test_unreadable_manifest(launch, run_in_process, uninterrupted, tmp_path):
     assert f"resumed from {out / 'checkpoints' / 'step_000000010'} at step 10" in resumed.stderr
     assert [r["step"] for r in resumed.train_records if r["step"] > 10] == [11, 12]
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_universal_conversion_is_verified_rebuilt_and_made_elsewhere_on_read_only_storage(launch, uninterrupted,
+                                                                                        tmp_path_factory):
+    """A ZeRO resume on another process count converts the checkpoint to DeepSpeed's universal format,
+    sealed by its own listing (resume.CONVERSION: every file's size and xxh3 checksum, and the
+    checkpoint's manifest digest). A flipped byte in one fp32.pt is found at the next resume and the
+    conversion rebuilt: the curve is the good conversion's. A checkpoint on read-only storage is
+    converted into the new run's output_dir/universal-cache/ instead."""
+    from finetune.checkpoint import manifest_digest, seal_problem
+    from finetune.resume import CONVERSION, UNIVERSAL_CACHE
+
+    reference = uninterrupted("zero2")
+    out = resume_copy(reference, 5, tmp_path_factory)
+    good = launch(1, "strategy=zero2", *SAVE, "--resume", "auto", output_dir=out)
+    ckpt = out / "checkpoints" / "step_000000005"
+    assert seal_problem(ckpt / "universal", CONVERSION, {"source_manifest": manifest_digest(ckpt)}) is None
+    assert_close_after(good, reference, 5)
+
+    damaged_out = tmp_path_factory.mktemp("damaged-universal")
+    copy = damaged_out / "checkpoints" / ckpt.name
+    shutil.copytree(ckpt, copy)  # the checkpoint with its conversion, as the good resume left it
+    fp32 = sorted((copy / "universal").rglob("fp32.pt"))[0]
+    flip_a_byte(fp32)
+    rebuilt = launch(1, "strategy=zero2", *SAVE, "--resume", "auto", output_dir=damaged_out)
+    rel = fp32.relative_to(copy / "universal")
+    assert (f"the universal conversion {copy / 'universal'} does not verify ({rel} does not match the xxh3_128 "
+            f"checksum in {CONVERSION}): converting {copy} again") in rebuilt.stderr, rebuilt.stderr
+    assert records(rebuilt) == records(good)
+    assert_same_weights(damaged_out / "final", out / "final")
+    assert seal_problem(copy / "universal", CONVERSION, {"source_manifest": manifest_digest(copy)}) is None
+
+    storage = tmp_path_factory.mktemp("read-only")
+    shutil.copytree(reference.output_dir / "checkpoints" / ckpt.name, storage / ckpt.name)  # never converted
+    before = sorted(str(p) for p in storage.rglob("*"))
+    new_out = tmp_path_factory.mktemp("from-read-only") / "run"
+    with read_only(storage):
+        converted = launch(1, "strategy=zero2", *SAVE, "--resume", str(storage / ckpt.name), output_dir=new_out)
+    cache = new_out / UNIVERSAL_CACHE / f"{ckpt.name}-{manifest_digest(storage / ckpt.name)[:16]}" / "universal"
+    assert f"{storage / ckpt.name} cannot be written: converting it to the universal format in {cache}" \
+        in converted.stderr, converted.stderr
+    assert "Traceback" not in converted.stderr and "OSError" not in converted.stderr
+    assert records(converted) == records(good)
+    assert seal_problem(cache, CONVERSION, {"source_manifest": manifest_digest(storage / ckpt.name)}) is None
+    assert sorted(str(p) for p in storage.rglob("*")) == before
+
+
+@contextmanager
+def read_only(path):
+    """`path` read-only even for root: a read-only bind mount of it on itself (chmod does not stop root);
+    without the right to mount, the immutable attribute (chattr +i), or chmod when not root."""
+    if os.geteuid() != 0:
+        os.chmod(path, 0o555)
+        undo = ["chmod", "755", str(path)]
+    elif subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True).returncode == 0:
+        undo = ["umount", str(path)]
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(undo, check=True)
+            pytest.fail(f"could bind-mount {path} but not remount it read-only")
+    else:
+        subprocess.run(["chattr", "-R", "+i", str(path)], check=True)
+        undo = ["chattr", "-R", "-i", str(path)]
+    try:
+        probe = Path(path) / "probe"
+        with pytest.raises(OSError):
+            probe.touch()
+        yield
+    finally:
+        subprocess.run(undo, check=True)
+
+
+# ------------------------------------------------------------------ storage and planted files: one line, lock released
+
+
+@contextmanager
+def tmpfs(path, options):
+    """A real small (or read-only) filesystem at `path` when this process may mount one (root); yields
+    whether it did."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                             capture_output=True).returncode == 0
+    try:
+        yield mounted
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+# Where no filesystem can be mounted: DCP's writer fails with ENOSPC for the files of step 4, as it does
+# on a full disk (a sitecustomize.py, which every launched process imports at start-up).
+ENOSPC_WRITER = '''
+import errno, os
+if os.environ.get("FINETUNE_TEST_ENOSPC"):
+    import torch.distributed.checkpoint.filesystem as fs
+    original = fs._write_item
+    def _write_item(transforms, stream, *args, **kwargs):
+        if os.environ["FINETUNE_TEST_ENOSPC"] in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(transforms, stream, *args, **kwargs)
+    fs._write_item = _write_item
+'''
+
+
+def test_full_disk_during_an_fsdp_save(launch, tmp_path):
+    """An fsdp run on 2 processes whose output_dir is a 2.6 MiB filesystem: the checkpoint of step 2
+    (1.7 MB for the tiny model) fits, step 4's does not. Every rank stops with one line saying the
+    filesystem is full and naming the intact checkpoint to continue from (once, not "unexpected pos
+    704 vs 598" and DCP's CheckpointException, a BaseException that passed run.py's handlers); the
+    partial checkpoint is removed, the lock released, and step 2 still verifies."""
+    from finetune.checkpoint import verify
+
+    disk = tmp_path / "disk"
+    with tmpfs(disk, "size=2600k") as mounted:
+        env = {}
+        if not mounted:
+            site = tmp_path / "site"
+            site.mkdir()
+            (site / "sitecustomize.py").write_text(ENOSPC_WRITER)
+            env = {"PYTHONPATH": f"{site}{os.pathsep}{REPO}", "FINETUNE_TEST_ENOSPC": "step_000000004"}
+        out = disk / "out"
+        run = launch(2, "strategy=fsdp", "max_steps=6", "save_every=2", output_dir=out, check=False, extra_env=env)
+        assert run.returncode != 0
+        errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, run.stderr[-4000:]
+        good = out / "checkpoints" / "step_000000002"
+        assert errors[0].startswith(f"error: saving checkpoint step_000000004 into {out / 'checkpoints'} failed on "
+                                    "rank "), errors[0]
+        assert "the filesystem is full" in errors[0], errors[0]
+        assert errors[0].endswith(f"the partial checkpoint was removed and the newest complete checkpoint, {good}, "
+                                  f"is intact; continue from it with --resume {good} once there is room (free "
+                                  "space, lower keep_last, or move output_dir to a larger filesystem)")
+        assert "error: rank" not in run.stderr and "CheckpointException" not in run.stderr
+        assert run.stderr.count("Traceback") <= 1  # the launcher's report that its workers exited with 2
+        assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002"]
+        assert not (out / "finetune.lock").exists() and not (out / "final").exists()
+        verify(good, checksums=True)
+        assert [r["step"] for r in run.train_records] == [1, 2, 3, 4]
+
+
+def test_a_full_disk_at_final_is_one_line_naming_the_checkpoint_to_export(launch, tmp_path):
+    """final/ is written by rank 0 after the last checkpoint; a full disk there (ENOSPC raised where the
+    files are written) stops every rank with one line, removes final.tmp, releases the lock, and names the
+    export that makes final/ from the last checkpoint: that command works."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    run = launch(2, "strategy=zero3", "max_steps=4", output_dir=out, check=False,
+                 extra_env={"FINETUNE_FAULT": "final_write:0:0:ENOSPC"})
+    assert run.returncode != 0  # the ranks exit 2; accelerate launch reports it as its own 1
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stderr[-4000:]
+    ckpt, final = out / "checkpoints" / "step_000000004", out / "final"
+    assert errors[0].startswith(f"error: writing {final} failed: the filesystem is full ("), errors[0]
+    assert errors[0].endswith(f"the partial directory was removed and the checkpoint {ckpt} holds the same weights: "
+                              f"once there is room, finetune export {ckpt} {final}"), errors[0]
+    assert run.stderr.count("Traceback") <= 1  # the launcher's report that its workers exited with 2
+    assert not final.exists() and not (out / "final.tmp").exists() and not (out / "finetune.lock").exists()
+    exported = subprocess.run([sys.executable, "-m", "finetune.export", str(ckpt), str(final)], env=run.env,
+                              capture_output=True, text=True, timeout=600)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(final) is not None
+
+
+def small_file_copy(run, tmp_path):
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints" / "step_000000012"
+    shutil.copytree(run.output_dir / "checkpoints" / ckpt.name, ckpt)
+    return out, ckpt
+
+
+@pytest.mark.parametrize("plant,words", [
+    # a damaged RNG state whose manifest was made to match, and one planted beside those of the run
+    (lambda ckpt: (ckpt / "rng" / "rank_1.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"),
+     "is damaged: rng/rank_1.safetensors is not a safetensors file"),
+    (lambda ckpt: save_file({"torch": torch.zeros(7, dtype=torch.float32)}, str(ckpt / "rng" / "rank_0.safetensors")),
+     "is damaged: rng/rank_0.safetensors holds 'torch', which is not a generator state"),
+    (lambda ckpt: shutil.copy(ckpt / "rng" / "rank_0.safetensors", ckpt / "rng" / "rank_2.safetensors"),
+     "rng/rank_2.safetensors is not in its manifest.json (put there after the save)"),
+    (lambda ckpt: (ckpt / "loop_state.json").write_text(json.dumps(
+        json.loads((ckpt / "loop_state.json").read_text()) | {"extra": 1})),
+     "is damaged: loop_state.json holds unknown key(s) 'extra' (it holds step, tokens, samples"),
+    (lambda ckpt: (ckpt / "loop_state.json").write_text('{"step": "12"}'),
+     "is damaged: loop_state.json holds step='12', not a number"),
+], ids=["rng-damaged", "rng-not-a-state", "rng-planted", "loop-state-extra-key", "loop-state-type"])
+def test_planted_or_damaged_small_files_are_one_line(plant, words, run_in_process, uninterrupted, tmp_path):
+    """loop_state.json and rng/ are checked with the manifest, before anything loads: one line naming
+    the file, exit 2, the lock released, nothing deleted (they used to end in a traceback at the load)."""
+    out, ckpt = small_file_copy(uninterrupted("fsdp"), tmp_path)
+    plant(ckpt)
+    if "not in its manifest" not in words:
+        changed = [ckpt / "loop_state.json"] if "loop_state" in words else sorted((ckpt / "rng").iterdir())
+        consistent_manifest(ckpt, *changed)  # the content, not the checksum, must refuse it
+    before = sorted(p.name for p in ckpt.rglob("*"))
+    refused = run_in_process("strategy=fsdp", *SAVE, "--resume", str(ckpt), output_dir=out)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    message = refused.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: checkpoint {ckpt}") and words in message, message
+    assert "nothing was loaded" in message
+    assert sorted(p.name for p in ckpt.rglob("*")) == before
+    assert not (out / "finetune.lock").exists()
+
+
+def test_export_into_a_read_only_directory(uninterrupted, export_in_process, tmp_path):
+    """Export into a read-only filesystem (a tmpfs mounted ro; chmod where the test is not root, which
+    could write anyway): one line before the checkpoint is read, exit 2."""
+    ckpt = uninterrupted("fsdp").output_dir / "checkpoints" / "step_000000012"
+    place = tmp_path / "ro"
+    with tmpfs(place, "ro,size=1m") as mounted:
+        if not mounted:
+            if os.geteuid() == 0:
+                pytest.skip("root without permission to mount: no directory is read-only to this process")
+            place.chmod(0o555)
+        exported = export_in_process(ckpt, place / "model")
+        assert exported.returncode == 2 and "Traceback" not in exported.stderr
+        assert exported.stderr.strip().splitlines() == [
+            f"error: {place / 'model'} cannot be created: {place} is not writable (permissions or a read-only "
+            "filesystem); choose a writable OUT_DIR (nothing was written)"]
+        assert not (place / "model").exists()

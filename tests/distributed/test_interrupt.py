@@ -149,3 +149,113 @@ def test_ctrl_c_saves_and_resume_continues_and_a_busy_dir_is_refused(launch_env,
     assert lines[-1].startswith("error: interrupted twice: stopped at once, without a checkpoint"), stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}"]
     assert not (out / LOCK_NAME).exists()
+
+
+def start_front(env, fast, port, out, *extra) -> subprocess.Popen:
+    """`finetune train` as a container's entrypoint: its own process group (a container's pid 1 has no
+    terminal's job around it); the signals below go to its pid only, as `docker stop` sends them."""
+    cmd = [sys.executable, "-m", "finetune.cli", "train", "tiny", "--num_processes", "2", "--main_process_port", port,
+           *fast, *LONG, f"output_dir={out}", *extra]
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def descendants(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def assert_all_gone(procs) -> None:
+    import psutil
+
+    gone, alive = psutil.wait_procs(procs, timeout=30)
+    assert not alive, f"left running after the front exited: {alive}"
+
+
+def kill_all(front, procs) -> None:
+    import psutil
+
+    for proc in [*procs, psutil.Process(front.pid)] if front.poll() is None else procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_once(launch_env, fast_overrides,
+                                                                                  tmp_path):
+    """SIGTERM to the pid of `finetune train` (docker stop, Kubernetes, scancel to the entrypoint): the
+    workers save a checkpoint and stop, the front exits 143 without a traceback, no process of the
+    launch is left and output_dir is free. Ctrl-C (SIGINT): the same with exit 130 and only the clean
+    message. A second signal while the first is being honoured: everything stops at once."""
+    out = tmp_path / "run"
+    first = start_front(launch_env, fast_overrides, free_port(), out)
+    procs = []
+    try:
+        wait_for_step(first, out, 1)
+        procs = descendants(first.pid)  # the launcher and its two workers
+        assert len(procs) == 3, procs
+        os.kill(first.pid, signal.SIGTERM)  # to the pid only
+        _, stderr = first.communicate(timeout=300)
+        assert_all_gone(procs)
+    finally:
+        kill_all(first, procs)
+    assert first.returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
+    assert "death signal" not in stderr and "closing signal" not in stderr, stderr  # the launcher's notices
+    lines = worker_lines(stderr, -1)
+    stopped = [int(m.group(1)) for m in map(re.compile(r"^stopped by signal at step (\d+); checkpoint saved; "
+                                                       r"continue with --resume auto$").match, lines) if m]
+    assert len(stopped) == 1, stderr
+    stop = stopped[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}"]
+    assert not (out / LOCK_NAME).exists() and not (out / "final").exists()
+
+    # Ctrl-C: continues from the SIGTERM's checkpoint, then stops with one of its own, exit 130
+    second = start_front(launch_env, fast_overrides, free_port(), out, "--resume", "auto")
+    procs = []
+    try:
+        wait_for_step(second, out, stop + 1)
+        procs = descendants(second.pid)
+        os.kill(second.pid, signal.SIGINT)
+        _, stderr = second.communicate(timeout=300)
+        assert_all_gone(procs)
+    finally:
+        kill_all(second, procs)
+    assert second.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
+    lines = worker_lines(stderr, -1)
+    assert "interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, without saving)" \
+        in lines, stderr
+    stopped = [int(m.group(1)) for m in map(re.compile(r"^stopped by signal at step (\d+); checkpoint saved; "
+                                                       r"continue with --resume auto$").match, lines) if m]
+    assert len(stopped) == 1 and stopped[0] > stop, stderr
+    stop2 = stopped[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}", f"step_{stop2:09d}"]
+    assert not (out / LOCK_NAME).exists()
+
+    # a second signal: rank 0 is held inside a step, so the first cannot be honoured; the second stops all
+    third = start_front(launch_env, fast_overrides, free_port(), out, "--resume", "auto")
+    procs = []
+    try:
+        wait_for_step(third, out, stop2 + 1)
+        procs = descendants(third.pid)
+        launcher = [p for p in procs if p.ppid() == third.pid][0]
+        rank0 = sorted(p.pid for p in launcher.children())[0]
+        os.kill(rank0, signal.SIGSTOP)
+        os.kill(third.pid, signal.SIGTERM)
+        time.sleep(2)
+        assert third.poll() is None  # still waiting for the checkpoint
+        t0 = time.monotonic()
+        os.kill(third.pid, signal.SIGTERM)
+        _, stderr = third.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert_all_gone(procs)
+    finally:
+        kill_all(third, procs)
+    assert third.returncode == 143 and took < 15, (third.returncode, took, stderr[-3000:])
+    assert "Traceback" not in stderr, stderr
+    assert stderr.rstrip().splitlines()[-1].startswith("error: interrupted twice: stopped at once"), stderr
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}", f"step_{stop2:09d}"]
+    assert not (out / LOCK_NAME).exists()

@@ -5,6 +5,7 @@ not the base, and a resumed LoRA run continues bit for bit."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -147,6 +148,10 @@ def test_lora_checkpoint_exports(strategy, lora_runs, tmp_path):
     b = load_file(str(run.output_dir / "final_merged" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not (tmp_path / "merged.adapter.tmp").exists() and not (tmp_path / "merged.tmp").exists()
+    # alpaca rows end with the EOS: every generation config keeps it alone (chat runs: test_families)
+    for directory in (run.output_dir / "final", run.output_dir / "final_merged", tmp_path / "adapter",
+                      tmp_path / "merged"):
+        assert json.loads((directory / "generation_config.json").read_text())["eos_token_id"] == 3, directory
 
 
 def test_lora_export_without_its_base_says_so(lora_runs, tmp_path):

@@ -62,6 +62,10 @@ def test_mixture_run_reports_each_source(mixture_run):
                 in mixture_run.stderr)
     assert len(mixture_run.losses) == 6
     assert [r["step"] for r in mixture_run.eval_records] == [0, 3, 6]  # tiny evaluates at the start too
+    # one source is chats: the model stops at the template's <|end|> (7) as well as at </s> (3)
+    final = mixture_run.output_dir / "final"
+    assert json.loads((final / "generation_config.json").read_text())["eos_token_id"] == [3, 7]
+    assert json.loads((final / "config.json").read_text())["eos_token_id"] == 3
 
 
 def test_mixture_resumes_bit_for_bit(launch, mixture, mixture_run, tmp_path_factory):

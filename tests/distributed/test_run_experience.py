@@ -20,18 +20,24 @@ def test_tensorboard_plot_and_summary(launch):
 
     event_files = sorted((out / "finetune").rglob("events.out.tfevents.*"))
     assert event_files, "TensorBoard wrote no event file"
-    scalars = {}
+    scalars, texts = {}, {}
     for f in event_files:
         acc = EventAccumulator(str(f))
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+        for tag in acc.Tags()["tensors"]:  # text summaries: the samples at each eval
+            texts.setdefault(tag, []).extend((e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
     assert [s for s, _ in sorted(scalars["train/loss"])] == list(range(1, 13))
     assert [s for s, _ in sorted(scalars["eval/loss"])] == [0, 6, 12]
     logged = {r["step"]: r["loss"] for r in run.train_records}
     for step, value in scalars["train/loss"]:
         assert abs(value - logged[step]) < 1e-5 * abs(logged[step])
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(scalars)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s for s, _ in sorted(texts["samples/text_summary"])] == [0, 6, 12]
+    last = dict(texts["samples/text_summary"])[12]
+    assert all(s["reference"] in last for s in samples if s["step"] == 12)
 
     png = Image.open(out / "loss.png")
     assert png.format == "PNG" and png.size[0] >= 600 and png.size[1] >= 400
@@ -57,3 +63,23 @@ def test_failing_rank_ends_the_launch(launch):
     assert run.returncode != 0
     assert "error: rank 1 failed: RuntimeError: injected fault" in run.stderr
     assert seconds < 150, f"the launch took {seconds:.0f}s to end after rank 1 failed"
+
+
+def test_a_chat_template_that_fails_in_python_is_one_line(launch, tmp_path):
+    """A chat template whose expression raises a Python error (a TypeError here, not a Jinja syntax error
+    or raise_exception) stops both ranks with one line naming the template file, exit 2, before the
+    model loads, and releases output_dir's lock."""
+    chat = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": chat}) + "\n" for _ in range(64)))
+    template = tmp_path / "broken.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] + loop.index }}{% endfor %}")
+    out = tmp_path / "out"
+    run = launch(2, f"dataset={data}", "dataset_format=messages", f"chat_template={template}", output_dir=out,
+                 check=False)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stderr[-4000:]
+    assert errors[0].startswith(f"error: the chat template (chat_template={template}) failed on a conversation "
+                                "(TypeError: "), errors[0]
+    assert "error: rank" not in run.stderr and run.stderr.count("Traceback") <= 1  # the launcher's report
+    assert run.returncode != 0 and not (out / "finetune.lock").exists()

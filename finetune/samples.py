@@ -1,0 +1,241 @@
+"""What the model answers: greedy generations from the first eval prompts at each eval (samples.jsonl),
+and the one generation function and prompt rendering that `finetune chat` (finetune/chat.py) shares, so
+that a sample at the end of a run and `finetune chat` on its final/ give the same tokens.
+
+Generation needs whole weights. A sharded model would all-gather every layer at every token if it were
+simply called in a loop (the hour-long ZeRO-3 stalls of huggingface/trl#3858), so the weights are
+gathered once for all of an eval's samples (Strategy.whole_weights in finetune/strategy.py):
+- ZeRO-3: `deepspeed.zero.GatheredParameters` over every parameter, with the engine's per-module
+  fetch/release hooks taken off for the duration (TRL's unwrap_model_for_generation does the same);
+- FSDP2: each FSDP module keeps its parameters unsharded after its first forward
+  (set_reshard_after_forward(False)) and is resharded at the end;
+- FSDP1: called through its wrapper, which gathers per forward: it all-gathers at every token;
+- ddp, zero1, zero2: the weights are whole on every rank already.
+Every rank generates the same prompts with the same whole weights: the gather is a collective all
+ranks join anyway, and then none waits at a barrier for rank 0; rank 0 writes. The gathered copy
+costs the whole model in the compute dtype per rank for the eval's duration (finetune/memory.py
+counts it when sample_prompts > 0).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune import data as D
+from finetune.recipe import RecipeError
+from finetune.strategy import running_strategy
+
+log = logging.getLogger("finetune")
+
+# How a prompt typed by a user becomes the tokens the model continues (render_prompt): the chat
+# template with its generation prompt, a run's alpaca or prompt_completion prompt, or the text as is.
+PROMPT_FORMATS = ("chat", "alpaca", "prompt_completion", "raw")
+
+
+def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
+    """The prompt's token ids exactly as training rendered the same prompt before its answer
+    (finetune.data.encode_row): tests/test_samples.py checks this against encode_row's prompt part on
+    real tokenizers. fmt=raw: `text` is the whole prompt as the model sees it (template markers
+    included), tokenized with its special tokens and the tokenizer's BOS once. input: alpaca's input
+    field (the text is its instruction)."""
+    if fmt == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise RecipeError("the tokenizer has no chat template; pass --format alpaca, prompt_completion or raw")
+        text = D.render_chat(tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
+        fmt = "raw"
+    if fmt == "raw":
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        bos = D.bos_ids(tokenizer)
+        return (bos if ids[:len(bos)] != bos else []) + ids
+    if fmt == "alpaca":
+        text = (D.ALPACA_PROMPT_WITH_INPUT if input else D.ALPACA_PROMPT).format(instruction=text, input=input)
+    elif fmt != "prompt_completion":
+        raise RecipeError(f"prompt format {fmt!r}; allowed: {', '.join(PROMPT_FORMATS)}")
+    return D.bos_ids(tokenizer) + D.text_ids(tokenizer, text)
+
+
+def stop_ids(tokenizer, model, generation_config=None) -> set[int]:
+    """Where an answer ends: the tokenizer's EOS and the generation config's (a chat model's end of turn).
+    generation_config: the one the run writes into final/ (finetune/end_of_turn.py), so that samples at
+    eval stop where `finetune chat` on final/ stops; else the model's own."""
+    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
+    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
+    config_eos = getattr(config, "eos_token_id", None)
+    ids |= set(config_eos if isinstance(config_eos, (list, tuple)) else [] if config_eos is None else [config_eos])
+    return ids
+
+
+@torch.no_grad()
+def generate(model, prompt: list[int], max_new_tokens: int, stop: set[int], temperature: float = 0.0,
+             generator: torch.Generator | None = None) -> list[int]:
+    """New tokens after `prompt`, one sequence, with the model's KV cache: greedy at temperature 0,
+    else sampled from softmax(logits / temperature). The same loop at eval and in `finetune chat`, so
+    both give the same tokens for the same weights and prompt. Stops after a stop token (kept)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    past, out = None, []
+    for _ in range(max_new_tokens):
+        result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
+        past = result.past_key_values
+        logits = result.logits[0, -1].float()
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
+        else:
+            token = int(logits.argmax())
+        out.append(token)
+        if token in stop:
+            break
+        ids = torch.tensor([[token]], device=device)
+    return out
+
+
+# ---------------------------------------------------------------- samples at eval
+
+
+@dataclass
+class Prompt:
+    ids: list[int]  # the prompt's tokens, as the run rendered them
+    text: str  # the same, decoded with its special tokens: `finetune chat --format raw` gives back the ids
+    reference: str  # the row's answer
+
+
+def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
+    """The prompts of the first n eval rows (of the first `limit`, eval_max_samples, when set): each
+    row's tokens before its first target token, and its first answer (the target tokens that follow).
+    A packed row gives its first example. Rows without a prompt (text rows, train_on_prompt=true)
+    give none; an eval set smaller than n is a RecipeError."""
+    available = min(len(ds), limit) if limit else len(ds)
+    if n > available:
+        raise RecipeError(f"sample_prompts={n} is more than the {available} eval rows"
+                          f"{' (eval_max_samples)' if limit and limit < len(ds) else ''}; lower sample_prompts "
+                          "(0: no samples)")
+    prompts = []
+    for i in range(n):
+        row = ds[i]
+        ids, labels = row["input_ids"], row["labels"]
+        if "position_ids" in row:  # packed: the first example ends where position ids restart
+            pos = row["position_ids"]
+            end = next((j for j in range(1, len(pos)) if pos[j] == 0), len(pos))
+            ids, labels = ids[:end], labels[:end]
+        start = next((j for j, x in enumerate(labels) if x != D.IGNORE), None)
+        if not start:  # no target token, or targets from the first token on: no prompt to give
+            continue
+        stop = next((j for j in range(start, len(labels)) if labels[j] == D.IGNORE), len(labels))
+        prompt = list(ids[:start])
+        prompts.append(Prompt(prompt, tokenizer.decode(prompt),
+                              tokenizer.decode(ids[start:stop], skip_special_tokens=True)))
+    return prompts
+
+
+def gather_problem(needed: int, free: int | None, headroom: float = 0.1) -> str | None:
+    """Why this eval's samples are skipped: the gathered model would not fit the GPU memory left free
+    by training (an out-of-memory at an eval could come before any checkpoint). None when it fits, or
+    off a GPU (free is None: host memory is not checked)."""
+    if free is None or needed <= free * (1 - headroom):
+        return None
+    return (f"samples skipped: gathering the whole model for generation needs {needed / 2**30:.1f} GiB per GPU and "
+            f"{free / 2**30:.1f} GiB is free; set sample_prompts=0 (or generate from final/ with finetune chat)")
+
+
+def samples_fit(accelerator, model) -> str | None:
+    """gather_problem on every rank, agreed: the gather is a collective, so all ranks skip or none does."""
+    needed = running_strategy(accelerator).gathered_bytes(model)
+    device = accelerator.device
+    free = torch.cuda.mem_get_info(device)[0] if needed and device.type == "cuda" else None
+    problem = gather_problem(needed, free)
+    flag = torch.tensor([1.0 if problem else 0.0], device=device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, reduction="sum")
+    if flag.item() == 0:
+        return None
+    return problem or ("samples skipped: another rank lacks the free GPU memory to gather the whole model for "
+                       "generation; set sample_prompts=0 (or generate from final/ with finetune chat)")
+
+
+def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int,
+                generation_config=None) -> list[dict]:
+    """Greedy answers to the prompts, weights gathered once; every rank gets the same list. Each sample
+    also says how many tokens it generated and in how many seconds (the gather not included). Empty when
+    the gathered model would not fit the GPU (samples_fit: said as a warning)."""
+    problem = samples_fit(accelerator, model)
+    if problem:
+        if accelerator.is_main_process:
+            log.warning(problem)
+        return []
+    was_training = model.training
+    model.eval()
+    answers, seconds = [], []
+    try:
+        # compile=true layers run eagerly here: a token at a time with a growing cache would recompile
+        # them (about a minute each on CPU), for a few forwards
+        with torch.compiler.set_stance("force_eager"), running_strategy(accelerator).whole_weights(accelerator, model) as whole:
+            stop = stop_ids(tokenizer, whole, generation_config)
+            for p in prompts:
+                t0 = time.perf_counter()
+                answers.append(generate(whole, p.ids, max_new_tokens, stop))
+                seconds.append(time.perf_counter() - t0)
+    finally:
+        model.train(was_training)
+    return [{"prompt": p.text, "reference": p.reference, "generated": tokenizer.decode(a, skip_special_tokens=True),
+             "tokens": len(a), "seconds": round(t, 4)} for p, a, t in zip(prompts, answers, seconds)]
+
+
+def _short(text: str, width: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+class SampleWriter:
+    """samples.jsonl (one line per sample: step, prompt, reference, generated, and the generated tokens
+    and seconds), a TensorBoard text
+    entry per eval, and one short sample for the progress output."""
+
+    def __init__(self, path: Path, enabled: bool, accelerator=None):
+        self.path, self.enabled, self.accelerator = path, enabled, accelerator
+        self.last: list[dict] = []
+
+    def write(self, step: int, samples: list[dict], seconds: float) -> str:
+        self.last = [{"step": step, **s} for s in samples]
+        if not self.enabled or not samples:
+            return ""
+        with self.path.open("a") as f:
+            for s in self.last:
+                f.write(json.dumps(s) + "\n")
+        tracker = self._tensorboard()
+        if tracker is not None:
+            table = "| prompt | reference | generated |\n|---|---|---|\n" + "\n".join(
+                "| " + " | ".join(s[k].replace("|", "\\|").replace("\n", "<br>") for k in
+                                  ("prompt", "reference", "generated")) + " |" for s in samples)
+            tracker.add_text("samples", table, step)
+        first = samples[0]
+        return (f"step {step}: sample ({len(samples)} in {seconds:.2f}s, samples.jsonl): "
+                f"{_short(first['prompt'])!r} -> {_short(first['generated'])!r}")
+
+    def _tensorboard(self):
+        """TensorBoard's SummaryWriter when the run reports to it (report_to=tensorboard)."""
+        if self.accelerator is None or not self.accelerator.trackers:
+            return None
+        try:
+            return self.accelerator.get_tracker("tensorboard", unwrap=True)
+        except ValueError:
+            return None
+
+    def summary(self) -> list[dict]:
+        return self.last
+
+
+def sample_at_eval(accelerator, model, prompts, tokenizer, max_new_tokens: int, writer: SampleWriter,
+                   step: int, generation_config=None) -> str:
+    """One eval's samples, written; returns the progress line ('' when there are none)."""
+    if not prompts:
+        return ""
+    t0 = time.perf_counter()
+    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, generation_config)
+    return writer.write(step, samples, time.perf_counter() - t0)

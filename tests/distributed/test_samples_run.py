@@ -1,0 +1,96 @@
+"""Samples at eval on 2 real processes equal `finetune chat` on the exported final/ (greedy, fp32, token
+for token): ZeRO-3 (with its parameters and optimizer offloaded) and FSDP2 generate with their weights
+gathered once per eval, FSDP2 also with LoRA; chat loads final/ as a plain model (or base + adapter)
+in one process. A low learning rate and 4 steps: the answers at the end differ from step 0's but are
+not yet the empty answers a few steps at the recipe's rate give (an empty answer compares one token)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+SAMPLES = ["max_steps=4", "warmup_steps=1", "sample_max_new_tokens=16"]
+RUNS = {
+    "zero3_offload": ["strategy=zero3", "offload_params=cpu", "offload_optimizer=cpu", "lr=1e-4"],
+    "fsdp": ["strategy=fsdp", "lr=1e-4"],
+    "fsdp_lora": ["strategy=fsdp", "lora=true", "lr=3e-4"],
+}
+
+
+@pytest.fixture(scope="module")
+def sample_run(launch):
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cache[name] = launch(2, *RUNS[name], *SAMPLES)
+        return cache[name]
+
+    return get
+
+
+def _samples(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "samples.jsonl").read_text().splitlines()]
+
+
+ALPACA = re.compile(r"<s>### Instruction:\n(.*)\n\n### Input:\n(.*)\n\n### Response:\n", re.S)
+
+
+def _chat(run, path, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """`finetune chat PATH INSTRUCTION --input INPUT` as a user asks (the run's alpaca format is found in
+    its recipe.json), once per prompt of samples.jsonl (its prompt is the rendered alpaca prompt)."""
+    answers = []
+    for prompt in prompts:
+        instruction, input = ALPACA.fullmatch(prompt).groups()
+        proc = subprocess.run([sys.executable, "-m", "finetune.cli", "chat", str(path), instruction, "--input", input,
+                               "--max-new-tokens", str(max_new_tokens)], cwd=REPO, env=run.env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        answers.append(proc.stdout.removesuffix("\n"))
+    return answers
+
+
+def assert_samples_equal_chat(run, path=None):
+    samples = _samples(run)
+    recipe = json.loads((run.output_dir / "recipe.json").read_text())
+    steps = sorted({s["step"] for s in samples})
+    assert steps == [0, 4]  # eval_at_start, the end
+    last = [s for s in samples if s["step"] == 4]
+    assert len(last) == recipe["sample_prompts"] == 3
+    assert all(s["reference"] and ALPACA.fullmatch(s["prompt"]) for s in last)
+    first = [s["generated"] for s in samples if s["step"] == 0]
+    assert first != [s["generated"] for s in last]  # training changed the answers
+    summary = json.loads((run.output_dir / "summary.json").read_text())
+    assert summary["samples"] == last
+    assert "step 4: sample (3 in" in run.stderr
+    chat = _chat(run, path or run.output_dir / "final", [s["prompt"] for s in last], recipe["sample_max_new_tokens"])
+    assert chat == [s["generated"] for s in last]
+    assert any(chat)  # not all empty answers: the comparison compared tokens
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_samples_equal_chat_on_final(name, sample_run):
+    assert_samples_equal_chat(sample_run(name))
+
+
+@pytest.mark.parametrize("name", ["zero3_offload", "fsdp_lora"])
+def test_samples_equal_chat_on_checkpoint(name, sample_run):
+    """A checkpoint is rebuilt in memory (the export path, nothing written) and answers like final/."""
+    run = sample_run(name)
+    assert_samples_equal_chat(run, run.output_dir / "checkpoints" / "step_000000004")
+    assert sorted(p.name for p in run.output_dir.iterdir() if p.is_dir()) == ["checkpoints", "final"]
+
+
+def test_more_samples_than_eval_rows_is_one_line(launch):
+    run = launch(1, "strategy=ddp", "sample_prompts=40", check=False)  # eval_max_samples=32
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and lines == [
+        "error: sample_prompts=40 is more than the 32 eval rows (eval_max_samples); lower sample_prompts "
+        "(0: no samples)"], run.stderr[-2000:]
+    assert not (run.output_dir / "checkpoints").exists()
