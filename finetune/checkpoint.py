@@ -45,23 +45,25 @@ DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval
 # Data keys written into a fingerprint only when set, so that a single-dataset run's fingerprint is the
 # one earlier versions wrote (their checkpoints still resume, and new ones resume on older versions).
 OPTIONAL_DATA_KEYS = ("datasets", "eval_split")
-# Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
-# a resumed run would silently keep the old value, so a change is refused rather than ignored.
-STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-              "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
-              "lora_alpha", "lora_dropout", "load_in_4bit")
-# What a change of these does on resume (any other key not named above applies as it would in a new run).
-RESUME_EFFECTS = {
-    "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
-    "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
-    "micro_batch_size": "the global batch is kept, accumulation is recomputed",
-    "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
-                    "(false) from this step on",
-}
+
+
+# Where a run's outputs live under output_dir.
+CHECKPOINTS = "checkpoints"  # checkpoints/step_<9 digits>/, each complete once its manifest is written
+FINAL = "final"  # the finished model (or a LoRA adapter)
+FINAL_MERGED = "final_merged"  # a LoRA run's base with the adapter folded in (merge_lora=true)
+
+
+def checkpoints_dir(output_dir) -> Path:
+    return Path(output_dir) / CHECKPOINTS
 
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:09d}"
+
+
+def saved_names(root: Path) -> list[str]:
+    """The names of the checkpoint directories in root (complete or not), oldest first."""
+    return sorted(p.name for p in root.glob(f"{PREFIX}*")) if root.is_dir() else []
 
 
 def fingerprint(recipe: Recipe, model_path: str | None = None) -> dict:
@@ -536,7 +538,7 @@ class Checkpointer:
     def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None,
                  generation_config=None):
         r = plan.recipe
-        self.root = Path(r.output_dir) / "checkpoints"
+        self.root = checkpoints_dir(r.output_dir)
         # copied in, so export needs nothing else (the generation config: the one final/ gets)
         self.model_config, self.tokenizer, self.generation_config = model_config, tokenizer, generation_config
         self.strategy = plan.strategy

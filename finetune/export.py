@@ -20,7 +20,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.checkpoint import HF_DIR, complete_checkpoints, first_failure, safe_loading, verify  # noqa: E402
+from finetune.checkpoint import (HF_DIR, checkpoints_dir, complete_checkpoints, first_failure,  # noqa: E402
+                                 safe_loading, verify)
 from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
 from finetune.files import publish  # noqa: E402
 from finetune.model import add_lora, without_zero3_init  # noqa: E402
@@ -75,7 +76,7 @@ def write_on_main(accelerator, out_dir: Path, write) -> None:
             publish(tmp, out_dir)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            saved = complete_checkpoints(out_dir.parent / "checkpoints")
+            saved = complete_checkpoints(checkpoints_dir(out_dir.parent))
             kept = (f"the checkpoint {saved[-1]} holds the same weights: once there is room, finetune export "
                     f"{saved[-1]} {out_dir}" if saved else "no checkpoint holds these weights")
             error = f"writing {out_dir} failed: {first_failure(e, out_dir.parent)}; the partial directory was " \

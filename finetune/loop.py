@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
-from finetune.checkpoint import Checkpointer, LoopState, after_nonfinite
+from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, after_nonfinite, checkpoints_dir,
+                                 saved_names)
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
@@ -281,22 +282,22 @@ def train(plan: Plan) -> dict:
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
 
-    final = save_final_model(accelerator, model, tokenizer, out / "final", generation_config=generation_config)
+    final = save_final_model(accelerator, model, tokenizer, out / FINAL, generation_config=generation_config)
     if r.merge_lora:
         if is_main:
-            merge_adapter(model_path, final, out / "final_merged",
+            merge_adapter(model_path, final, out / FINAL_MERGED,
                           "bfloat16" if r.mixed_precision == "bf16" else "float32")
         accelerator.wait_for_everyone()
     peaks = [0] * world
     torch.distributed.all_gather_object(peaks, peak_memory_bytes(device))
-    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
+    saved = saved_names(checkpoints_dir(out))
     summary = {"steps": state.step, "resumed_at": plan.resume.step if plan.resume else None,
                **meter.summary(state.tokens), "wall_seconds": round(time.perf_counter() - wall_t0, 2),
                "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
                "final_model": str(final), "end_of_turn": stops,
-               "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
+               "checkpoints": f"{checkpoints_dir(out)} ({', '.join(saved)})" if saved else "",
                "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": samples.summary()}
     if is_main:
         summary["loss_plot"] = str(plot.final() or "") or None

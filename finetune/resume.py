@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.assets import resolve_model
-from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
+from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManifest, checkpoints_dir,
                                  check_small_files, checksum_mismatches, complete_checkpoints, damaged_by_checksum,
                                  fingerprint, manifest_digest, partial_checkpoints, read_manifest, seal, seal_problem,
                                  verify)
@@ -30,6 +30,21 @@ from finetune.lock import launch_id
 from finetune.plan import derive_grad_accum, world_size_from_env
 from finetune.recipe import Recipe, RecipeError
 from finetune.strategy import strategy_for
+
+
+# Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
+# a resumed run would silently keep the old value, so a change is refused rather than ignored.
+STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+              "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
+              "lora_alpha", "lora_dropout", "load_in_4bit")
+# What a change of these does on resume (any other key not named above applies as it would in a new run).
+RESUME_EFFECTS = {
+    "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
+    "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
+    "micro_batch_size": "the global batch is kept, accumulation is recomputed",
+    "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
+                    "(false) from this step on",
+}
 
 
 def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_size: int, rank: int = 0,
@@ -78,12 +93,47 @@ class ResumePoint:
         return self.load_from or self.path
 
 
+def check_start(resume: str | None, output_dir: str, dry_run: bool = False) -> None:
+    """Whether a run may start in output_dir (the recipe's): not over an earlier run's checkpoints unless
+    it continues them (--resume), and then only its own line of them (check_lineage)."""
+    complete = complete_checkpoints(checkpoints_dir(output_dir))
+    if not resume and complete and not dry_run:
+        raise RecipeError(f"output_dir={output_dir} holds checkpoints of an earlier run; continue it with "
+                          "--resume auto, or choose another output_dir")
+    if resume:
+        check_lineage(resume, Path(output_dir), complete)
+
+
+def check_lineage(resume: str, output_dir: Path, complete: list[Path]) -> None:
+    """A run continues only its own line of checkpoints.
+
+    `--resume PATH` writes its next checkpoints into output_dir/checkpoints. If that directory holds
+    checkpoints of another run, or checkpoints of this run newer than PATH, the resumed run would
+    replace some of them (same step names) and rotation and `--resume auto` would then mix two
+    histories. So PATH must be the newest checkpoint of output_dir, or output_dir must hold none.
+    `complete` lists output_dir's complete checkpoints, oldest first.
+    """
+    if not complete or resume == "auto":
+        return
+    target = Path(resume).expanduser().resolve()
+    root = complete[-1].parent.resolve()
+    names = ", ".join(p.name for p in complete[-3:])
+    if target.parent != root:
+        raise RecipeError(f"--resume {resume}: output_dir={output_dir} already holds checkpoints of another run "
+                          f"({names}), which the resumed run would overwrite; resume into an output_dir without "
+                          "checkpoints, or continue that run with --resume auto")
+    newer = [p.name for p in complete if p.name > target.name]
+    if newer:
+        raise RecipeError(f"--resume {resume}: {root} holds newer checkpoints ({', '.join(newer)}), which the resumed "
+                          "run would overwrite; move them out of that directory first, or --resume auto to "
+                          "continue from the newest")
+
 def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
     """--resume auto: the newest complete checkpoint (incomplete ones, and ones whose manifest cannot be
     read, are named and skipped), else None. --resume PATH: that checkpoint, verified."""
     if not resume:
         return None
-    root = output_dir / "checkpoints"
+    root = checkpoints_dir(output_dir)
     if resume == "auto":
         for partial in partial_checkpoints(root):
             log(f"ignoring incomplete checkpoint {partial} (its save did not finish)")

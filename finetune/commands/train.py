@@ -130,9 +130,8 @@ def prepare(args, lock: bool = True):
     checked resume point (finetune.resume). lock=False: check that output_dir is free without taking
     it (the `finetune` front, whose launched ranks take it and convert checkpoints if need be)."""
     from finetune import resume
-    from finetune.checkpoint import complete_checkpoints
+    from finetune.checkpoint import FINAL
     from finetune.data import prevalidate_recipe
-    from finetune.lock import check_lineage
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
 
@@ -144,14 +143,11 @@ def prepare(args, lock: bool = True):
         raise RecipeError(problem)
     take_output_dir(out, args.dry_run, lock)
     prevalidate_recipe(recipe)
-    final = out / "final"
+    final = out / FINAL
     if final.exists() and not args.dry_run:
         raise RecipeError(f"output_dir={recipe.output_dir} already holds a finished model ({final}); choose another "
                           "output_dir, or move that one away")
-    if not args.resume and complete_checkpoints(out / "checkpoints") and not args.dry_run:
-        raise RecipeError(f"output_dir={recipe.output_dir} holds checkpoints of an earlier run; continue it with "
-                          "--resume auto, or choose another output_dir")
-    check_lineage(args.resume, out, complete_checkpoints(out / "checkpoints"))
+    resume.check_start(args.resume, recipe.output_dir, args.dry_run)
     rank = int(os.environ.get("RANK", "0"))
     say = (lambda m: None) if rank else (lambda m: print(m, file=sys.stderr))
     point, recipe, changes = resume.resolve(args.resume, recipe, args.allow_data_change, world_size_from_env(), rank,
