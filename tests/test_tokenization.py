@@ -390,7 +390,7 @@ def test_template_that_fails_in_python_is_one_data_error_line(error, tokenizer, 
     recipe = Recipe(tokenizer=str(tmp_path / "tok"), chat_template=str(tmp_path / "broken.jinja"))
     tok = load_tokenizer(recipe, str(tmp_path / "tok"))
     for encode in (lambda: D.encode_messages(tok, CHAT, False, 512),
-                   lambda: D._render_many(tok, [CHAT, CHAT])):
+                   lambda: D.render_chats(tok, [CHAT, CHAT])):
         with pytest.raises(D.DataError) as e:
             encode()
         message = str(e.value)
