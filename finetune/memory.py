@@ -251,9 +251,15 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        """The step's peak, or the eval samples' where that is larger: they run after the step, when its
-        activations and buffers are freed, with the whole model gathered (finetune/samples.py)."""
-        return self.model_states + max(self.activations + self.buffers, self.samples)
+        """The training step's peak: what a setup must fit."""
+        return self.model_states + self.activations + self.buffers
+
+    @property
+    def samples_peak(self) -> int:
+        """The peak while an eval generates its samples with the whole model gathered (after the step,
+        its activations and buffers freed). Not part of total: where it does not fit, the run skips the
+        samples with a warning instead of running out of memory (finetune/samples.py samples_fit)."""
+        return self.model_states + self.samples
 
     def fits(self, budget: int, headroom: float = HEADROOM) -> bool:
         return self.total <= budget * (1 - headroom)
@@ -271,7 +277,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     whole; embeddings, lm_head and norms stay as they are. A gathered layer then holds its packed
     weights, and bitsandbytes dequantizes one Linear at a time into the compute dtype (buffers).
     samples: sample_prompts > 0, whose generation gathers the whole sharded model on each GPU at every
-    eval (zero3, fsdp; ddp, zero1 and zero2 hold it whole already), as the ranks store it."""
+    eval (zero3, fsdp; ddp, zero1 and zero2 hold it whole already), in the dtype it computes in (FSDP2
+    gathers bf16/fp16 copies of its fp32 masters; ZeRO-3 stores 16-bit partitions): Estimate.samples_peak."""
     n = world_size
     strategy = strategy_for(setup.strategy)
     base = arch.num_parameters()
@@ -291,7 +298,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     quantized = arch.decoder_linear_weights() if quantized_base and lora_params else 0
     frozen -= quantized * (frozen_pb - QUANT_PACKED)
     params = (trained * pb + frozen) / (n if shard_params else 1)
-    gathered = (trained * pb + frozen) if samples and shard_params else 0
+    gathered = (trained * min(pb, lp) + frozen) if samples and shard_params else 0
     if quantized:
         params += quantized * QUANT_CONSTANTS + arch.decoder_linears() * QUANT_TABLES
     grads = trained * gb / (n if shard_grads else 1)
@@ -485,7 +492,8 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
     if e.samples:
         lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
-                        f"{gib(e.samples, unit)} {name}, counted in the total; sample_prompts=0 saves it")
+                        f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
+                        "eval; where that does not fit, the run skips them with a warning (sample_prompts=0: off)")
     if arch.source.startswith(TABLE_SOURCE):
         unchecked.append(f"the model's own config.json (not in the local cache{', offline' if offline() else ''}; "
                          "the published numbers were used)")

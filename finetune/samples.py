@@ -148,7 +148,10 @@ def samples_fit(accelerator, model) -> str | None:
     """gather_problem on every rank, agreed: the gather is a collective, so all ranks skip or none does."""
     needed = running_strategy(accelerator).gathered_bytes(model)
     device = accelerator.device
-    free = torch.cuda.mem_get_info(device)[0] if needed and device.type == "cuda" else None
+    free = None
+    if needed and device.type == "cuda":  # the driver's free memory and the blocks PyTorch holds unused
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - \
+            torch.cuda.memory_allocated(device)
     problem = gather_problem(needed, free)
     flag = torch.tensor([1.0 if problem else 0.0], device=device)
     if accelerator.num_processes > 1:
