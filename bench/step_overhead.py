@@ -40,7 +40,7 @@ PHASES = {
                  ("accelerate/accelerator.py:.*(clip_grad_norm_)", "step"),
                  ("accelerate/optimizer.py:.*(step)|accelerate/utils/deepspeed.py:.*(step)", "step"),
                  ("accelerate/scheduler.py:.*(step)", "step"),
-                 ("finetune/data.py:.*(fetch)", "own"), ("finetune/loop.py:.*(reduce_sum|one_sync_per_step)", "own"),
+                 ("finetune/data/batches.py:.*(fetch)", "own"), ("finetune/loop.py:.*(reduce_sum|one_sync_per_step)", "own"),
                  ("finetune/loop.py:.*(skip_nonfinite)", "own"), ("finetune/metrics.py:.*(write|update|step|window)", "own"),
                  ("finetune/stopping.py:.*(fault_point)", "own"), ("finetune/strategy.py:.*(accumulate)", "own"),
                  ("accelerate/accelerator.py:.*(gather)", "own")],

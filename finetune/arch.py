@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.assets import resolve_model
 from finetune.recipe import BUILTIN_PREFIX, RecipeError, looks_local
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
@@ -209,8 +210,6 @@ def _measure(cfg_json: str) -> dict | None:
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
-
-        from finetune.model import is_default_lora_target
     except ImportError:
         return None
     verbosity = hf_logging.get_verbosity()
@@ -245,7 +244,7 @@ def _measure(cfg_json: str) -> dict | None:
     }
 
 
-def _offline() -> bool:
+def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
@@ -275,9 +274,7 @@ def load_architecture(model: str) -> Architecture:
     """Architecture numbers for a recipe's `model`, cheapest source first: builtin asset; local
     directory's config.json; the Hugging Face cache; the table of known architectures; the hub
     (transformers.AutoConfig, only when HF_HUB_OFFLINE is not set)."""
-    if model.startswith(BUILTIN_PREFIX):
-        from finetune.assets import resolve_model  # the builtin model is built locally on first use
-
+    if model.startswith(BUILTIN_PREFIX):  # the builtin model is built locally on first use
         directory = Path(resolve_model(model))
         return _read_config_file(directory / "config.json", f"{model} ({directory})")
     path = Path(model).expanduser()
@@ -291,7 +288,7 @@ def load_architecture(model: str) -> Architecture:
     arch = _from_hub_cache(model) or known_architecture(model)
     if arch is not None:
         return arch
-    if not _offline():
+    if not offline():
         try:
             from transformers import AutoConfig
 
@@ -306,3 +303,12 @@ def load_architecture(model: str) -> Architecture:
                         "directory, not in the Hugging Face cache and not in finetune.memory's table of known "
                         "architectures; point model at a local directory that holds config.json (a save_pretrained "
                         "or downloaded snapshot), or unset HF_HUB_OFFLINE on a machine with hub access")
+
+
+def is_default_lora_target(name: str, module) -> bool:
+    """The Linears a LoRA adapter targets by default: the decoder layers' projections, not MoE routers."""
+    import torch
+
+    short = name.rsplit(".", 1)[-1]
+    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and short != "gate"
+            and not short.endswith("_gate"))

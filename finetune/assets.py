@@ -17,6 +17,8 @@ import string
 import tempfile
 from pathlib import Path
 
+from finetune.files import publish
+
 ASSET_VERSION = "v2"  # v2: the tokenizer adds <s> by itself, as a Llama tokenizer does
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -33,8 +35,6 @@ def cache_root() -> Path:
 
 def _publish(build, target: Path) -> Path:
     """Build into a temporary sibling and publish it; the first writer wins."""
-    from finetune.files import publish
-
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,14 +10,18 @@ base is loaded through finetune's own loading (finetune.model.load_model).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from finetune.recipe import RecipeError
+from finetune.checkpoint import HF_DIR, verify
+from finetune.export import ExportError, checkpoint_state_dict, lora_keys
+from finetune.model import add_lora, load_model
+from finetune.recipe import FIELDS, Recipe, RecipeError
+from finetune.samples import generate, render_prompt, stop_ids
+from finetune.strategy import final_in_training_dtype
 
 # The run's data format -> how chat renders a prompt (finetune.samples.render_prompt)
 RUN_FORMATS = {"messages": "chat", "alpaca": "alpaca", "prompt_completion": "prompt_completion"}
@@ -45,8 +49,6 @@ def run_format(recipe: dict) -> str | None:
 
 def _model_recipe(recipe: dict):
     """The fields of a run's recipe that say how its model is built (LoRA, 4-bit, precision)."""
-    from finetune.recipe import FIELDS, Recipe
-
     keep = ("lora", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit",
             "mixed_precision", "attn_implementation")
     values = {k: recipe[k] for k in keep if k in recipe and k in FIELDS}
@@ -63,8 +65,6 @@ def _base_model(base: str, adapter_recipe):
 
     try:
         if adapter_recipe.load_in_4bit:
-            from finetune.model import load_model
-
             return load_model(adapter_recipe, base, AutoConfig.from_pretrained(base)), True
         return AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), False
     except (OSError, ValueError) as e:
@@ -85,8 +85,6 @@ def _with_adapter(base: str, recipe: dict, adapter: dict | None, adapter_dir: Pa
 
         adapter = load_file(str(adapter_dir / "adapter_model.safetensors"))
     if not has_adapter:
-        from finetune.model import add_lora
-
         model = add_lora(model, settings)
     result = set_peft_model_state_dict(model, adapter)
     missing = [k for k in result.missing_keys if "lora_" in k]
@@ -98,8 +96,6 @@ def _with_adapter(base: str, recipe: dict, adapter: dict | None, adapter_dir: Pa
 
 def _from_checkpoint(ckpt: Path, base: str | None):
     """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing."""
-    from finetune.checkpoint import verify
-
     manifest = verify(ckpt)
     recipe = json.loads((ckpt / "recipe.json").read_text()) if (ckpt / "recipe.json").is_file() else {}
     # DeepSpeed's ZeRO reader prints to stdout, which holds only the answers
@@ -111,12 +107,9 @@ def _rebuild(ckpt: Path, base: str | None, manifest: dict, recipe: dict):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.checkpoint import HF_DIR
-    from finetune.export import ExportError, _lora_keys, checkpoint_state_dict
-
     try:
         if recipe.get("lora"):
-            adapter = _lora_keys(checkpoint_state_dict(ckpt, None))
+            adapter = lora_keys(checkpoint_state_dict(ckpt, None))
             return _with_adapter(base or manifest["fingerprint"]["model"], recipe, adapter, None)
         config = AutoConfig.from_pretrained(ckpt / HF_DIR)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -126,7 +119,7 @@ def _rebuild(ckpt: Path, base: str | None, manifest: dict, recipe: dict):
     if unexpected:
         raise RecipeError(f"{ckpt} does not match its config: unexpected {unexpected[:5]}")
     model.tie_weights()
-    if str(recipe.get("strategy", "")).startswith("zero") and recipe.get("mixed_precision") in ("bf16", "fp16"):
+    if final_in_training_dtype(recipe):
         model = model.to(torch.bfloat16 if recipe["mixed_precision"] == "bf16" else torch.float16)  # as final/
     return model
 
@@ -135,8 +128,6 @@ def load(path: Path, base: str | None = None):
     """(model in eval mode, tokenizer, the run's recipe.json or {}) for any output PATH."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from finetune.checkpoint import HF_DIR
 
     recipe = run_recipe(path)
     if (path / "adapter_config.json").is_file():
@@ -169,89 +160,6 @@ def prompt_format(chosen: str | None, tokenizer, recipe: dict, path: Path) -> st
 
 def answer(model, tokenizer, text: str, fmt: str, max_new_tokens: int, temperature: float = 0.0,
            generator=None, input: str = "") -> str:
-    from finetune.samples import generate, render_prompt, stop_ids
-
     ids = generate(model, render_prompt(tokenizer, text, fmt, input), max_new_tokens, stop_ids(tokenizer, model),
                    temperature, generator)
     return tokenizer.decode(ids, skip_special_tokens=True)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other user error
-        raise RecipeError(f"{message} (see finetune chat --help)")
-
-
-def parse_args(argv):
-    from finetune.samples import PROMPT_FORMATS
-
-    parser = _Parser(prog="finetune chat", description="Answers from a trained model: final/, final_merged/, a "
-                     "LoRA adapter folder or a checkpoint. Without PROMPT: a prompt per line on a terminal, or "
-                     "each line of standard input.")
-    parser.add_argument("path", type=Path, help="e.g. runs/tiny/final or runs/tiny/checkpoints/step_000000200")
-    parser.add_argument("prompt", nargs="?", help="one prompt; its answer is printed")
-    parser.add_argument("--format", choices=PROMPT_FORMATS,
-                        help="chat: the chat template; alpaca, prompt_completion: as the run wrote prompts; raw: the "
-                        "text as the model sees it (as samples.jsonl's prompt). Default: the run's data format, else "
-                        "the chat template")
-    parser.add_argument("--input", default="", help="alpaca: the input field (the prompt is the instruction)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--seed", type=int, default=0, help="for --temperature above 0")
-    parser.add_argument("--base", help="a LoRA adapter's or checkpoint's base model (default: the run's)")
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 1:
-        raise RecipeError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
-    if args.temperature < 0:
-        raise RecipeError(f"--temperature {args.temperature}: must be 0 (greedy) or more")
-    if not args.path.exists():
-        raise RecipeError(f"{args.path} does not exist; give final/ of a run, an adapter folder or a checkpoint")
-    return args
-
-
-def main(argv=None) -> int:
-    import os
-    import warnings
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # one process; a GPU is used when there is one
-    warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")
-    try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
-        import torch
-
-        from finetune.metrics import setup_logging
-
-        setup_logging("warning", 0)
-        model, tokenizer, recipe = load(args.path, args.base)
-        fmt = prompt_format(args.format, tokenizer, recipe, args.path)
-        if torch.cuda.is_available():
-            model = model.to("cuda")
-        generator = torch.Generator().manual_seed(args.seed)
-
-        def reply(text: str) -> str:
-            return answer(model, tokenizer, text, fmt, args.max_new_tokens, args.temperature, generator, args.input)
-
-        if args.prompt is not None:
-            print(reply(args.prompt), flush=True)
-            return 0
-        if sys.stdin.isatty():
-            print(f"{args.path} ({fmt} prompts; empty line or Ctrl-D to quit)", file=sys.stderr)
-            while True:
-                try:
-                    text = input("> ")
-                except (EOFError, KeyboardInterrupt):
-                    print(file=sys.stderr)
-                    return 0
-                if not text.strip():
-                    return 0
-                print(reply(text), flush=True)
-        for line in sys.stdin:
-            if line.strip():
-                print(reply(line.rstrip("\n")), flush=True)
-        return 0
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

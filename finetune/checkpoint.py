@@ -28,6 +28,7 @@ from pathlib import Path
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 from finetune.stopping import fault_point
+from finetune.strategy import nonfinite_count
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"
@@ -44,23 +45,25 @@ DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval
 # Data keys written into a fingerprint only when set, so that a single-dataset run's fingerprint is the
 # one earlier versions wrote (their checkpoints still resume, and new ones resume on older versions).
 OPTIONAL_DATA_KEYS = ("datasets", "eval_split")
-# Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
-# a resumed run would silently keep the old value, so a change is refused rather than ignored.
-STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
-              "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
-              "lora_alpha", "lora_dropout", "load_in_4bit")
-# What a change of these does on resume (any other key not named above applies as it would in a new run).
-RESUME_EFFECTS = {
-    "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
-    "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
-    "micro_batch_size": "the global batch is kept, accumulation is recomputed",
-    "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
-                    "(false) from this step on",
-}
+
+
+# Where a run's outputs live under output_dir.
+CHECKPOINTS = "checkpoints"  # checkpoints/step_<9 digits>/, each complete once its manifest is written
+FINAL = "final"  # the finished model (or a LoRA adapter)
+FINAL_MERGED = "final_merged"  # a LoRA run's base with the adapter folded in (merge_lora=true)
+
+
+def checkpoints_dir(output_dir) -> Path:
+    return Path(output_dir) / CHECKPOINTS
 
 
 def checkpoint_name(step: int) -> str:
     return f"{PREFIX}{step:09d}"
+
+
+def saved_names(root: Path) -> list[str]:
+    """The names of the checkpoint directories in root (complete or not), oldest first."""
+    return sorted(p.name for p in root.glob(f"{PREFIX}*")) if root.is_dir() else []
 
 
 def fingerprint(recipe: Recipe, model_path: str | None = None) -> dict:
@@ -421,26 +424,6 @@ def safe_loading():
         filesystem.pickle = original
 
 
-@contextmanager
-def adapter_only_fsdp(enabled: bool):
-    """Accelerate's FSDP save/load with adapter_only=True, so that a LoRA checkpoint holds the adapter
-    (and its optimizer state) but not the frozen base, which every run reloads from the model."""
-    if not enabled:
-        yield
-        return
-    import functools
-
-    import accelerate.accelerator as accelerator_module
-
-    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
-    accelerator_module.save_fsdp_model = functools.partial(saved[0], adapter_only=True)
-    accelerator_module.load_fsdp_model = functools.partial(saved[1], adapter_only=True)
-    try:
-        yield
-    finally:
-        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
-
-
 # ---------------------------------------------------------------- RNG states (safetensors, not pickle)
 
 
@@ -555,11 +538,11 @@ class Checkpointer:
     def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None,
                  generation_config=None):
         r = plan.recipe
-        self.root = Path(r.output_dir) / "checkpoints"
+        self.root = checkpoints_dir(r.output_dir)
         # copied in, so export needs nothing else (the generation config: the one final/ gets)
         self.model_config, self.tokenizer, self.generation_config = model_config, tokenizer, generation_config
-        if r.lora and accelerator.distributed_type.name not in ("DEEPSPEED", "FSDP"):
-            accelerator.register_save_state_pre_hook(_keep_trainable_weights)
+        self.strategy = plan.strategy
+        self.strategy.on_checkpointer(accelerator, r.lora)
         self.accelerator, self.optimizer = accelerator, optimizer
         self.recipe = r
         self.fingerprint = fingerprint(r, model_path)
@@ -611,14 +594,7 @@ class Checkpointer:
     def _write(self, state: LoopState, tmp: Path) -> None:
         """This rank's part of a checkpoint (rank 0 also writes the loop state, recipe and hf/)."""
         acc, optimizer = self.accelerator, self.optimizer
-        with adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
-            if acc.distributed_type.name == "DEEPSPEED":
-                # universal_checkpoint_info lets ds_to_universal convert it for another world size (models
-                # without tensor parallelism need no patterns); a LoRA run leaves its frozen base out
-                acc.save_state(str(tmp), exclude_frozen_parameters=self.recipe.lora, client_state={
-                    "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
-            else:
-                acc.save_state(str(tmp))
+        self.strategy.save_state(acc, tmp, self.recipe.lora)
         save_rng(tmp / RNG_DIR, acc.process_index)
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeroRedundancyOptimizer: gather shards on rank 0
             import torch
@@ -661,15 +637,15 @@ class Checkpointer:
     def check_finite(self, step: int) -> None:
         """Collective: refuse to save weights that hold NaN or inf, on any rank. The guard before each
         update (loop.skip_nonfinite) sees the loss and gradient norm only; an update can still turn
-        weights non-finite with both finite (adam_eps=0, which the recipe now refuses, made 4,608
-        values of fsdp's embed_tokens NaN at step 1). Each rank counts the non-finite values of its
+        weights non-finite with both finite (adam_eps=0 can: the recipe refuses it, docs/design-notes.md).
+        Each rank counts the non-finite values of its
         part of the weights (updated_weights; one pass over them per save) and one all-reduce adds the
         counts up (averages them where every rank holds all the weights)."""
         import torch
 
         acc = self.accelerator
         count = nonfinite_count(self.optimizer).to(acc.device, torch.float64)
-        replicated = acc.distributed_type.name not in ("DEEPSPEED", "FSDP")  # DDP: every rank holds them all
+        replicated = self.strategy.replicates_weights  # every rank holds them all
         bad = math.ceil(acc.reduce(count, reduction="mean" if replicated else "sum").item())
         if bad:
             raise NonFiniteWeights(f"step {step}: the weights to be saved hold {bad} NaN/inf value(s), while the "
@@ -688,14 +664,9 @@ class Checkpointer:
 
         verify_checksums(point.path, point.manifest, acc.process_index, acc.num_processes,
                          _all_gather(acc), log=logging.getLogger("finetune").warning)
-        with safe_loading(), adapter_only_fsdp(self.recipe.lora and acc.distributed_type.name == "FSDP"):
+        with safe_loading():
             try:
-                if self.recipe.lora and acc.distributed_type.name == "DEEPSPEED":
-                    acc.load_state(str(source), load_module_strict=False)  # the frozen base comes from the model
-                elif self.recipe.lora and acc.distributed_type.name != "FSDP":
-                    acc.load_state(str(source), strict=False)
-                else:
-                    acc.load_state(str(source))
+                self.strategy.load_state(acc, source, self.recipe.lora)
             except pickle.UnpicklingError as e:
                 raise UnsafeCheckpointError(f"checkpoint {point.path}: {e}; use a checkpoint from a source you "
                                             "trust") from None
@@ -756,30 +727,6 @@ def first_failure(error: BaseException, directory: Path) -> str:
     return line
 
 
-def updated_weights(optimizer) -> list:
-    """This rank's part of the weights the optimizer updates: its shard under FSDP (the local tensor of
-    each DTensor), its fp32 partitions under DeepSpeed, every parameter under DDP. ZeRO-3 hands its
-    flat fp32 partitions to the torch optimizer only for the duration of a step (its param_groups are
-    empty in between), so they are taken from ZeRO-3 itself."""
-    while not hasattr(optimizer, "fp32_partitioned_groups_flat") and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
-        return list(optimizer.fp32_partitioned_groups_flat)
-    return [p.to_local() if hasattr(p, "to_local") else p for g in optimizer.param_groups for p in g["params"]]
-
-
-def nonfinite_count(optimizer):
-    """How many values of this rank's updated weights (updated_weights) are NaN or inf, as a tensor."""
-    import torch
-
-    counts = {}  # per device, read back once each (a CPU-offloaded shard lives apart from the GPU's)
-    for t in updated_weights(optimizer):
-        if t.numel():
-            n = (~torch.isfinite(t.detach())).sum()
-            counts[n.device] = counts.get(n.device, 0) + n
-    return sum((n.cpu() for n in counts.values()), torch.zeros((), dtype=torch.int64))
-
-
 def after_nonfinite(root: Path, recipe, step: int) -> str:
     """What a NaN stop leaves, and what continues from it: commands that run. A resumed run keeps the
     checkpoint's lr and Adam settings (resume.changes refuses another lr), so a lower lr is a new run."""
@@ -801,15 +748,6 @@ def rotate(root: Path, keep_last: int, keep: Path) -> list[Path]:
     for old in dropped:
         shutil.rmtree(old, ignore_errors=True)
     return dropped
-
-
-def _keep_trainable_weights(models, weights, output_dir) -> None:
-    """Accelerate save_state hook for DDP LoRA runs: write the adapter, not the frozen base."""
-    for i, model in enumerate(models):
-        inner = getattr(model, "module", model)
-        trainable = {n for n, p in inner.named_parameters() if p.requires_grad}
-        if i < len(weights) and trainable:
-            weights[i] = {k: v for k, v in weights[i].items() if k in trainable}
 
 
 def _all_gather(acc):

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from finetune.data import DataError, render_chat
+
 SENTINEL = "Zq7xk"  # an answer no template rewrites (no spaces to trim, no reasoning tags)
 CHAT_FORMATS = ("messages",)  # the formats rendered with the chat template (finetune.data.encode_messages)
 
@@ -43,14 +45,12 @@ def _marker(tokenizer) -> str | None:
     part a conversation that goes on (a next user message) and one that ends there (the conversation's
     own closing text, as Phi-3's closing EOS) have in common. None if the template renders no
     conversation of user, assistant (and user) messages, or drops the answer."""
-    from finetune.data import DataError, _render
-
     user, answer, more = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": SENTINEL},
                           {"role": "user", "content": "Bye"})
     tails = []
     for messages in ([user, answer, more], [user, answer]):
         try:
-            text = _render(tokenizer, messages, False)
+            text = render_chat(tokenizer, messages, False)
         except DataError:  # a template that refuses a conversation ending with a user/assistant message
             continue
         at = text.find(SENTINEL)

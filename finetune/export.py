@@ -12,21 +12,22 @@ Either way the directory is written under a temporary name and renamed, so it is
 
 from __future__ import annotations
 
-import argparse
 import json
-import pickle
 import shutil
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 if __package__ in (None, ""):  # python finetune/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.checkpoint import complete_checkpoints, first_failure  # noqa: E402
+from finetune.checkpoint import (HF_DIR, checkpoints_dir, complete_checkpoints, first_failure,  # noqa: E402
+                                 safe_loading, verify)
+from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
 from finetune.files import publish  # noqa: E402
-from finetune.recipe import RecipeError  # noqa: E402
+from finetune.model import add_lora, without_zero3_init  # noqa: E402
+from finetune.recipe import Recipe, RecipeError  # noqa: E402
 from finetune.stopping import fault_point  # noqa: E402
+from finetune.strategy import final_in_training_dtype, running_strategy  # noqa: E402
 
 
 def save_final_model(accelerator, model, tokenizer, out_dir: Path, max_shard_size: str = "5GB",
@@ -75,7 +76,7 @@ def write_on_main(accelerator, out_dir: Path, write) -> None:
             publish(tmp, out_dir)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            saved = complete_checkpoints(out_dir.parent / "checkpoints")
+            saved = complete_checkpoints(checkpoints_dir(out_dir.parent))
             kept = (f"the checkpoint {saved[-1]} holds the same weights: once there is room, finetune export "
                     f"{saved[-1]} {out_dir}" if saved else "no checkpoint holds these weights")
             error = f"writing {out_dir} failed: {first_failure(e, out_dir.parent)}; the partial directory was " \
@@ -108,26 +109,9 @@ def is_lora(model) -> bool:
 def trainable_state_dict(accelerator, model) -> dict:
     """Full tensors of the trainable parameters only (a LoRA adapter), on the main process: gathering
     them is cheap, unlike the frozen base. Collective: every rank must call it."""
-    import torch
-
     unwrapped = accelerator.unwrap_model(model)
     named = [(n, p) for n, p in unwrapped.named_parameters() if p.requires_grad]
-    out = {}
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            if accelerator.is_main_process:
-                out = {n: p.detach().to("cpu", copy=True) for n, p in named}
-        return out
-    from torch.distributed.tensor import DTensor
-
-    for name, param in named:
-        full = param.full_tensor() if isinstance(param, DTensor) else param  # collective for FSDP2 shards
-        if accelerator.is_main_process:
-            out[name] = full.detach().to("cpu", torch.float32, copy=True)
-    return out
+    return running_strategy(accelerator).gather_trainable(accelerator, named)
 
 
 def save_final_adapter(accelerator, model, tokenizer, out_dir: Path, generation_config=None) -> Path:
@@ -155,7 +139,7 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    with _without_zero3_init():
+    with without_zero3_init():
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     if (Path(adapter_dir) / "generation_config.json").is_file():
@@ -166,20 +150,6 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
     publish(tmp, Path(out_dir))
     return Path(out_dir)
-
-
-@contextmanager
-def _without_zero3_init():
-    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init, which partitions
-    it with collectives; a load on the main process alone would then wait for the other ranks forever."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def _plain_architecture(config_path: Path) -> None:
@@ -217,8 +187,6 @@ def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
     model's state dict (its keys and shapes), filled in place for the FSDP case; None for a LoRA
     checkpoint, which holds the adapter only."""
     import torch
-
-    from finetune.checkpoint import safe_loading
 
     fsdp_dir = ckpt / "pytorch_model_fsdp_0"
     zero_dir = ckpt / "pytorch_model"
@@ -260,10 +228,6 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.checkpoint import HF_DIR, verify
-    from finetune.end_of_turn import checkpoint_generation_config
-    from finetune.recipe import RecipeError
-
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     if out_dir.exists():
         raise ExportError(f"{out_dir} already exists; choose another OUT_DIR or move that one away (nothing was "
@@ -302,7 +266,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     model.tie_weights()
     # final/ of a DeepSpeed run in bf16/fp16 holds 16-bit weights; the export matches it
     precision = recipe.get("mixed_precision", "no")
-    if str(recipe.get("strategy", "")).startswith("zero") and precision in ("bf16", "fp16"):
+    if final_in_training_dtype(recipe):
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf)
@@ -329,7 +293,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
             "parameters": sum(p.numel() for p in model.parameters()), "probe_max_abs_diff": max_diff}
 
 
-def _lora_keys(state_dict: dict) -> dict:
+def lora_keys(state_dict: dict) -> dict:
     """Adapter tensors named as in peft's adapter_model.safetensors: DeepSpeed and DDP keep the adapter
     name in the key (`lora_A.default.weight`), peft's saved form (and FSDP's adapter_only save) has none."""
     import re
@@ -350,20 +314,15 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     from peft import PeftModel, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.checkpoint import HF_DIR
-    from finetune.end_of_turn import checkpoint_generation_config
-    from finetune.model import add_lora
-    from finetune.recipe import Recipe, RecipeError
-
     base_path = base or manifest["fingerprint"]["model"]
     try:
-        with _without_zero3_init():
+        with without_zero3_init():
             base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ExportError(f"{ckpt} holds a LoRA adapter, not a whole model, and its base {base_path} cannot be "
                           f"loaded ({str(e).strip().splitlines()[0]}); pass --base PATH_OR_HUB_ID of the model it "
                           "was trained on") from None
-    adapter = _lora_keys(checkpoint_state_dict(ckpt, None))
+    adapter = lora_keys(checkpoint_state_dict(ckpt, None))
     not_lora = [k for k in adapter if "lora_" not in k]
     if not adapter or not_lora:
         raise ExportError(f"{ckpt} is marked lora=true but holds {not_lora[:3] or 'no tensors'} besides/instead of "
@@ -433,54 +392,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
                    "parameters": sum(p.numel() for p in again.parameters())}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m finetune.export",
-                                     description="Turn any finetune checkpoint into a plain Hugging Face model.")
-    parser.add_argument("checkpoint", type=Path, help="e.g. OUTPUT_DIR/checkpoints/step_000000200")
-    parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--max-shard-size", default="5GB")
-    parser.add_argument("--merge", action="store_true",
-                        help="LoRA checkpoints: write base + adapter as one plain model (default: a peft adapter)")
-    parser.add_argument("--base", help="LoRA checkpoints: the base model (default: the one the run loaded)")
-    args = parser.parse_args(argv)
-    import os
-    import warnings
+if __name__ == "__main__":  # python -m finetune.export
+    import runpy
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # export never needs a GPU
-    warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")  # one process is the intent
-    from finetune.metrics import setup_logging
-
-    setup_logging("warning", 0)
-    try:
-        result = export_checkpoint(args.checkpoint, args.out_dir, args.max_shard_size, args.merge, args.base,
-                                   log=lambda m: print(m, file=sys.stderr))
-    except ExportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpoint.safe_loading)
-        print(f"error: checkpoint {args.checkpoint}: {e}; use a checkpoint from a source you trust; nothing was "
-              "written", file=sys.stderr)
-        return 2
-    except OSError as e:  # writing failed after all (a full disk, storage that went away); the partial is removed
-        print(f"error: writing {args.out_dir} failed: {type(e).__name__}: {e}; it was not created (a partial "
-              f"{args.out_dir.name}.tmp beside it may be deleted); free space or choose another OUT_DIR",
-              file=sys.stderr)
-        return 2
-    if result.get("lora") and not result["merged"]:
-        print(f"exported the LoRA adapter of step {result['step']} (written by {result['world_size']} process(es)) "
-              f"to {result['out_dir']}: {result['adapter_parameters']:,} parameters; reloaded with "
-              f"PeftModel.from_pretrained on {result['base']}, probe logits identical")
-        return 0
-    if result.get("lora"):
-        print(f"exported step {result['step']} merged into {result['base']} to {result['out_dir']}: "
-              f"{result['parameters']:,} parameters, {result['dtype']}; reloaded with from_pretrained, probe logits "
-              f"identical, within {result['probe_max_abs_diff']:.2g} of base + adapter")
-        return 0
-    print(f"exported step {result['step']} (written by {result['world_size']} process(es)) to {result['out_dir']}: "
-          f"{result['parameters']:,} parameters, {result['dtype']}; reloaded with from_pretrained, probe logits "
-          "identical")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    runpy.run_module("finetune.commands.export", run_name="__main__")

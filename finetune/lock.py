@@ -269,28 +269,3 @@ def check_not_busy(output_dir: Path, env=os.environ) -> None:
         return
     if holder.alive():
         raise BusyError(_busy_message(Path(output_dir), path, holder))
-
-
-def check_lineage(resume: str, output_dir: Path, complete: list[Path]) -> None:
-    """A run continues only its own line of checkpoints.
-
-    `--resume PATH` writes its next checkpoints into output_dir/checkpoints. If that directory holds
-    checkpoints of another run, or checkpoints of this run newer than PATH, the resumed run would
-    replace some of them (same step names) and rotation and `--resume auto` would then mix two
-    histories. So PATH must be the newest checkpoint of output_dir, or output_dir must hold none.
-    `complete` lists output_dir's complete checkpoints, oldest first.
-    """
-    if not complete or resume == "auto":
-        return
-    target = Path(resume).expanduser().resolve()
-    root = complete[-1].parent.resolve()
-    names = ", ".join(p.name for p in complete[-3:])
-    if target.parent != root:
-        raise RecipeError(f"--resume {resume}: output_dir={output_dir} already holds checkpoints of another run "
-                          f"({names}), which the resumed run would overwrite; resume into an output_dir without "
-                          "checkpoints, or continue that run with --resume auto")
-    newer = [p.name for p in complete if p.name > target.name]
-    if newer:
-        raise RecipeError(f"--resume {resume}: {root} holds newer checkpoints ({', '.join(newer)}), which the resumed "
-                          "run would overwrite; move them out of that directory first, or --resume auto to "
-                          "continue from the newest")

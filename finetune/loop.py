@@ -1,4 +1,7 @@
-"""The one training loop, for every strategy. It asks the other modules and reads top to bottom."""
+"""The one training loop, for every strategy and objective, in four parts that read top to bottom:
+setup (the run's parts from the plan), optimizer_step (one step over a global batch, asking the
+objective for each micro-batch's loss and for how the batch is counted), the Reporter (called once
+per step and once per eval) and finish (final/, the summary)."""
 
 from __future__ import annotations
 
@@ -6,21 +9,24 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from finetune import data as D
-from finetune.checkpoint import Checkpointer, LoopState, after_nonfinite
+from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, after_nonfinite, checkpoints_dir,
+                                 saved_names)
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
-from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer, loss_sum
+from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer
+from finetune.objectives import objective_for
 from finetune.plan import Plan
-from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.recipe import RecipeError
+from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.stopping import StopRequest, fault_point
 from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
 
@@ -50,15 +56,16 @@ def main_first(accelerator, fn):
 
 
 def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, loss,
-             padding_free: bool = False) -> float:
-    """Mean loss per target token over the whole eval set, exact across ranks."""
+             padding_free: bool = False, count=D.target_tokens) -> float:
+    """Mean loss per counted token (the objective's: target tokens) over the whole eval set, exact
+    across ranks."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for rows in batches:
             batch = to_device(D.fetch(ds, rows, pad_id, packed, padding_free), device)
             total[0] += loss(model, batch).double()
-            total[1] += D.target_tokens(batch)
+            total[1] += count(batch)
     model.train()
     total = reduce(total)
     return float(total[0] / total[1])
@@ -108,9 +115,9 @@ def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple
     """What the host must know of a step, read back at once: the loss (for the NaN check before the
     update, and the log), the global token counts, and whether any rank was asked to stop (a signal
     caught during the step stops the run after it). The loop waits for the device here only, after
-    backward (the gradient norm, read next, is computed by then). It used to wait twice: for the
-    counts before the forward, which kept the host from queueing a step's kernels while the previous
-    step's optimizer ran, and for the loss after backward (bench/step_overhead.py)."""
+    backward (the gradient norm, read next, is computed by then): a wait for the counts before the
+    forward would keep the host from queueing a step's kernels while the previous step's optimizer
+    runs (bench/step_overhead.py; docs/design-notes.md)."""
     ends = reduce_sum(torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64,
                                                            device=step_loss.device)]))
     loss_sum, stops, targets, inputs = torch.cat([ends, counts]).tolist()
@@ -123,7 +130,44 @@ def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple
 KEEP_UNTIL_EXIT: list = []
 
 
-def train(plan: Plan) -> dict:
+@dataclass
+class Run:
+    """The run's parts, built from the plan by setup()."""
+    plan: Plan
+    out: Path
+    accelerator: object
+    model_path: str
+    config: object
+    tokenizer: object
+    datasets: object
+    schedule: D.BatchSchedule
+    total_steps: int
+    eval_rows: list | None
+    prompts: list
+    generation_config: object
+    stops: str
+    model: object
+    optimizer: object
+    scheduler: object
+    objective: object
+    checkpoints: Checkpointer
+    reporter: "Reporter"
+    samples: SampleWriter
+    wall_t0: float
+
+    @property
+    def recipe(self):
+        return self.plan.recipe
+
+    def reduce_sum(self, t):
+        return self.accelerator.reduce(t, reduction="sum")
+
+
+def setup(plan: Plan) -> tuple[Run, LoopState]:
+    """Everything a run needs, in the order it must be built: the process group before the model (so
+    that ZeRO-3 partitions and FSDP ranks other than 0 skip the weights as they load), the data before
+    the model (a data error costs no model load), the checkpoint's state last. Returns the run and the
+    loop state it starts from."""
     wall_t0 = time.perf_counter()
     r = plan.recipe
     out = Path(r.output_dir)
@@ -133,15 +177,13 @@ def train(plan: Plan) -> dict:
     if problem:
         raise RecipeError(problem)
     accelerator = build_accelerator(plan, config)
-    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    rank, world = accelerator.process_index, accelerator.num_processes
     is_main = accelerator.is_main_process
     log.info(plan.describe())
     torch.manual_seed(r.seed)
 
     tokenizer = load_tokenizer(r, model_path)
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
-    packed = r.packing
-    pad_id = tokenizer.pad_token_id
     schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, world, r.seed)
     if schedule.steps_per_epoch == 0:
         raise RecipeError(f"the dataset has {len(datasets.train)} training rows, fewer than one global batch of "
@@ -149,7 +191,7 @@ def train(plan: Plan) -> dict:
     total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
     eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, rank, world, r.eval_max_samples) \
         if datasets.eval is not None else None
-    layout = (", packed" if packed else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
+    layout = (", packed" if r.packing else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
@@ -162,7 +204,7 @@ def train(plan: Plan) -> dict:
     stops = describe(turn, generation_config)
     if turn is not None and is_main:
         (log.info if turn.ids else log.warning)(f"end of turn: {stops}")
-    if padding_free_scores(r) and packed and r.micro_batch_size > 1 and is_main:
+    if padding_free_scores(r) and r.packing and r.micro_batch_size > 1 and is_main:
         log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
                     "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
                     "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "
@@ -172,23 +214,18 @@ def train(plan: Plan) -> dict:
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
 
-    def reduce_sum(t):
-        return accelerator.reduce(t, reduction="sum")
-
-    def loss_of(model, batch, aux=None):
-        return loss_sum(model, batch, r.loss_impl, r.loss_chunk_tokens, aux)
-
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
                                   "global_batch_size": plan.global_batch_size,
                                   "data": {"sources": datasets.sources, "summary": datasets.summary}}
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    metrics = MetricsFile(out / "metrics.jsonl", is_main, accelerator)
-    start_trackers(accelerator, r, out)
-    plot = LossPlot(out / "metrics.jsonl", out / "loss.png", enabled=is_main and r.plot_loss)
+    reporter = Reporter(accelerator, r, out, total_steps)
     samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
+    run = Run(plan, out, accelerator, model_path, config, tokenizer, datasets, schedule, total_steps, eval_rows,
+              prompts, generation_config, stops, model, optimizer, scheduler, objective_for(r), checkpoints,
+              reporter, samples, wall_t0)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -196,110 +233,182 @@ def train(plan: Plan) -> dict:
         seconds = time.perf_counter() - t0
         log.info(f"resumed from {plan.resume.path} at step {state.step} "
                  f"({plan.resume.world_size} -> {world} processes) in {seconds:.2f}s")
-        metrics.write({"step": state.step, "resumed_from": str(plan.resume.path), "world_size": world,
-                       "resume_seconds": round(seconds, 3)})
-    stop = StopRequest()
+        reporter.resumed({"step": state.step, "resumed_from": str(plan.resume.path), "world_size": world,
+                          "resume_seconds": round(seconds, 3)})
+    return run, state
 
-    progress = Progress(total_steps, state.step, is_main)
-    meter = Throughput(device, r.mixed_precision, config, r.max_seq_len, world, tokens_at_start=state.tokens)
-    last_eval = None
-    if eval_rows is not None and r.eval_at_start and state.step == 0:
-        with meter.paused("eval"):
-            last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
-                                 r.padding_free)
-            shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples, 0,
-                                   generation_config)
-        metrics.write({"step": 0, "eval_loss": last_eval})
-        progress.note(f"step 0: eval_loss {last_eval:.4f}")
-        if shown:
-            progress.note(shown)
-    model.train()
-    stopping = False
-    while state.step < total_steps:
-        micro_batches = [D.fetch(datasets.train, rows, pad_id, packed, r.padding_free)
-                         for rows in schedule.rows(state.step, rank)]
-        # The global batch's target and input tokens, summed on the device and not read back here: the
-        # host queues the forward without waiting for the previous step to finish (see one_sync_per_step)
-        counts = reduce_sum(to_device(torch.tensor([sum(D.target_tokens(b) for b in micro_batches),
-                                                    sum(D.input_tokens(b) for b in micro_batches)],
-                                                   dtype=torch.float64), device))
-        scale = (world * plan.grad_accum / counts[0]).float()  # the framework averages over ranks and micro-steps
-        step_loss = torch.zeros((), dtype=torch.float64, device=device)
-        aux = []  # a mixture of experts' router loss per micro-batch, when its config asks for one
-        for index, batch in enumerate(to_device(b, device) for b in micro_batches):
-            with accumulate(accelerator, model, index):
-                loss = loss_of(model, batch, aux)
-                accelerator.backward(loss * scale)
-            step_loss += loss.detach().double()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
-        step_loss, global_tokens, global_inputs, stopping = one_sync_per_step(step_loss, counts, stop, reduce_sum)
-        if not skip_nonfinite(state, step_loss, grad_norm, r, out):  # or raises: a NaN run stops here
-            optimizer.step()
-            scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state.step += 1
-        state.tokens += global_tokens
-        state.samples += schedule.global_batch
-        meter.step(global_tokens, global_inputs)
-        fault_point("after_step", rank, state.step, optimizer)
 
+@dataclass
+class StepResult:
+    loss: float  # mean per counted token (target token) over the global batch
+    grad_norm: object
+    aux: list  # a mixture of experts' router loss per micro-batch, when its config asks for one
+    stopping: bool  # a rank was asked to stop: save and stop after this step
+
+
+def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Throughput) -> StepResult:
+    """One optimizer step over the global batch of step state.step: forward and backward of this rank's
+    micro-batches, the update unless the loss or gradient norm is not finite, and the state advanced."""
+    r, accelerator, model, objective = run.recipe, run.accelerator, run.model, run.objective
+    device, world = accelerator.device, accelerator.num_processes
+    pad_id = run.tokenizer.pad_token_id
+    micro_batches = [D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
+                     for rows in run.schedule.rows(state.step, accelerator.process_index)]
+    # The global batch's counts, summed on the device and not read back here: the host queues the
+    # forward without waiting for the previous step to finish (see one_sync_per_step)
+    counts = run.reduce_sum(to_device(objective.counts(micro_batches), device))
+    scale = (world * run.plan.grad_accum / counts[0]).float()  # the framework averages over ranks and micro-steps
+    step_loss = torch.zeros((), dtype=torch.float64, device=device)
+    aux = []
+    for index, batch in enumerate(to_device(b, device) for b in micro_batches):
+        with accumulate(accelerator, model, index):
+            loss = objective.loss(model, batch, aux)
+            accelerator.backward(loss * scale)
+        step_loss += loss.detach().double()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
+    step_loss, global_tokens, global_inputs, stopping = one_sync_per_step(step_loss, counts, stop, run.reduce_sum)
+    if not skip_nonfinite(state, step_loss, grad_norm, r, run.out):  # or raises: a NaN run stops here
+        run.optimizer.step()
+        run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    state.step += 1
+    state.tokens += global_tokens
+    state.samples += run.schedule.global_batch
+    meter.step(global_tokens, global_inputs)
+    fault_point("after_step", accelerator.process_index, state.step, run.optimizer)
+    return StepResult(step_loss, grad_norm, aux, stopping)
+
+
+class Reporter:
+    """What the run tells the person watching it: the log line or progress bar, metrics.jsonl, the
+    recipe's trackers and loss.png. The loop calls it once per step (`step`) and once per eval
+    (`eval`), on every rank: a step's record gathers the ranks' peak memory."""
+
+    def __init__(self, accelerator, recipe, out: Path, total_steps: int):
+        self.accelerator, self.recipe, self.total_steps = accelerator, recipe, total_steps
+        self.metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process, accelerator)
+        start_trackers(accelerator, recipe, out)
+        self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
+                             enabled=accelerator.is_main_process and recipe.plot_loss)
+        self.progress = None
+
+    def resumed(self, record: dict) -> None:
+        self.metrics.write(record)
+
+    def begin(self, step: int) -> None:
+        """The progress bar (or log lines), from the step the run starts at."""
+        self.progress = Progress(self.total_steps, step, self.accelerator.is_main_process)
+
+    def step(self, state: LoopState, result: StepResult, scheduler, meter: Throughput, epoch: int) -> None:
+        """After each optimizer step: a record every log_every steps and at the last."""
+        accelerator, device = self.accelerator, self.accelerator.device
         record = None
-        if state.step % r.log_every == 0 or state.step == total_steps:
+        if state.step % self.recipe.log_every == 0 or state.step == self.total_steps:
             memory = accelerator.gather(torch.tensor([peak_memory_bytes(device)], device=device)).tolist()
-            record = {"step": state.step, "loss": step_loss, "lr": scheduler.get_last_lr()[0],
+            grad_norm = result.grad_norm
+            record = {"step": state.step, "loss": result.loss, "lr": scheduler.get_last_lr()[0],
                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                      "tokens": state.tokens, **meter.window(), "epoch": (state.step - 1) // schedule.steps_per_epoch,
+                      "tokens": state.tokens, **meter.window(), "epoch": epoch,
                       "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
-            if aux:
-                record["aux_loss"] = float(reduce_sum(torch.stack(aux).mean()) / world)
-            metrics.write(record)
-        progress.update(state.step, record)
+            if result.aux:
+                record["aux_loss"] = float(accelerator.reduce(torch.stack(result.aux).mean(), reduction="sum")
+                                           / accelerator.num_processes)
+            self.metrics.write(record)
+        self.progress.update(state.step, record)
 
-        end = state.step == total_steps
-        if eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
-            with meter.paused("eval"):
-                last_eval = evaluate(model, datasets.eval, eval_rows, pad_id, packed, device, reduce_sum, loss_of,
-                                     r.padding_free)
-                shown = sample_at_eval(accelerator, model, prompts, tokenizer, r.sample_max_new_tokens, samples,
-                                       state.step, generation_config)
+    def eval(self, step: int, eval_loss: float, shown: str, plot: bool = True) -> None:
+        """After each eval: its loss, the samples' progress line, and loss.png (redrawn at most every so often)."""
+        self.metrics.write({"step": step, "eval_loss": eval_loss})
+        self.progress.note(f"step {step}: eval_loss {eval_loss:.4f}")
+        if shown:
+            self.progress.note(shown)
+        if plot:
+            self.plot.update()
+
+    def note(self, text: str) -> None:
+        self.progress.note(text)
+
+    def close(self) -> None:
+        self.progress.close()
+
+    def final_plot(self) -> Path | None:
+        """loss.png drawn now (on the main process; its path, if one was drawn)."""
+        return self.plot.final()
+
+
+def run_eval(run: Run, step: int, meter: Throughput) -> tuple[float, str]:
+    """The eval loss and the samples' progress line; paused out of the training speed."""
+    r = run.recipe
+    with meter.paused("eval"):
+        loss = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
+                        run.accelerator.device, run.reduce_sum, run.objective.loss, r.padding_free,
+                        count=run.objective.eval_count)
+        shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer, r.sample_max_new_tokens,
+                               run.samples, step, run.generation_config)
+    return loss, shown
+
+
+def train(plan: Plan) -> dict:
+    run, state = setup(plan)
+    r, reporter = run.recipe, run.reporter
+    stop = StopRequest()
+    reporter.begin(state.step)
+    meter = Throughput(run.accelerator.device, r.mixed_precision, run.config, r.max_seq_len,
+                       run.accelerator.num_processes, tokens_at_start=state.tokens)
+    last_eval = None
+    if run.eval_rows is not None and r.eval_at_start and state.step == 0:
+        last_eval, shown = run_eval(run, 0, meter)
+        reporter.eval(0, last_eval, shown, plot=False)
+    run.model.train()
+    stopping = False
+    while state.step < run.total_steps:
+        result = optimizer_step(run, state, stop, meter)
+        stopping = result.stopping
+        reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
+        end = state.step == run.total_steps
+        if run.eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
+            last_eval, shown = run_eval(run, state.step, meter)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
-            metrics.write({"step": state.step, "eval_loss": last_eval})
-            progress.note(f"step {state.step}: eval_loss {last_eval:.4f}")
-            if shown:
-                progress.note(shown)
-            plot.update()
+            reporter.eval(state.step, last_eval, shown)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
-                path = checkpoints.save(state)
-            progress.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
+                path = run.checkpoints.save(state)
+            reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
         if stopping:
             break
-    progress.close()
-    if stopping:
-        plot.final()
+    return finish(run, state, meter, last_eval, stopping)
+
+
+def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | None, stopped: bool) -> dict:
+    """final/ (and final_merged/), summary.json and the summary; or, stopped by a signal, just the word."""
+    r, accelerator, reporter, out = run.recipe, run.accelerator, run.reporter, run.out
+    device, world, is_main = accelerator.device, accelerator.num_processes, accelerator.is_main_process
+    reporter.close()
+    if stopped:
+        reporter.final_plot()
         log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
-
-    final = save_final_model(accelerator, model, tokenizer, out / "final", generation_config=generation_config)
+    final = save_final_model(accelerator, run.model, run.tokenizer, out / FINAL,
+                             generation_config=run.generation_config)
     if r.merge_lora:
         if is_main:
-            merge_adapter(model_path, final, out / "final_merged",
+            merge_adapter(run.model_path, final, out / FINAL_MERGED,
                           "bfloat16" if r.mixed_precision == "bf16" else "float32")
         accelerator.wait_for_everyone()
     peaks = [0] * world
     torch.distributed.all_gather_object(peaks, peak_memory_bytes(device))
-    saved = sorted(p.name for p in (out / "checkpoints").glob("step_*")) if (out / "checkpoints").is_dir() else []
-    summary = {"steps": state.step, "resumed_at": plan.resume.step if plan.resume else None,
-               **meter.summary(state.tokens), "wall_seconds": round(time.perf_counter() - wall_t0, 2),
+    saved = saved_names(checkpoints_dir(out))
+    summary = {"steps": state.step, "resumed_at": run.plan.resume.step if run.plan.resume else None,
+               **meter.summary(state.tokens), "wall_seconds": round(time.perf_counter() - run.wall_t0, 2),
                "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
-               "final_model": str(final), "end_of_turn": stops,
-               "checkpoints": f"{out / 'checkpoints'} ({', '.join(saved)})" if saved else "",
-               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": samples.summary()}
+               "final_model": str(final), "end_of_turn": run.stops,
+               "checkpoints": f"{checkpoints_dir(out)} ({', '.join(saved)})" if saved else "",
+               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary()}
     if is_main:
-        summary["loss_plot"] = str(plot.final() or "") or None
+        summary["loss_plot"] = str(reporter.final_plot() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary))
     finish_together(accelerator)
@@ -310,8 +419,8 @@ def finish_together(accelerator=None) -> None:
     """Trackers flushed, and every rank has written its part (metrics, checkpoint, final model) before
     any rank exits; run.py then ends the process without tearing the process group down (see its
     exit_without_teardown). Not accelerator.end_training(): it destroys the process group, which is
-    that teardown (measured: 2 of about 20 zero3 launches of a clean CI run aborted at exit with
-    "terminate called without an active exception"), and the barrier below then never ran."""
+    that teardown (it can abort the process at exit with "terminate called without an active
+    exception": docs/design-notes.md), and the barrier below would then never run."""
     for tracker in getattr(accelerator, "trackers", None) or []:
         tracker.finish()
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -4,7 +4,7 @@ exist at once.
 
 Why: with Llama-3's 128,256-token vocabulary the full logits of 2048 tokens are 1 GB in fp32, and the
 loss kept three tensors that size (the logits, their log-softmax, their gradient): 2.5 GiB of the
-3.7 GiB peak of a small model on CPU (../shared/reference/real-assets.md), about 20 GB for an 8B model
+3.7 GiB peak of a small model on CPU (docs/benchmarks.md section 7), about 20 GB for an 8B model
 at 4 x 4096 tokens per GPU. Chunked, the loss needs one chunk's logits (CHUNK_BYTES) whatever the
 sequence length.
 

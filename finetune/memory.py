@@ -13,8 +13,7 @@ Estimate (no model loaded, no GPU needed)
    (k and v have kv_heads*head_dim outputs), gate/up/down of the SwiGLU MLP, two RMSNorms; a final
    RMSNorm; lm_head V*h unless tied. Qwen2 adds q/k/v biases (`attention_bias`).
 
-2. Model states, the ZeRO paper's accounting (arXiv:1910.02054 section 3.1, and
-   ../shared/reference/figures.md): Adam keeps 16 bytes per trained parameter, split
+2. Model states, the ZeRO paper's accounting (arXiv:1910.02054 section 3.1): Adam keeps 16 bytes per trained parameter, split
    2 P weights + 2 P gradients + 12 P (fp32 master, momentum, variance) in 16-bit mixed precision,
    4 P + 4 P + 8 P in fp32 (`mixed_precision=no`). Per GPU with N data-parallel ranks:
 
@@ -88,8 +87,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, _offline, load_architecture
+from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
 from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local
+from finetune.strategy import strategy_for
 
 GiB = 2**30
 HEADROOM = 0.10
@@ -98,7 +98,6 @@ HEADROOM = 0.10
 QUANT_PACKED = 0.5
 QUANT_CONSTANTS = 1 / 64 + 4 / (64 * 256)
 QUANT_TABLES = (16 + 256) * 4  # per quantized Linear: the NF4 code and the 8-bit absmax code, fp32
-QLORA_STRATEGIES = ("ddp", "fsdp", "zero3")
 
 
 
@@ -191,29 +190,13 @@ SETUPS: tuple[tuple[int, Setup], ...] = (
 
 
 def paper_model_states(strategy: str, mixed_precision: str, params: int, world_size: int) -> int:
-    """Model-state bytes per rank exactly as the ZeRO paper / figures.md give them."""
-    n = world_size
-    sixteen = mixed_precision != "no"
-    if strategy == "ddp":
-        return 16 * params
-    if strategy == "zero1":
-        return (4 * params + 12 * params / n) if sixteen else (8 * params + 8 * params / n)
-    if strategy == "zero2":
-        return (2 * params + 14 * params / n) if sixteen else (4 * params + 12 * params / n)
-    if strategy in ("zero3", "fsdp"):
-        return 16 * params / n
-    raise ValueError(f"unknown strategy {strategy!r}")
+    """Model-state bytes per rank exactly as the ZeRO paper gives them (arXiv:1910.02054 section 3.1)."""
+    return strategy_for(strategy).paper_model_states(mixed_precision, params, world_size)
 
 
 def state_bytes(strategy: str, mixed_precision: str) -> tuple[int, int, int]:
     """Bytes per trained parameter (weights, gradients, optimizer states) as this toolkit holds them."""
-    sixteen = mixed_precision != "no"
-    if strategy.startswith("zero"):
-        # 16-bit engine: bf16/fp16 weights and gradients, fp32 master + Adam m, v. In fp32 DeepSpeed
-        # still clones an fp32 master partition (ZeRO-3 means to reuse the partition when the dtypes
-        # agree, but compares a torch.device with a string and never does; seen with deepspeed 0.19).
-        return (2, 2, 12) if sixteen else (4, 4, 12)
-    return 4, 4, 8  # ddp, fsdp: fp32 weights and gradients, casts happen per layer (autocast / FSDP policy)
+    return strategy_for(strategy).state_bytes(mixed_precision)
 
 
 # finetune/loss.py's default chunk: the rows whose fp32 logits fit in CHUNK_BYTES (kept equal there;
@@ -297,19 +280,19 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     eval (zero3, fsdp; ddp, zero1 and zero2 hold it whole already), in the dtype it computes in (FSDP2
     gathers bf16/fp16 copies of its fp32 masters; ZeRO-3 stores 16-bit partitions): Estimate.samples_peak."""
     n = world_size
-    strategy = setup.strategy
+    strategy = strategy_for(setup.strategy)
     base = arch.num_parameters()
     trained = lora_params or base
     total_params = base + lora_params
-    pb, gb, ob = state_bytes(strategy, mixed_precision)
+    pb, gb, ob = strategy.state_bytes(mixed_precision)
     sixteen = mixed_precision != "no"
     lp = 2 if sixteen else 4  # compute dtype: gathered layers, buckets
     # A LoRA run's frozen base is loaded in the training precision (model.base_dtype), and DeepSpeed's
     # 16-bit engine casts the whole module anyway.
     frozen_pb = 2 if sixteen else pb
-    shard_params = strategy in ("zero3", "fsdp")
-    shard_grads = strategy in ("zero2", "zero3", "fsdp")
-    shard_opt = strategy != "ddp" or setup.ddp_shard_optimizer
+    shard_params = strategy.shards_params
+    shard_grads = strategy.shards_grads
+    shard_opt = strategy.shards_optimizer or setup.ddp_shard_optimizer
 
     frozen = (total_params - trained) * frozen_pb
     quantized = arch.decoder_linear_weights() if quantized_base and lora_params else 0
@@ -321,22 +304,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 
-    off = {"cpu": 0.0, "nvme": 0.0}
-    if strategy == "fsdp" and setup.offload_params == "cpu":
-        off["cpu"] += params + grads + optimizer
-        params = grads = optimizer = 0.0
-    else:
-        if setup.offload_optimizer != "none" and strategy in ("zero2", "zero3"):
-            off[setup.offload_optimizer] += optimizer
-            # CPU Adam steps on an fp32 gradient partition in (pinned) CPU memory; ZeRO-3 also keeps its
-            # gradient accumulation buffer (gradient dtype) there.
-            off["cpu"] += trained * (4 + (gb if strategy == "zero3" else 0)) / n
-            grads = optimizer = 0.0
-        if setup.offload_params != "none" and strategy == "zero3":
-            off[setup.offload_params] += params
-            params = 0.0
+    params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
 
-    h2 = arch.hidden_size ** 2
     layer = arch.layer_parameters()
     dequantized = 0  # bitsandbytes' dequantized copy of the Linear being computed
     if quantized:
@@ -347,24 +316,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         layer_trained = lora_params / arch.num_hidden_layers
     else:
         layer_trained = layer
-    if strategy == "ddp":
-        buffers = trained * gb  # DDP's reduction buckets hold a copy of every gradient
-        # torch AdamW (foreach) makes one fp32 temporary the size of the states it steps
-        buffers += 4 * trained / (n if setup.ddp_shard_optimizer else 1)
-    elif strategy in ("zero1", "zero2"):
-        buffers = 2 * h2 * lp  # the reduce bucket, doubled when communication overlaps
-        if sixteen and setup.offload_optimizer == "none":
-            buffers += 4 * trained / n  # fp32 gradient partition for the optimizer step
-    elif strategy == "zero3":
-        unit = max(layer, arch.embedding_parameters)
-        buffers = 2 * unit * lp + max(layer_trained, 0) * lp + h2 * lp
-        if sixteen and setup.offload_optimizer == "none":
-            buffers += 4 * min(trained / n, 10**9)  # fp32 gradient of one optimizer sub-group
-    else:  # fsdp
-        root = arch.embedding_parameters + arch.lm_head_parameters + arch.hidden_size
-        buffers = (root + 2 * layer) * lp + max(layer_trained, 0) * lp
-        if setup.offload_params == "none":
-            buffers += 4 * trained / n  # torch AdamW's foreach temporary (on the CPU when offloaded)
+    buffers = strategy.buffers(arch, setup, trained, gb, n, lp, sixteen, layer, layer_trained)
     buffers += dequantized
     acts = activation_bytes(arch, micro_batch_size, seq_len, mixed_precision, activation_checkpointing, loss_impl,
                             loss_chunk_tokens, one_row)
@@ -396,7 +348,7 @@ def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[t
     A 4-bit (QLoRA) base runs under ddp, fsdp and zero3 without parameter offload (recipe.validate),
     so then only those setups."""
     setups = [(rank, s) for rank, s in SETUPS if not getattr(recipe, "load_in_4bit", False)
-              or (s.strategy in QLORA_STRATEGIES and s.offload_params == "none")]
+              or (strategy_for(s.strategy).takes_4bit_base and s.offload_params == "none")]
     rows = [(rank, recipe_estimate(recipe, world_size, arch, setup)) for rank, setup in setups]
     own = Setup.of(recipe)
     if all(e.setup != own for _, e in rows):
@@ -409,11 +361,11 @@ def cheapest_fit(rows: list[tuple[int, Estimate]], budget: int, headroom: float 
                  prefer: str | None = None) -> Estimate | None:
     """The lowest-cost setup whose total fits budget*(1-headroom); among equal costs, the one of the
     framework of `prefer` (a strategy name), then the order of SETUPS. None if nothing fits."""
-    deepspeed = (prefer or "").startswith("zero")
+    deepspeed = prefer is not None and strategy_for(prefer).is_deepspeed
 
     def key(item):
         index, (rank, est) = item
-        same_framework = est.setup.strategy.startswith("zero") == deepspeed
+        same_framework = strategy_for(est.setup.strategy).is_deepspeed == deepspeed
         return rank, 0 if prefer is None or same_framework else 1, index
 
     fitting = [(i, row) for i, row in enumerate(rows) if row[1].fits(budget, headroom)]
@@ -543,12 +495,12 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
                         f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
                         "eval; where that does not fit, the run skips them with a warning (sample_prompts=0: off)")
     if arch.source.startswith(TABLE_SOURCE):
-        unchecked.append(f"the model's own config.json (not in the local cache{', offline' if _offline() else ''}; "
+        unchecked.append(f"the model's own config.json (not in the local cache{', offline' if offline() else ''}; "
                          "the published numbers were used)")
     if arch.model_type not in LLAMA_LIKE and not arch.measured:
         unchecked.append(f"the parameter count of model_type {arch.model_type} (counted as a Llama-style decoder)")
     if not looks_local(recipe.model) and not recipe.model.startswith(BUILTIN_PREFIX):
-        unchecked.append("that the model's weights can be downloaded" if not _offline()
+        unchecked.append("that the model's weights can be downloaded" if not offline()
                          else "that the model's weights are in the cache (offline)")
     gpu = _gpu_memory()
     if gpu is None:

@@ -9,6 +9,8 @@ import time
 import warnings
 from pathlib import Path
 
+from finetune.arch import EstimateError, architecture_from_config
+
 log = logging.getLogger("finetune")
 
 
@@ -301,8 +303,6 @@ def peak_flops(device, mixed_precision: str) -> float | None:
 def flops_per_token(config, seq_len: int) -> float:
     """6 N + 12 L H Q T (PaLM appendix B), N without the input embedding, which is a lookup, not a matmul.
     A LoRA run is counted as if it trained the whole model: its backward skips only the weight gradients."""
-    from finetune.arch import EstimateError, architecture_from_config
-
     try:
         arch = architecture_from_config(config)
     except EstimateError:  # not a Llama-layout decoder: no MFU rather than a wrong one

@@ -3,10 +3,16 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
+from finetune import loss
+from finetune.arch import is_default_lora_target
 from finetune.assets import resolve_model
+from finetune.loss import hf_model
 from finetune.recipe import Recipe, RecipeError, chat_template_text
+from finetune.strategy import strategy_for
 
 
 def load_config(recipe: Recipe):
@@ -44,19 +50,6 @@ def concatenation_problem(recipe: Recipe, config) -> str | None:
     return (f"{keys} with model type {model_type}: its layers carry state along the row (or its attention ignores "
             "position ids), so examples concatenated in one row would see one another; set packing=false "
             "padding_free=false (padded rows, one example each)")
-
-
-def no_split_modules(config) -> list[str]:
-    """The decoder-layer class names, which FSDP wraps as its units."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    names = list(getattr(skeleton, "_no_split_modules", None) or [])
-    if not names:
-        raise RecipeError(f"model type {config.model_type} does not name its decoder layers (_no_split_modules); "
-                          "FSDP cannot tell what to wrap: use a ZeRO strategy")
-    return names
 
 
 def load_tokenizer(recipe: Recipe, model_path: str):
@@ -158,8 +151,6 @@ def compile_layers(model) -> int:
     (110 s against 52 s for the tiny model, 2 loaded cores). LoRA dropout inside a compiled layer draws
     from inductor's random numbers, not eager's: another random mask, so the curve differs from an
     uncompiled run's by noise (6e-4 relative measured at lora_dropout=0.05; 4e-8 at 0)."""
-    from finetune.loss import hf_model
-
     names = set(getattr(hf_model(model), "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
@@ -187,15 +178,11 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     partitions it when the model is prepared. fsdp: rank 0 loads it on the CPU; the other ranks build
     a meta-device skeleton with the same Linear4bit modules and receive the quantization constants from
     rank 0 here and their shards of the packed weights when Accelerate prepares the model
-    (prepare_4bit_for_fsdp).
+    (strategy.Fsdp.prepare_4bit). Where each strategy puts the base is its Strategy object's answer.
     """
-    import os
-
+    strategy = strategy_for(recipe.strategy)
     dtype = base_dtype(recipe)
-    if recipe.strategy == "ddp":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu"
-    else:
-        device = "cpu"  # sharded at prepare; Accelerate / DeepSpeed move the shards to the GPU
+    device = strategy.quantized_base_device()
     if weights_on_this_rank:
         model = load_4bit_base(model_path, dtype, device, recipe.attn_implementation)
     else:
@@ -207,7 +194,7 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
                                                      attn_implementation=recipe.attn_implementation)
         model.tie_weights()
         model.is_loaded_in_4bit = True  # as from_pretrained marks it; peft then puts its 4-bit LoRA layers on
-    if recipe.strategy == "fsdp":
+    if strategy.shares_quantized_layers:
         _share_quantized_layers(model, weights_on_this_rank, dtype)
     keep_4bit_layout(model)  # the Linear4bit modules _share_quantized_layers made too (other ranks than 0)
     import bitsandbytes as bnb
@@ -215,7 +202,7 @@ def _load_4bit(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module._register_state_dict_hook(_without_quant_state)
-    if recipe.strategy == "ddp":
+    if strategy.prepares_for_kbit_training:
         from peft import prepare_model_for_kbit_training
 
         # peft's recipe for one GPU per process: norms and embeddings in fp32. Sharded runs keep them in
@@ -233,11 +220,9 @@ def load_4bit_base(model_path: str, dtype: torch.dtype, device: str = "cpu", att
     what the run computed on any CPU."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from finetune.export import _without_zero3_init
-
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
-    with _without_zero3_init():
+    with without_zero3_init():
         model = AutoModelForCausalLM.from_pretrained(model_path, quantization_config=quant, dtype=dtype,
                                                      device_map={"": device}, attn_implementation=attn_implementation)
     keep_4bit_layout(model)
@@ -312,44 +297,6 @@ def _share_quantized_layers(model, has_weights: bool, dtype) -> None:
         setattr(parent, child, layer)
 
 
-def prepare_4bit_for_fsdp(model, device) -> None:
-    """Before FSDP2 shards a 4-bit base: each Linear4bit's weight becomes a plain frozen Parameter
-    holding the packed NF4 bits, and its quantization constants stay on the module (`quant_state`),
-    on the run's device.
-
-    Accelerate treats a model with bitsandbytes' Params4bit as one every rank loaded in full: it would
-    skip the rank-0 load and broadcast and shard what each rank holds, so the meta skeletons of ranks
-    other than 0 would never get weights. As plain parameters they are broadcast and sharded like any
-    other (the packed bits in the training dtype, see _load_4bit). At each forward, FSDP puts the
-    gathered weight back on the module and bitsandbytes' Linear4bit re-attaches the module's
-    quant_state to it (fix_4bit_weight_quant_state_from_module, which bitsandbytes has for FSDP)."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            state = module.weight.quant_state if module.weight.quant_state is not None else module.quant_state
-            state.to(device)
-            module.quant_state = state
-            module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
-
-
-def move_quant_states(model, device) -> None:
-    """ZeRO-3 and DDP on a GPU: the quantization constants to the run's device (DeepSpeed moves the
-    parameters, not these)."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit) and module.weight.quant_state is not None:
-            module.weight.quant_state.to(device)
-            module.quant_state = module.weight.quant_state
-
-
-def is_default_lora_target(name: str, module) -> bool:
-    short = name.rsplit(".", 1)[-1]
-    return (isinstance(module, torch.nn.Linear) and ".layers." in f".{name}" and short != "gate"
-            and not short.endswith("_gate"))
-
-
 def lora_targets(model, recipe: Recipe) -> list[str]:
     """The recipe's modules, else every Linear inside the decoder layers: the attention and MLP
     projections, fused ones included (Phi-3's qkv_proj, gate_up_proj), but not a mixture of experts'
@@ -385,6 +332,18 @@ def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int = 0, aux: lis
     target tokens of the whole global batch, so every split of that batch gives the same update.
     impl and chunk are the recipe's loss_impl and loss_chunk_tokens; finetune/loss.py says how each works;
     aux collects a mixture of experts' router loss (see loss.router_aux_loss)."""
-    from finetune import loss
-
     return loss.loss_sum(model, batch, impl, chunk or None, aux)
+
+
+@contextmanager
+def without_zero3_init():
+    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init, which partitions
+    it with collectives; a load on the main process alone would then wait for the other ranks forever."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

@@ -9,12 +9,9 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from finetune.recipe import Recipe, RecipeError
-
-if TYPE_CHECKING:
-    from finetune.resume import ResumePoint
+from finetune.strategy import Strategy, strategy_for
 
 
 @dataclass(frozen=True)
@@ -25,7 +22,7 @@ class Plan:
     grad_accum: int
     device: str  # "cuda" or "cpu"
     unchecked: tuple[str, ...] = ()  # machine-dependent problems a dry run reports instead of raising
-    resume: ResumePoint | None = None  # the checked checkpoint this run continues from (finetune.resume)
+    resume: object | None = None  # the checked checkpoint this run continues from: a resume.ResumePoint
 
     @property
     def resumes_on_other_world_size(self) -> bool:
@@ -36,12 +33,16 @@ class Plan:
         return self.recipe.micro_batch_size * self.grad_accum * self.world_size
 
     @property
+    def strategy(self) -> Strategy:
+        return strategy_for(self.recipe.strategy)
+
+    @property
     def is_deepspeed(self) -> bool:
-        return self.recipe.strategy.startswith("zero")
+        return self.strategy.is_deepspeed
 
     @property
     def zero_stage(self) -> int:
-        return int(self.recipe.strategy[-1]) if self.is_deepspeed else 0
+        return self.strategy.zero_stage
 
     def describe(self) -> str:
         r = self.recipe
@@ -80,17 +81,17 @@ def check_launcher(recipe: Recipe, env=os.environ) -> None:
     """The recipe decides the strategy; a launcher config that says otherwise is an error, not a vote."""
     fix = ("the recipe decides the strategy; launch with a plain multi-process config such as "
            "accelerate_configs/multi_gpu_8.yaml, or change strategy= to match")
+    strategy = strategy_for(recipe.strategy)
+    problem = strategy.launcher_problem(env)
+    if problem:
+        raise RecipeError(f"{problem}; {fix}")
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-        if not recipe.strategy.startswith("zero"):
-            raise RecipeError(f"the launcher config enables DeepSpeed but strategy={recipe.strategy}; {fix}")
         stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        if stage and stage.isdigit() and f"zero{stage}" != recipe.strategy:
+        if stage and stage.isdigit() and int(stage) != strategy.zero_stage:
             raise RecipeError(f"the launcher config asks for ZeRO stage {stage} but strategy={recipe.strategy}; {fix}")
         if env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"):
             raise RecipeError("the launcher config names a deepspeed_config_file, but the DeepSpeed config is built "
                               "from the recipe; remove deepspeed_config_file from the launcher config")
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and recipe.strategy != "fsdp":
-        raise RecipeError(f"the launcher config enables FSDP but strategy={recipe.strategy}; {fix}")
     launched_mp = env.get("ACCELERATE_MIXED_PRECISION", "no")
     if launched_mp != "no" and launched_mp != recipe.mixed_precision:
         raise RecipeError(f"the launcher says mixed_precision={launched_mp} but the recipe says "
@@ -105,8 +106,9 @@ def gpu_only_problems(recipe: Recipe) -> list[str]:
     if recipe.mixed_precision == "fp16":
         problems.append("mixed_precision=fp16 needs a CUDA GPU and this machine has none; "
                         "use mixed_precision=no (fp32) or bf16 on CPU")
-    if recipe.strategy == "fsdp" and recipe.fsdp_version == 1:
-        problems.append("fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2")
+    strategy_problem = strategy_for(recipe.strategy).gpu_only_problem(recipe)
+    if strategy_problem:
+        problems.append(strategy_problem)
     if recipe.attn_implementation == "flash_attention_2":
         problems.append("attn_implementation=flash_attention_2 needs a CUDA GPU; use attn_implementation=sdpa")
     if recipe.loss_impl == "liger":
@@ -199,7 +201,7 @@ def stale_build_lock_problems(recipe: Recipe, now: float | None = None, root: st
     ~/.cache/torch_extensions, under a `lock` file that torch's builder waits on. A build that was
     killed leaves the lock behind, and every later run that needs the op sleeps on it forever,
     without a word. A lock older than any real build is named here, with the one command that fixes it."""
-    if not recipe.strategy.startswith("zero"):
+    if not strategy_for(recipe.strategy).is_deepspeed:
         return []
     import time
 
@@ -260,58 +262,7 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     )
 
 
-# ---------------------------------------------------------------- command line: the memory planner
+if __name__ == "__main__":  # python -m finetune.plan
+    import runpy
 
-
-def _parse_planner_args(argv):
-    """`python -m finetune.plan` arguments; a usage mistake is a RecipeError (one line, exit 2)."""
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise RecipeError(f"{message} (see python -m finetune.plan --help)")
-
-    parser = Parser(
-        prog="python -m finetune.plan",
-        description="Per-GPU memory of a recipe under every strategy and offload setting (the ZeRO paper's "
-                    "model states plus an activation estimate; see finetune/memory.py), and the cheapest "
-                    "setup that fits a GPU. Needs no GPU and no hub access for the models it knows.")
-    parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel processes in all (default 1)")
-    parser.add_argument("--gpu-mem", help="memory of one GPU: 80GB (10^9 bytes), 40GiB, 24G (2^30)")
-    parser.add_argument("--headroom", type=float, default=0.10,
-                        help="fraction of --gpu-mem kept free for the CUDA context and fragmentation (0.10)")
-    parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
-    args = parser.parse_args(argv)
-    if args.gpus < 1:
-        raise RecipeError(f"--gpus {args.gpus}: must be at least 1")
-    if not 0 <= args.headroom < 1:
-        raise RecipeError(f"--headroom {args.headroom}: must be at least 0 and below 1")
-    return args
-
-
-def main(argv=None) -> int:
-    """`python -m finetune.plan --recipe NAME --gpus N --gpu-mem 80GB [key=value ...]`"""
-    import sys
-
-    try:
-        args = _parse_planner_args(sys.argv[1:] if argv is None else argv)
-        from finetune.memory import parse_size, plan_table
-        from finetune.recipe import resolve
-
-        budget = parse_size(args.gpu_mem) if args.gpu_mem is not None else None
-        recipe = resolve(args.recipe, args.overrides)  # the same loading and checks as finetune/run.py
-        accum = derive_grad_accum(recipe, args.gpus)
-        table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe,
-                           budget_text=args.gpu_mem or "")
-    except RecipeError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(table)
-    print(f"global batch {recipe.micro_batch_size * accum * args.gpus} = micro {recipe.micro_batch_size} x accum "
-          f"{accum} x {args.gpus} GPUs")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    runpy.run_module("finetune.commands.plan", run_name="__main__")

@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from finetune.assets import BUILTIN_DATASETS, BUILTIN_MODELS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO_ROOT / "recipes"
 DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv")
@@ -512,8 +514,6 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError(f"model={r.model}: no such directory; give a hub id (org/name), a directory written "
                           "by save_pretrained, or builtin:tiny-llama")
     if r.model.startswith(BUILTIN_PREFIX):
-        from finetune.assets import BUILTIN_MODELS
-
         if r.model[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
             raise RecipeError(f"model={r.model}: unknown builtin; available: "
                               + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS))
@@ -573,8 +573,6 @@ def _check_source(key: str, source: str) -> None:
     if not source:
         raise RecipeError(f"{key} is empty; give a hub id, a local json/jsonl/parquet/csv file or directory")
     if source.startswith(BUILTIN_PREFIX):
-        from finetune.assets import BUILTIN_DATASETS
-
         if source[len(BUILTIN_PREFIX):] not in BUILTIN_DATASETS:
             raise RecipeError(f"{key}={source}: unknown builtin; available: "
                               + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_DATASETS))

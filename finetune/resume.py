@@ -20,11 +20,31 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, RESUME_EFFECTS, STATE_KEYS, UnreadableManifest,
+from finetune.assets import resolve_model
+from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManifest, checkpoints_dir,
                                  check_small_files, checksum_mismatches, complete_checkpoints, damaged_by_checksum,
-                                 fingerprint, partial_checkpoints, read_manifest, verify)
+                                 fingerprint, manifest_digest, partial_checkpoints, read_manifest, seal, seal_problem,
+                                 verify)
 from finetune.files import publish
+from finetune.lock import launch_id
+from finetune.plan import derive_grad_accum, world_size_from_env
 from finetune.recipe import Recipe, RecipeError
+from finetune.strategy import strategy_for
+
+
+# Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
+# a resumed run would silently keep the old value, so a change is refused rather than ignored.
+STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+              "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
+              "lora_alpha", "lora_dropout", "load_in_4bit")
+# What a change of these does on resume (any other key not named above applies as it would in a new run).
+RESUME_EFFECTS = {
+    "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
+    "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
+    "micro_batch_size": "the global batch is kept, accumulation is recomputed",
+    "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
+                    "(false) from this step on",
+}
 
 
 def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_size: int, rank: int = 0,
@@ -35,9 +55,6 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     on another world size or micro batch the accumulation is recomputed from it). convert=False
     (a dry run, or the `finetune` front that launches the ranks) leaves the universal conversion
     to the ranks that train."""
-    from finetune.assets import resolve_model
-    from finetune.plan import derive_grad_accum
-
     point = find(resume, Path(recipe.output_dir), log)
     if point is None:
         return None, recipe, []
@@ -50,7 +67,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * world_size  # the plan's global batch
     if asked != point.global_batch_size:
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
-    if convert and recipe.strategy.startswith("zero") and point.world_size != world_size:
+    if convert and strategy_for(recipe.strategy).converts_on_world_size_change and point.world_size != world_size:
         point = replace(point, load_from=ensure_universal(point, rank, Path(recipe.output_dir), log=log))
     return point, recipe, changed
 
@@ -76,12 +93,47 @@ class ResumePoint:
         return self.load_from or self.path
 
 
+def check_start(resume: str | None, output_dir: str, dry_run: bool = False) -> None:
+    """Whether a run may start in output_dir (the recipe's): not over an earlier run's checkpoints unless
+    it continues them (--resume), and then only its own line of them (check_lineage)."""
+    complete = complete_checkpoints(checkpoints_dir(output_dir))
+    if not resume and complete and not dry_run:
+        raise RecipeError(f"output_dir={output_dir} holds checkpoints of an earlier run; continue it with "
+                          "--resume auto, or choose another output_dir")
+    if resume:
+        check_lineage(resume, Path(output_dir), complete)
+
+
+def check_lineage(resume: str, output_dir: Path, complete: list[Path]) -> None:
+    """A run continues only its own line of checkpoints.
+
+    `--resume PATH` writes its next checkpoints into output_dir/checkpoints. If that directory holds
+    checkpoints of another run, or checkpoints of this run newer than PATH, the resumed run would
+    replace some of them (same step names) and rotation and `--resume auto` would then mix two
+    histories. So PATH must be the newest checkpoint of output_dir, or output_dir must hold none.
+    `complete` lists output_dir's complete checkpoints, oldest first.
+    """
+    if not complete or resume == "auto":
+        return
+    target = Path(resume).expanduser().resolve()
+    root = complete[-1].parent.resolve()
+    names = ", ".join(p.name for p in complete[-3:])
+    if target.parent != root:
+        raise RecipeError(f"--resume {resume}: output_dir={output_dir} already holds checkpoints of another run "
+                          f"({names}), which the resumed run would overwrite; resume into an output_dir without "
+                          "checkpoints, or continue that run with --resume auto")
+    newer = [p.name for p in complete if p.name > target.name]
+    if newer:
+        raise RecipeError(f"--resume {resume}: {root} holds newer checkpoints ({', '.join(newer)}), which the resumed "
+                          "run would overwrite; move them out of that directory first, or --resume auto to "
+                          "continue from the newest")
+
 def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
     """--resume auto: the newest complete checkpoint (incomplete ones, and ones whose manifest cannot be
     read, are named and skipped), else None. --resume PATH: that checkpoint, verified."""
     if not resume:
         return None
-    root = output_dir / "checkpoints"
+    root = checkpoints_dir(output_dir)
     if resume == "auto":
         for partial in partial_checkpoints(root):
             log(f"ignoring incomplete checkpoint {partial} (its save did not finish)")
@@ -165,8 +217,6 @@ def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> s
         return (f"global_batch_size={recipe.global_batch_size} (the checkpoint's global batch is "
                 f"{point.global_batch_size})")
     if "grad_accum" in changed and not recipe.global_batch_size:
-        from finetune.plan import world_size_from_env
-
         asked = recipe.micro_batch_size * recipe.grad_accum * world_size_from_env()
         if asked != point.global_batch_size:
             return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "
@@ -196,8 +246,6 @@ def ensure_universal(point: ResumePoint, rank: int, output_dir: Path, timeout_s:
     Rank 0 decides (a separate CPU job, before the process group exists) and tells the other ranks
     which directory to load in output_dir's `.universal.ready` (or why it failed in `.universal.failed`),
     each naming this launch, so that a marker of an earlier launch is never taken for this one's."""
-    from finetune.lock import launch_id
-
     ready, failed = output_dir / ".universal.ready", output_dir / ".universal.failed"
     launch = launch_id()
     if rank == 0:
@@ -225,8 +273,6 @@ def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
     (<checkpoint>/universal), else in output_dir/universal-cache/<checkpoint>-<manifest digest>/universal;
     when neither does, converted again, beside the checkpoint if it can be written there, else into the
     cache. The listing names the checkpoint's manifest, so a conversion of another save is never taken."""
-    from finetune.checkpoint import manifest_digest, seal, seal_problem
-
     digest = manifest_digest(point.path)
     fields = {"source_manifest": digest}
     beside = point.path / UNIVERSAL
@@ -313,11 +359,9 @@ def nvme_resume_problem(checkpoint, recipe: Recipe) -> str | None:
     DeepSpeed's load_checkpoint with NVMe optimizer offload copies the swapped optimizer files back
     (`pytorch_model/offloaded_tensors/`) and skips the ZeRO optimizer file: Adam's step count
     starts again from 0, and the optimizer partitions too small to swap (under 1 MiB per rank:
-    norms) keep their initial weights and moments. Measured with deepspeed 0.19.8 on the 1.2M-
-    parameter Llama of tests/distributed/test_nvme.py, one process, stopped at step 3: the resumed
-    losses at steps 4 and 5 were 7.4564 and 7.5465 against 7.4550 and 7.1936 uninterrupted (and
-    with cpu offload, resumed or not). offload_params=nvme with the optimizer on cpu resumed bit
-    for bit.
+    norms) keep their initial weights and moments, so the resumed run's losses differ from the
+    uninterrupted run's (docs/design-notes.md has the measurement). offload_params=nvme with the
+    optimizer on cpu resumes bit for bit.
     """
     from pathlib import Path
 

@@ -4,7 +4,7 @@ that a sample at the end of a run and `finetune chat` on its final/ give the sam
 
 Generation needs whole weights. A sharded model would all-gather every layer at every token if it were
 simply called in a loop (the hour-long ZeRO-3 stalls of huggingface/trl#3858), so the weights are
-gathered once for all of an eval's samples (`whole_weights`):
+gathered once for all of an eval's samples (Strategy.whole_weights in finetune/strategy.py):
 - ZeRO-3: `deepspeed.zero.GatheredParameters` over every parameter, with the engine's per-module
   fetch/release hooks taken off for the duration (TRL's unwrap_model_for_generation does the same);
 - FSDP2: each FSDP module keeps its parameters unsharded after its first forward
@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 
 from finetune import data as D
 from finetune.recipe import RecipeError
+from finetune.strategy import running_strategy
 
 log = logging.getLogger("finetune")
 
@@ -47,17 +47,17 @@ def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
     if fmt == "chat":
         if not getattr(tokenizer, "chat_template", None):
             raise RecipeError("the tokenizer has no chat template; pass --format alpaca, prompt_completion or raw")
-        text = D._render(tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
+        text = D.render_chat(tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
         fmt = "raw"
     if fmt == "raw":
         ids = tokenizer(text, add_special_tokens=False).input_ids
-        bos = D._bos(tokenizer)
+        bos = D.bos_ids(tokenizer)
         return (bos if ids[:len(bos)] != bos else []) + ids
     if fmt == "alpaca":
         text = (D.ALPACA_PROMPT_WITH_INPUT if input else D.ALPACA_PROMPT).format(instruction=text, input=input)
     elif fmt != "prompt_completion":
         raise RecipeError(f"prompt format {fmt!r}; allowed: {', '.join(PROMPT_FORMATS)}")
-    return D._bos(tokenizer) + D._text_ids(tokenizer, text)
+    return D.bos_ids(tokenizer) + D.text_ids(tokenizer, text)
 
 
 def stop_ids(tokenizer, model, generation_config=None) -> set[int]:
@@ -134,69 +134,6 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
     return prompts
 
 
-def _deepspeed_engine(model):
-    return model if hasattr(model, "optimizer") and hasattr(model, "zero_optimization_stage") else None
-
-
-@contextmanager
-def whole_weights(accelerator, model):
-    """The Hugging Face (or peft) model with whole weights on every rank for a block of forwards; a
-    collective, every rank must enter it. See the module docstring for what each strategy does."""
-    engine = _deepspeed_engine(model)
-    if engine is not None and engine.zero_optimization_stage() == 3:
-        import deepspeed
-
-        offload = engine.optimizer.parameter_offload
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            for p in engine.module.parameters():
-                p.ds_active_sub_modules.clear()
-            for hook in offload.forward_hooks + offload.backward_hooks:
-                hook.remove()
-            offload.forward_hooks, offload.backward_hooks = [], []
-            try:
-                yield engine.module
-            finally:
-                offload._register_deepspeed_module(offload.module)
-        return
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        saved = [[g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups] for m in units]
-        auto = [m._get_fsdp_state()._auto_reshard_after_forward for m in units]
-        model.set_reshard_after_forward(False)
-        try:
-            yield model
-        finally:
-            for m, infos, a in zip(units, saved, auto):
-                m.reshard()
-                state = m._get_fsdp_state()
-                state._auto_reshard_after_forward = a
-                for g, info in zip(state._fsdp_param_groups, infos):
-                    g.post_forward_mesh_info = info
-        return
-    if type(model).__name__ == "FullyShardedDataParallel":  # FSDP1: gathers per forward (see the docstring)
-        yield model
-        return
-    yield accelerator.unwrap_model(model)
-
-
-def gathered_bytes(model) -> int:
-    """What whole_weights adds on each rank: the whole model in the dtype it is gathered in (ZeRO-3:
-    its partitions' dtype; FSDP2: the mixed-precision policy's param_dtype, else the parameters' own).
-    0 where the weights are whole already."""
-    engine = _deepspeed_engine(model)
-    if engine is not None and engine.zero_optimization_stage() == 3:
-        return sum(p.ds_numel * p.ds_tensor.element_size() for p in engine.module.parameters())
-    from torch.distributed.fsdp import FSDPModule
-
-    if isinstance(model, FSDPModule):
-        dtype = model._get_fsdp_state()._mp_policy.param_dtype
-        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
-        return sum(p.numel() * (size or p.element_size()) for p in model.parameters())
-    return 0
-
-
 def gather_problem(needed: int, free: int | None, headroom: float = 0.1) -> str | None:
     """Why this eval's samples are skipped: the gathered model would not fit the GPU memory left free
     by training (an out-of-memory at an eval could come before any checkpoint). None when it fits, or
@@ -209,7 +146,7 @@ def gather_problem(needed: int, free: int | None, headroom: float = 0.1) -> str 
 
 def samples_fit(accelerator, model) -> str | None:
     """gather_problem on every rank, agreed: the gather is a collective, so all ranks skip or none does."""
-    needed = gathered_bytes(model)
+    needed = running_strategy(accelerator).gathered_bytes(model)
     device = accelerator.device
     free = None
     if needed and device.type == "cuda":  # the driver's free memory and the blocks PyTorch holds unused
@@ -241,7 +178,7 @@ def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_to
     try:
         # compile=true layers run eagerly here: a token at a time with a growing cache would recompile
         # them (about a minute each on CPU), for a few forwards
-        with torch.compiler.set_stance("force_eager"), whole_weights(accelerator, model) as whole:
+        with torch.compiler.set_stance("force_eager"), running_strategy(accelerator).whole_weights(accelerator, model) as whole:
             stop = stop_ids(tokenizer, whole, generation_config)
             for p in prompts:
                 t0 = time.perf_counter()

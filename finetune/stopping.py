@@ -9,6 +9,9 @@ import signal
 import sys
 import time
 
+from finetune.lock import release_all
+from finetune.strategy import updated_weights
+
 
 class StopRequest:
     """SIGTERM / SIGUSR1 (what schedulers send before preemption) and SIGINT (Ctrl-C) ask for a
@@ -37,8 +40,6 @@ class StopRequest:
                 signum == signal.SIGTERM or (signum == signal.SIGINT and now - self._interrupted_at >= self.REPEAT_S)):
             _say("error: interrupted twice: stopped at once, without a checkpoint of this step (the newest complete "
                  "checkpoint is kept; continue from it with --resume auto)")
-            from finetune.lock import release_all
-
             release_all()
             os._exit(130)
         if signum == signal.SIGINT and self._interrupted_at is None:
@@ -95,8 +96,6 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
             raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec})")
         if how == "NAN" and optimizer is not None:
             import torch
-
-            from finetune.checkpoint import updated_weights
 
             with torch.no_grad():
                 next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.cli import RUN_SCRIPT, _launcher_options, launch_command
+from finetune.commands.cli import RUN_SCRIPT, _launcher_options, launch_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def test_several_processes_go_through_accelerate_launch():
 
 
 def test_a_launcher_config_gives_the_process_count(tmp_path):
-    from finetune.cli import _processes
+    from finetune.commands.cli import _processes
 
     config = tmp_path / "c.yaml"
     config.write_text("distributed_type: MULTI_GPU\nnum_processes: 8\n")

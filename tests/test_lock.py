@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from finetune import lock as L
+from finetune.resume import check_lineage
 from finetune.recipe import RecipeError
 
 
@@ -206,12 +207,12 @@ def _checkpoints(root: Path, *steps: int) -> list[Path]:
 def test_resume_never_continues_into_another_runs_checkpoints(tmp_path):
     mine = _checkpoints(tmp_path / "mine", 5, 10)
     other = _checkpoints(tmp_path / "other", 5)
-    L.check_lineage("auto", tmp_path / "mine", mine)
-    L.check_lineage(str(other[0]), tmp_path / "empty", [])  # into an output_dir without checkpoints
-    L.check_lineage(str(mine[1]), tmp_path / "mine", mine)  # the newest of its own output_dir
+    check_lineage("auto", tmp_path / "mine", mine)
+    check_lineage(str(other[0]), tmp_path / "empty", [])  # into an output_dir without checkpoints
+    check_lineage(str(mine[1]), tmp_path / "mine", mine)  # the newest of its own output_dir
     with pytest.raises(RecipeError) as info:
-        L.check_lineage(str(other[0]), tmp_path / "mine", mine)
+        check_lineage(str(other[0]), tmp_path / "mine", mine)
     assert "already holds checkpoints of another run (step_000000005, step_000000010)" in str(info.value)
     with pytest.raises(RecipeError) as info:
-        L.check_lineage(str(mine[0]), tmp_path / "mine", mine)
+        check_lineage(str(mine[0]), tmp_path / "mine", mine)
     assert "newer checkpoints (step_000000010)" in str(info.value) and "move them out" in str(info.value)

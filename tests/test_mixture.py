@@ -16,6 +16,7 @@ import pytest
 
 import family_assets as FA
 from finetune import data as D
+from finetune.commands import data as data_command
 from finetune.data import IGNORE, DataError
 from finetune.recipe import DataSource, Recipe, RecipeError, apply_overrides, validate
 
@@ -431,20 +432,20 @@ recipe = Recipe(
 
 
 def test_show_marks_the_trained_tokens(mixture_recipe, capsys):
-    assert D.main(["--recipe", str(mixture_recipe), "--show", "4", "--color", "never"]) == 0
+    assert data_command.main(["--recipe", str(mixture_recipe), "--show", "4", "--color", "never"]) == 0
     out = capsys.readouterr().out
     assert out.count("--- row ") == 4
     assert "[[" in out and "]]" in out
     assert "[INST] What is" in out and "[[" not in out.split("[INST] What is")[1].split("[/INST]")[0]
     assert "datasets[0]" in out and "datasets[1]" in out and "rows in the mix" in out
     assert "train: 33 rows" in out  # 15 of 29 alpaca rows (one held out) + 18 of 19 chats (one held out)
-    assert D.main(["--recipe", str(mixture_recipe), "--show", "1", "--color", "always"]) == 0
+    assert data_command.main(["--recipe", str(mixture_recipe), "--show", "1", "--color", "always"]) == 0
     assert D.GREEN in capsys.readouterr().out
 
 
 def test_show_json_gives_ids_and_labels(mixture_recipe, mistral, capsys):
     tok, _ = mistral
-    assert D.main(["--recipe", str(mixture_recipe), "--show", "5", "--json"]) == 0
+    assert data_command.main(["--recipe", str(mixture_recipe), "--show", "5", "--json"]) == 0
     captured = capsys.readouterr()
     rows = [json.loads(line) for line in captured.out.splitlines()]
     assert len(rows) == 5 and [r["position"] for r in rows] == list(range(5))

@@ -107,7 +107,7 @@ def test_planner_offers_only_setups_a_4bit_base_runs_under():
 
 
 def test_qlora_70b_recipe_plan_on_two_gpus(capsys):
-    from finetune.plan import main
+    from finetune.commands.plan import main
 
     r = resolve("llama70b_qlora_fsdp", [])
     assert (r.strategy, r.lora, r.load_in_4bit, r.mixed_precision, r.offload_params) == \

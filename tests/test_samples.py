@@ -137,7 +137,7 @@ def plain_model(tmp_path_factory, tokenizers):
 
 
 def _chat(capsys, *argv):
-    from finetune.chat import main
+    from finetune.commands.chat import main
 
     capsys.readouterr()
     code = main([str(a) for a in argv])
@@ -152,7 +152,7 @@ def test_chat_answers_with_the_greedy_loop(plain_model, capsys):
     assert code == 0, err
     tok = AutoTokenizer.from_pretrained(plain_model)
     model = AutoModelForCausalLM.from_pretrained(plain_model).eval()
-    ids = generate(model, D._bos(tok) + D._text_ids(tok, "abc"), 6, {tok.eos_token_id})
+    ids = generate(model, D.bos_ids(tok) + D.text_ids(tok, "abc"), 6, {tok.eos_token_id})
     assert out == tok.decode(ids, skip_special_tokens=True) + "\n"
 
 

@@ -154,8 +154,8 @@ def test_chat_rows_start_as_apply_chat_template_tokenizes_them(name, template, r
             assert D.encode_batch([{"messages": CHAT}], "messages", tok, train_on_prompt, 512) == [(ids, labels)]
         renders_bos = template != "chatml"
         assert (ids[0] == tok.bos_token_id) == renders_bos and ids.count(tok.bos_token_id) == int(renders_bos)
-        if not renders_bos and D._bos(tok):  # the case the issue reports: the tokenizer's BOS is not put in front
-            assert D._bos(tok) == [tok.bos_token_id] and tok("x").input_ids[0] == tok.bos_token_id
+        if not renders_bos and D.bos_ids(tok):  # the case the issue reports: the tokenizer's BOS is not put in front
+            assert D.bos_ids(tok) == [tok.bos_token_id] and tok("x").input_ids[0] == tok.bos_token_id
 
 
 @pytest.mark.parametrize("name", ["mistral", "tekken"])
@@ -210,7 +210,7 @@ def test_prompt_completion_rows_decode_to_their_text_as_trl_tokenizes_them(name,
     starts where the prompt's own tokens stop matching, so a token merged across the seam (▁Paris,
     ' Paris', ▁Paris from ▁Par + is) is trained, as the completion's first characters are in it."""
     tok = request.getfixturevalue(name)
-    bos = D._bos(tok)
+    bos = D.bos_ids(tok)
     for prompt, completion in SEAMS:
         row = {"prompt": prompt, "completion": completion}
         ids, labels = D.encode_row(row, "prompt_completion", tok, False, 512)
@@ -390,7 +390,7 @@ def test_template_that_fails_in_python_is_one_data_error_line(error, tokenizer, 
     recipe = Recipe(tokenizer=str(tmp_path / "tok"), chat_template=str(tmp_path / "broken.jinja"))
     tok = load_tokenizer(recipe, str(tmp_path / "tok"))
     for encode in (lambda: D.encode_messages(tok, CHAT, False, 512),
-                   lambda: D._render_many(tok, [CHAT, CHAT])):
+                   lambda: D.render_chats(tok, [CHAT, CHAT])):
         with pytest.raises(D.DataError) as e:
             encode()
         message = str(e.value)

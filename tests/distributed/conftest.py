@@ -128,7 +128,7 @@ def export_in_process(capsys):
     """`python -m finetune.export CKPT OUT` as a call of its main in this process."""
 
     def call(ckpt: Path, out: Path, *options: str) -> Run:
-        from finetune.export import main
+        from finetune.commands.export import main
 
         capsys.readouterr()
         code = main([str(ckpt), str(out), *options])

@@ -1,0 +1,264 @@
+"""`finetune`, the one command in front: train, plan, data, export.
+
+`finetune train RECIPE [key=value ...]` checks the recipe, data, launcher and resume point in this one
+process first, so a mistake is one `error:` line and exit code 2 instead of one line per rank followed
+by the launcher's traceback; only then does it start `accelerate launch` (or a plain process when one
+is enough). `accelerate launch finetune/run.py --recipe ...` keeps working: this is a front, not a
+second way to train.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+RUN_SCRIPT = Path(__file__).resolve().parents[1] / "run.py"  # what launchers start
+USAGE = """usage: finetune COMMAND ...
+
+commands:
+  train RECIPE [key=value ...] [--resume auto|PATH] [--dry-run] [--num_processes N] [--config_file YAML]
+                         check everything cheap in one process, then launch the run
+  plan --recipe RECIPE --gpus N --gpu-mem 80GB [key=value ...]
+                         per-GPU memory under every strategy, and the cheapest setup that fits
+  data --recipe RECIPE [key=value ...] --show N [--json]
+                         the rows a run trains on, trained tokens marked, and a per-source summary
+  export CHECKPOINT OUT_DIR
+                         any checkpoint -> a plain Hugging Face model, verified
+  chat PATH [PROMPT] [--temperature T] [--max-new-tokens N]
+                         answers from final/, final_merged/, a LoRA adapter or a checkpoint
+
+`finetune COMMAND --help` says more about each."""
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "train":
+        return train(rest)
+    if command == "plan":
+        from finetune.commands.plan import main as plan_main
+
+        return plan_main(rest)
+    if command == "data":
+        from finetune.commands.data import main as data_main
+
+        return data_main(rest)
+    if command == LAUNCH and rest[:1] == ["accelerate"]:
+        return accelerate_launch(rest[1:])
+    if command == "export":
+        from finetune.commands.export import main as export_main
+
+        return export_main(rest)
+    if command == "chat":
+        from finetune.commands.chat import main as chat_main
+
+        return chat_main(rest)
+    if command in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    print(USAGE if not command else f"error: unknown command {command!r}; use train, plan, data, export or chat\n\n{USAGE}",
+          file=sys.stderr)
+    return 2
+
+
+def _launcher_options(argv: list[str]) -> tuple[dict, list[str]]:
+    """Split off the options that say how to launch (they are the launcher's, not the run's)."""
+    options, rest, i = {}, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name, _, inline = arg.partition("=")
+        if name in ("--num_processes", "--config_file", "--num_machines", "--machine_rank", "--main_process_ip",
+                    "--main_process_port"):
+            if inline:
+                options[name] = inline
+            elif i + 1 < len(argv):
+                options[name] = argv[i + 1]
+                i += 1
+            else:
+                raise ValueError(f"{name} needs a value")
+        else:
+            rest.append(arg)
+        i += 1
+    return options, rest
+
+
+def _config_processes(config_file: str) -> int:
+    import yaml
+
+    with open(config_file) as f:
+        config = yaml.safe_load(f) or {}
+    return int(config.get("num_processes") or 1)
+
+
+def _processes(options: dict) -> int:
+    """Given, else the launcher config's, else one per visible GPU, else one."""
+    if "--num_processes" in options:
+        return int(options["--num_processes"])
+    if "--config_file" in options:
+        return _config_processes(options["--config_file"])
+    import torch
+
+    return max(1, torch.cuda.device_count())
+
+
+def launch_command(options: dict, run_args: list[str], processes: int) -> list[str]:
+    if processes == 1 and "--config_file" not in options and "--num_machines" not in options:
+        return [sys.executable, str(RUN_SCRIPT), *run_args]
+    cmd = [sys.executable, "-m", "finetune.cli", LAUNCH, "accelerate"]
+    if "--config_file" in options:
+        cmd += ["--config_file", options["--config_file"]]
+    else:
+        cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    cmd += ["--num_processes", str(processes)]
+    for name in ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port"):
+        if name in options:
+            cmd += [name, options[name]]
+    return cmd + [str(RUN_SCRIPT), *run_args]
+
+
+def train(argv: list[str]) -> int:
+    from finetune.commands.train import parse_args, prepare
+    from finetune.recipe import RecipeError
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: finetune train RECIPE [key=value ...] [--resume auto|PATH] [--allow-data-change] [--dry-run]\n"
+              "                      [--num_processes N] [--config_file YAML] [--num_machines N --machine_rank R\n"
+              "                       --main_process_ip IP --main_process_port PORT]\n\n"
+              "RECIPE is a name in recipes/ or a .py file; key=value overrides a recipe field "
+              "(python finetune/run.py --help lists them).")
+        return 0 if argv else 2
+    try:
+        options, rest = _launcher_options(argv)
+        processes = _processes(options)
+        machines = int(options.get("--num_machines", 1))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if processes < 1:
+        print(f"error: --num_processes {processes}: must be at least 1", file=sys.stderr)
+        return 2
+    run_args = ["--recipe", rest[0], *rest[1:]]
+    # Check as the launched ranks will: same world size, same launcher settings.
+    saved = dict(os.environ)
+    os.environ.update(WORLD_SIZE=str(processes), ACCELERATE_NUM_MACHINES=str(machines), TOKENIZERS_PARALLELISM="false")
+    try:
+        args = parse_args(run_args)
+        plan = prepare(args, lock=False)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if args.dry_run:
+        from finetune.memory import memory_report
+
+        print(plan.describe())
+        print(memory_report(plan.recipe, plan.world_size, args.recipe))
+        return 0
+    cmd = launch_command(options, run_args, processes)
+    shown = ["accelerate", "launch", *cmd[5:]] if cmd[1:5] == ["-m", "finetune.cli", LAUNCH, "accelerate"] else cmd
+    print("finetune: " + " ".join(shown), file=sys.stderr, flush=True)
+    return supervise(cmd, Path(plan.recipe.output_dir))
+
+
+def supervise(cmd: list[str], output_dir: Path) -> int:
+    """Run the launcher and pass the signals that ask a run to stop on to it, like a direct `accelerate
+    launch` in a terminal gets them.
+
+    The launcher runs in a session of its own, so that only this front receives what a terminal (Ctrl-C),
+    a container runtime (`docker stop`, Kubernetes: SIGTERM to the entrypoint's pid) or a scheduler sends;
+    had both received a Ctrl-C, the launcher would take the front's forwarded copy for a second one. The
+    first SIGINT or SIGTERM is forwarded: the launcher passes it to the workers, which save a checkpoint
+    and stop (finetune.stopping); the front waits for that, then exits 128 + the signal (130, 143). A
+    second signal stops at once: the launcher and the workers are killed (the newest complete checkpoint
+    stays) and their output_dir lock released. Should the front itself die, the kernel sends the
+    launcher SIGTERM (stopping.stop_with_front): the run still saves and stops rather than train on orphaned.
+    """
+    import psutil
+
+    env = dict(os.environ)
+    # the launcher's wait for the workers after a signal, before it kills them: long enough for a checkpoint
+    env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
+    env[FRONT_PID] = str(os.getpid())  # see stopping.stop_with_front
+    child = subprocess.Popen(cmd, env=env, start_new_session=True)
+    launcher = psutil.Process(child.pid)
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            try:
+                child.send_signal(signum)
+            except ProcessLookupError:
+                pass
+            return
+        from finetune.lock import release_for
+
+        release_for(output_dir, _kill_tree(launcher))
+        os.write(2, b"error: interrupted twice: stopped at once, without a checkpoint of this step (the newest "
+                    b"complete checkpoint is kept; continue from it with --resume auto)\n")
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    code = child.wait()
+    if received and code in (0, 128 + received[0]):  # stopped as asked, checkpoint saved
+        return 128 + received[0]
+    return code
+
+
+SHUTDOWN_TIMEOUT_S = 900
+FRONT_PID = "FINETUNE_FRONT_PID"
+LAUNCH = "_launch"  # `python -m finetune.cli _launch accelerate ARGS`: accelerate launch, quiet when signalled
+
+
+def _kill_tree(root) -> set[int]:
+    """SIGKILL a process and everything it started (torch starts each worker in a session of its own,
+    so a process group does not reach them); the pids killed."""
+    import psutil
+
+    try:
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+    return {proc.pid for proc in procs}
+
+
+def _forwarding_notices(record) -> bool:
+    """False for the launcher's notices that it forwards a signal (one line per worker): the workers say
+    what they do with it. Its warning that a worker did not stop in time and was killed stays."""
+    return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
+
+
+def accelerate_launch(argv: list[str]) -> int:
+    """`accelerate launch ARGS` in this process. Signalled, torch's launcher forwards the signal to the
+    workers, waits for them and raises SignalException, whose traceback says nothing the workers did
+    not: that becomes the exit code 128 + the signal, without the traceback."""
+    from accelerate.commands.launch import launch_command as accelerate_command
+    from accelerate.commands.launch import launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from finetune.stopping import stop_with_front
+
+    stop_with_front()
+    args = launch_command_parser().parse_args(argv)
+    for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(_forwarding_notices)
+    try:
+        accelerate_command(args)
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # before torch's handlers are in place: no worker was started yet
+        return 128 + signal.SIGINT
+    return 0

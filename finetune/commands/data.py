@@ -1,0 +1,74 @@
+"""`python -m finetune.data --recipe NAME [key=value ...] [--show N] [--json]`: the rows a run trains on,
+trained tokens marked, and a summary per source."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from finetune.assets import resolve_model
+from finetune.data import (GREEN, IGNORE, RESET, BatchSchedule, build_datasets, prevalidate_recipe, show_row,
+                           summary_lines)
+from finetune.model import load_tokenizer
+from finetune.recipe import RecipeError, chat_template_text, resolve
+
+
+def main(argv=None) -> int:
+    """python -m finetune.data --recipe NAME [key=value ...] [--show N] [--json]"""
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise RecipeError(f"{message} (see python -m finetune.data --help)")
+
+    parser = Parser(prog="python -m finetune.data",
+                    description="Prepare the recipe's data as training would (same cache) and show the first rows "
+                    "the run trains on, with the trained tokens marked, and a summary per source.")
+    parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
+    parser.add_argument("--show", type=int, default=3, metavar="N", help="rows to print (default 3)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row (input_ids, labels) on "
+                        "stdout; the summary goes to stderr")
+    parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+        if args.show < 0:
+            raise RecipeError(f"--show {args.show}: must be >= 0")
+        recipe = resolve(args.recipe, args.overrides)
+        chat_template_text(recipe)
+        prevalidate_recipe(recipe)
+        import datasets
+
+        datasets.disable_progress_bars()
+        tokenizer = load_tokenizer(recipe, resolve_model(recipe.model))
+        data = build_datasets(recipe, tokenizer)
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    colour = args.color == "always" or (args.color == "auto" and sys.stdout.isatty() and not os.environ.get("NO_COLOR"))
+    # the order of epoch 0: the first rows printed are the first rows the run trains on, whatever its world size
+    order = BatchSchedule(len(data.train), 1, 1, 1, recipe.seed).permutation(0)[:args.show].tolist()
+    for position, index in enumerate(order):
+        row = data.train[index]
+        source = data.sources[int(data.row_sources[index])]["source"] if data.row_sources is not None else None
+        if args.json:
+            print(json.dumps({"position": position, "row": index, "source": source} | row))
+            continue
+        trained = sum(1 for x in row["labels"][1:] if x != IGNORE)
+        what = f" from {source}" if source and len(data.sources) > 1 else ""
+        print(f"--- row {index}{what} (trained {'first' if position == 0 else f'#{position + 1}'}): "
+              f"{len(row['input_ids'])} tokens, {trained} trained")
+        print(show_row(tokenizer, row["input_ids"], row["labels"], row.get("position_ids"), colour))
+    summary = summary_lines(data, recipe)
+    if not args.json:
+        print("---")
+        print("trained tokens in " + (f"{GREEN}green{RESET}" if colour else "[[brackets]]"))
+    for line in summary:
+        print(line.removeprefix("data "), file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())

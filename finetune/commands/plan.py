@@ -1,0 +1,57 @@
+"""`python -m finetune.plan --recipe NAME --gpus N --gpu-mem 80GB [key=value ...]`: the memory planner."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from finetune.memory import parse_size, plan_table
+from finetune.plan import derive_grad_accum
+from finetune.recipe import RecipeError, resolve
+
+
+def _parse_planner_args(argv):
+    """`python -m finetune.plan` arguments; a usage mistake is a RecipeError (one line, exit 2)."""
+    class Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise RecipeError(f"{message} (see python -m finetune.plan --help)")
+
+    parser = Parser(
+        prog="python -m finetune.plan",
+        description="Per-GPU memory of a recipe under every strategy and offload setting (the ZeRO paper's "
+                    "model states plus an activation estimate; see finetune/memory.py), and the cheapest "
+                    "setup that fits a GPU. Needs no GPU and no hub access for the models it knows.")
+    parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel processes in all (default 1)")
+    parser.add_argument("--gpu-mem", help="memory of one GPU: 80GB (10^9 bytes), 40GiB, 24G (2^30)")
+    parser.add_argument("--headroom", type=float, default=0.10,
+                        help="fraction of --gpu-mem kept free for the CUDA context and fragmentation (0.10)")
+    parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
+    args = parser.parse_args(argv)
+    if args.gpus < 1:
+        raise RecipeError(f"--gpus {args.gpus}: must be at least 1")
+    if not 0 <= args.headroom < 1:
+        raise RecipeError(f"--headroom {args.headroom}: must be at least 0 and below 1")
+    return args
+
+
+def main(argv=None) -> int:
+    """`python -m finetune.plan --recipe NAME --gpus N --gpu-mem 80GB [key=value ...]`"""
+    try:
+        args = _parse_planner_args(sys.argv[1:] if argv is None else argv)
+        budget = parse_size(args.gpu_mem) if args.gpu_mem is not None else None
+        recipe = resolve(args.recipe, args.overrides)  # the same loading and checks as finetune/run.py
+        accum = derive_grad_accum(recipe, args.gpus)
+        table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe,
+                           budget_text=args.gpu_mem or "")
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(table)
+    print(f"global batch {recipe.micro_batch_size * accum * args.gpus} = micro {recipe.micro_batch_size} x accum "
+          f"{accum} x {args.gpus} GPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

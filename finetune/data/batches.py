@@ -1,0 +1,133 @@
+"""Batches: which rows global step N consumes on which rank (BatchSchedule), and the collated micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from finetune.data.formats import IGNORE
+
+
+@dataclass(frozen=True)
+class BatchSchedule:
+    """Which rows each rank reads at each step: a pure function of its fields."""
+
+    num_rows: int
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+    seed: int
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_rows // self.global_batch
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_rows, generator=g)
+
+    def rows(self, step: int, rank: int) -> list[list[int]]:
+        """The micro-batches (lists of row indices) that `rank` runs at optimizer step `step`."""
+        epoch, within = divmod(step, self.steps_per_epoch)
+        perm = self.permutation(epoch)[within * self.global_batch:(within + 1) * self.global_batch].tolist()
+        m, w = self.micro_batch_size, self.world_size
+        return [perm[(a * w + rank) * m:(a * w + rank + 1) * m] for a in range(self.grad_accum)]
+
+
+def collate(rows: list[dict], pad_id: int, packed: bool, padding_free: bool = False,
+            lengths: list[int] | None = None) -> dict:
+    """Pad right to the longest row; packed rows are all full length and carry position ids instead of
+    an attention mask, from which the model builds one block-causal mask per example.
+
+    padding_free: the micro-batch as one row instead (see concatenate; lengths: the packed rows' real
+    lengths, else read from each row)."""
+    if padding_free:
+        return concatenate(rows, packed, lengths)
+    width = max(len(r["input_ids"]) for r in rows)
+
+    def padded(key, fill):
+        return torch.tensor([r[key] + [fill] * (width - len(r[key])) for r in rows], dtype=torch.long)
+
+    batch = {"input_ids": padded("input_ids", pad_id), "labels": padded("labels", IGNORE)}
+    if packed:
+        batch["position_ids"] = padded("position_ids", 0)
+    else:
+        batch["attention_mask"] = torch.tensor(
+            [[1] * len(r["input_ids"]) + [0] * (width - len(r["input_ids"])) for r in rows], dtype=torch.long)
+    return batch
+
+
+def packed_length(row: dict) -> int:
+    """The real tokens of a packed row (pack_rows): all of it, less the tail padding. The padding is
+    the row's last segment of position ids (they restart at 0 there, as at every example) when none
+    of its labels is set: every example kept has a target token after its first (tokenize_dataset
+    drops the others), so an example's segment never looks like padding. Read from the row itself, so
+    that packed data keeps the layout (and cache keys) it has without padding_free."""
+    positions, labels = row["position_ids"], row["labels"]
+    start = len(positions) - 1 - positions[::-1].index(0)
+    if start > 0 and all(label == IGNORE for label in labels[start:]):
+        return start
+    return len(positions)
+
+
+def concatenate(rows: list[dict], packed: bool, lengths: list[int] | None = None) -> dict:
+    """The micro-batch as ONE row without a single pad token (padding_free=true): its examples (a
+    packed row's, up to its real length; or each unpacked row whole) one after the other, position ids
+    restarting at 0 at each, no attention mask: transformers reads the examples' boundaries from the
+    position ids (masking_utils.find_packed_sequence_indices: a block-diagonal causal mask for
+    sdpa/eager; flash_attention_2 runs varlen on a batch of one row). An example's first label is
+    dropped, as pack_rows does: it would be the target of the previous example's last token, and in a
+    padded row no token predicts it either, so the targets are the padded batch's."""
+    ids, labels, positions = [], [], []
+    for k, r in enumerate(rows):
+        if packed:
+            n = lengths[k] if lengths is not None else packed_length(r)
+            ids += r["input_ids"][:n]
+            labels += r["labels"][:n]
+            positions += r["position_ids"][:n]
+        else:
+            n = len(r["input_ids"])
+            ids += r["input_ids"]
+            labels += [IGNORE] + r["labels"][1:]
+            positions += range(n)
+    return {"input_ids": torch.tensor([ids], dtype=torch.long), "labels": torch.tensor([labels], dtype=torch.long),
+            "position_ids": torch.tensor([positions], dtype=torch.long)}
+
+
+def target_tokens(batch: dict) -> int:
+    return int((batch["labels"][:, 1:] != IGNORE).sum())
+
+
+def input_tokens(batch: dict) -> int:
+    """Real tokens the model computes on: padding excluded (a packed row's tail pad is counted; it is
+    shorter than one example; a padding-free row has none)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
+def fetch(ds, indices: list[int], pad_id: int, packed: bool, padding_free: bool = False) -> dict:
+    """Rows by index; index -1 is a placeholder (keeps ranks in lock-step) that carries no targets.
+    A placeholder is row 0 with its labels unset; padding-free, it is laid out as row 0 is (a packed
+    row's real length is read before its labels are cleared), so every rank still runs the forward."""
+    real = [i if i >= 0 else 0 for i in indices]
+    cols = ds[real]
+    rows = [{k: cols[k][j] for k in cols} for j in range(len(real))]
+    lengths = [packed_length(r) for r in rows] if padding_free and packed else None
+    for j, i in enumerate(indices):
+        if i < 0:
+            rows[j]["labels"] = [IGNORE] * len(rows[j]["labels"])
+    return collate(rows, pad_id, packed, padding_free, lengths)
+
+
+def eval_batches(ds, micro_batch_size: int, rank: int, world_size: int, max_samples: int = 0) -> list[list[int]]:
+    """The first `max_samples` eval rows (all if 0), each once across ranks, every rank the same number
+    of batches (sharded models need every rank in every forward); the same rows whatever the world size."""
+    n = min(len(ds), max_samples) if max_samples else len(ds)
+    per_rank = -(-n // world_size)
+    mine = [i if i < n else -1 for i in range(rank, per_rank * world_size, world_size)]
+    return [mine[i:i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]

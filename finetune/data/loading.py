@@ -1,0 +1,130 @@
+"""Loading: a source -> a tokenized (and packed) datasets.Dataset, cached by fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from finetune.assets import resolve_dataset
+from finetune.data.formats import DataError, FORMAT_FIELDS, IGNORE, PIPELINE_VERSION, check_roles, detect_format
+from finetune.data.sources import (check_columns, first_row_of, is_saved_dataset, local_splits, map_row, need_fields,
+                                   need_split, saved_splits, top_level_columns, with_sharegpt)
+from finetune.data.tokenization import encode_batch, pack_rows
+from finetune.recipe import DataSource, Recipe, looks_local
+
+
+def load_source(spec: DataSource, key: str = "dataset", split_key: str = "dataset_split"):
+    """One source's rows of its split: a local file or directory (split by file names), a save_to_disk
+    folder, or a hub dataset (with its config and revision)."""
+    import datasets
+
+    source = resolve_dataset(spec.path)
+    try:
+        if looks_local(source):
+            path = Path(source).expanduser()
+            if is_saved_dataset(path):
+                need_split(split_key, spec.path, spec.split, saved_splits(path))
+                saved = datasets.load_from_disk(str(path))
+                return saved[spec.split] if isinstance(saved, datasets.DatasetDict) else saved
+            splits = local_splits(path)
+            need_split(split_key, spec.path, spec.split, list(splits))
+            files = [str(p) for p in splits[spec.split]]
+            suffix = Path(files[0]).suffix.lower().lstrip(".")
+            builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "csv": "csv"}[suffix]
+            return datasets.load_dataset(builder, data_files=files, split="train")
+        return datasets.load_dataset(source, name=spec.config or None, revision=spec.revision or None,
+                                     split=spec.split)
+    except DataError:
+        raise
+    except Exception as e:  # network, missing split, unreadable file: all the user's to fix
+        raise DataError(f"could not load dataset {source!r} (split {spec.split!r}"
+                        f"{', config ' + repr(spec.config) if spec.config else ''}): {type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def _load(source: str, split: str):
+    return load_source(DataSource(path=source, split=split))
+
+
+def cache_fingerprint(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else repr(tokenizer.get_vocab())
+    return cache_fingerprint(body, getattr(tokenizer, "chat_template", None), tokenizer.bos_token, tokenizer.eos_token)
+
+
+ROWS_PER_PROCESS = 20_000  # num_proc=0: one tokenizing process per this many rows (a process costs ~1 s to start)
+
+
+def num_processes(recipe: Recipe, rows: int) -> int | None:
+    import os
+
+    n = recipe.num_proc or min(8, os.cpu_count() or 1, rows // ROWS_PER_PROCESS)
+    n = min(n, rows)
+    return n if n > 1 else None
+
+
+COUNTS = ["n_tokens", "n_targets"]  # per-row columns kept while sources are mixed, dropped before training
+
+
+def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spec: DataSource | None = None,
+                     pack: bool | None = None, keep_counts: bool = False):
+    """Map columns, format, tokenize (a batch of rows per tokenizer call, in num_proc processes), drop
+    examples with no target token, and pack; cached by content fingerprint. keep_counts: keep each
+    row's n_tokens and n_targets (for mixing and the summary; never with packing)."""
+    if len(ds) == 0:
+        raise DataError(f"{where}: the dataset is empty")
+    spec = spec or DataSource(path=where)
+    if fmt in ("auto", "messages"):
+        spec = with_sharegpt(spec, ds.column_names, first_row_of(ds))
+    names = check_columns(ds.column_names, spec, where)
+    if fmt == "auto":
+        fmt = detect_format(names, where)
+    need_fields(names, fmt, where)
+    needed = set(FORMAT_FIELDS[fmt]) | ({"input"} if fmt == "alpaca" else set())
+    used = [c for c in ds.column_names if c in {top_level_columns(spec.columns).get(f, f) for f in needed}]
+    tok_fp = tokenizer_fingerprint(tokenizer)
+    max_len, train_on_prompt = recipe.max_seq_len, recipe.train_on_prompt
+    procs = num_processes(recipe, len(ds))
+
+    def encode(batch, indices):
+        rows = [map_row({k: batch[k][i] for k in batch}, spec, f"{where} row {index}")
+                for i, index in enumerate(indices)]
+        if fmt == "messages":
+            for row, index in zip(rows, indices):
+                check_roles(row["messages"] or [], f"{where} row {index}")
+        out = {"input_ids": [], "labels": [], "n_tokens": [], "n_targets": []}
+        for ids, labels in encode_batch(rows, fmt, tokenizer, train_on_prompt, max_len):
+            out["input_ids"].append(ids)
+            out["labels"].append(labels)
+            out["n_tokens"].append(len(ids))
+            out["n_targets"].append(sum(1 for x in labels[1:] if x != IGNORE))
+        return out
+
+    fp = cache_fingerprint(PIPELINE_VERSION, ds._fingerprint, fmt, tok_fp, max_len, train_on_prompt, spec.columns,
+                      spec.roles)
+    ds = ds.select_columns(used) if len(used) < len(ds.column_names) else ds
+    ds = ds.map(encode, batched=True, with_indices=True, remove_columns=used, new_fingerprint=fp, num_proc=procs,
+                desc=f"tokenize {where}")
+    ds = ds.filter(lambda n: [x > 0 for x in n], input_columns="n_targets", batched=True, num_proc=procs,
+                   new_fingerprint=cache_fingerprint(fp, "filter"), desc="drop rows without targets")
+    if len(ds) == 0:
+        raise DataError(f"{where}: no example has a response token left within max_seq_len={max_len}; "
+                        "raise max_seq_len or set train_on_prompt=true")
+    if recipe.packing if pack is None else pack:
+        return pack_dataset(ds, tokenizer, recipe, where)
+    return ds if keep_counts else ds.remove_columns(COUNTS)
+
+
+def pack_dataset(ds, tokenizer, recipe: Recipe, where: str):
+    """pack_rows over the dataset, 1000 examples at a time, in one process (a batch's boundaries decide
+    which rows share a row, so they must not depend on num_proc)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ds = ds.remove_columns([c for c in COUNTS if c in ds.column_names])
+    return ds.map(lambda b: pack_rows(b["input_ids"], b["labels"], recipe.max_seq_len, pad), batched=True,
+                  batch_size=1000, new_fingerprint=cache_fingerprint(ds._fingerprint, "pack", "best-fit decreasing",
+                                                                recipe.max_seq_len, pad), desc=f"pack {where}")

@@ -1,0 +1,153 @@
+"""Mixtures: the train and eval sets of a recipe, from one source or a weighted mixture of several."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from finetune.data.formats import DataError, detect_format
+from finetune.data.loading import COUNTS, cache_fingerprint, load_source, pack_dataset, tokenize_dataset
+from finetune.data.sources import check_columns, eval_source, first_row_of, train_sources, with_sharegpt
+from finetune.recipe import DataSource, Recipe
+
+
+def mixture_counts(available: list[int], sources: list[DataSource], keys: list[str] | None = None) -> list[int]:
+    """Rows each source contributes per epoch: `rows`, else round(weight x its rows)."""
+    counts = []
+    for i, (n, spec) in enumerate(zip(available, sources)):
+        count = spec.rows or round(spec.weight * n)
+        if count == 0:
+            key = keys[i] if keys else f"datasets[{i}]"
+            raise DataError(f"{key.removesuffix('.path')}: weight={spec.weight} of its {n} rows rounds to no row; raise "
+                            "weight, or set rows=N")
+        counts.append(count)
+    return counts
+
+
+def mixture_indices(available: list[int], counts: list[int], seed: int) -> list[np.ndarray]:
+    """Which rows of each source the mix takes, per source: every row count // n times, then count % n
+    distinct rows drawn with a generator seeded by (seed, source index); in the source's order (the
+    BatchSchedule shuffles the mix). A pure function of its arguments, as the schedule is."""
+    out = []
+    for i, (n, count) in enumerate(zip(available, counts)):
+        whole, part = divmod(count, n)
+        extra = np.sort(np.random.default_rng([seed, i]).permutation(n)[:part])
+        out.append(np.concatenate([np.tile(np.arange(n, dtype=np.int64), whole), extra.astype(np.int64)]))
+    return out
+
+
+def _row_counts(ds) -> dict:
+    cols = ds.select_columns(COUNTS).with_format("numpy")[:]
+    return {k: np.asarray(cols[k], dtype=np.int64) for k in COUNTS}
+
+
+@dataclass
+class Datasets:
+    train: object
+    eval: object | None
+    format: str
+    sources: list = field(default_factory=list)  # per source: rows, dropped, rows in the mix, tokens, targets
+    summary: dict = field(default_factory=dict)  # the whole train (and eval) set: rows, tokens, packing
+    row_sources: object = None  # unpacked: the source index of each train row (numpy), for the --show view
+
+
+def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
+    """Load, split, map columns, tokenize and mix the sources. The loop runs it on each machine's main
+    process first; the other ranks then find every step in the datasets cache (fingerprints are
+    content-derived)."""
+    import datasets as hf
+
+    sources = train_sources(recipe)
+    evaluated = eval_source(recipe)
+    parts, held, formats, raw_rows = [], [], [], []
+    for i, (key, split_key, spec) in enumerate(sources):
+        raw = load_source(spec, key, split_key)
+        spec = with_sharegpt(spec, raw.column_names, first_row_of(raw))
+        where = spec.path if not recipe.datasets else f"datasets[{i}] {spec.path}"
+        names = check_columns(raw.column_names, spec, where)
+        fmt = spec.format if spec.format != "auto" else detect_format(names, where)
+        raw_held = None
+        if evaluated is None and recipe.eval_fraction > 0 and len(raw) >= 2:
+            split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
+            raw, raw_held = split["train"], split["test"]
+        raw_rows.append(len(raw))
+        formats.append(fmt)
+        parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True))
+        if raw_held is not None:
+            held.append(tokenize_dataset(raw_held, fmt, tokenizer, recipe, where + " (eval)", spec=spec,
+                                         pack=False, keep_counts=True))
+    specs = [spec for _, _, spec in sources]
+    available = [len(p) for p in parts]
+    counts = mixture_counts(available, specs, [key for key, _, _ in sources])
+    picks = mixture_indices(available, counts, recipe.seed)
+    stats = []
+    for i, ((key, split_key, spec), part, pick) in enumerate(zip(sources, parts, picks)):
+        rows = _row_counts(part)
+        stats.append({"source": key.removesuffix(".path"), "path": spec.path, "format": formats[i],
+                      "split": spec.split, "weight": spec.weight, "rows_wanted": spec.rows, "rows": raw_rows[i],
+                      "kept": available[i], "dropped_no_target": raw_rows[i] - available[i],
+                      "at_max_seq_len": int((rows["n_tokens"] >= recipe.max_seq_len).sum()),
+                      "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
+                      "target_tokens": int(rows["n_targets"][pick].sum())})
+    train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
+    offsets = np.cumsum([0] + available[:-1])
+    order = np.concatenate([pick + off for pick, off in zip(picks, offsets)])
+    row_sources = np.concatenate([np.full(len(pick), i, dtype=np.int32) for i, pick in enumerate(picks)])
+    if not (len(order) == len(train) and np.array_equal(order, np.arange(len(train)))):
+        train = train.select(order, new_fingerprint=cache_fingerprint(
+            [p._fingerprint for p in parts], counts, recipe.seed, "mix"))
+    summary = {"rows": len(train), "tokens": sum(s["tokens"] for s in stats),
+               "target_tokens": sum(s["target_tokens"] for s in stats)}
+    if recipe.packing:
+        train = pack_dataset(train, tokenizer, recipe, "train")
+        summary |= {"packed_rows": len(train),
+                    "packing_efficiency": summary["tokens"] / (len(train) * recipe.max_seq_len)}
+        row_sources = None
+    else:
+        train = train.remove_columns(COUNTS)
+
+    fmt = formats[0] if len(set(formats)) == 1 else "mixed"
+    evals = None
+    if evaluated is not None:
+        key, split_key, spec = evaluated
+        raw_eval = load_source(spec, key, split_key)
+        spec = with_sharegpt(spec, raw_eval.column_names, first_row_of(raw_eval))
+        eval_fmt = formats[0] if not recipe.datasets and spec.format == "auto" and not isinstance(
+            recipe.eval_dataset, DataSource) else spec.format
+        evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,
+                                 pack=False, keep_counts=True)
+    elif held:
+        evals = held[0] if len(held) == 1 else hf.concatenate_datasets(held)
+    if evals is not None:
+        rows = _row_counts(evals)
+        summary["eval"] = {"rows": len(evals), "tokens": int(rows["n_tokens"].sum()),
+                           "target_tokens": int(rows["n_targets"].sum())}
+        evals = pack_dataset(evals, tokenizer, recipe, "eval") if recipe.packing else evals.remove_columns(COUNTS)
+    return Datasets(train=train, eval=evals, format=fmt, sources=stats, summary=summary, row_sources=row_sources)
+
+
+def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
+    """One line per source (rows, rows dropped and why, rows and tokens in the mix), then the totals."""
+    lines = []
+    for s in data.sources:
+        share = f"rows={s['rows_wanted']}" if s["rows_wanted"] else f"weight {s['weight']:g}"
+        dropped = (f", {s['dropped_no_target']} dropped (no target token within max_seq_len={recipe.max_seq_len})"
+                   if s["dropped_no_target"] else ", none dropped")
+        cut = f", {s['at_max_seq_len']} cut at max_seq_len" if s["at_max_seq_len"] else ""
+        lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
+                     f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {s['tokens']} tokens, "
+                     f"{s['target_tokens']} target tokens")
+    t = data.summary
+    line = (f"data train: {t['rows']} rows, {t['tokens']} tokens, {t['target_tokens']} target tokens "
+            f"({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)")
+    if "packed_rows" in t:
+        line += (f"; packed into {t['packed_rows']} rows of {recipe.max_seq_len}: "
+                 f"{100 * t['packing_efficiency']:.1f}% of their tokens are real")
+    else:
+        line += "; packing off"
+    lines.append(line)
+    if "eval" in t:
+        e = t["eval"]
+        lines.append(f"data eval: {e['rows']} rows, {e['tokens']} tokens, {e['target_tokens']} target tokens")
+    return lines

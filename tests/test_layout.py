@@ -1,0 +1,134 @@
+"""The package's layout rules, read from the source with ast (no imports, well under a second):
+no import cycle between finetune's modules, counting imports made inside functions, and no private
+name (`_x`) imported from another finetune module."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
+
+
+def modules(root: Path = PACKAGE) -> dict[str, ast.Module]:
+    """Dotted module name -> parsed source, for every .py file under root (a package's __init__ is
+    the package)."""
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = ast.parse(path.read_text(), filename=str(path))
+    return out
+
+
+def imports(name: str, tree: ast.Module, known: set[str]) -> list[tuple[str, list[str], int]]:
+    """(imported finetune module, names taken from it, line) for every import statement anywhere in the
+    module: at the top, inside functions, inside `if` blocks."""
+    package = name if name in known and any(k.startswith(name + ".") for k in known) else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, [], node.lineno) for a in node.names if a.name in known]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package of this module
+                up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if sub in known:  # `from finetune import data`: the module finetune.data
+                    found.append((sub, [], node.lineno))
+                elif base in known:
+                    found.append((base, [alias.name], node.lineno))
+    return [(target, names, line) for target, names, line in found if target != name]
+
+
+def graph(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    known = set(trees)
+    return {name: {target for target, _, _ in imports(name, tree, known)} for name, tree in trees.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return sorted(out)
+
+
+def private_imports(trees: dict[str, ast.Module]) -> list[str]:
+    """`from finetune.x import _name` in another module, and `x._name` through a module imported as x."""
+    known = set(trees)
+    found = []
+    for name, tree in trees.items():
+        found += [f"{name}:{line} imports {target}.{n}" for target, names, line in imports(name, tree, known)
+                  for n in names if n.startswith("_") and not n.startswith("__")]
+        aliases = {}  # local name -> finetune module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in known:
+                        aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.asname and a.name in known:
+                        aliases[a.asname] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and aliases[node.value.id] != name and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                found.append(f"{name}:{node.lineno} uses {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    found = cycles(graph(modules()))
+    assert found == [], f"import cycles between finetune modules: {found}"
+
+
+def test_no_private_name_imported_from_another_module():
+    found = private_imports(modules())
+    assert found == [], "private names imported across modules (make them public where they belong): " + "; ".join(found)
+
+
+def test_the_checks_find_what_they_look_for(tmp_path):
+    """The two checks on a package made to break both rules, the way the code once did: a function-level
+    import closing a cycle, and a private helper borrowed from another module."""
+    pkg = tmp_path / "finetune"
+    (pkg / "commands").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "commands" / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("def load():\n    from finetune.export import _without_zero3_init\n")
+    (pkg / "export.py").write_text("from finetune import model\n")
+    (pkg / "samples.py").write_text("from finetune import export as E\nE._private()\n")
+    (pkg / "plan.py").write_text("from finetune.strategy import strategy_for\n")
+    (pkg / "strategy.py").write_text("def strategy_for(name):\n    return name\n")
+    (pkg / "commands" / "plan.py").write_text("from finetune.plan import strategy_for\nfrom ..model import load\n")
+    trees = modules(pkg)
+    assert cycles(graph(trees)) == [["finetune.export", "finetune.model"]]
+    assert private_imports(trees) == ["finetune.model:2 imports finetune.export._without_zero3_init",
+                                      "finetune.samples:2 uses finetune.export._private"]
+    assert graph(trees)["finetune.commands.plan"] == {"finetune.plan", "finetune.model"}
