@@ -23,7 +23,7 @@ if __package__ in (None, ""):  # python finetune/export.py: make the repository 
 from finetune.checkpoint import (HF_DIR, checkpoints_dir, complete_checkpoints, first_failure,  # noqa: E402
                                  safe_loading, verify)
 from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
-from finetune.files import publish  # noqa: E402
+from finetune.files import publish, why_not_creatable  # noqa: E402
 from finetune.model import add_lora, without_zero3_init  # noqa: E402
 from finetune.recipe import Recipe, RecipeError  # noqa: E402
 from finetune.stopping import fault_point  # noqa: E402
@@ -169,16 +169,10 @@ class ExportError(Exception):
 def _unwritable(out_dir: Path) -> str | None:
     """OUT_DIR's directory cannot be written (permissions, a read-only filesystem): said before the
     checkpoint is read. out_dir is written beside itself under a temporary name, then renamed."""
-    import os
-
-    parent = out_dir.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{out_dir} cannot be created: {parent} is a file; choose another OUT_DIR (nothing was written)"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return (f"{out_dir} cannot be created: {parent} is not writable (permissions or a read-only filesystem); "
-                "choose a writable OUT_DIR (nothing was written)")
+    problem = why_not_creatable(out_dir)
+    if problem:
+        reason, choice = problem
+        return f"{out_dir} cannot be created: {reason}; choose {choice} OUT_DIR (nothing was written)"
     return None
 
 

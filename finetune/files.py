@@ -45,3 +45,16 @@ def publish(tmp: Path, target: Path, *, first_wins: bool = False) -> bool:
         os.rename(tmp, target)
     fsync_dir(target.parent)
     return True
+
+
+def why_not_creatable(path: Path) -> tuple[str, str] | None:
+    """Why `path` cannot be created, and which choice of path fixes it ('another' or 'a writable'); None
+    when it can: its nearest existing ancestor is a directory this user may write."""
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file", "another"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable (permissions or a read-only filesystem)", "a writable"
+    return None

@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from finetune.files import why_not_creatable
 from finetune.recipe import FIELDS, RecipeError, available_recipes, describe_fields
 from finetune.stopping import stop_with_front
 
@@ -37,14 +38,10 @@ def output_dir_problem(output_dir: Path) -> str | None:
             return (f"output_dir={output_dir} is not writable (permissions or a read-only filesystem); "
                     "choose a writable output_dir")
         return None
-    parent = output_dir.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"output_dir={output_dir} cannot be created: {parent} is a file; choose another output_dir"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return (f"output_dir={output_dir} cannot be created: {parent} is not writable (permissions or a read-only "
-                "filesystem); choose a writable output_dir")
+    problem = why_not_creatable(output_dir)
+    if problem:
+        reason, choice = problem
+        return f"output_dir={output_dir} cannot be created: {reason}; choose {choice} output_dir"
     return None
 
 
