@@ -183,6 +183,28 @@ def kill_all(front, procs) -> None:
             pass
 
 
+def signal_the_front(front, out, step: int, signum) -> tuple[int, str]:
+    """Once the run reached `step`: signum to the front's pid only (as a container runtime sends it),
+    then its exit code and stderr, after checking that the launcher and both workers are gone."""
+    procs = []
+    try:
+        wait_for_step(front, out, step)
+        procs = descendants(front.pid)  # the launcher and its two workers
+        assert len(procs) == 3, procs
+        os.kill(front.pid, signum)
+        _, stderr = front.communicate(timeout=300)
+        assert_all_gone(procs)
+    finally:
+        kill_all(front, procs)
+    return front.returncode, stderr
+
+
+def stopped_at(lines: list[str]) -> list[int]:
+    """The steps of the workers' "stopped by signal" lines."""
+    pattern = re.compile(r"^stopped by signal at step (\d+); checkpoint saved; continue with --resume auto$")
+    return [int(m.group(1)) for m in map(pattern.match, lines) if m]
+
+
 def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_once(launch_env, fast_overrides,
                                                                                   tmp_path):
     """SIGTERM to the pid of `finetune train` (docker stop, Kubernetes, scancel to the entrypoint): the
@@ -191,22 +213,12 @@ def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_onc
     message. A second signal while the first is being honoured: everything stops at once."""
     out = tmp_path / "run"
     first = start_front(launch_env, fast_overrides, free_port(), out)
-    procs = []
-    try:
-        wait_for_step(first, out, 1)
-        procs = descendants(first.pid)  # the launcher and its two workers
-        assert len(procs) == 3, procs
-        os.kill(first.pid, signal.SIGTERM)  # to the pid only
-        _, stderr = first.communicate(timeout=300)
-        assert_all_gone(procs)
-    finally:
-        kill_all(first, procs)
-    assert first.returncode == 143, stderr[-3000:]
+    returncode, stderr = signal_the_front(first, out, 1, signal.SIGTERM)
+    assert returncode == 143, stderr[-3000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
     assert "death signal" not in stderr and "closing signal" not in stderr, stderr  # the launcher's notices
     lines = worker_lines(stderr, -1)
-    stopped = [int(m.group(1)) for m in map(re.compile(r"^stopped by signal at step (\d+); checkpoint saved; "
-                                                       r"continue with --resume auto$").match, lines) if m]
+    stopped = stopped_at(lines)
     assert len(stopped) == 1, stderr
     stop = stopped[0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}"]
@@ -214,22 +226,13 @@ def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_onc
 
     # Ctrl-C: continues from the SIGTERM's checkpoint, then stops with one of its own, exit 130
     second = start_front(launch_env, fast_overrides, free_port(), out, "--resume", "auto")
-    procs = []
-    try:
-        wait_for_step(second, out, stop + 1)
-        procs = descendants(second.pid)
-        os.kill(second.pid, signal.SIGINT)
-        _, stderr = second.communicate(timeout=300)
-        assert_all_gone(procs)
-    finally:
-        kill_all(second, procs)
-    assert second.returncode == 130, stderr[-3000:]
+    returncode, stderr = signal_the_front(second, out, stop + 1, signal.SIGINT)
+    assert returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "SignalException" not in stderr, stderr
     lines = worker_lines(stderr, -1)
     assert "interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, without saving)" \
         in lines, stderr
-    stopped = [int(m.group(1)) for m in map(re.compile(r"^stopped by signal at step (\d+); checkpoint saved; "
-                                                       r"continue with --resume auto$").match, lines) if m]
+    stopped = stopped_at(lines)
     assert len(stopped) == 1 and stopped[0] > stop, stderr
     stop2 = stopped[0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}", f"step_{stop2:09d}"]
