@@ -35,9 +35,10 @@ def _opt(default, *, choices=None, min=None, max=None, help=""):
     return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
 
 
-FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text")
+FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference")
 # What `columns` may map: a format's fields, and inside `messages` each message's role and content.
-MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text")
+MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text",
+            "chosen", "rejected")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -127,6 +128,20 @@ class Recipe:
                           "logits at once (finetune/loss.py)")
     loss_chunk_tokens: int = _opt(0, min=0, help="tokens per chunk of loss_impl=chunked; 0: as many as keep one "
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
+    # What to optimize: sft (next-token loss on the responses) or dpo (preference pairs: finetune/objectives/dpo.py)
+    objective: str = _opt("sft", choices=("sft", "dpo"))
+    dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
+                         help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
+                         "(length-normalised log-probs and a margin simpo_gamma): loads no reference model")
+    dpo_beta: float = _opt(0.1, min=0.0, help="how far the policy may move from the reference (DPO's beta; "
+                           "IPO's tau; SimPO's beta, usually 2.0)")
+    dpo_label_smoothing: float = _opt(0.0, min=0.0, max=0.5, help="sigmoid only: the share of pairs assumed "
+                                      "mislabelled (conservative DPO)")
+    simpo_gamma: float = _opt(0.5, min=0.0, help="simpo only: the target reward margin over beta (gamma/beta)")
+    precompute_reference: bool = _opt(False, help="dpo: the reference's log-probs of every pair in one pass before "
+                                      "training, cached beside the prepared data; training then holds no reference")
+    max_prompt_len: int = _opt(0, min=0, help="dpo: the most tokens a pair's prompt keeps (its start is cut); "
+                               "0: no limit but max_seq_len")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
     lora: bool = _opt(False)
     lora_r: int = _opt(16, min=1)
@@ -494,6 +509,7 @@ def validate(recipe: Recipe) -> Recipe:
                           "another; set padding_free=true (one row per micro-batch, varlen) or micro_batch_size=1")
     if r.compile:
         _check_compile(r)
+    _check_objective(r)
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
     trackers = [t for t in r.report_to if t != "none"]
@@ -547,6 +563,39 @@ def _check_optimizer(r: Recipe) -> None:
                           f"update would move a weight by up to max(lr / (1 - adam_beta1), lr x weight_decay) = "
                           f"{step:.3g}, beyond float32's largest number ({FLOAT32_MAX:.3g}); lower lr (fine-tunes "
                           "use 1e-6 to 1e-3)")
+
+
+DPO_FIELDS = ("dpo_loss", "dpo_beta", "dpo_label_smoothing", "simpo_gamma", "precompute_reference", "max_prompt_len")
+
+
+def _check_objective(r: Recipe) -> None:
+    """The objective's own fields only with it, and the combinations a preference run cannot take."""
+    changed = [k for k in DPO_FIELDS if getattr(r, k) != FIELDS[k].default]
+    if r.objective == "sft":
+        if changed:
+            key = changed[0]
+            raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
+                              f"{key} out")
+        return
+    if r.dpo_beta <= 0:
+        raise RecipeError(f"dpo_beta={r.dpo_beta}: must be > 0 (the usual values: 0.1 for sigmoid and ipo, 2.0 for "
+                          "simpo)")
+    if r.dpo_loss == "simpo" and r.precompute_reference:
+        raise RecipeError("precompute_reference=true with dpo_loss=simpo: SimPO is reference-free, there is no "
+                          "reference to precompute; set precompute_reference=false, or dpo_loss=sigmoid or ipo")
+    if r.dpo_label_smoothing and r.dpo_loss != "sigmoid":
+        raise RecipeError(f"dpo_label_smoothing={r.dpo_label_smoothing} with dpo_loss={r.dpo_loss}: label smoothing "
+                          "is a sigmoid (DPO) loss setting; set dpo_loss=sigmoid or dpo_label_smoothing=0")
+    if r.simpo_gamma != FIELDS["simpo_gamma"].default and r.dpo_loss != "simpo":
+        raise RecipeError(f"simpo_gamma={r.simpo_gamma} with dpo_loss={r.dpo_loss}: gamma is SimPO's margin; set "
+                          "dpo_loss=simpo or leave simpo_gamma out")
+    for key in ("packing", "padding_free", "train_on_prompt"):
+        if getattr(r, key):
+            raise RecipeError(f"{key}=true with objective=dpo: a preference pair is scored as its two whole "
+                              f"sequences, on the responses only; set {key}=false")
+    if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
+        raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
+                          f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")
 
 
 def _check_compile(r: Recipe) -> None:
