@@ -21,17 +21,15 @@ def test_sigmoid_ipo_simpo_on_a_hand_computed_pair():
     policy = torch.tensor([-1.0, -2.0], dtype=torch.float64)  # chosen, rejected
     reference = torch.tensor([-1.5, -1.5], dtype=torch.float64)
     # z = (pc - pr) - (rc - rr) = 1; sigmoid: -log sigmoid(beta z) = softplus(-beta z)
-    loss, chosen, rejected = pair_losses("sigmoid", 0.1, policy, reference)
+    loss = pair_losses("sigmoid", 0.1, policy, reference)
     assert loss.item() == pytest.approx(softplus(-0.1), abs=1e-12)
-    assert chosen.item() == pytest.approx(0.05) and rejected.item() == pytest.approx(-0.05)
-    loss, *_ = pair_losses("sigmoid", 0.1, policy, reference, label_smoothing=0.1)
+    loss = pair_losses("sigmoid", 0.1, policy, reference, label_smoothing=0.1)
     assert loss.item() == pytest.approx(0.9 * softplus(-0.1) + 0.1 * softplus(0.1), abs=1e-12)
-    loss, *_ = pair_losses("ipo", 0.1, policy, reference)  # (z - 1 / (2 beta))^2 = (1 - 5)^2
+    loss = pair_losses("ipo", 0.1, policy, reference)  # (z - 1 / (2 beta))^2 = (1 - 5)^2
     assert loss.item() == pytest.approx(16.0)
-    # SimPO: z = pc - pr - gamma / beta = 1 - 0.25; no reference; rewards beta * log-probs
-    loss, chosen, rejected = pair_losses("simpo", 2.0, policy, None, gamma=0.5)
+    # SimPO: z = pc - pr - gamma / beta = 1 - 0.25; no reference
+    loss = pair_losses("simpo", 2.0, policy, None, gamma=0.5)
     assert loss.item() == pytest.approx(softplus(-1.5), abs=1e-12)
-    assert (chosen.item(), rejected.item()) == (-2.0, -4.0)
 
 
 def tiny_model(tie=False, seed=0):
@@ -102,10 +100,9 @@ def test_objective_loss_and_gradients_equal_a_direct_computation(kind):
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    sums, counts = direct_logps(model, batch)
-    ref = direct_logps(reference_model, batch)[0]
-    if kind != "sigmoid":
-        sums, ref = sums / counts, ref / counts
+    summed, counts = direct_logps(model, batch)
+    ref_summed = direct_logps(reference_model, batch)[0]
+    sums, ref = (summed / counts, ref_summed / counts) if kind != "sigmoid" else (summed, ref_summed)
     n = 4
     if kind == "simpo":
         z = sums[:n] - sums[n:] - 0.5 / 2.0
@@ -119,12 +116,14 @@ def test_objective_loss_and_gradients_equal_a_direct_computation(kind):
         assert torch.allclose(grads[name], p.grad, atol=1e-5, rtol=1e-4), name
     metrics = dict(zip(objective.metrics, (objective.take_metrics() / n).tolist()))
     beta = recipe.dpo_beta
-    chosen = beta * (sums[:n] if kind == "simpo" else sums[:n] - ref[:n])
-    rejected = beta * (sums[n:] if kind == "simpo" else sums[n:] - ref[n:])
+    # TRL's metrics: rewards on summed log-probs (ipo too); SimPO's on averaged ones, without a reference
+    logps = sums if kind == "simpo" else summed
+    chosen = beta * (logps[:n] if kind == "simpo" else logps[:n] - ref_summed[:n])
+    rejected = beta * (logps[n:] if kind == "simpo" else logps[n:] - ref_summed[n:])
     assert metrics["rewards/chosen"] == pytest.approx(chosen.mean().item(), abs=1e-5)
     assert metrics["rewards/margins"] == pytest.approx((chosen - rejected).mean().item(), abs=1e-5)
     assert metrics["rewards/accuracies"] == pytest.approx((chosen > rejected).double().mean().item())
-    assert metrics["logps/rejected"] == pytest.approx(sums[n:].mean().item(), abs=1e-5)
+    assert metrics["logps/rejected"] == pytest.approx(logps[n:].mean().item(), abs=1e-5)
     assert objective.take_metrics() is None  # taken: the next step starts from nothing
 
 

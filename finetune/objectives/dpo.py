@@ -11,8 +11,11 @@ with pc, pr the policy's and rc, rr the reference's log-probs of chosen and reje
 smoothing; TRL's DPOTrainer (sigmoid, ipo) and CPOTrainer (simpo) formulas, compared step by step in
 bench/dpo_vs_trl.py. A global batch is counted in pairs: the loss the optimizer steps on is the mean
 over its pairs whatever their split into ranks and micro-batches, as SFT's is over target tokens.
-The metrics are TRL's: rewards/chosen = beta (pc - rc) (SimPO: beta pc), rewards/rejected,
-rewards/accuracies (chosen's reward above rejected's), rewards/margins, logps/chosen, logps/rejected."""
+The metrics are TRL's: rewards/chosen = beta (pc - rc) on summed log-probs (also under ipo; SimPO:
+beta pc, averaged), rewards/rejected, rewards/accuracies (chosen's reward strictly above rejected's: 0
+at the first step, where policy and reference agree), rewards/margins, logps/chosen, logps/rejected
+(summed; SimPO's averaged). Label smoothing is conservative DPO's (Mitchell 2023), as TRL's sigmoid had
+it before 1.0."""
 
 from __future__ import annotations
 
@@ -35,24 +38,18 @@ def real_pairs(batch: dict) -> torch.Tensor:
 
 
 def pair_losses(kind: str, beta: float, policy: torch.Tensor, reference: torch.Tensor | None, *,
-                label_smoothing: float = 0.0, gamma: float = 0.0) -> tuple[torch.Tensor, torch.Tensor,
-                                                                              torch.Tensor]:
-    """Per-pair losses and the chosen and rejected rewards, from [2n] log-probs (chosen first), already
-    averaged per token where the loss asks for it (ipo, simpo)."""
+                label_smoothing: float = 0.0, gamma: float = 0.0) -> torch.Tensor:
+    """Per-pair losses from [2n] log-probs (chosen first), already averaged per token where the loss
+    asks for it (ipo, simpo)."""
     n = policy.shape[0] // 2
     pc, pr = policy[:n], policy[n:]
     if kind == "simpo":
         z = pc - pr - gamma / beta
-        rewards = beta * pc.detach(), beta * pr.detach()
     else:
-        rc, rr = reference[:n], reference[n:]
-        z = (pc - pr) - (rc - rr)
-        rewards = beta * (pc - rc).detach(), beta * (pr - rr).detach()
+        z = (pc - pr) - (reference[:n] - reference[n:])
     if kind == "ipo":
-        losses = (z - 1 / (2 * beta)) ** 2
-    else:
-        losses = -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
-    return losses, rewards[0], rewards[1]
+        return (z - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
 
 
 class DPO:
@@ -73,17 +70,21 @@ class DPO:
         """The summed loss of one micro-batch's pairs; its metrics' sums are kept for take_metrics."""
         reference = self.reference.logps(model, batch) if self.reference is not None else None
         sums, counts = sequence_logps(model, batch, self.loss_impl, self.chunk)
-        policy = sums / counts.clamp(min=1) if self.per_token else sums
-        if reference is not None and self.per_token:
-            reference = reference.to(policy.device) / counts.clamp(min=1)
-        elif reference is not None:
-            reference = reference.to(policy.device)
-        losses, chosen, rejected = pair_losses(self.kind, self.beta, policy, reference,
-                                               label_smoothing=self.label_smoothing, gamma=self.gamma)
+        tokens = counts.clamp(min=1)
+        if reference is not None:
+            reference = reference.to(sums.device)
+        if self.per_token:  # each side's log-probs (and log-ratios) averaged over its own response tokens
+            losses = pair_losses(self.kind, self.beta, sums / tokens,
+                                 reference / tokens if reference is not None else None, gamma=self.gamma)
+        else:
+            losses = pair_losses(self.kind, self.beta, sums, reference, label_smoothing=self.label_smoothing)
+        logps = (sums / tokens if self.kind == "simpo" else sums).detach()
+        rewards = self.beta * (logps if reference is None else logps - reference)
         real = real_pairs(batch).to(losses.device)
         n = real.shape[0]
+        chosen, rejected = rewards[:n], rewards[n:]
         values = torch.stack([chosen, rejected, (chosen > rejected).to(chosen.dtype), chosen - rejected,
-                              policy[:n].detach(), policy[n:].detach()]).double()
+                              logps[:n], logps[n:]]).double()
         sums_now = (values * real).sum(-1)
         self.sums = sums_now if self.sums is None else self.sums + sums_now
         return (losses * real).sum()
