@@ -142,3 +142,26 @@ def test_pairs_batch_layout_and_placeholders():
     assert batch["attention_mask"][2].sum().item() == len(rows[1]["rejected_input_ids"])
     with_reference = ds.add_column("ref_chosen_logps", [-1.0, -2.0]).add_column("ref_rejected_logps", [-3.0, -4.0])
     assert fetch(with_reference, [1, 0], 0, False)["ref_logps"].tolist() == [-2.0, -1.0, -4.0, -3.0]
+
+
+def test_planner_counts_the_reference_per_strategy_and_pairs_in_activations():
+    import dataclasses
+
+    from finetune.memory import Setup, holds_reference, load_architecture, recipe_estimate
+
+    base = Recipe(model="meta-llama/Llama-2-7b-hf", objective="dpo", mixed_precision="bf16", max_seq_len=1024)
+    arch = load_architecture(base.model)
+    n = arch.num_parameters()
+    zero3 = recipe_estimate(base, 8, arch, Setup("zero3"))
+    assert zero3.reference == round(n * 2 / 8)  # bf16, partitioned over 8
+    assert recipe_estimate(base, 8, arch, Setup("zero2")).reference == round(n * 2)  # whole on each GPU
+    assert recipe_estimate(base, 8, arch, Setup("fsdp")).reference == round(n * 2 / 8)
+    offloaded = recipe_estimate(base, 8, arch, Setup("zero3", "cpu", offload_params="cpu"))
+    assert offloaded.reference == 0 and offloaded.cpu >= round(n * 2 / 8)
+    assert zero3.total == zero3.model_states + zero3.reference + zero3.activations + zero3.buffers
+    for change in ({"lora": True}, {"dpo_loss": "simpo", "dpo_beta": 2.0}, {"precompute_reference": True}):
+        other = dataclasses.replace(base, **change)
+        assert not holds_reference(other) and recipe_estimate(other, 8, arch, Setup("zero3")).reference == 0
+    sft = dataclasses.replace(base, objective="sft")
+    doubled = dataclasses.replace(sft, micro_batch_size=2)
+    assert zero3.activations == recipe_estimate(doubled, 8, arch, Setup("zero3")).activations  # 2 sequences a pair
