@@ -26,7 +26,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 BUILTIN_MODELS = {"tiny-llama": "tiny-llama"}
-BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl"}
+BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences.jsonl"}
+BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference"}  # what prevalidation knows of them
 
 
 def cache_root() -> Path:
@@ -117,6 +118,52 @@ def tiny_tasks_file(n: int = 4000) -> Path:
     return _publish(build, cache_root() / ASSET_VERSION / "tiny-tasks.jsonl")
 
 
+def _wrong(answer: str, rng: random.Random) -> str:
+    """A wrong answer as long as the right one, made by a mistake the model must learn to avoid: the
+    letters left as they are, reversed the other way, or one letter changed."""
+    kind = rng.randrange(3)
+    if kind == 0 and len(set(answer)) > 1:
+        return answer[::-1]
+    if kind == 1 and answer.lower() != answer.upper():
+        return answer.swapcase()
+    k = rng.randrange(len(answer))
+    letters = string.ascii_uppercase if answer[k].isupper() else string.ascii_lowercase
+    return answer[:k] + rng.choice([c for c in letters if c != answer[k]]) + answer[k + 1:]
+
+
+def _preference(rng: random.Random) -> dict:
+    """A prompt, its right answer (chosen) and a wrong one of the same length (rejected)."""
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
+    kind = rng.randrange(3)
+    if kind == 0:
+        prompt, answer = f"Reverse: {word}\nAnswer: ", word[::-1]
+    elif kind == 1:
+        prompt, answer = f"Capitals: {word}\nAnswer: ", word.upper()
+    else:
+        prompt, answer = f"Copy: {word}\nAnswer: ", word
+    wrong = _wrong(answer, rng)
+    while wrong == answer:
+        wrong = _wrong(answer, rng)
+    return {"prompt": prompt, "chosen": answer, "rejected": wrong}
+
+
+def tiny_preferences_file(n: int = 4000) -> Path:
+    """Three tiny tasks (reverse, capitalise, copy a word) as preference pairs with an explicit prompt:
+    the chosen answer is the right one, the rejected one a wrong answer of the same length (the word
+    reversed when it should not be, letters in the wrong case, one letter wrong). Learnable by the
+    tiny model: the right answer is a function of the prompt."""
+
+    def build(tmp: Path) -> Path:
+        rng = random.Random(4321)
+        out = tmp / "tiny-preferences.jsonl"
+        with out.open("w") as f:
+            for _ in range(n):
+                f.write(json.dumps(_preference(rng)) + "\n")
+        return out
+
+    return _publish(build, cache_root() / ASSET_VERSION / "tiny-preferences.jsonl")
+
+
 def resolve_model(name: str) -> str:
     """builtin:NAME -> a local directory made on first use; anything else unchanged."""
     if name.startswith("builtin:"):
@@ -127,6 +174,6 @@ def resolve_model(name: str) -> str:
 
 def resolve_dataset(name: str) -> str:
     if name.startswith("builtin:"):
-        assert name[len("builtin:"):] == "tiny-tasks", name
-        return str(tiny_tasks_file())
+        files = {"tiny-tasks": tiny_tasks_file, "tiny-preferences": tiny_preferences_file}
+        return str(files[name[len("builtin:"):]]())
     return name
