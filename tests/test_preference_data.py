@@ -302,6 +302,18 @@ def test_mapped_columns_and_message_fields_give_the_same_pairs(tmp_path, mistral
     assert "columns maps rejected to 'worse'" in one_line(D.prevalidate, str(mapped), "auto", spec=bad)
 
 
+def test_pairs_beside_a_conversations_column_are_not_read_as_sharegpt(tmp_path, mistral):
+    """ShareGPT's layout (a conversations column, no messages) is read as messages only for chat rows:
+    rows with chosen and rejected are pairs, their other columns left alone."""
+    row = {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}],
+           "prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [row] * 3)
+    assert D.prevalidate(str(path), "auto") == "preference"
+    recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=256, eval_fraction=0.0)
+    data = D.build_datasets(recipe, mistral)
+    assert data.train[0] == D.encode_pair(row, mistral, 256)
+
+
 def test_mixture_of_two_preference_sources(tmp_path, mistral_v3):
     a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"Reverse {w}: ", "chosen": w[::-1], "rejected": w}
                                            for w in (f"word{i}" for i in range(40))])
@@ -495,8 +507,17 @@ def test_show_json_gives_the_pair_columns(dpo_recipe, mistral_v3, capsys):
 
 
 def test_show_pair_text(mistral):
+    """The prompt is what both sides start with (rejected's untrained '▁', which chosen's ▁Paris holds,
+    belongs to rejected's line; decoded alone it shows as nothing); a side's own turns after the shared
+    prompt are shown on its line."""
     pair = D.encode_pair({"prompt": "Answer: ", "chosen": "Paris", "rejected": "\nno"}, mistral, 64)
     assert D.show_pair(mistral, pair) == "prompt:   <s> Answer:\nchosen:   [[Paris</s>]]\nrejected: [[\nno</s>]]"
+    first = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    pair = D.encode_pair({"chosen": first + [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ok"}],
+                          "rejected": first + [{"role": "user", "content": "Go"}, {"role": "assistant", "content": "No"}]},
+                         mistral, 64)
+    assert D.show_pair(mistral, pair) == ("prompt:   <s>[INST] Hi[/INST] Hello</s>[INST]\nchosen:   Bye[/INST][[Ok</s>]]"
+                                          "\nrejected: Go[/INST][[No</s>]]")
 
 
 # ---------------------------------------------------------------- samples at eval

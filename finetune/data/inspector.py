@@ -41,15 +41,15 @@ def _marked(tokenizer, ids: list[int], labels: list[int], first: int, a: int, b:
 
 
 def show_pair(tokenizer, row: dict, colour: bool = False) -> str:
-    """A prepared preference pair: its prompt once (the chosen side's tokens before its first trained
-    token), then each side from where its own prompt ends, trained tokens marked as show_row marks them."""
+    """A prepared preference pair: its prompt once (the tokens both sides start with, up to the first
+    trained one), then each side from there, trained tokens marked as show_row marks them."""
     from finetune.data.preference import prompt_length
 
-    lines = []
-    for side in ("chosen", "rejected"):
-        ids, labels = row[f"{side}_input_ids"], row[f"{side}_labels"]
-        start = prompt_length(ids, labels)
-        if side == "chosen":
-            lines.append("prompt:   " + _marked(tokenizer, ids, labels, 0, 0, start, colour))
-        lines.append(f"{side + ':':<10}" + _marked(tokenizer, ids, labels, 0, start, len(ids), colour))
+    sides = [(row[f"{side}_input_ids"], row[f"{side}_labels"]) for side in ("chosen", "rejected")]
+    (chosen, _), (rejected, _) = sides
+    shared = min(prompt_length(ids, labels) for ids, labels in sides)
+    shared = next((k for k in range(shared) if chosen[k] != rejected[k]), shared)
+    lines = ["prompt:   " + _marked(tokenizer, *sides[0], 0, 0, shared, colour)]
+    for side, (ids, labels) in zip(("chosen", "rejected"), sides):
+        lines.append(f"{side + ':':<10}" + _marked(tokenizer, ids, labels, 0, shared, len(ids), colour))
     return "\n".join(lines)

@@ -22,7 +22,8 @@ def with_sharegpt(spec: DataSource, fields, first_row=None) -> DataSource:
     each turn's `from`/`value` (or `role`/`content`, as the first turn has them) become role/content,
     with human/gpt/system as user/assistant/system (SHAREGPT_ROLES; others go in roles=...)."""
     fields = set(fields)
-    if spec.columns or spec.format not in ("auto", "messages") or "messages" in fields or "conversations" not in fields:
+    if spec.columns or spec.format not in ("auto", "messages") or "messages" in fields or "conversations" not in fields \
+            or {"chosen", "rejected"} <= fields:  # preference rows: their conversations are chosen and rejected
         return spec
     turns = first_row.get("conversations") if isinstance(first_row, dict) else None
     first = turns[0] if isinstance(turns, list) and turns else None
