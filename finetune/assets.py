@@ -26,7 +26,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 BUILTIN_MODELS = {"tiny-llama": "tiny-llama"}
-BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences.jsonl"}
+BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-2.jsonl"}
 BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference"}  # what prevalidation knows of them
 
 
@@ -118,17 +118,14 @@ def tiny_tasks_file(n: int = 4000) -> Path:
     return _publish(build, cache_root() / ASSET_VERSION / "tiny-tasks.jsonl")
 
 
-def _wrong(answer: str, rng: random.Random) -> str:
-    """A wrong answer as long as the right one, made by a mistake the model must learn to avoid: the
-    letters left as they are, reversed the other way, or one letter changed."""
-    kind = rng.randrange(3)
-    if kind == 0 and len(set(answer)) > 1:
-        return answer[::-1]
-    if kind == 1 and answer.lower() != answer.upper():
+def _wrong(answer: str, word: str, rng: random.Random) -> str:
+    """A wrong answer as long as the right one, by a mistake a small model learns to avoid from the prompt
+    alone: the letters in the wrong case, or letters that are not the word's."""
+    if rng.random() < 0.5 and answer.lower() != answer.upper():
         return answer.swapcase()
-    k = rng.randrange(len(answer))
-    letters = string.ascii_uppercase if answer[k].isupper() else string.ascii_lowercase
-    return answer[:k] + rng.choice([c for c in letters if c != answer[k]]) + answer[k + 1:]
+    others = [c for c in string.ascii_lowercase if c not in word]
+    wrong = "".join(rng.choice(others) for _ in answer)
+    return wrong.upper() if answer.isupper() else wrong
 
 
 def _preference(rng: random.Random) -> dict:
@@ -141,17 +138,14 @@ def _preference(rng: random.Random) -> dict:
         prompt, answer = f"Capitals: {word}\nAnswer: ", word.upper()
     else:
         prompt, answer = f"Copy: {word}\nAnswer: ", word
-    wrong = _wrong(answer, rng)
-    while wrong == answer:
-        wrong = _wrong(answer, rng)
-    return {"prompt": prompt, "chosen": answer, "rejected": wrong}
+    return {"prompt": prompt, "chosen": answer, "rejected": _wrong(answer, word, rng)}
 
 
 def tiny_preferences_file(n: int = 4000) -> Path:
     """Three tiny tasks (reverse, capitalise, copy a word) as preference pairs with an explicit prompt:
-    the chosen answer is the right one, the rejected one a wrong answer of the same length (the word
-    reversed when it should not be, letters in the wrong case, one letter wrong). Learnable by the
-    tiny model: the right answer is a function of the prompt."""
+    the chosen answer is the right one, the rejected one a wrong answer of the same length (its letters
+    in the wrong case, or letters the word does not have). Learnable by the tiny model: which answer is
+    right shows in the prompt (the task's name, the word's letters)."""
 
     def build(tmp: Path) -> Path:
         rng = random.Random(4321)
@@ -161,7 +155,8 @@ def tiny_preferences_file(n: int = 4000) -> Path:
                 f.write(json.dumps(_preference(rng)) + "\n")
         return out
 
-    return _publish(build, cache_root() / ASSET_VERSION / "tiny-preferences.jsonl")
+    # the name carries the generator's version (2: wrong case or foreign letters), so a cached older file is not read
+    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS["tiny-preferences"])
 
 
 def resolve_model(name: str) -> str:

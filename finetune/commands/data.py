@@ -10,8 +10,7 @@ import sys
 
 from finetune.assets import resolve_model
 from finetune.data import (GREEN, RESET, BatchSchedule, build_datasets, prevalidate_recipe, show_pair, show_row,
-                           summary_lines)
-from finetune.data.preference import trained
+                           summary_lines, trained)
 from finetune.model import load_tokenizer
 from finetune.recipe import RecipeError, chat_template_text, resolve
 

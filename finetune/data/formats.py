@@ -11,7 +11,7 @@ FORMAT_FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "messages": ("messages",),
     "text": ("text",),
-    "preference": ("chosen", "rejected"),  # and an optional prompt: see finetune/data/preference.py
+    "preference": ("chosen", "rejected"),  # and an optional prompt (split_pair reads the three shapes)
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"

@@ -122,9 +122,10 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     ds = ds.filter(lambda n: [x > 0 for x in n], input_columns="n_targets", batched=True, num_proc=procs,
                    new_fingerprint=cache_fingerprint(fp, "filter"), desc="drop rows without targets")
     if len(ds) == 0 and fmt == "preference":
+        fix = "lower max_prompt_len" if recipe.max_prompt_len else \
+            "set max_prompt_len below it (a long prompt then loses its start)"
         raise DataError(f"{where}: no pair has a response token left on both sides within max_seq_len={max_len}"
-                        f"{budget_note(recipe)}; raise max_seq_len, or set max_prompt_len below it (a long prompt then "
-                        "loses its start)")
+                        f"{budget_note(recipe)}; raise max_seq_len, or {fix}")
     if len(ds) == 0:
         raise DataError(f"{where}: no example has a response token left within max_seq_len={max_len}; "
                         "raise max_seq_len or set train_on_prompt=true")

@@ -44,10 +44,10 @@ def _row_counts(ds) -> dict:
     return {k: np.asarray(cols[k], dtype=np.int64) for k in COUNTS}
 
 
-def _longest(ds) -> np.ndarray:
-    """Each row's tokens, or a pair's longer side's: what max_seq_len cuts."""
+def _longest(ds, n_tokens: np.ndarray) -> np.ndarray:
+    """Each row's tokens (n_tokens), or a pair's longer side's: what max_seq_len cuts."""
     if "chosen_input_ids" not in ds.column_names:
-        return _row_counts(ds)["n_tokens"]
+        return n_tokens
     import pyarrow.compute as pc
 
     table = ds.select_columns(["chosen_input_ids", "rejected_input_ids"]).with_format("arrow")[:]
@@ -101,7 +101,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         stats.append({"source": key.removesuffix(".path"), "path": spec.path, "format": formats[i],
                       "split": spec.split, "weight": spec.weight, "rows_wanted": spec.rows, "rows": raw_rows[i],
                       "kept": available[i], "dropped_no_target": raw_rows[i] - available[i],
-                      "at_max_seq_len": int((_longest(part) >= recipe.max_seq_len).sum()),
+                      "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())})
     train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
