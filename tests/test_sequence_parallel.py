@@ -166,3 +166,54 @@ def replace_strategy(plan, strategy):
     import dataclasses
 
     return dataclasses.replace(plan, recipe=dataclasses.replace(plan.recipe, strategy=strategy))
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def test_activations_per_rank_are_divided_by_sequence_parallel():
+    from finetune import memory as M
+
+    a = M.Architecture(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=100,
+                       num_attention_heads=4)
+    b, t, h, heads, layers, v = 2, 16, 64, 4, 4, 100
+    one_layer = 34 * b * t * h + 5 * b * heads * t * t  # a rank: T/N tokens, a/N heads over the whole T
+    assert M.activation_bytes(a, b, t, "bf16", False, sequence_parallel=2) == layers * one_layer // 2 + \
+        (b * t // 2) * v * 10
+    assert M.activation_bytes(a, b, t, "bf16", True, sequence_parallel=4) == \
+        (layers * 2 * b * t * h + one_layer) // 4 + (b * t // 4) * v * 10
+    # the chunked loss holds one chunk whatever the split
+    assert M.activation_bytes(a, b, t, "bf16", False, "chunked", 8, sequence_parallel=2) == \
+        layers * one_layer // 2 + 8 * v * 10
+
+
+def test_longest_sequence_fits_and_one_step_more_does_not():
+    from dataclasses import replace
+
+    from finetune import memory as M
+
+    r = M.Recipe(model="meta-llama/Llama-2-7b-hf", strategy="zero3", activation_checkpointing=True)
+    a = M.load_architecture(r.model)
+    budget = M.parse_size("80GB")
+    setup = M.Setup("zero3")
+    lengths = {}
+    for n in (1, 2, 8):
+        t = M.longest_sequence(r, 8, a, setup, budget, sequence_parallel=n)
+        assert t % n == 0 and t > 0
+        fits = [M.recipe_estimate(replace(r, max_seq_len=x, sequence_parallel=n), 8, a, setup).fits(budget)
+                for x in (t, t + n)]
+        assert fits == [True, False]
+        lengths[n] = t
+    assert lengths[1] < lengths[2] < lengths[8]
+    assert M.longest_sequence(r, 1, a, M.Setup("ddp"), budget) == 0  # 16 bytes x 6.7e9 do not fit 80 GB
+
+
+def test_planner_cli_answers_the_longest_sequence(capsys):
+    from finetune.commands.plan import main
+
+    assert main(["--recipe", "llama7b_zero3", "--gpus", "8", "--gpu-mem", "80GB", "--max-seq-len",
+                 "sequence_parallel=8", "packing=false"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence_parallel=1" in out and "sequence_parallel=8" in out and "* zero3" in out
+    assert main(["--recipe", "llama7b_zero3", "--gpus", "8", "--max-seq-len"]) == 2
+    assert "--max-seq-len needs --gpu-mem" in capsys.readouterr().err

@@ -38,7 +38,7 @@ def sp_run(launch):
 def assert_same_curve(run, reference, rtol=SP_RTOL):
     got, want = records(run), records(reference)
     assert [(r[0], r[3]) for r in got] == [(r[0], r[3]) for r in want], "same steps, same global batches (tokens)"
-    assert [r[0] for r in run.train_records] == list(range(1, 13))
+    assert [r["step"] for r in run.train_records] == list(range(1, 13))
     for g, w in zip(got, want):
         for a, b in ((g[1], w[1]), (g[2], w[2])):
             assert (a is None) == (b is None)
