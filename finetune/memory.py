@@ -421,8 +421,8 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
     own = Setup.of(recipe)
     for _, e in rows:
         mark = "* " if e.setup == own else "  "
-        table.append([mark + e.setup.label] + [f"{longest_sequence(recipe, world_size, arch, e.setup, budget, headroom, n):,}"
-                                               for n in sizes])
+        longest = [longest_sequence(recipe, world_size, arch, e.setup, budget, headroom, n) for n in sizes]
+        table.append([mark + e.setup.label] + [f"{t:,}" for t in longest])
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for i, r in enumerate(table):
         lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]).rstrip())

@@ -616,9 +616,9 @@ def _check_sequence_parallel(r: Recipe) -> None:
     if n == 1:
         return
     if r.attn_implementation == "eager":
-        raise RecipeError(f"sequence_parallel={n} with attn_implementation=eager: Ulysses attention needs a kernel that "
-                          "is causal without a 4D mask (DeepSpeed refuses eager); use attn_implementation=sdpa (or "
-                          "flash_attention_2 on GPUs)")
+        raise RecipeError(f"sequence_parallel={n} with attn_implementation=eager: Ulysses attention needs a kernel "
+                          "that is causal without a 4D mask (DeepSpeed refuses eager); use attn_implementation=sdpa "
+                          "(or flash_attention_2 on GPUs)")
     for key in ("packing", "padding_free"):
         if getattr(r, key):
             raise RecipeError(f"{key}=true with sequence_parallel={n}: Ulysses attention is causal over the whole "

@@ -59,7 +59,8 @@ def main(argv=None) -> int:
         return 2
     print(table)
     dp = data_parallel_size(recipe, args.gpus)
-    ranks = f"{args.gpus} GPUs" if dp == args.gpus else f"{dp} data-parallel ranks ({args.gpus} GPUs / sequence_parallel)"
+    ranks = f"{args.gpus} GPUs" if dp == args.gpus else \
+        f"{dp} data-parallel ranks ({args.gpus} GPUs / sequence_parallel)"
     print(f"global batch {recipe.micro_batch_size * accum * dp} = micro {recipe.micro_batch_size} x accum "
           f"{accum} x {ranks}")
     return 0
