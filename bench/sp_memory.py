@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     print(text)
     if args.doc:
         path = Path(args.doc)
-        title = "## Sequence parallelism: peak memory per rank (bench/sp_memory.py)"
+        title = "## 11. Sequence parallelism: peak memory per rank (bench/sp_memory.py)"
         body = path.read_text()
         if title in body:
             body = body[:body.index(title)].rstrip() + "\n"
