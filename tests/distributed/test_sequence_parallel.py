@@ -1,8 +1,9 @@
 """Ulysses sequence parallelism (finetune/sequence_parallel.py), launched for real: 2 processes with
 sequence_parallel=2 (each row split in two, DeepSpeed's all-to-all attention, data parallel of one)
 train the same global batches as 1 process on whole rows and log the same losses to fp32 round-off,
-under zero3 and fsdp; a SIGKILLed SP run resumes bit for bit; an SP checkpoint continues without SP
-on 1 process; final/ and an export load with plain transformers and give the logged eval loss.
+under zero3 and fsdp, and so do 4 processes as SP 2 x data parallel 2; a SIGKILLed SP run resumes
+bit for bit; an SP checkpoint continues without SP on 1 process; final/ and an export load with plain
+transformers and give the logged eval loss.
 
 One launch per strategy serves the curve, final/ and export asserts; the 1-process runs are the
 suite's shared ones (strategy_run(name, nprocs=1), test_strategies and test_checkpoint use them too)."""
@@ -58,6 +59,15 @@ def test_two_processes_with_sp2_equal_one_process(strategy, sp_run, strategy_run
     # final/ loads with plain transformers and, on whole rows without SP, gives the eval loss the run logged
     logged = run.eval_records[-1]["eval_loss"]
     assert math.isclose(final_eval_loss(run, monkeypatch), logged, rel_tol=1e-5)
+
+
+def test_four_processes_sp2_by_dp2_equal_one_process(launch, strategy_run):
+    """4 processes: 2 SP groups of 2 ([0, 1] and [2, 3]), 2 data-parallel ranks, each reading its own rows
+    (about 2 minutes on 2 loaded cores)."""
+    run = launch(4, "strategy=zero3", *SP2)
+    resolved = json.loads((run.output_dir / "recipe.json").read_text())
+    assert (resolved["world_size"], resolved["grad_accum"], resolved["global_batch_size"]) == (4, 2, 16)
+    assert_same_curve(run, strategy_run("zero3", nprocs=1))
 
 
 def test_export_of_sp_checkpoint_equals_final(sp_run, export_in_process, tmp_path):
