@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,21 @@ def run_in_process(launch_env, monkeypatch):
     return call
 
 
+@contextmanager
+def one_thread():
+    """torch on one intra-op thread, as every launched process runs (OMP_NUM_THREADS=1 above): a
+    command called in this process computes (merges, generates) with the kernels' single-thread
+    reduction order, as the same command started from a shell with the launches' environment does."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def export_in_process(capsys):
     """`python -m finetune.export CKPT OUT` as a call of its main in this process."""
@@ -131,7 +147,8 @@ def export_in_process(capsys):
         from finetune.commands.export import main
 
         capsys.readouterr()
-        code = main([str(ckpt), str(out), *options])
+        with one_thread():
+            code = main([str(ckpt), str(out), *options])
         captured = capsys.readouterr()
         return Run(Path(out), code, captured.out, captured.err, {})
 
