@@ -233,6 +233,8 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
 
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     SP.start(r, model)
+    if r.tiled_mlp:
+        log.info(f"tiled_mlp: {SP.tile_mlps(model)} MLPs compute a slice of the sequence at a time")
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
     reference = build_reference(plan, accelerator, model_path, config, reads_weights(plan, accelerator))

@@ -119,6 +119,10 @@ class Recipe:
                                   "(DeepSpeed's all-to-all attention), activations per rank / N; N divides the "
                                   "processes and the attention heads; data parallel over processes / N "
                                   "(finetune/sequence_parallel.py)")
+    tiled_mlp: bool = _opt(False, help="each decoder layer's MLP computed a slice of the sequence at a time "
+                           "(DeepSpeed's TiledMLP, ALST): its [tokens, intermediate] activations exist for one slice "
+                           "only, at the cost of the MLP's forward again in backward; for long rows "
+                           "(finetune/sequence_parallel.py tile_mlps)")
     context_parallel: int = _opt(1, min=1, help="ring-attention context parallelism (torch, GPUs only): not "
                                  "available yet; use sequence_parallel")
     mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
@@ -612,6 +616,11 @@ def _check_objective(r: Recipe) -> None:
 def _check_sequence_parallel(r: Recipe) -> None:
     """What Ulysses sequence parallelism (finetune/sequence_parallel.py) can take. That N divides the
     processes is plan.make_plan's check, that it divides the heads the loop's, from the model's config."""
+    if r.tiled_mlp and r.strategy not in ("zero3", "fsdp"):
+        raise RecipeError(f"tiled_mlp=true with strategy={r.strategy}: the MLP's backward runs once per slice, "
+                          "which DDP's reducer refuses (a parameter made ready twice) and ZeRO-1/2's per-parameter "
+                          "gradient hooks were not tried with; tiled_mlp is tested under zero3 and fsdp, the "
+                          "strategies for long rows: use one of them, or tiled_mlp=false")
     if r.context_parallel > 1:
         raise RecipeError(f"context_parallel={r.context_parallel}: ring-attention context parallelism (torch's "
                           "context_parallel, GPUs only: it has no CPU path) is not available in finetune yet; use "

@@ -165,3 +165,38 @@ def whole_sequences():
     finally:
         for impl, (_, wrapper) in _ATTENTION.items():
             ALL_ATTENTION_FUNCTIONS[impl] = wrapper
+
+
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def tile_mlps(model) -> int:
+    """tiled_mlp=true: each gated MLP (Llama, Mistral, Qwen, Gemma: gate/up/down projections) computes a
+    slice of the sequence at a time with DeepSpeed's TiledMLP, which recomputes a slice's forward in the
+    backward, so that the [tokens, intermediate] activations (3 of them, at 3.5x the hidden size for
+    Llama) exist for one slice only. Slices: ceil(tokens / hidden size), as DeepSpeed's example, agreed
+    by every rank (their MLP calls must pair up under ZeRO-3 and FSDP). Set on each MLP object, before
+    the model is wrapped. Returns how many MLPs were tiled."""
+    import math
+
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    def slice_forward(module, x):
+        return module.finetune_untiled_forward(x)
+
+    count = 0
+    for module in model.modules():
+        if not all(isinstance(getattr(module, name, None), torch.nn.Module) for name in MLP_PROJECTIONS):
+            continue
+        module.finetune_untiled_forward = module.forward
+
+        def forward(x, module=module):
+            slices = torch.tensor(math.ceil(x.shape[-2] / x.shape[-1]), device=x.device)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(slices, op=torch.distributed.ReduceOp.MAX)
+            return TiledMLP.apply(slice_forward, module, x, int(slices), list(module.parameters()))
+
+        module.forward = forward
+        count += 1
+    return count

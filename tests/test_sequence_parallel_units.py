@@ -217,3 +217,33 @@ def test_planner_cli_answers_the_longest_sequence(capsys):
     assert "sequence_parallel=1" in out and "sequence_parallel=8" in out and "* zero3" in out
     assert main(["--recipe", "llama7b_zero3", "--gpus", "8", "--max-seq-len"]) == 2
     assert "--max-seq-len needs --gpu-mem" in capsys.readouterr().err
+
+
+def test_tiled_mlp_gives_the_untiled_loss_and_gradients():
+    """tiled_mlp=true (DeepSpeed's TiledMLP on each MLP): the same loss and gradients, on a row long
+    enough for several slices (ceil(tokens / hidden) = 4)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune.loss import loss_sum
+    from finetune.sequence_parallel import tile_mlps
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=112, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ids = torch.randint(3, 97, (2, 128))
+    batch = {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)}
+
+    def loss_and_grads(tiled):
+        torch.manual_seed(1)
+        model = LlamaForCausalLM(config)
+        if tiled:
+            assert tile_mlps(model) == 2
+        loss = loss_sum(model, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain, tiled = loss_and_grads(False), loss_and_grads(True)
+    assert torch.allclose(plain[0], tiled[0], rtol=1e-6, atol=0)
+    for name, grad in plain[1].items():
+        assert torch.allclose(grad, tiled[1][name], rtol=1e-5, atol=1e-6), name
