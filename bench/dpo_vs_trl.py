@@ -92,8 +92,6 @@ LOSSES = ("sigmoid", "ipo")
 STRATEGIES = ("zero3", "fsdp")
 WARMUP = 3  # timed steps left out at the start (first forward, allocator, DeepSpeed/FSDP first gathers)
 NOISE_LIMIT = 0.35  # CPU cores used by other processes during a launch, on average, above which a pair is re-run
-DOC_TITLE = "## 11. DPO against TRL's DPOTrainer"
-DOC_BEGIN, DOC_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
 
 WORDS = ["alpha", "beta", "gamma", "delta", "echo", "fox", "golf", "hotel", "india", "kilo", "lima", "mike", "oscar",
          "papa", "romeo", "sierra", "tango", "victor", "zulu"]
@@ -272,9 +270,9 @@ def ours_step_seconds(records: list[dict]) -> list[float]:
     return seconds
 
 
-def ours_tokens(model_dir: Path, data: Path, over: list[str]) -> list[dict] | None:
-    """Our prepared pairs as TRL's columns (prompt_ids, chosen_ids, rejected_ids), or None where our
-    preference data does not say where a pair's prompt ends."""
+def ours_sides(model_dir: Path, over: list[str]) -> list[dict]:
+    """Our prepared pairs (finetune.data.build_datasets, the rows finetune/run.py trains on, in its
+    order), each side as (input ids, which of them are trained)."""
     from finetune import data as D
     from finetune.model import load_tokenizer
     from finetune.recipe import resolve
@@ -282,13 +280,20 @@ def ours_tokens(model_dir: Path, data: Path, over: list[str]) -> list[dict] | No
     r = resolve("tiny", over)
     tokenizer = load_tokenizer(r, str(model_dir))
     train = D.build_datasets(r, tokenizer).train
-    return [pair_as_trl(train[i]) for i in range(len(train))]
+    out = []
+    for i in range(len(train)):
+        row = train[i]
+        out.append({side: (list(row[f"{side}_input_ids"]), [int(x != D.IGNORE) for x in row[f"{side}_labels"]])
+                    for side in ("chosen", "rejected")})
+    return out
 
 
-def pair_as_trl(row: dict) -> dict:
-    """One of our prepared pairs in TRL's layout: the shared prompt, then each side's completion tokens.
-    Filled in against the preference format's prepared columns (finetune/data)."""
-    raise NotImplementedError
+def trl_sides(pair: dict) -> dict:
+    """One of TRL's prepared pairs (prompt_ids, chosen_ids, rejected_ids) as ours: each side's whole
+    sequence and its trained tokens (TRL's completion_mask)."""
+    p = pair["prompt_ids"]
+    return {side: (p + pair[f"{side}_ids"], [0] * len(p) + [1] * len(pair[f"{side}_ids"]))
+            for side in ("chosen", "rejected")}
 
 
 # ---------------------------------------------------------------- orchestration
@@ -377,15 +382,12 @@ def compare(work: Path, cache: Path, steps: int) -> dict:
                        ours=[{m: r.get(m) for m in METRICS} for r in a], trl=[{m: r.get(m) for m in METRICS}
                                                                             for r in (x or {} for x in b)],
                        trl_version=theirs["trl"])
-            try:
-                mine = ours_tokens(model, data, over)
-            except NotImplementedError:
-                mine = None
-            if mine is not None:
-                res["pairs"] = len(theirs["tokens"])
-                res["same_tokens"] = sum(x == y for x, y in zip(mine, theirs["tokens"]))
-            res["match"] = (len(a) == len(b) == steps and all(d["max_abs_diff"] <= TOLERANCE
-                                                              for d in res["diffs"].values()))
+            mine, theirs_sides = ours_sides(model, over), [trl_sides(t) for t in theirs["tokens"]]
+            res["pairs"] = f"{len(mine)} / {len(theirs_sides)}"
+            res["same_tokens"] = sum(x == y for x, y in zip(mine, theirs_sides))
+            res["first_different_pair"] = next((i for i, (x, y) in enumerate(zip(mine, theirs_sides)) if x != y), None)
+            res["match"] = (len(a) == len(b) == steps and res["same_tokens"] == len(mine) == len(theirs_sides)
+                            and all(d["max_abs_diff"] <= TOLERANCE for d in res["diffs"].values()))
         results["losses"][loss] = res
         print(f"{loss}: " + (json.dumps(res.get("diffs")) if res["ok"] else res["error"]), flush=True)
     return results
@@ -461,7 +463,7 @@ def section(results: dict) -> str:
                 continue
             body.append([loss, *(f"{res['diffs'][m]['max_abs_diff']:.1e}" for m in METRICS),
                          f"{res['steps_ours']} / {res['steps_trl']}",
-                         f"{res['same_tokens']} of {res['pairs']}" if "same_tokens" in res else "-",
+                         f"{res['same_tokens']} of {res['pairs']}",
                          "yes" if res["match"] else "no"])
         lines += [table(header, body), ""]
         for loss, res in comp["losses"].items():
@@ -495,9 +497,9 @@ def section(results: dict) -> str:
 
 
 def write_doc(doc: Path, text: str) -> None:
-    from report import write_marked_section
+    from report import DPO_BEGIN, DPO_END, DPO_TITLE, write_marked_section
 
-    write_marked_section(doc, DOC_TITLE, DOC_BEGIN, DOC_END, text)
+    write_marked_section(doc, DPO_TITLE, DPO_BEGIN, DPO_END, text)
 
 
 def main(argv: list[str]) -> int:
