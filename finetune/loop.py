@@ -20,12 +20,13 @@ from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, a
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
-from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
-                              setup_logging, start_trackers)
+from finetune.metrics import (PAIR_METRICS, LossPlot, MetricsFile, Progress, Throughput, format_summary, log,
+                              peak_memory_bytes, setup_logging, start_trackers)
 from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer
 from finetune.objectives import objective_for
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
+from finetune.reference import attach, build_reference, check_precomputed, precompute, precomputed_path
 from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.stopping import StopRequest, fault_point
 from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
@@ -55,20 +56,30 @@ def main_first(accelerator, fn):
     return result if accelerator.is_local_main_process else fn()
 
 
-def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, loss,
-             padding_free: bool = False, count=D.target_tokens) -> float:
-    """Mean loss per counted token (the objective's: target tokens) over the whole eval set, exact
-    across ranks."""
+def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, objective,
+             padding_free: bool = False) -> tuple[float, dict]:
+    """The mean loss per counted unit (the objective's: target tokens, pairs) over the whole eval set,
+    exact across ranks, and the objective's metrics (their means) over it."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
+    objective.take_metrics()
     with torch.no_grad():
         for rows in batches:
             batch = to_device(D.fetch(ds, rows, pad_id, packed, padding_free), device)
-            total[0] += loss(model, batch).double()
-            total[1] += count(batch)
+            total[0] += objective.loss(model, batch).double()
+            total[1] += objective.eval_count(batch)
     model.train()
     total = reduce(total)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1]), mean_metrics(objective, reduce, total[1])
+
+
+def mean_metrics(objective, reduce, count) -> dict:
+    """The objective's metrics since it was last asked, as means over the global batch (or eval set):
+    their sums reduced over ranks, divided by the global count. A collective: every rank calls it."""
+    sums = objective.take_metrics()
+    if sums is None:
+        return {}
+    return dict(zip(objective.metrics, (reduce(sums) / count).tolist()))
 
 
 class NonFiniteError(RecipeError):
@@ -120,8 +131,8 @@ def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple
     runs (bench/step_overhead.py; docs/design-notes.md)."""
     ends = reduce_sum(torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64,
                                                            device=step_loss.device)]))
-    loss_sum, stops, targets, inputs = torch.cat([ends, counts]).tolist()
-    return loss_sum / targets, int(targets), int(inputs), stops > 0
+    loss_sum, stops, denominator, targets, inputs = torch.cat([ends, counts]).tolist()
+    return loss_sum / denominator, int(targets), int(inputs), stops > 0
 
 
 # The wrapped model holds the process group (DDP's reducer holds the last reference to it). Freed
@@ -150,6 +161,7 @@ class Run:
     optimizer: object
     scheduler: object
     objective: object
+    reference: object  # a DPO run's reference (finetune/reference.py), else None
     checkpoints: Checkpointer
     reporter: "Reporter"
     samples: SampleWriter
@@ -210,9 +222,24 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
                     "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "
                     "flash_attention_2, else set padding_free=false")
 
+    precomputed = None
+    if r.objective == "dpo" and r.precompute_reference:
+        precomputed = precomputed_path(r, datasets, model_path, tokenizer)
+        found = check_precomputed(r, precomputed, resuming=plan.resume is not None)
+
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
+    reference = build_reference(plan, accelerator, model_path, config, reads_weights(plan, accelerator))
+    if reference is not None and is_main:
+        log.info(f"reference: {reference.kind}")
+    if precomputed is not None:
+        if found is None:  # the policy has not trained yet: it is the reference
+            t0 = time.perf_counter()
+            found = precompute(accelerator, model, datasets, r, tokenizer.pad_token_id, precomputed, to_device)
+            if is_main:
+                log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
+        datasets = attach(datasets, found)
 
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -220,12 +247,13 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
                                   "global_batch_size": plan.global_batch_size,
                                   "data": {"sources": datasets.sources, "summary": datasets.summary}}
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    reporter = Reporter(accelerator, r, out, total_steps)
+    objective = objective_for(r, reference)
+    reporter = Reporter(accelerator, r, out, total_steps, objective.metrics)
     samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
     run = Run(plan, out, accelerator, model_path, config, tokenizer, datasets, schedule, total_steps, eval_rows,
-              prompts, generation_config, stops, model, optimizer, scheduler, objective_for(r), checkpoints,
-              reporter, samples, wall_t0)
+              prompts, generation_config, stops, model, optimizer, scheduler, objective, reference,
+              checkpoints, reporter, samples, wall_t0)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -240,8 +268,10 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
 
 @dataclass
 class StepResult:
-    loss: float  # mean per counted token (target token) over the global batch
+    loss: float  # mean per counted unit (the objective's: target token, pair) over the global batch
     grad_norm: object
+    metrics: object  # the objective's metrics' sums over this rank's part (device), or None
+    count: object  # what they are averaged over: the global batch's count (a device tensor)
     aux: list  # a mixture of experts' router loss per micro-batch, when its config asks for one
     stopping: bool  # a rank was asked to stop: save and stop after this step
 
@@ -276,7 +306,7 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     state.samples += run.schedule.global_batch
     meter.step(global_tokens, global_inputs)
     fault_point("after_step", accelerator.process_index, state.step, run.optimizer)
-    return StepResult(step_loss, grad_norm, aux, stopping)
+    return StepResult(step_loss, grad_norm, objective.take_metrics(), counts[0], aux, stopping)
 
 
 class Reporter:
@@ -284,8 +314,9 @@ class Reporter:
     recipe's trackers and loss.png. The loop calls it once per step (`step`) and once per eval
     (`eval`), on every rank: a step's record gathers the ranks' peak memory."""
 
-    def __init__(self, accelerator, recipe, out: Path, total_steps: int):
+    def __init__(self, accelerator, recipe, out: Path, total_steps: int, metric_names=()):
         self.accelerator, self.recipe, self.total_steps = accelerator, recipe, total_steps
+        self.metric_names = metric_names
         self.metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process, accelerator)
         start_trackers(accelerator, recipe, out)
         self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
@@ -310,16 +341,21 @@ class Reporter:
                       "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                       "tokens": state.tokens, **meter.window(), "epoch": epoch,
                       "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
+            if result.metrics is not None:
+                sums = accelerator.reduce(result.metrics, reduction="sum")
+                record.update(zip(self.metric_names, (sums / result.count).tolist()))
             if result.aux:
                 record["aux_loss"] = float(accelerator.reduce(torch.stack(result.aux).mean(), reduction="sum")
                                            / accelerator.num_processes)
             self.metrics.write(record)
         self.progress.update(state.step, record)
 
-    def eval(self, step: int, eval_loss: float, shown: str, plot: bool = True) -> None:
-        """After each eval: its loss, the samples' progress line, and loss.png (redrawn at most every so often)."""
-        self.metrics.write({"step": step, "eval_loss": eval_loss})
-        self.progress.note(f"step {step}: eval_loss {eval_loss:.4f}")
+    def eval(self, step: int, eval_loss: float, metrics: dict, shown: str, plot: bool = True) -> None:
+        """After each eval: its loss and the objective's metrics, the samples' progress line, and loss.png
+        (redrawn at most every so often)."""
+        self.metrics.write({"step": step, "eval_loss": eval_loss} | {f"eval_{k}": v for k, v in metrics.items()})
+        self.progress.note(f"step {step}: eval_loss {eval_loss:.4f}" + "".join(
+            f" {k} {v:.4f}" for k, v in metrics.items() if k in PAIR_METRICS))
         if shown:
             self.progress.note(shown)
         if plot:
@@ -336,16 +372,16 @@ class Reporter:
         return self.plot.final()
 
 
-def run_eval(run: Run, step: int, meter: Throughput) -> tuple[float, str]:
-    """The eval loss and the samples' progress line; paused out of the training speed."""
+def run_eval(run: Run, step: int, meter: Throughput) -> tuple[float, dict, str]:
+    """The eval loss, the objective's eval metrics and the samples' progress line; paused out of the
+    training speed."""
     r = run.recipe
     with meter.paused("eval"):
-        loss = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
-                        run.accelerator.device, run.reduce_sum, run.objective.loss, r.padding_free,
-                        count=run.objective.eval_count)
+        loss, metrics = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
+                                 run.accelerator.device, run.reduce_sum, run.objective, r.padding_free)
         shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer, r.sample_max_new_tokens,
                                run.samples, step, run.generation_config)
-    return loss, shown
+    return loss, metrics, shown
 
 
 def train(plan: Plan) -> dict:
@@ -355,10 +391,10 @@ def train(plan: Plan) -> dict:
     reporter.begin(state.step)
     meter = Throughput(run.accelerator.device, r.mixed_precision, run.config, r.max_seq_len,
                        run.accelerator.num_processes, tokens_at_start=state.tokens)
-    last_eval = None
+    last_eval, last_metrics = None, {}
     if run.eval_rows is not None and r.eval_at_start and state.step == 0:
-        last_eval, shown = run_eval(run, 0, meter)
-        reporter.eval(0, last_eval, shown, plot=False)
+        last_eval, last_metrics, shown = run_eval(run, 0, meter)
+        reporter.eval(0, last_eval, last_metrics, shown, plot=False)
     run.model.train()
     stopping = False
     while state.step < run.total_steps:
@@ -367,19 +403,20 @@ def train(plan: Plan) -> dict:
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
         end = state.step == run.total_steps
         if run.eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
-            last_eval, shown = run_eval(run, state.step, meter)
+            last_eval, last_metrics, shown = run_eval(run, state.step, meter)
             state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
-            reporter.eval(state.step, last_eval, shown)
+            reporter.eval(state.step, last_eval, last_metrics, shown)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
                 path = run.checkpoints.save(state)
             reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
         if stopping:
             break
-    return finish(run, state, meter, last_eval, stopping)
+    return finish(run, state, meter, last_eval, last_metrics, stopping)
 
 
-def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | None, stopped: bool) -> dict:
+def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | None, last_metrics: dict,
+           stopped: bool) -> dict:
     """final/ (and final_merged/), summary.json and the summary; or, stopped by a signal, just the word."""
     r, accelerator, reporter, out = run.recipe, run.accelerator, run.reporter, run.out
     device, world, is_main = accelerator.device, accelerator.num_processes, accelerator.is_main_process
@@ -401,7 +438,8 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
     saved = saved_names(checkpoints_dir(out))
     summary = {"steps": state.step, "resumed_at": run.plan.resume.step if run.plan.resume else None,
                **meter.summary(state.tokens), "wall_seconds": round(time.perf_counter() - run.wall_t0, 2),
-               "tokens": state.tokens, "final_eval_loss": last_eval, "best_eval_loss": state.best_eval_loss,
+               "tokens": state.tokens, "final_eval_loss": last_eval,
+               **{f"final_eval_{k}": v for k, v in last_metrics.items()}, "best_eval_loss": state.best_eval_loss,
                "peak_memory_per_rank": peaks, "peak_memory_kind": "GPU allocated" if device.type == "cuda"
                else "process resident",
                "final_model": str(final), "end_of_turn": run.stops,

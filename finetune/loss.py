@@ -126,8 +126,9 @@ class OutputHeadLoss:
     """One call's worth of "the output projection returns the loss": what to switch off on the model
     and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
 
-    def __init__(self, model, impl: str, chunk: int | None):
-        self.impl, self.chunk = impl, chunk
+    def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False):
+        self.impl, self.chunk, self.per_token = impl, chunk, per_token
+        self.rows = None  # per_token: the batch row of each target token
         hf = hf_model(model)
         self.head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
         # A Linear whose forward is Linear's own (FSDP2 makes lm_head an FSDPLinear that only adds hooks),
@@ -192,9 +193,11 @@ class OutputHeadLoss:
             # Only target tokens need logits: prompts and padding (often most of a fine-tuning batch) are
             # skipped. Counting them is one host sync, after the forward is queued.
             keep = (targets != IGNORE).nonzero().squeeze(1)
-            self.loss = linear_cross_entropy(hidden.index_select(0, keep), head.weight, head.bias,
-                                             targets.index_select(0, keep), self.impl, scale=self.scale,
-                                             softcap=self.softcap, chunk=self.chunk)
+            compute = linear_token_logps if self.per_token else linear_cross_entropy
+            if self.per_token:
+                self.rows = keep // labels.shape[-1]
+            self.loss = compute(hidden.index_select(0, keep), head.weight, head.bias, targets.index_select(0, keep),
+                                self.impl, scale=self.scale, softcap=self.softcap, chunk=self.chunk)
             return self.loss
 
         head.forward = forward
@@ -232,6 +235,111 @@ class OutputHeadLoss:
 
 
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's summed log-probability of its target tokens (the next token wherever the labels are
+    set), and its number of target tokens: what preference losses score a sequence by. As loss_sum,
+    computed inside the output layer a chunk of tokens at a time (linear_token_logps), so that no
+    [tokens, vocab] logits exist at once; impl=full computes them from the full logits."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    labels = batch["labels"]
+    rows = labels.shape[0]
+    if impl != "full":
+        head = OutputHeadLoss(model, impl, chunk, per_token=True)
+        if head.supported:
+            with head.computing_loss(labels):
+                out = model(**inputs)
+            logps = head.check(out.logits)
+            where = head.rows.to(logps.device)
+            sums = torch.zeros(rows, dtype=logps.dtype, device=logps.device).index_add(0, where, logps)
+            counts = torch.zeros(rows, dtype=torch.long, device=logps.device).index_add(
+                0, where, torch.ones_like(where))
+            return sums, counts
+    out = model(**inputs)
+    targets = shifted_labels(labels).to(out.logits.device)
+    mask = targets != IGNORE
+    logps = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return (logps * mask).sum(-1), mask.sum(-1)
+
+
+def linear_token_logps(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,
+                       softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+    """log softmax(softcap(scale * (hidden_i @ weight.T + bias)))[targets_i] for each i: [n] in fp32, a
+    chunk of rows at a time (liger has no per-token form: the chunked path serves it too)."""
+    device_type = hidden.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    return _ChunkedTokenLogps.apply(hidden, weight, bias, targets, scale, softcap,
+                                    chunk or chunk_rows(weight.shape[0]), dtype)
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """Forward: each token's log-probability, chunk by chunk. Backward: the chunk's logits again (a
+    preference loss weighs each sequence's tokens by a factor known only after the forward, so the
+    weight's gradient cannot be summed ahead as _ChunkedLinearCrossEntropy does), then the gradients.
+    The output layer's weight and bias are kept as the Parameters themselves, not saved tensors:
+    ZeRO-3 and FSDP free the gathered weight after the layer's forward and gather it again before the
+    layer's backward, which is when this backward reads it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            for start in range(0, hidden.shape[0], rows):
+                part = slice(start, start + rows)
+                z, _ = _logits(hidden[part].to(dtype), w, b, scale, softcap)
+                out[part] = z.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(hidden, targets)
+        ctx.weight, ctx.bias, ctx.options = weight, bias, (scale, softcap, rows, dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        hidden, targets = ctx.saved_tensors
+        weight, bias = ctx.weight, ctx.bias
+        scale, softcap, rows, dtype = ctx.options
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            b = bias.to(dtype) if bias is not None else None
+            grad_h = torch.empty_like(hidden) if need_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            for start in range(0, hidden.shape[0], rows):
+                part = slice(start, start + rows)
+                h = hidden[part].to(dtype)
+                z, tanh = _logits(h, w, b, scale, softcap)
+                g = torch.softmax(z, dim=-1).neg_()  # d log p[y] / dz = onehot(y) - softmax(z)
+                g[torch.arange(g.shape[0], device=g.device), targets[part]] += 1.0
+                g.mul_(grad_out[part, None].float())
+                if tanh is not None:
+                    g.mul_(tanh.mul_(tanh).neg_().add_(1.0))
+                if scale != 1.0:
+                    g.mul_(scale)
+                g = g.to(dtype)
+                if grad_h is not None:
+                    grad_h[part] = (g @ w).to(grad_h.dtype)
+                if grad_w is not None:
+                    grad_w += (g.t() @ h).float()
+                if grad_b is not None:
+                    grad_b += g.float().sum(0)
+        return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None)
+
+
+def _logits(h, w, b, scale: float, softcap: float | None):
+    """A chunk's fp32 logits as the model would produce them (its scale, then its softcap), and the
+    softcap's tanh for the backward."""
+    z = F.linear(h, w, b).float()
+    if scale != 1.0:
+        z = z * scale
+    if softcap is None:
+        return z, None
+    tanh = (z / softcap).tanh()
+    return tanh * softcap, tanh
 
 
 def linear_cross_entropy(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,

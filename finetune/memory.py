@@ -244,6 +244,7 @@ class Estimate:
     cpu: int = 0  # bytes per rank moved to CPU memory
     nvme: int = 0  # bytes per rank moved to NVMe
     samples: int = 0  # the whole model gathered on each GPU while it generates samples at eval (zero3, fsdp)
+    reference: int = 0  # a DPO full fine-tune's frozen reference, in the compute dtype (finetune/reference.py)
 
     @property
     def model_states(self) -> int:
@@ -252,14 +253,14 @@ class Estimate:
     @property
     def total(self) -> int:
         """The training step's peak: what a setup must fit."""
-        return self.model_states + self.activations + self.buffers
+        return self.model_states + self.reference + self.activations + self.buffers
 
     @property
     def samples_peak(self) -> int:
         """The peak while an eval generates its samples with the whole model gathered (after the step,
         its activations and buffers freed). Not part of total: where it does not fit, the run skips the
         samples with a warning instead of running out of memory (finetune/samples.py samples_fit)."""
-        return self.model_states + self.samples
+        return self.model_states + self.reference + self.samples
 
     def fits(self, budget: int, headroom: float = HEADROOM) -> bool:
         return self.total <= budget * (1 - headroom)
@@ -268,7 +269,8 @@ class Estimate:
 def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precision: str = "bf16",
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
-             loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False) -> Estimate:
+             loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
+             pairs: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -278,7 +280,11 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     weights, and bitsandbytes dequantizes one Linear at a time into the compute dtype (buffers).
     samples: sample_prompts > 0, whose generation gathers the whole sharded model on each GPU at every
     eval (zero3, fsdp; ddp, zero1 and zero2 hold it whole already), in the dtype it computes in (FSDP2
-    gathers bf16/fp16 copies of its fp32 masters; ZeRO-3 stores 16-bit partitions): Estimate.samples_peak."""
+    gathers bf16/fp16 copies of its fp32 masters; ZeRO-3 stores 16-bit partitions): Estimate.samples_peak.
+    pairs: a preference run, whose micro-batch is micro_batch_size pairs, 2 x micro_batch_size sequences
+    in one forward. reference: it also holds a frozen reference (a full fine-tune without
+    precompute_reference or SimPO), in the compute dtype: sharded by fsdp and zero3 (and offloaded with
+    the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded)."""
     n = world_size
     strategy = strategy_for(setup.strategy)
     base = arch.num_parameters()
@@ -305,6 +311,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     optimizer = trained * ob / (n if shard_opt else 1)
 
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
+    held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0
+    if held and setup.offload_params != "none" and strategy.reference_sharded:
+        off[setup.offload_params] += held
+        held = 0
 
     layer = arch.layer_parameters()
     dequantized = 0  # bitsandbytes' dequantized copy of the Linear being computed
@@ -318,11 +328,12 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         layer_trained = layer
     buffers = strategy.buffers(arch, setup, trained, gb, n, lp, sixteen, layer, layer_trained)
     buffers += dequantized
-    acts = activation_bytes(arch, micro_batch_size, seq_len, mixed_precision, activation_checkpointing, loss_impl,
-                            loss_chunk_tokens, one_row)
+    acts = activation_bytes(arch, micro_batch_size * (2 if pairs else 1), seq_len, mixed_precision,
+                            activation_checkpointing, loss_impl, loss_chunk_tokens, one_row)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
-                    buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered))
+                    buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
+                    reference=round(held))
 
 
 def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None) -> Estimate:
@@ -333,7 +344,14 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
                     quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
-                    one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0)
+                    one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0,
+                    reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") == "dpo")
+
+
+def holds_reference(recipe: Recipe) -> bool:
+    """Whether a run holds a reference model beside the policy (finetune/reference.py build_reference)."""
+    return (getattr(recipe, "objective", "sft") == "dpo" and recipe.dpo_loss != "simpo"
+            and not recipe.precompute_reference and not recipe_lora(recipe)[0])
 
 
 def padding_free_scores(recipe: Recipe) -> bool:
@@ -411,6 +429,10 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     what = "full fine-tune"
     if lora:
         what = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
+    if getattr(recipe, "objective", "sft") == "dpo":
+        reference = ("none (reference-free)" if recipe.dpo_loss == "simpo" else "precomputed log-probs"
+                     if recipe.precompute_reference else "the base, adapter disabled" if lora else "a frozen copy")
+        what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
     return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s), "
             f"{_precision(recipe.mixed_precision)}, micro batch {recipe.micro_batch_size} x {recipe.max_seq_len} tokens, "
@@ -433,14 +455,17 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         lines.append(f"GPU memory{given}: {gib(budget)} GiB; usable with {headroom:.0%} headroom: "
                      f"{gib(budget * (1 - headroom))} GiB")
     unit, unit_name = (GiB, "GiB") if max(e.total + e.cpu + e.nvme for _, e in rows) >= GiB else (2**20, "MiB")
-    header = [f"per GPU, {unit_name}", "params", "grads", "optimizer", "activations", "buffers", "total", "offloaded"]
+    with_reference = any(e.reference for _, e in rows) or holds_reference(recipe)
+    header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (["reference"] if with_reference else []) + [
+        "activations", "buffers", "total", "offloaded"]
     if budget:
         header.append("fits")
     table = [header]
     for _, e in rows:
         mark = "* " if e.setup == own else "  "
-        row = [mark + e.setup.label] + [gib(x, unit) for x in (e.params, e.grads, e.optimizer, e.activations,
-                                                                 e.buffers, e.total)] + [_offloaded(e, unit)]
+        values = (e.params, e.grads, e.optimizer) + ((e.reference,) if with_reference else ()) + (
+            e.activations, e.buffers, e.total)
+        row = [mark + e.setup.label] + [gib(x, unit) for x in values] + [_offloaded(e, unit)]
         if budget:
             row.append("yes" if e.fits(budget, headroom) else "no")
         table.append(row)
@@ -451,6 +476,10 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         if i == 0:
             lines.append("-" * len(lines[-1]))
     lines.append(f"* the recipe's own setup; offloaded: {unit_name} per GPU kept in CPU memory or on NVMe")
+    if with_reference:
+        lines.append("reference: the DPO reference model, a frozen copy in the compute dtype: sharded under fsdp and "
+                     "zero3, whole on each GPU under ddp, zero1 and zero2 (none with LoRA, dpo_loss=simpo or "
+                     "precompute_reference=true)")
     if budget:
         best = cheapest_fit(rows, budget, headroom, prefer=recipe.strategy)
         mine = next(e for _, e in rows if e.setup == own)
@@ -487,7 +516,8 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
     off = f"; offloaded per GPU: {_offloaded(e, unit)} {name}" if e.cpu or e.nvme else ""
     lines = [f"memory per GPU (planner estimate, {e.setup.label} on {world_size} process(es)): "
              f"params {gib(e.params, unit)}, grads {gib(e.grads, unit)}, optimizer {gib(e.optimizer, unit)}, "
-             f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "
+             + (f"reference {gib(e.reference, unit)}, " if e.reference else "")
+             + f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
     if e.samples:

@@ -64,7 +64,7 @@ class MetricsFile:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         if self.accelerator is not None and self.accelerator.trackers:
-            values = {("eval/loss" if k == "eval_loss" else f"train/{k}"): v for k, v in record.items()
+            values = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
             if values and "resumed_from" not in record:
                 self.accelerator.log(values, step=record["step"])
@@ -85,6 +85,9 @@ def run_history(records: list[dict]) -> list[dict]:
     return history
 
 
+PAIR_METRICS = ("rewards/accuracies", "rewards/margins")  # a preference run's, shown beside the loss
+
+
 class Progress:
     """A tqdm bar on a terminal; otherwise one compact line per logged step (CI, SLURM logs)."""
 
@@ -103,12 +106,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if record:
-                self.bar.set_postfix(loss=f"{record['loss']:.4f}", lr=f"{record['lr']:.2e}",
+                extra = {name.split("/")[1][:6]: f"{record[name]:.3f}" for name in PAIR_METRICS if name in record}
+                self.bar.set_postfix(loss=f"{record['loss']:.4f}", **extra, lr=f"{record['lr']:.2e}",
                                      tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         elif record:
             done = step - self.start
             eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
-            log.info(f"step {step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+            pairs = "".join(f" {name.split('/')[1][:6]} {record[name]:.3f}" for name in PAIR_METRICS if name in record)
+            log.info(f"step {step}/{self.total} loss {record['loss']:.4f}{pairs} lr {record['lr']:.2e} "
                      f"grad_norm {record['grad_norm']:.3f} tok/s {record['tokens_per_s']:.0f} eta {eta:.0f}s")
 
     def note(self, text: str) -> None:

@@ -79,13 +79,15 @@ def base_dtype(recipe: Recipe) -> torch.dtype:
     return torch.float32
 
 
-def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bool = True):
+def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bool = True,
+               dtype: torch.dtype | None = None):
     """fp32 master weights (see base_dtype); mixed precision is autocast (DDP/FSDP) or DeepSpeed's bf16 engine.
 
     Under ZeRO-3 `from_pretrained` partitions weights as it reads them (the Accelerator made before
     this call switched on deepspeed.zero.Init). Under FSDP only rank 0 reads them: the other ranks
     build the skeleton with parameters on the meta device (buffers stay real, they are not
-    broadcast) and receive their shards from rank 0 when Accelerate prepares the model.
+    broadcast) and receive their shards from rank 0 when Accelerate prepares the model. dtype: instead
+    of base_dtype (a DPO reference is held in the compute dtype).
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -95,11 +97,11 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
             model = _load_4bit(recipe, model_path, config, weights_on_this_rank)
         elif weights_on_this_rank:
             model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
+                model_path, dtype=dtype or base_dtype(recipe), attn_implementation=recipe.attn_implementation)
         else:
             with init_empty_weights(include_buffers=False):
                 model = AutoModelForCausalLM.from_config(
-                    config, dtype=base_dtype(recipe), attn_implementation=recipe.attn_implementation)
+                    config, dtype=dtype or base_dtype(recipe), attn_implementation=recipe.attn_implementation)
             # init_empty_weights re-creates every parameter on the meta device, which unties tied
             # embeddings (Qwen2.5, Llama 3.2, Gemma); FSDP then finds an lm_head rank 0 does not have.
             model.tie_weights()

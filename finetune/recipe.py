@@ -593,6 +593,10 @@ def _check_objective(r: Recipe) -> None:
         if getattr(r, key):
             raise RecipeError(f"{key}=true with objective=dpo: a preference pair is scored as its two whole "
                               f"sequences, on the responses only; set {key}=false")
+    needs_copy = r.dpo_loss != "simpo" and not r.precompute_reference and not r.lora
+    if needs_copy and r.strategy == "fsdp" and r.fsdp_version == 1:
+        raise RecipeError("objective=dpo with fsdp_version=1: the frozen reference is sharded by FSDP2 only; use "
+                          "fsdp_version=2, or precompute_reference=true (no reference held while training)")
     if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
                           f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")

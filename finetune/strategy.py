@@ -208,6 +208,14 @@ class Strategy:
         return out
 
 
+    def wrap_reference(self, accelerator, model):
+        """A DPO run's frozen reference (full fine-tune), placed as this strategy places it: whole on each
+        rank here (ddp, zero1, zero2: it is not trained, so there is nothing of it to shard)."""
+        return model.to(accelerator.device)
+
+    reference_sharded = False  # the planner: the reference's weights are divided over the ranks
+
+
 class Ddp(Strategy):
     """One full copy of the model per process; gradients all-reduced (optionally a sharded optimizer)."""
     name = "ddp"
@@ -371,6 +379,27 @@ class Zero(Strategy):
             return 0
         return sum(p.ds_numel * p.ds_tensor.element_size() for p in engine.module.parameters())
 
+    @property
+    def reference_sharded(self):
+        return self.zero_stage == 3
+
+    def wrap_reference(self, accelerator, model):
+        """ZeRO-3: partitioned as the policy is (from_pretrained read it under zero.Init), in an engine of
+        its own with the policy's ZeRO-3 settings and no optimizer, as TRL's prepare_deepspeed does."""
+        if self.zero_stage < 3:
+            return super().wrap_reference(accelerator, model)
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+
     def gather_trainable(self, accelerator, named):
         if self.zero_stage < 3:
             return super().gather_trainable(accelerator, named)
@@ -501,6 +530,16 @@ class Fsdp(Strategy):
 
     def after_prepare(self, accelerator, model, optimizer):
         _point_optimizer_at(optimizer.optimizer, accelerator.unwrap_model(model))
+
+    reference_sharded = True
+
+    def wrap_reference(self, accelerator, model):
+        """FSDP2: fully_shard'ed on the policy's mesh with its units, mixed precision and offload
+        (Accelerate's own fsdp2_prepare_model: rank 0 read the weights and broadcasts the shards); not
+        handed to the Accelerator, so its checkpoints never hold it."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, model)
 
 
 def _deepspeed_engine(model):

@@ -27,6 +27,6 @@ from finetune.data.tokenization import (GENERATION_TAG, assistant_spans, bos_ids
 from finetune.data.loading import (COUNTS, ROWS_PER_PROCESS, cache_fingerprint, load_source, num_processes,
                                    pack_dataset, tokenize_dataset, tokenizer_fingerprint)
 from finetune.data.mixtures import (Datasets, build_datasets, mixture_counts, mixture_indices, summary_lines)
-from finetune.data.batches import (BatchSchedule, collate, concatenate, eval_batches, fetch, input_tokens,
-                                   packed_length, target_tokens)
+from finetune.data.batches import (BatchSchedule, PAIR_SIDES, REFERENCE_COLUMNS, collate, collate_pairs, concatenate,
+                                   eval_batches, fetch, input_tokens, is_preference, packed_length, target_tokens)
 from finetune.data.inspector import (GREEN, RESET, show_row)

@@ -62,6 +62,31 @@ def collate(rows: list[dict], pad_id: int, packed: bool, padding_free: bool = Fa
     return batch
 
 
+PAIR_SIDES = ("chosen", "rejected")
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # finetune/reference.py attaches them
+
+
+def is_preference(ds) -> bool:
+    return "chosen_input_ids" in ds.column_names
+
+
+def collate_pairs(rows: list[dict], pad_id: int) -> dict:
+    """A micro-batch of preference pairs as 2n rows, every pair's chosen sequence then every pair's
+    rejected one (so one forward scores both sides), padded right to the longest; and, where the pairs
+    carry them, the reference's log-probs in the same order (ref_logps, [2n])."""
+    sides = [(r[f"{side}_input_ids"], r[f"{side}_labels"]) for side in PAIR_SIDES for r in rows]
+    width = max(len(ids) for ids, _ in sides)
+    batch = {"input_ids": torch.tensor([ids + [pad_id] * (width - len(ids)) for ids, _ in sides], dtype=torch.long),
+             "labels": torch.tensor([labels + [IGNORE] * (width - len(labels)) for _, labels in sides],
+                                    dtype=torch.long),
+             "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in sides],
+                                            dtype=torch.long)}
+    if REFERENCE_COLUMNS[0] in rows[0]:
+        batch["ref_logps"] = torch.tensor([r[column] for column in REFERENCE_COLUMNS for r in rows],
+                                          dtype=torch.float32)
+    return batch
+
+
 def packed_length(row: dict) -> int:
     """The real tokens of a packed row (pack_rows): all of it, less the tail padding. The padding is
     the row's last segment of position ids (they restart at 0 there, as at every example) when none
@@ -117,6 +142,12 @@ def fetch(ds, indices: list[int], pad_id: int, packed: bool, padding_free: bool 
     real = [i if i >= 0 else 0 for i in indices]
     cols = ds[real]
     rows = [{k: cols[k][j] for k in cols} for j in range(len(real))]
+    if "chosen_input_ids" in cols:
+        for j, i in enumerate(indices):
+            if i < 0:
+                for side in PAIR_SIDES:
+                    rows[j][f"{side}_labels"] = [IGNORE] * len(rows[j][f"{side}_labels"])
+        return collate_pairs(rows, pad_id)
     lengths = [packed_length(r) for r in rows] if padding_free and packed else None
     for j, i in enumerate(indices):
         if i < 0:

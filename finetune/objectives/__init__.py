@@ -1,11 +1,15 @@
 """What a run optimizes: an objective gives each micro-batch's loss and how a global batch is counted.
-The loop asks it; it never asks the loop. sft.py is the first (next-token loss on target tokens)."""
+The loop asks it; it never asks the loop. sft.py: next-token loss on target tokens; dpo.py: preference
+pairs (DPO, IPO, SimPO)."""
 
 from __future__ import annotations
 
+from finetune.objectives.dpo import DPO
 from finetune.objectives.sft import SFT
 
 
-def objective_for(recipe):
-    """The recipe's objective (supervised fine-tuning is the only one so far)."""
+def objective_for(recipe, reference=None):
+    """The recipe's objective; reference: a DPO run's reference (finetune/reference.py build_reference)."""
+    if recipe.objective == "dpo":
+        return DPO(recipe, reference)
     return SFT(recipe)

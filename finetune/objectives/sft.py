@@ -12,6 +12,7 @@ from finetune.model import loss_sum
 
 class SFT:
     name = "sft"
+    metrics = ()
 
     def __init__(self, recipe):
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens
@@ -22,10 +23,14 @@ class SFT:
 
     def counts(self, micro_batches: list[dict]) -> torch.Tensor:
         """This rank's part of the global batch as [what the loss is averaged over (target tokens),
-        input tokens], float64; the loop sums it over ranks."""
-        return torch.tensor([sum(D.target_tokens(b) for b in micro_batches),
-                             sum(D.input_tokens(b) for b in micro_batches)], dtype=torch.float64)
+        target tokens, input tokens], float64; the loop sums it over ranks."""
+        targets = sum(D.target_tokens(b) for b in micro_batches)
+        return torch.tensor([targets, targets, sum(D.input_tokens(b) for b in micro_batches)], dtype=torch.float64)
 
     def eval_count(self, batch: dict) -> int:
         """What an eval batch's summed loss is averaged over."""
         return D.target_tokens(batch)
+
+    def take_metrics(self):
+        """SFT has no metrics of its own beyond the loss (a mixture of experts' aux loss goes by `aux`)."""
+        return None

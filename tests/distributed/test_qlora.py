@@ -47,7 +47,8 @@ def eval_loss(model, run, monkeypatch) -> float:
     """The run's eval loss computation (finetune.loop.evaluate over both ranks' eval batches) in this process."""
     from finetune import data as D
     from finetune.loop import evaluate
-    from finetune.model import load_tokenizer, loss_sum
+    from finetune.model import load_tokenizer
+    from finetune.objectives import objective_for
 
     for key in ("FINETUNE_CACHE", "HF_DATASETS_CACHE"):
         monkeypatch.setenv(key, run.env[key])
@@ -56,7 +57,7 @@ def eval_loss(model, run, monkeypatch) -> float:
     ds = D.build_datasets(recipe, tokenizer).eval
     batches = [b for rank in (0, 1) for b in D.eval_batches(ds, recipe.micro_batch_size, rank, 2, recipe.eval_max_samples)]
     return evaluate(model.eval(), ds, batches, tokenizer.pad_token_id, recipe.packing, torch.device("cpu"),
-                    lambda t: t, lambda m, b: loss_sum(m, b, recipe.loss_impl, recipe.loss_chunk_tokens))
+                    lambda t: t, objective_for(recipe))[0]
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])

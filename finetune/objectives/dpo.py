@@ -1,0 +1,105 @@
+"""Preference tuning: a micro-batch holds pairs (its rows: every pair's chosen sequence, then every
+pair's rejected one, finetune/data/batches.py collate_pairs), run in ONE forward; each sequence is
+scored by its summed log-probability of its response tokens (loss.sequence_logps). A pair's loss
+compares the policy's margin between chosen and rejected with the reference's:
+
+    sigmoid (DPO):  -(1 - s) log sigmoid(beta z) - s log sigmoid(-beta z),   z = (pc - pr) - (rc - rr)
+    ipo:            (z - 1 / (2 beta))^2, on log-probs averaged per response token
+    simpo:          the sigmoid form on z = pc - pr - gamma / beta, log-probs averaged per token, no reference
+
+with pc, pr the policy's and rc, rr the reference's log-probs of chosen and rejected, s the label
+smoothing; TRL's DPOTrainer (sigmoid, ipo) and CPOTrainer (simpo) formulas, compared step by step in
+bench/dpo_vs_trl.py. A global batch is counted in pairs: the loss the optimizer steps on is the mean
+over its pairs whatever their split into ranks and micro-batches, as SFT's is over target tokens.
+The metrics are TRL's: rewards/chosen = beta (pc - rc) on summed log-probs (also under ipo; SimPO:
+beta pc, averaged), rewards/rejected, rewards/accuracies (chosen's reward strictly above rejected's: 0
+at the first step, where policy and reference agree), rewards/margins, logps/chosen, logps/rejected
+(summed; SimPO's averaged). Label smoothing is conservative DPO's (Mitchell 2023), as TRL's sigmoid had
+it before 1.0."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from finetune import data as D
+from finetune.data import IGNORE
+from finetune.loss import sequence_logps
+
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def real_pairs(batch: dict) -> torch.Tensor:
+    """Which pairs of a micro-batch are real: a placeholder pair (keeping ranks in lock-step) carries
+    no target token."""
+    n = batch["input_ids"].shape[0] // 2
+    return (batch["labels"][:n, 1:] != IGNORE).any(-1)
+
+
+def pair_losses(kind: str, beta: float, policy: torch.Tensor, reference: torch.Tensor | None, *,
+                label_smoothing: float = 0.0, gamma: float = 0.0) -> torch.Tensor:
+    """Per-pair losses from [2n] log-probs (chosen first), already averaged per token where the loss
+    asks for it (ipo, simpo)."""
+    n = policy.shape[0] // 2
+    pc, pr = policy[:n], policy[n:]
+    if kind == "simpo":
+        z = pc - pr - gamma / beta
+    else:
+        z = (pc - pr) - (reference[:n] - reference[n:])
+    if kind == "ipo":
+        return (z - 1 / (2 * beta)) ** 2
+    return -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
+
+
+class DPO:
+    name = "dpo"
+    metrics = METRICS
+
+    def __init__(self, recipe, reference=None):
+        """reference: what gives the reference's log-probs of a batch (finetune/reference.py); None for
+        SimPO, which has none."""
+        self.kind, self.beta = recipe.dpo_loss, recipe.dpo_beta
+        self.label_smoothing, self.gamma = recipe.dpo_label_smoothing, recipe.simpo_gamma
+        self.per_token = recipe.dpo_loss in ("ipo", "simpo")
+        self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
+        self.reference = reference
+        self.sums = None
+
+    def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
+        """The summed loss of one micro-batch's pairs; its metrics' sums are kept for take_metrics."""
+        reference = self.reference.logps(model, batch) if self.reference is not None else None
+        sums, counts = sequence_logps(model, batch, self.loss_impl, self.chunk)
+        tokens = counts.clamp(min=1)
+        if reference is not None:
+            reference = reference.to(sums.device)
+        if self.per_token:  # each side's log-probs (and log-ratios) averaged over its own response tokens
+            losses = pair_losses(self.kind, self.beta, sums / tokens,
+                                 reference / tokens if reference is not None else None, gamma=self.gamma)
+        else:
+            losses = pair_losses(self.kind, self.beta, sums, reference, label_smoothing=self.label_smoothing)
+        logps = (sums / tokens if self.kind == "simpo" else sums).detach()
+        rewards = self.beta * (logps if reference is None else logps - reference)
+        real = real_pairs(batch).to(losses.device)
+        n = real.shape[0]
+        chosen, rejected = rewards[:n], rewards[n:]
+        values = torch.stack([chosen, rejected, (chosen > rejected).to(chosen.dtype), chosen - rejected,
+                              logps[:n], logps[n:]]).double()
+        sums_now = (values * real).sum(-1)
+        self.sums = sums_now if self.sums is None else self.sums + sums_now
+        return (losses * real).sum()
+
+    def counts(self, micro_batches: list[dict]) -> torch.Tensor:
+        """This rank's part of the global batch as [pairs, response tokens, input tokens], float64;
+        summed over ranks."""
+        return torch.tensor([sum(int(real_pairs(b).sum()) for b in micro_batches),
+                             sum(D.target_tokens(b) for b in micro_batches),
+                             sum(D.input_tokens(b) for b in micro_batches)], dtype=torch.float64)
+
+    def eval_count(self, batch: dict) -> int:
+        return int(real_pairs(batch).sum())
+
+    def take_metrics(self) -> torch.Tensor | None:
+        """The metrics' sums over the pairs seen since the last call (a step's, or an eval's), or None."""
+        sums, self.sums = self.sums, None
+        return sums

@@ -1,0 +1,184 @@
+"""DPO as real launches (CPU, gloo, fp32) on the tiny model and builtin:tiny-preferences: every strategy's
+2-process curve (loss, TRL's rewards/logps metrics, the eval's) equals the 1-process run's, with each kind
+of reference: a frozen copy sharded by FSDP2 or partitioned by ZeRO-3, the adapter-disabled policy (LoRA,
+QLoRA), precomputed log-probs (zero2, reused by a resume on 1 process), none (SimPO under ddp). A SIGKILLed
+zero3 run resumes bit for bit (its reference rebuilt from the model); final/ loads with transformers (peft
+for adapters); the tiny_dpo recipe learns (eval reward accuracy well above 0.5)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from suite_runs import resume_copy
+
+DPO = ["max_steps=6", "eval_every=3", "eval_max_samples=16", "sample_prompts=0", "save_every=3", "keep_last=3",
+       "warmup_steps=1"]
+LORA = ["lora=true", "lr=1e-2"]
+ONE_PROCESS = {  # the 1-process curves the 2-process runs must reproduce
+    "full": ["strategy=ddp"],
+    "lora": ["strategy=ddp", *LORA],
+    "qlora": ["strategy=ddp", *LORA, "load_in_4bit=true"],
+    "simpo": ["strategy=ddp", "dpo_loss=simpo", "dpo_beta=2.0"],
+}
+TWO_PROCESSES = {  # name: (its 1-process curve, overrides)
+    "fsdp": ("full", ["strategy=fsdp"]),
+    "zero3": ("full", ["strategy=zero3"]),
+    "lora_fsdp": ("lora", ["strategy=fsdp", *LORA]),
+    "qlora_fsdp": ("qlora", ["strategy=fsdp", *LORA, "load_in_4bit=true"]),
+    "precompute_zero2": ("full", ["strategy=zero2", "precompute_reference=true"]),
+    "simpo_ddp": ("simpo", ["strategy=ddp", "dpo_loss=simpo", "dpo_beta=2.0"]),
+}
+METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+ATOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def dpo_run(launch):
+    cache = {}
+
+    def get(name: str, nprocs: int):
+        if (name, nprocs) not in cache:
+            overrides = ONE_PROCESS[name] if nprocs == 1 else TWO_PROCESSES[name][1]
+            cache[name, nprocs] = launch(nprocs, *DPO, *overrides, recipe="tiny_dpo")
+        return cache[name, nprocs]
+
+    return get
+
+
+def curve(run) -> list[dict]:
+    keep = METRICS + tuple(f"eval_{m}" for m in ("loss",) + METRICS[1:])
+    return [{"step": r["step"], **{k: r[k] for k in keep if k in r}} for r in run.train_records + run.eval_records]
+
+
+def assert_same_curve(got, want, atol=ATOL):
+    a, b = curve(got), curve(want)
+    assert [sorted(r) for r in a] == [sorted(r) for r in b], "the same steps and metrics"
+    for x, y in zip(a, b):
+        for key in x:
+            assert math.isclose(x[key], y[key], rel_tol=0, abs_tol=atol), (key, x, y)
+
+
+@pytest.mark.parametrize("name", list(TWO_PROCESSES))
+def test_two_processes_equal_one(name, dpo_run):
+    one, _ = TWO_PROCESSES[name]
+    got, want = dpo_run(name, 2), dpo_run(one, 1)
+    records = got.train_records
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert all(set(METRICS) <= set(r) for r in records), records[0]
+    assert records[0]["rewards/accuracies"] == 0.0 or name.startswith("simpo"), "policy == reference at step 1"
+    assert_same_curve(got, want)
+    reference = {"fsdp": "a frozen copy", "zero3": "a frozen copy", "lora_fsdp": "the policy with its adapter disabled",
+                 "qlora_fsdp": "the policy with its adapter disabled", "precompute_zero2": "precomputed"}
+    if name in reference:
+        assert f"reference: {reference[name]}" in got.stderr
+    else:
+        assert "reference:" not in got.stderr  # SimPO holds none
+
+
+def test_eval_and_summary_carry_the_metrics(dpo_run):
+    run = dpo_run("fsdp", 2)
+    evals = run.eval_records
+    assert [r["step"] for r in evals] == [3, 6]
+    assert all(0.0 <= r["eval_rewards/accuracies"] <= 1.0 for r in evals)
+    summary = json.loads((run.output_dir / "summary.json").read_text())
+    assert summary["final_eval_rewards/accuracies"] == evals[-1]["eval_rewards/accuracies"]
+    assert summary["final_eval_loss"] == evals[-1]["eval_loss"]
+
+
+@pytest.mark.parametrize("name", ["fsdp", "zero3"])
+def test_reference_never_in_checkpoints_and_final_loads(name, dpo_run):
+    from transformers import AutoModelForCausalLM
+
+    run = dpo_run(name, 2)
+    checkpoint = run.output_dir / "checkpoints" / "step_000000006"
+    files = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
+    if name == "fsdp":
+        assert any(f.startswith("pytorch_model_fsdp_0/") for f in files)
+        assert not any(f.startswith("pytorch_model_fsdp_1") for f in files), files  # one model: the policy
+    else:
+        states = [f for f in files if f.endswith("model_states.pt")]
+        assert len(states) == 1, states
+    model = AutoModelForCausalLM.from_pretrained(run.output_dir / "final")
+    base = AutoModelForCausalLM.from_pretrained(json.loads((run.output_dir / "recipe.json").read_text())["model"])
+    moved = [n for n, p in model.state_dict().items() if not torch.equal(p, base.state_dict()[n])]
+    assert moved, "final/ holds the trained policy, not the reference"
+
+
+@pytest.mark.parametrize("name", ["lora_fsdp", "qlora_fsdp"])
+def test_adapter_final_loads_with_peft(name, dpo_run):
+    from peft import PeftConfig
+
+    run = dpo_run(name, 2)
+    config = PeftConfig.from_pretrained(run.output_dir / "final")
+    assert config.r == 16 and (run.output_dir / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_precomputed_reference_is_reused_by_a_resume_on_one_process(dpo_run, launch, tmp_path_factory):
+    two = dpo_run("precompute_zero2", 2)
+    assert "reference log-probs of every pair computed in" in two.stderr
+    out = resume_copy(two, 3, tmp_path_factory)
+    resumed = launch(1, *DPO, *TWO_PROCESSES["precompute_zero2"][1], "--resume", "auto", output_dir=out,
+                     recipe="tiny_dpo")
+    assert "(2 -> 1 processes)" in resumed.stderr
+    assert "reference log-probs of every pair computed in" not in resumed.stderr, "read from the cache, not redone"
+    got = curve(resumed)
+    want = [r for r in curve(two) if r["step"] > 3]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for x, y in zip(got, want):
+        for key in x:
+            assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=ATOL), (key, x, y)
+
+
+def test_precomputed_reference_gone_at_resume_is_one_line(dpo_run, launch, tmp_path_factory):
+    two = dpo_run("precompute_zero2", 2)
+    out = resume_copy(two, 3, tmp_path_factory)
+    cache = dict(two.env)
+    moved = []
+    for path in (tmp_path_factory.getbasetemp()).rglob("reference-logps-*.json"):
+        path.rename(path.with_suffix(".away"))
+        moved.append(path)
+    try:
+        run = launch(1, *DPO, *TWO_PROCESSES["precompute_zero2"][1], "--resume", "auto", output_dir=out,
+                     recipe="tiny_dpo", check=False)
+    finally:
+        for path in moved:
+            path.with_suffix(".away").rename(path)
+    assert moved and cache
+    assert run.returncode == 2, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "precompute_reference=true" in lines[0] and "are gone" in lines[0], run.stderr[-2000:]
+
+
+def test_sigkill_and_exact_resume_zero3(dpo_run, launch, tmp_path_factory):
+    reference = dpo_run("zero3", 2)
+    out = tmp_path_factory.mktemp("dpo-fault")
+    first = launch(2, *DPO, "strategy=zero3", output_dir=out, check=False, recipe="tiny_dpo",
+                   extra_env={"FINETUNE_FAULT": "after_step:1:5"})
+    assert first.returncode != 0
+    second = launch(2, *DPO, "strategy=zero3", "--resume", "auto", output_dir=out, recipe="tiny_dpo")
+    assert "at step 3" in second.stderr
+    assert curve(second) == curve(reference), "the resumed run logs exactly what the uninterrupted one did"
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(out / "final" / "model.safetensors")), load_file(
+        str(reference.output_dir / "final" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tiny_dpo_recipe_learns(launch, tmp_path_factory):
+    """The recipe as a user runs it (2 processes, its own steps and evals): the eval's reward accuracy
+    climbs well above chance."""
+    out = tmp_path_factory.mktemp("tiny-dpo")
+    run = launch(2, "max_steps=60", "eval_every=20", "eval_max_samples=64", "log_every=10", "warmup_steps=5",
+                 "global_batch_size=32", "micro_batch_size=8", "loss_chunk_tokens=0", "sample_prompts=0",
+                 output_dir=out, recipe="tiny_dpo")
+    evals = run.eval_records
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 60
+    assert evals[0]["eval_rewards/accuracies"] == 0.0  # the policy is the reference at step 0
+    assert evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
+    assert evals[-1]["eval_loss"] < math.log(2) - 0.1, evals
