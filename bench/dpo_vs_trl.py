@@ -397,7 +397,7 @@ def compare(work: Path, cache: Path, steps: int) -> dict:
                                                                             for r in (x or {} for x in b)],
                        trl_version=theirs["trl"])
             mine, theirs_sides = ours_sides(model, over), [trl_sides(t) for t in theirs["tokens"]]
-            res["pairs"] = f"{len(mine)} / {len(theirs_sides)}"
+            res["pairs"], res["pairs_trl"] = len(mine), len(theirs_sides)
             res["same_tokens"] = sum(x == y for x, y in zip(mine, theirs_sides))
             res["first_different_pair"] = next((i for i, (x, y) in enumerate(zip(mine, theirs_sides)) if x != y), None)
             res["match"] = (len(a) == len(b) == steps and res["same_tokens"] == len(mine) == len(theirs_sides)
@@ -480,7 +480,8 @@ def section(results: dict) -> str:
                 lines.append(f"{loss}: failed: {res['error']}")
                 continue
             lines.append(f"{loss}: steps logged {res['steps_ours']} (finetune) / {res['steps_trl']} (TRL); pairs whose "
-                         f"tokens and trained positions equal TRL's: {res['same_tokens']} of {res['pairs']}; every "
+                         f"tokens and trained positions equal TRL's: {res['same_tokens']} of {res['pairs']} (TRL kept "
+                         f"{res['pairs_trl']}); every "
                          f"metric within 1e-5 x max(1, |TRL|) at every step: {'yes' if res['match'] else 'NO'}.")
         lines.append("")
         for loss, res in comp["losses"].items():
@@ -523,7 +524,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="compare,timing", help="compare, timing, or both (comma-separated)")
     p.add_argument("--steps", type=int, default=20, help="steps of the compare runs")
-    p.add_argument("--timing-steps", type=int, default=15)
+    p.add_argument("--timing-steps", type=int, default=13)
     p.add_argument("--rounds", type=int, default=1, help="timing rounds (the order of ours and TRL alternates)")
     p.add_argument("--work", default=f"/tmp/dpo-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--doc", default="", help="write the section into this report (docs/benchmarks.md)")
