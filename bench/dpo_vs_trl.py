@@ -1,7 +1,8 @@
 """Our DPO (objective=dpo) against TRL's DPOTrainer: the same pairs, model and hyper-parameters, step by step.
 
     python bench/dpo_vs_trl.py                            # compare (1 process) and timing (2 processes), ~15 min
-    python bench/dpo_vs_trl.py --only compare             # sigmoid and ipo, 20 steps each side, ~3 min
+    python bench/dpo_vs_trl.py --only compare             # sigmoid and ipo, 20 steps each side, ~4 min
+    python bench/dpo_vs_trl.py --only tokens              # pairs' tokens on real tokenizers against TRL's, ~1 min
     python bench/dpo_vs_trl.py --only timing --rounds 2   # zero3 and fsdp, ours vs TRL, 2 processes
     python bench/dpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 11 of the report
 
@@ -24,7 +25,11 @@ does, by up to 1.5e-5).
    runs sees the same pairs on the same ranks. Compared per step (TRL's names, which our metrics.jsonl uses
    too): loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
    logps/rejected; also each pair's tokens (TRL's prompt_ids/chosen_ids/rejected_ids against ours).
-2. timing: the same pairs on a larger model (bench llama-7m: hidden 256, 4 layers, vocab 8192), 2 processes
+2. tokens: each pair's tokens and trained positions, ours against TRL's prepared pairs, on real tokenizers
+   (Mistral v1 and v3 sentencepiece from the mistral_common wheel, a Llama-3-style byte-level BPE;
+   tests/family_assets.py): the first 16 pairs and SEAM_PAIRS (a prompt ending in a space, answers starting
+   with one, a newline, a word cut by the prompt's end). No training.
+3. timing: the same pairs on a larger model (bench llama-7m: hidden 256, 4 layers, vocab 8192), 2 processes
    (`accelerate launch --multi_gpu --num_processes 2`, gloo), strategy zero3 and fsdp, ours against TRL:
    seconds per optimizer step, the median of the steps after the first WARMUP, with the CPU load of the rest
    of the machine during each launch (Launch.other_load) and `uptime`'s load average before each pair.
@@ -37,8 +42,10 @@ TRL 1.16's semantics, read from trl/trainer/dpo_trainer.py (and what the bench d
   character tokenizer adds <s>); the completion starts at min(common prefix of the prompt's ids with each
   side's ids): one prompt length for both sides, and whatever follows it is trained. Our preference format
   follows our SFT rule (BOS + prompt + completion as one text + EOS, the completion from where the prompt's
-  own tokens stop matching). With a character tokenizer both give the same ids; the bench checks it pair by
-  pair.
+  own tokens stop matching), per side. The two agree wherever the prompt ends on a token boundary for both
+  sides (every pair of the compare part: checked pair by pair); where one answer merges with the prompt's
+  last token and the other does not, TRL's rejected side also scores that prompt token and ours does not
+  (the tokens part shows it).
 - Truncation: TRL 1.16 has no max_prompt_length (removed in its DPO refactor); `max_length` (default 1024)
   cuts each prompt+completion sequence to its first max_length tokens in the collator, and drops pairs
   whose prompt alone fills max_length. Ours: max_seq_len for a side's whole sequence, max_prompt_len cuts a
@@ -87,7 +94,7 @@ import time
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH_DIR.parent), str(BENCH_DIR)]
+sys.path[:0] = [str(BENCH_DIR.parent), str(BENCH_DIR), str(BENCH_DIR.parent / "tests")]
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -407,6 +414,76 @@ def compare(work: Path, cache: Path, steps: int) -> dict:
     return results
 
 
+SEAM_PAIRS = [  # prompt/chosen/rejected seams (tests/test_tokenization.py SEAMS): where a tokenizer may merge across
+    ("Question: What is the capital of France? Answer: ", "Paris", "Lyon"),  # a prompt ending in a space
+    ("Question: What is the capital of France? Answer:", " Paris", " Lyon"),  # the space in the answers
+    ("Question: What is the capital of France?\n", "Paris", "Lyon"),
+    ("The capital of France is Par", "is.", "ma."),  # a word cut by the prompt's end
+    ("The capital of France is Par", "is.", " Rome."),  # ... which only one side continues
+]
+
+
+def tokens(work: Path) -> dict:
+    """Each pair's tokens and trained positions, ours against TRL's (no training), on real tokenizers:
+    Mistral v1 and v3 sentencepiece (mistral_common's files, tests/family_assets.py) and a Llama-3-style
+    byte-level BPE; the bench's pairs and the seam pairs above."""
+    import transformers
+    import trl
+    from datasets import Dataset
+
+    import family_assets as FA
+    from finetune import data as D
+    from finetune.recipe import resolve
+
+    pairs = rows()[:16] + [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in SEAM_PAIRS]
+    data = work / "token-pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in pairs))
+    texts = [t for r in pairs for t in r.values()]
+    tmp = work / "tokenizers"
+    made = {"mistral-v1": lambda: FA.mistral_tokenizer("v1", tmp / "v1"),
+            "mistral-v3": lambda: FA.mistral_tokenizer("v3", tmp / "v3"),
+            "llama3-bpe": lambda: FA.make_tokenizer(FA.FAMILIES["llama3"], texts, tmp / "l3")}
+    config = transformers.LlamaConfig(vocab_size=131072, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    out = {}
+    for name, make in made.items():
+        tok = make()
+        path = tmp / f"{name}-saved"  # as a tokenizer directory a recipe names (tokenizer.json)
+        tok.save_pretrained(path)
+        r = resolve("tiny", [f"tokenizer={path}", f"dataset={data}", "dataset_format=preference", "objective=dpo",
+                             "max_seq_len=512", "eval_fraction=0"])
+        from finetune.model import load_tokenizer
+
+        ours_tok = load_tokenizer(r, str(path))
+        train = D.build_datasets(r, ours_tok).train
+        mine = [{side: (list(train[i][f"{side}_input_ids"]),
+                        [int(x != D.IGNORE) for x in train[i][f"{side}_labels"]]) for side in ("chosen", "rejected")}
+                for i in range(len(train))]
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        args = trl.DPOConfig(output_dir=str(work / "trl-tokens"), report_to=[], max_length=None, bf16=False,
+                             use_cpu=True)
+        prepared = trl.DPOTrainer(model=transformers.LlamaForCausalLM(config),
+                                  ref_model=transformers.LlamaForCausalLM(config), args=args,
+                                  train_dataset=Dataset.from_list(pairs), processing_class=tok).train_dataset
+        theirs = [trl_sides({k: list(prepared[i][k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
+                  for i in range(len(prepared))]
+        differ = []
+        for i, (x, y) in enumerate(zip(mine, theirs)):
+            if x != y:
+                side = "chosen" if x["chosen"] != y["chosen"] else "rejected"
+                (ids, m), (tids, tm) = x[side], y[side]
+                differ.append({"pair": i, "side": side, "ours": tok.convert_ids_to_tokens(
+                    [t for t, k in zip(ids, m) if k]), "trl": tok.convert_ids_to_tokens([t for t, k in zip(tids, tm)
+                                                                                         if k])})
+        out[name] = {"pairs": len(pairs), "ours": len(mine), "trl": len(theirs),
+                     "same": sum(x == y for x, y in zip(mine, theirs)), "differ": differ}
+        print(f"tokens {name}: {out[name]['same']} of {len(pairs)} pairs equal to TRL's", flush=True)
+        for d in differ:
+            print(f"  pair {d['pair']} {d['side']}: ours trains {d['ours']}, TRL {d['trl']}", flush=True)
+    return out
+
+
 def median_after_warmup(seconds: list[float]) -> float | None:
     kept = [s for s in seconds[WARMUP:] if s == s]
     return statistics.median(kept) if kept else None
@@ -439,6 +516,9 @@ def timing(work: Path, cache: Path, steps: int, rounds: int) -> dict:
                                  else None, "step_seconds": res.get("step_seconds"), "error": res.get("error"),
                                  "engine": res.get("engine"), "reference": res.get("reference")}
                 row["uptime_after"] = uptime()
+                if pair["ours"]["ok"] and pair["trl"]["ok"]:  # the same pairs, 2 processes: the metrics agree too
+                    diffs = differences(pair["ours"]["records"], pair["trl"]["logs"])
+                    row["worst_scaled_diff"] = max(d["max_scaled_diff"] for d in diffs.values())
                 a, b = row["ours"]["seconds_per_step"], row["trl"]["seconds_per_step"]
                 row["trl_over_ours"] = b / a if a and b else None
                 noisy = max(row["ours"]["other_load"] or 0, row["trl"]["other_load"] or 0) > NOISE_LIMIT
@@ -491,14 +571,31 @@ def section(results: dict) -> str:
                              f"at step {len(res['ours'])}; rewards/accuracies {last['rewards/accuracies']:.3f}, "
                              f"rewards/margins {last['rewards/margins']:.5f} at the last step.")
         lines.append("")
+    tok = results.get("tokens")
+    if tok:
+        lines += ["**Tokens on real tokenizers** (no training): the first 16 pairs and 5 prompt/answer seams "
+                  "(`SEAM_PAIRS`), our prepared pairs (finetune.data.build_datasets) against TRL's "
+                  "(`DPOTrainer(...).train_dataset`): each side's ids and which of them are trained.", ""]
+        body = [[name, f"{r['same']} of {r['pairs']}", "; ".join(
+            f"pair {d['pair']} {d['side']}: finetune trains {' '.join(d['ours'])}, TRL {' '.join(d['trl'])}"
+            for d in r["differ"]) or "-"] for name, r in tok.items()]
+        lines += [table(["tokenizer", "pairs equal to TRL's", "the others"], body), ""]
+        if any(r["differ"] for r in tok.values()):
+            lines += ["Where they differ the prompt ends inside a word that one answer continues and the other "
+                      "does not (\"...is Par\" + \"is.\" / \"ma.\"): TRL cuts both sides at one prompt length, the "
+                      "shorter of the two sides' common prefixes with the prompt, so its rejected side also scores "
+                      "the prompt's last token; finetune cuts each side where its own tokens leave the prompt's, as "
+                      "its SFT rows do, and scores answer tokens only. By design; the compare part's pairs end their "
+                      "prompts on a token boundary.", ""]
     tim = results.get("timing")
     if tim:
         lines += [f"**Seconds per step, 2 processes.** The same pairs on bench's llama-7m ({tim['model']}), dpo_loss "
                   f"sigmoid, the same recipe numbers as above, {tim['steps']} steps, `accelerate launch "
                   f"--num_processes 2` (gloo); median of each run's steps after the first {tim['warmup']}. other "
-                  "load: CPU cores used by the rest of the machine during the launch (ours / TRL).", ""]
+                  "load: CPU cores used by the rest of the machine during the launch (ours / TRL); metrics: the largest "
+                  "difference of the seven compared metrics over the steps, ours against TRL, in these 2-process runs.", ""]
         header = ["strategy", "round", "finetune s/step", "TRL s/step", "TRL / finetune", "other load",
-                  "load average before", "TRL's engine / reference"]
+                  "load average before", "metrics: max diff / max(1, |TRL|)", "TRL's engine / reference"]
         body = []
         for strategy, runs in tim["strategies"].items():
             for row in runs:
@@ -509,6 +606,7 @@ def section(results: dict) -> str:
                              f"{row['trl_over_ours']:.2f}x" if row["trl_over_ours"] else "-",
                              f"{(o['other_load'] or 0):.2f} / {(t['other_load'] or 0):.2f}",
                              row["uptime_before"].split("load average:")[-1].strip() if row["uptime_before"] else "-",
+                             f"{row['worst_scaled_diff']:.1e}" if row.get("worst_scaled_diff") is not None else "-",
                              f"{t.get('engine')} / {t.get('reference')}"])
         lines += [table(header, body), ""]
     return "\n".join(lines).rstrip()
@@ -522,7 +620,7 @@ def write_doc(doc: Path, text: str) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--only", default="compare,timing", help="compare, timing, or both (comma-separated)")
+    p.add_argument("--only", default="compare,tokens,timing", help="compare, tokens, timing (comma-separated)")
     p.add_argument("--steps", type=int, default=20, help="steps of the compare runs")
     p.add_argument("--timing-steps", type=int, default=13)
     p.add_argument("--rounds", type=int, default=1, help="timing rounds (the order of ours and TRL alternates)")
@@ -543,6 +641,8 @@ def main(argv: list[str]) -> int:
                "versions": {**versions(), "trl": trl.__version__}, "uptime_start": uptime()}
     if "compare" in parts:
         results["compare"] = compare(work, CACHE, a.steps)
+    if "tokens" in parts:
+        results["tokens"] = tokens(work)
     if "timing" in parts:
         results["timing"] = timing(work, CACHE, a.timing_steps, a.rounds)
     results["minutes"] = (time.time() - t0) / 60
