@@ -26,7 +26,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 BUILTIN_MODELS = {"tiny-llama": "tiny-llama"}
-BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl"}
+BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-2.jsonl"}
+BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference"}  # what prevalidation knows of them
 
 
 def cache_root() -> Path:
@@ -117,6 +118,47 @@ def tiny_tasks_file(n: int = 4000) -> Path:
     return _publish(build, cache_root() / ASSET_VERSION / "tiny-tasks.jsonl")
 
 
+def _wrong(answer: str, word: str, rng: random.Random) -> str:
+    """A wrong answer as long as the right one, by a mistake a small model learns to avoid from the prompt
+    alone: the letters in the wrong case, or letters that are not the word's."""
+    if rng.random() < 0.5 and answer.lower() != answer.upper():
+        return answer.swapcase()
+    others = [c for c in string.ascii_lowercase if c not in word]
+    wrong = "".join(rng.choice(others) for _ in answer)
+    return wrong.upper() if answer.isupper() else wrong
+
+
+def _preference(rng: random.Random) -> dict:
+    """A prompt, its right answer (chosen) and a wrong one of the same length (rejected)."""
+    word = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
+    kind = rng.randrange(3)
+    if kind == 0:
+        prompt, answer = f"Reverse: {word}\nAnswer: ", word[::-1]
+    elif kind == 1:
+        prompt, answer = f"Capitals: {word}\nAnswer: ", word.upper()
+    else:
+        prompt, answer = f"Copy: {word}\nAnswer: ", word
+    return {"prompt": prompt, "chosen": answer, "rejected": _wrong(answer, word, rng)}
+
+
+def tiny_preferences_file(n: int = 4000) -> Path:
+    """Three tiny tasks (reverse, capitalise, copy a word) as preference pairs with an explicit prompt:
+    the chosen answer is the right one, the rejected one a wrong answer of the same length (its letters
+    in the wrong case, or letters the word does not have). Learnable by the tiny model: which answer is
+    right shows in the prompt (the task's name, the word's letters)."""
+
+    def build(tmp: Path) -> Path:
+        rng = random.Random(4321)
+        out = tmp / "tiny-preferences.jsonl"
+        with out.open("w") as f:
+            for _ in range(n):
+                f.write(json.dumps(_preference(rng)) + "\n")
+        return out
+
+    # the name carries the generator's version (2: wrong case or foreign letters), so a cached older file is not read
+    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS["tiny-preferences"])
+
+
 def resolve_model(name: str) -> str:
     """builtin:NAME -> a local directory made on first use; anything else unchanged."""
     if name.startswith("builtin:"):
@@ -127,6 +169,6 @@ def resolve_model(name: str) -> str:
 
 def resolve_dataset(name: str) -> str:
     if name.startswith("builtin:"):
-        assert name[len("builtin:"):] == "tiny-tasks", name
-        return str(tiny_tasks_file())
+        files = {"tiny-tasks": tiny_tasks_file, "tiny-preferences": tiny_preferences_file}
+        return str(files[name[len("builtin:"):]]())
     return name

@@ -85,7 +85,7 @@ def run_history(records: list[dict]) -> list[dict]:
     return history
 
 
-PAIR_METRICS = ("rewards/accuracies", "rewards/margins")  # a preference run's, shown beside the loss
+PAIR_METRICS = {"rewards/accuracies": "acc", "rewards/margins": "margin"}  # a preference run's, shown beside the loss
 
 
 class Progress:
@@ -106,13 +106,13 @@ class Progress:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if record:
-                extra = {name.split("/")[1][:6]: f"{record[name]:.3f}" for name in PAIR_METRICS if name in record}
+                extra = {short: f"{record[name]:.3f}" for name, short in PAIR_METRICS.items() if name in record}
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", **extra, lr=f"{record['lr']:.2e}",
                                      tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         elif record:
             done = step - self.start
             eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
-            pairs = "".join(f" {name.split('/')[1][:6]} {record[name]:.3f}" for name in PAIR_METRICS if name in record)
+            pairs = "".join(f" {short} {record[name]:.3f}" for name, short in PAIR_METRICS.items() if name in record)
             log.info(f"step {step}/{self.total} loss {record['loss']:.4f}{pairs} lr {record['lr']:.2e} "
                      f"grad_norm {record['grad_norm']:.3f} tok/s {record['tokens_per_s']:.0f} eta {eta:.0f}s")
 

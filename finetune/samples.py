@@ -109,8 +109,9 @@ class Prompt:
 def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
     """The prompts of the first n eval rows (of the first `limit`, eval_max_samples, when set): each
     row's tokens before its first target token, and its first answer (the target tokens that follow).
-    A packed row gives its first example. Rows without a prompt (text rows, train_on_prompt=true)
-    give none; an eval set smaller than n is a RecipeError."""
+    A packed row gives its first example, a preference pair its chosen side (its prompt, and the chosen
+    answer as the reference). Rows without a prompt (text rows, train_on_prompt=true) give none; an
+    eval set smaller than n is a RecipeError."""
     available = min(len(ds), limit) if limit else len(ds)
     if n > available:
         raise RecipeError(f"sample_prompts={n} is more than the {available} eval rows"
@@ -119,7 +120,8 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
     prompts = []
     for i in range(n):
         row = ds[i]
-        ids, labels = row["input_ids"], row["labels"]
+        side = "chosen_" if "chosen_input_ids" in row else ""  # a preference pair: its chosen side
+        ids, labels = row[f"{side}input_ids"], row[f"{side}labels"]
         if "position_ids" in row:  # packed: the first example ends where position ids restart
             pos = row["position_ids"]
             end = next((j for j in range(1, len(pos)) if pos[j] == 0), len(pos))

@@ -9,8 +9,8 @@ import os
 import sys
 
 from finetune.assets import resolve_model
-from finetune.data import (GREEN, IGNORE, RESET, BatchSchedule, build_datasets, prevalidate_recipe, show_row,
-                           summary_lines)
+from finetune.data import (GREEN, RESET, BatchSchedule, build_datasets, prevalidate_recipe, show_pair, show_row,
+                           summary_lines, trained)
 from finetune.model import load_tokenizer
 from finetune.recipe import RecipeError, chat_template_text, resolve
 
@@ -26,8 +26,9 @@ def main(argv=None) -> int:
                     "the run trains on, with the trained tokens marked, and a summary per source.")
     parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
     parser.add_argument("--show", type=int, default=3, metavar="N", help="rows to print (default 3)")
-    parser.add_argument("--json", action="store_true", help="one JSON object per row (input_ids, labels) on "
-                        "stdout; the summary goes to stderr")
+    parser.add_argument("--json", action="store_true", help="one JSON object per row (input_ids, labels; a "
+                        "preference pair's chosen_ and rejected_ input_ids and labels) on stdout; the summary goes to "
+                        "stderr")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -55,10 +56,14 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps({"position": position, "row": index, "source": source} | row))
             continue
-        trained = sum(1 for x in row["labels"][1:] if x != IGNORE)
         what = f" from {source}" if source and len(data.sources) > 1 else ""
-        print(f"--- row {index}{what} (trained {'first' if position == 0 else f'#{position + 1}'}): "
-              f"{len(row['input_ids'])} tokens, {trained} trained")
+        header = f"--- row {index}{what} (trained {'first' if position == 0 else f'#{position + 1}'}): "
+        if "chosen_input_ids" in row:  # a preference pair
+            print(header + "; ".join(f"{side} {len(row[f'{side}_input_ids'])} tokens, {trained(row[f'{side}_labels'])} "
+                                     "trained" for side in ("chosen", "rejected")))
+            print(show_pair(tokenizer, row, colour))
+            continue
+        print(header + f"{len(row['input_ids'])} tokens, {trained(row['labels'])} trained")
         print(show_row(tokenizer, row["input_ids"], row["labels"], row.get("position_ids"), colour))
     summary = summary_lines(data, recipe)
     if not args.json:

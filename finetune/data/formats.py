@@ -11,6 +11,7 @@ FORMAT_FIELDS = {
     "prompt_completion": ("prompt", "completion"),
     "messages": ("messages",),
     "text": ("text",),
+    "preference": ("chosen", "rejected"),  # and an optional prompt (split_pair reads the three shapes)
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -23,6 +24,8 @@ class DataError(RecipeError):
 
 def detect_format(columns, where: str) -> str:
     cols = set(columns)
+    if {"chosen", "rejected"} <= cols:  # before messages: UltraFeedback-binarized rows carry both
+        return "preference"
     if "messages" in cols:
         return "messages"
     if {"instruction", "output"} <= cols:
@@ -33,7 +36,8 @@ def detect_format(columns, where: str) -> str:
         return "text"
     raise DataError(
         f"{where}: cannot tell the dataset format from its fields {sorted(cols)}; expected messages, "
-        "instruction+output (alpaca), prompt+completion, or text; or set dataset_format=..."
+        "instruction+output (alpaca), prompt+completion, text, or chosen+rejected (preference); or set "
+        "dataset_format=..."
     )
 
 
@@ -60,6 +64,16 @@ def check_roles(messages: list, where: str) -> None:
             raise unknown_role(where, j, role)
 
 
+def check_messages(msgs, where: str, name: str = "messages") -> None:
+    """A non-empty list of {role, content} strings with roles the templates know."""
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: {name!r} must be a non-empty list of {{role, content}}")
+    for m in msgs:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: each message needs string 'role' and 'content', got {m!r:.80}")
+    check_roles(msgs, where)
+
+
 def check_row(row, fmt: str, where: str) -> None:
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
@@ -67,17 +81,78 @@ def check_row(row, fmt: str, where: str) -> None:
         if name not in row or row[name] is None:
             raise DataError(f"{where}: missing field {name!r} (dataset_format={fmt} needs "
                             f"{', '.join(FORMAT_FIELDS[fmt])}){sharegpt_hint(row)}")
+    if fmt == "preference":
+        return check_pair(row, where)
     if fmt == "messages":
         msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs:
-            raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
-        for m in msgs:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: each message needs string 'role' and 'content', got {m!r:.80}")
-        check_roles(msgs, where)
+        check_messages(msgs, where)
         if not any(m["role"] == "assistant" for m in msgs):
             raise DataError(f"{where}: no assistant message to learn from")
     else:
         for name in FORMAT_FIELDS[fmt]:
             if not isinstance(row[name], str):
                 raise DataError(f"{where}: field {name!r} must be a string, got {type(row[name]).__name__}")
+
+
+# ---------------------------------------------------------------- preference rows (finetune/data/preference.py)
+
+
+def _kind(value) -> str:
+    return "a string" if isinstance(value, str) else "a list of messages" if isinstance(value, list) else \
+        f"a {type(value).__name__}"
+
+
+def extract_prompt(chosen, rejected):
+    """(prompt, chosen, rejected) of an implicit-prompt pair: their longest common prefix (of characters
+    or of messages) is the prompt, as TRL's extract_prompt cuts it: a space just before the first
+    difference goes to the sides; where one is the other's start, the shorter keeps its last item.
+    (TRL's cut at a difference in the very first character would move a trailing space of chosen into
+    the prompt: the space rule applies after the first item only here.)"""
+    n = min(len(chosen), len(rejected))
+    at = next((i for i in range(n) if chosen[i] != rejected[i]), None)
+    if at is None:
+        at = max(n - 1, 0)
+    elif at > 0 and chosen[at - 1] == " ":
+        at -= 1
+    return chosen[:at], chosen[at:], rejected[at:]
+
+
+def split_pair(row: dict):
+    """(prompt, chosen, rejected, conversational) of a checked preference row (check_pair)."""
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    conversational = isinstance(chosen, list)
+    if prompt is not None and isinstance(prompt, list) == conversational:
+        return prompt, chosen, rejected, conversational
+    return (*extract_prompt(chosen, rejected), conversational)
+
+
+def check_pair(row: dict, where: str) -> None:
+    """A preference row's checks (chosen and rejected are present): both sides strings or both lists
+    of messages, a prompt (if any) a string or messages, the sides different, and, in conversations,
+    an assistant message on each side after the prompt."""
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, (str, list)):
+            raise DataError(f"{where}: field {name!r} must be a string or a list of {{role, content}} messages, got "
+                            f"{_kind(value)}")
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise DataError(f"{where}: 'chosen' is {_kind(chosen)} and 'rejected' {_kind(rejected)}; both must be strings "
+                        "or both lists of messages")
+    if prompt is not None and not isinstance(prompt, (str, list)):
+        raise DataError(f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got "
+                        f"{_kind(prompt)}")
+    if isinstance(prompt, list) and isinstance(chosen, str):
+        raise DataError(f"{where}: 'prompt' is a list of messages but 'chosen' and 'rejected' are strings; give the "
+                        "sides as lists of (assistant) messages, or the prompt as a string")
+    if chosen == rejected:
+        raise DataError(f"{where}: 'chosen' and 'rejected' are identical, so the pair prefers nothing; drop the row "
+                        "or fix one side")
+    if isinstance(chosen, list):
+        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if name != "prompt" or isinstance(value, list):
+                check_messages(value, where, name)
+        _, chosen_side, rejected_side, _ = split_pair(row)
+        for name, side in (("chosen", chosen_side), ("rejected", rejected_side)):
+            if not any(m["role"] == "assistant" for m in side):
+                raise DataError(f"{where}: {name!r} has no assistant message after the prompt, so there is no answer "
+                                "to prefer; each side needs the assistant's answer")

@@ -1,4 +1,5 @@
-"""What a run trains on, shown: a prepared row with its trained tokens marked (python -m finetune.data)."""
+"""What a run trains on, shown: a prepared row (or preference pair) with its trained tokens marked
+(python -m finetune.data)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,34 @@ def show_row(tokenizer, ids: list[int], labels: list[int], position_ids: list[in
         if position_ids and a > 0 and all(t == pad for t in ids[a:b]) and b == len(ids):
             pieces.append(f"<pad x {b - a}>")
             continue
-        text, k = "", a
-        while k < b:
-            trained = k > a and labels[k] != IGNORE
-            end = k
-            while end < b and (end > a and labels[end] != IGNORE) == trained:
-                end += 1
-            piece = tokenizer.decode(ids[k:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-            text += (f"{GREEN}{piece}{RESET}" if colour else f"[[{piece}]]") if trained else piece
-            k = end
-        pieces.append(text)
+        pieces.append(_marked(tokenizer, ids, labels, a, a, b, colour))
     return " || ".join(pieces)
+
+
+def _marked(tokenizer, ids: list[int], labels: list[int], first: int, a: int, b: int, colour: bool) -> str:
+    """ids[a:b] as text, the trained tokens marked; `first` is its example's first token, never trained."""
+    text, k = "", a
+    while k < b:
+        trained = k > first and labels[k] != IGNORE
+        end = k
+        while end < b and (end > first and labels[end] != IGNORE) == trained:
+            end += 1
+        piece = tokenizer.decode(ids[k:end], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text += (f"{GREEN}{piece}{RESET}" if colour else f"[[{piece}]]") if trained else piece
+        k = end
+    return text
+
+
+def show_pair(tokenizer, row: dict, colour: bool = False) -> str:
+    """A prepared preference pair: its prompt once (the tokens both sides start with, up to the first
+    trained one), then each side from there, trained tokens marked as show_row marks them."""
+    from finetune.data.preference import prompt_length
+
+    sides = [(row[f"{side}_input_ids"], row[f"{side}_labels"]) for side in ("chosen", "rejected")]
+    (chosen, _), (rejected, _) = sides
+    shared = min(prompt_length(ids, labels) for ids, labels in sides)
+    shared = next((k for k in range(shared) if chosen[k] != rejected[k]), shared)
+    lines = ["prompt:   " + _marked(tokenizer, *sides[0], 0, 0, shared, colour)]
+    for side, (ids, labels) in zip(("chosen", "rejected"), sides):
+        lines.append(f"{side + ':':<10}" + _marked(tokenizer, ids, labels, 0, shared, len(ids), colour))
+    return "\n".join(lines)

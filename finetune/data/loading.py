@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 from finetune.assets import resolve_dataset
-from finetune.data.formats import DataError, FORMAT_FIELDS, IGNORE, PIPELINE_VERSION, check_roles, detect_format
+from finetune.data.formats import (DataError, FORMAT_FIELDS, IGNORE, PIPELINE_VERSION, check_roles, check_row,
+                                   detect_format)
+from finetune.data.preference import PREFERENCE_VERSION, encode_pairs
 from finetune.data.sources import (check_columns, first_row_of, is_saved_dataset, local_splits, map_row, need_fields,
                                    need_split, saved_splits, top_level_columns, with_sharegpt)
 from finetune.data.tokenization import encode_batch, pack_rows
@@ -85,7 +87,8 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     if fmt == "auto":
         fmt = detect_format(names, where)
     need_fields(names, fmt, where)
-    needed = set(FORMAT_FIELDS[fmt]) | ({"input"} if fmt == "alpaca" else set())
+    optional = {"alpaca": {"input"}, "preference": {"prompt"}}.get(fmt, set())
+    needed = set(FORMAT_FIELDS[fmt]) | optional
     used = [c for c in ds.column_names if c in {top_level_columns(spec.columns).get(f, f) for f in needed}]
     tok_fp = tokenizer_fingerprint(tokenizer)
     max_len, train_on_prompt = recipe.max_seq_len, recipe.train_on_prompt
@@ -97,6 +100,10 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
         if fmt == "messages":
             for row, index in zip(rows, indices):
                 check_roles(row["messages"] or [], f"{where} row {index}")
+        if fmt == "preference":  # a hub dataset's rows are first seen here (local files: prevalidate)
+            for row, index in zip(rows, indices):
+                check_row(row, fmt, f"{where} row {index}")
+            return encode_pairs(rows, tokenizer, max_len, recipe.max_prompt_len)
         out = {"input_ids": [], "labels": [], "n_tokens": [], "n_targets": []}
         for ids, labels in encode_batch(rows, fmt, tokenizer, train_on_prompt, max_len):
             out["input_ids"].append(ids)
@@ -105,19 +112,30 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
             out["n_targets"].append(sum(1 for x in labels[1:] if x != IGNORE))
         return out
 
+    # a preference pair also depends on max_prompt_len; SFT rows keep the fingerprints they had
+    pairs = (PREFERENCE_VERSION, recipe.max_prompt_len) if fmt == "preference" else ()
     fp = cache_fingerprint(PIPELINE_VERSION, ds._fingerprint, fmt, tok_fp, max_len, train_on_prompt, spec.columns,
-                      spec.roles)
+                      spec.roles, *pairs)
     ds = ds.select_columns(used) if len(used) < len(ds.column_names) else ds
     ds = ds.map(encode, batched=True, with_indices=True, remove_columns=used, new_fingerprint=fp, num_proc=procs,
                 desc=f"tokenize {where}")
     ds = ds.filter(lambda n: [x > 0 for x in n], input_columns="n_targets", batched=True, num_proc=procs,
                    new_fingerprint=cache_fingerprint(fp, "filter"), desc="drop rows without targets")
+    if len(ds) == 0 and fmt == "preference":
+        fix = "lower max_prompt_len" if recipe.max_prompt_len else \
+            "set max_prompt_len below it (a long prompt then loses its start)"
+        raise DataError(f"{where}: no pair has a response token left on both sides within max_seq_len={max_len}"
+                        f"{budget_note(recipe)}; raise max_seq_len, or {fix}")
     if len(ds) == 0:
         raise DataError(f"{where}: no example has a response token left within max_seq_len={max_len}; "
                         "raise max_seq_len or set train_on_prompt=true")
     if recipe.packing if pack is None else pack:
         return pack_dataset(ds, tokenizer, recipe, where)
     return ds if keep_counts else ds.remove_columns(COUNTS)
+
+
+def budget_note(recipe: Recipe) -> str:
+    return f" and max_prompt_len={recipe.max_prompt_len}" if recipe.max_prompt_len else ""
 
 
 def pack_dataset(ds, tokenizer, recipe: Recipe, where: str):

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from finetune.data.formats import DataError, detect_format
-from finetune.data.loading import COUNTS, cache_fingerprint, load_source, pack_dataset, tokenize_dataset
-from finetune.data.sources import check_columns, eval_source, first_row_of, train_sources, with_sharegpt
+from finetune.data.loading import (COUNTS, budget_note, cache_fingerprint, load_source, pack_dataset,
+                                   tokenize_dataset)
+from finetune.data.sources import (check_columns, check_objective, eval_source, first_row_of, train_sources,
+                                   with_sharegpt)
 from finetune.recipe import DataSource, Recipe
 
 
@@ -42,6 +44,17 @@ def _row_counts(ds) -> dict:
     return {k: np.asarray(cols[k], dtype=np.int64) for k in COUNTS}
 
 
+def _longest(ds, n_tokens: np.ndarray) -> np.ndarray:
+    """Each row's tokens (n_tokens), or a pair's longer side's: what max_seq_len cuts."""
+    if "chosen_input_ids" not in ds.column_names:
+        return n_tokens
+    import pyarrow.compute as pc
+
+    table = ds.select_columns(["chosen_input_ids", "rejected_input_ids"]).with_format("arrow")[:]
+    return np.maximum(*(pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False).astype(np.int64)
+                        for c in ("chosen_input_ids", "rejected_input_ids")))
+
+
 @dataclass
 class Datasets:
     train: object
@@ -67,6 +80,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         where = spec.path if not recipe.datasets else f"datasets[{i}] {spec.path}"
         names = check_columns(raw.column_names, spec, where)
         fmt = spec.format if spec.format != "auto" else detect_format(names, where)
+        check_objective(recipe, fmt, key, spec.path)
         raw_held = None
         if evaluated is None and recipe.eval_fraction > 0 and len(raw) >= 2:
             split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
@@ -87,7 +101,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         stats.append({"source": key.removesuffix(".path"), "path": spec.path, "format": formats[i],
                       "split": spec.split, "weight": spec.weight, "rows_wanted": spec.rows, "rows": raw_rows[i],
                       "kept": available[i], "dropped_no_target": raw_rows[i] - available[i],
-                      "at_max_seq_len": int((rows["n_tokens"] >= recipe.max_seq_len).sum()),
+                      "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())})
     train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
@@ -115,6 +129,10 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         spec = with_sharegpt(spec, raw_eval.column_names, first_row_of(raw_eval))
         eval_fmt = formats[0] if not recipe.datasets and spec.format == "auto" and not isinstance(
             recipe.eval_dataset, DataSource) else spec.format
+        if eval_fmt == "auto":
+            where = f"{spec.path} (eval)"
+            eval_fmt = detect_format(check_columns(raw_eval.column_names, spec, where), where)
+        check_objective(recipe, eval_fmt, key, spec.path)
         evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,
                                  pack=False, keep_counts=True)
     elif held:
@@ -132,8 +150,9 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
     lines = []
     for s in data.sources:
         share = f"rows={s['rows_wanted']}" if s["rows_wanted"] else f"weight {s['weight']:g}"
-        dropped = (f", {s['dropped_no_target']} dropped (no target token within max_seq_len={recipe.max_seq_len})"
-                   if s["dropped_no_target"] else ", none dropped")
+        why = (f"chosen or rejected has no response token within max_seq_len={recipe.max_seq_len}{budget_note(recipe)}"
+               if s["format"] == "preference" else f"no target token within max_seq_len={recipe.max_seq_len}")
+        dropped = f", {s['dropped_no_target']} dropped ({why})" if s["dropped_no_target"] else ", none dropped"
         cut = f", {s['at_max_seq_len']} cut at max_seq_len" if s["at_max_seq_len"] else ""
         lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
                      f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {s['tokens']} tokens, "

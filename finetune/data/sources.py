@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from finetune.assets import BUILTIN_FORMATS
 from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, sharegpt_hint, unknown_role
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
 
@@ -21,7 +22,8 @@ def with_sharegpt(spec: DataSource, fields, first_row=None) -> DataSource:
     each turn's `from`/`value` (or `role`/`content`, as the first turn has them) become role/content,
     with human/gpt/system as user/assistant/system (SHAREGPT_ROLES; others go in roles=...)."""
     fields = set(fields)
-    if spec.columns or spec.format not in ("auto", "messages") or "messages" in fields or "conversations" not in fields:
+    if spec.columns or spec.format not in ("auto", "messages") or "messages" in fields or "conversations" not in fields \
+            or {"chosen", "rejected"} <= fields:  # preference rows: their conversations are chosen and rejected
         return spec
     turns = first_row.get("conversations") if isinstance(first_row, dict) else None
     first = turns[0] if isinstance(turns, list) and turns else None
@@ -90,24 +92,32 @@ def map_row(row: dict, spec: DataSource, where: str) -> dict:
             raise DataError(f"{where}: columns maps {target} to {name!r}, but the row has no field {name!r} "
                             f"(its fields: {fields})")
         out[target] = row[name]
-    messages = out.get("messages")
-    if isinstance(messages, list) and _maps_messages(spec):
-        role_key, content_key = spec.columns.get("role", "role"), spec.columns.get("content", "content")
-        roles = {**SHAREGPT_ROLES, **spec.roles}
-        mapped = []
-        for j, m in enumerate(messages):
-            for name, what in ((role_key, "role"), (content_key, "content")):
-                if not isinstance(m, dict) or m.get(name) is None:
-                    have = ", ".join(sorted(k for k, v in m.items() if v is not None)) if isinstance(m, dict) \
-                        else type(m).__name__
-                    raise DataError(f"{where}: message {j} has no field {name!r} (the {what}; columns maps {what} "
-                                    f"to {name!r}); its fields: {have}")
-            role = roles.get(m[role_key], m[role_key])
-            if role not in ROLES:
-                raise unknown_role(where, j, m[role_key])
-            mapped.append({"role": role, "content": m[content_key]})
-        out["messages"] = mapped
+    if _maps_messages(spec):
+        for field in MESSAGE_FIELDS:  # a chat row's messages; a preference row's conversations
+            if isinstance(out.get(field), list):
+                out[field] = _map_messages(out[field], spec, where if field == "messages" else f"{where} {field}")
     return out
+
+
+MESSAGE_FIELDS = ("messages", "prompt", "chosen", "rejected")
+
+
+def _map_messages(messages: list, spec: DataSource, where: str) -> list[dict]:
+    role_key, content_key = spec.columns.get("role", "role"), spec.columns.get("content", "content")
+    roles = {**SHAREGPT_ROLES, **spec.roles}
+    mapped = []
+    for j, m in enumerate(messages):
+        for name, what in ((role_key, "role"), (content_key, "content")):
+            if not isinstance(m, dict) or m.get(name) is None:
+                have = ", ".join(sorted(k for k, v in m.items() if v is not None)) if isinstance(m, dict) \
+                    else type(m).__name__
+                raise DataError(f"{where}: message {j} has no field {name!r} (the {what}; columns maps {what} "
+                                f"to {name!r}); its fields: {have}")
+        role = roles.get(m[role_key], m[role_key])
+        if role not in ROLES:
+            raise unknown_role(where, j, m[role_key])
+        mapped.append({"role": role, "content": m[content_key]})
+    return mapped
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -188,6 +198,8 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
         need_fields(names, fmt, str(path))
         if len(saved) == 0:
             raise DataError(f"{key}={source}: the dataset is empty")
+        if fmt == "preference":
+            _check_pairs(saved.select_columns(_pair_fields(saved.column_names, spec)), spec, f"{path} row")
         return fmt
     splits = local_splits(path)
     need_split(split_key, source, split, list(splits))
@@ -224,17 +236,63 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
             if missing:
                 raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}{sharegpt_hint(names)}")
             rows_seen += _num_rows(path, [top_level_columns(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
+            if fmt == "preference":
+                _check_pairs(_table_rows(path, _pair_fields(columns, spec)), spec, f"{path} row")
     if rows_seen == 0:
         raise DataError(f"{key}={source}: the dataset is empty")
     return fmt
 
 
 def prevalidate_recipe(recipe: Recipe) -> None:
-    """prevalidate every source of the recipe: the training source(s) and the eval set."""
+    """prevalidate every source of the recipe: the training source(s) and the eval set, each of the
+    kind of rows the recipe's objective trains on."""
     for key, split_key, spec in train_sources(recipe) + ([eval_source(recipe)] if eval_source(recipe) else []):
         if spec.path.startswith("builtin:"):
             need_split(split_key, spec.path, spec.split, ["train"])
-        prevalidate(spec.path, spec.format, key, spec=spec, split=spec.split, split_key=split_key)
+        fmt = prevalidate(spec.path, spec.format, key, spec=spec, split=spec.split, split_key=split_key)
+        if fmt == "auto" and spec.path.startswith("builtin:"):
+            fmt = BUILTIN_FORMATS.get(spec.path[len("builtin:"):], fmt)
+        check_objective(recipe, fmt, key, spec.path)
+
+
+def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
+    """objective=dpo trains on preference rows only, and preference rows train with objective=dpo only
+    (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
+    key = key.removesuffix(".path")
+    if recipe.objective == "dpo" and fmt not in ("auto", "preference"):
+        raise DataError(f"objective=dpo needs preference rows (prompt, chosen, rejected); {key}={path} has {fmt} "
+                        "rows: use a preference dataset (or map its fields with columns={'chosen': ..., 'rejected': "
+                        "...}), or set objective=sft")
+    if recipe.objective != "dpo" and fmt == "preference":
+        raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
+                        f"objective=dpo, or use a dataset of SFT rows (objective={recipe.objective})")
+
+
+def _pair_fields(columns, spec: DataSource) -> list[str]:
+    """The fields a preference row is read from (prompt, chosen, rejected, as mapped), of those present."""
+    mapped = top_level_columns(spec.columns)
+    return [name for name in (mapped.get(f, f) for f in ("prompt", "chosen", "rejected")) if name in columns]
+
+
+def _table_rows(path: Path, fields: list[str]):
+    """A parquet or csv file's rows, as dicts of `fields`."""
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        yield from pq.read_table(path, columns=fields).to_pylist()
+        return
+    reader = _csv_rows(path)
+    header = [c.strip() for c in next(reader, [])]
+    for row in reader:
+        if row:
+            yield {name: row[header.index(name)] for name in fields}
+
+
+def _check_pairs(rows, spec: DataSource, where: str) -> None:
+    """check_row of every preference row of a table (`where`: how a row is named, before its index)."""
+    for i, row in enumerate(rows):
+        row = map_row(row, spec, f"{where} {i}")
+        check_row(row, "preference", f"{where} {i}")
 
 
 def _jsonl_rows(path: Path, text: str):

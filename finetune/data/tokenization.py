@@ -239,6 +239,21 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
     return encode_prompt_completion(tokenizer, row["prompt"], row["completion"], train_on_prompt, max_len)
 
 
+def encode_conversations(tokenizer, conversations: list[list[dict]], skip_turns: list[int]):
+    """(ids, labels) of each conversation as encode_messages makes them, but its first skip_turns
+    assistant turns not trained (a preference pair's side: the prompt's answers are context)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("preference rows of messages need a tokenizer with a chat_template; set chat_template=... "
+                        "(a file or the template itself), or tokenizer=... to one that has it")
+    if GENERATION_TAG.search(tokenizer.chat_template):
+        rendered = render_chats(tokenizer, conversations, spans=True)
+    else:
+        rendered = [assistant_spans(tokenizer, c) for c in conversations]
+    enc = tokenizer([text for text, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
+    return [(enc.input_ids[k], _span_labels(enc.input_ids[k], enc.offset_mapping[k], spans[skip:]))
+            for k, ((_, spans), skip) in enumerate(zip(rendered, skip_turns))]
+
+
 def _span_labels(ids: list[int], offsets, spans: list[tuple[int, int]]) -> list[int]:
     """The labels of a chat row: a token is labelled if it holds any character of a span (its
     characters [start, end) meet some [lo, hi)). That is transformers' return_assistant_tokens_mask,

@@ -17,7 +17,7 @@ from suite_runs import resume_copy
 
 DPO = ["max_steps=6", "eval_every=3", "eval_max_samples=16", "sample_prompts=0", "save_every=3", "keep_last=3",
        "warmup_steps=1"]
-LORA = ["lora=true", "lr=1e-2"]
+LORA = ["lora=true", "lr=1e-2", "lora_dropout=0"]  # dropout draws differ with the process count
 ONE_PROCESS = {  # the 1-process curves the 2-process runs must reproduce
     "full": ["strategy=ddp"],
     "lora": ["strategy=ddp", *LORA],
@@ -34,7 +34,7 @@ TWO_PROCESSES = {  # name: (its 1-process curve, overrides)
 }
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-ATOL = 1e-6
+ATOL, RTOL = 1e-6, 1e-7  # fp32; a sequence's log-prob sums ~25 token log-probs (measured: 1.3e-6 at -27.6)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def assert_same_curve(got, want, atol=ATOL):
     assert [sorted(r) for r in a] == [sorted(r) for r in b], "the same steps and metrics"
     for x, y in zip(a, b):
         for key in x:
-            assert math.isclose(x[key], y[key], rel_tol=0, abs_tol=atol), (key, x, y)
+            assert math.isclose(x[key], y[key], rel_tol=RTOL, abs_tol=atol), (key, x, y)
 
 
 @pytest.mark.parametrize("name", list(TWO_PROCESSES))

@@ -1,0 +1,105 @@
+"""Preference pairs (objective=dpo): the three row shapes users have (read by split_pair and checked by
+check_pair, in finetune/data/formats.py) and each pair tokenized into its chosen and rejected
+sequences, each as an SFT row of the same data would be.
+
+The shapes, as TRL's DPOTrainer reads them (trl/data_utils.py: is_conversational, maybe_extract_prompt,
+extract_prompt, apply_chat_template):
+- explicit prompt: `prompt`, `chosen`, `rejected` strings; each side is the prompt_completion row
+  (prompt, side): one BOS, prompt + side tokenized as one text (the completion starts where the
+  prompt's own tokens stop matching), one EOS, labels on the side and its EOS;
+- conversational: `prompt` a list of messages, `chosen` and `rejected` lists of (assistant) messages
+  (trl-lib/ultrafeedback_binarized); each side is the chat row prompt + side, rendered by the chat
+  template, labels on the side's own assistant turns only (with their end-of-turn markers);
+- implicit prompt: `chosen` and `rejected` alone, whole conversations (Anthropic/hh-rlhf as
+  messages) or texts sharing a prefix: the prompt is their longest common prefix (of messages, or of
+  characters, a space before the first difference going to the sides), as TRL's extract_prompt cuts
+  it. Where one side is the other's start, TRL's cut leaves the shorter side its last message (or
+  character); that is kept, so no side is empty. A `prompt` of the other kind than the sides (the
+  string prompt of HuggingFaceH4/ultrafeedback_binarized, whose chosen and rejected are whole
+  conversations) is ignored, as TRL ignores it.
+
+A prepared pair is the columns PAIR_COLUMNS (labels unshifted, IGNORE off the response, as SFT rows'
+labels) and the counts n_tokens (both sides) and n_targets (both sides' trained tokens; 0 marks a pair
+to drop: a side with no trained token left within the budgets). Truncation: the prompt keeps its last
+max_prompt_len tokens (TRL's keep_end for prompts; the BOS, where the row starts with one, stays
+first and counts in the budget), then each side is cut at max_seq_len.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from finetune.data.formats import IGNORE, split_pair
+from finetune.data.tokenization import encode_batch, encode_conversations
+
+PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
+PREFERENCE_VERSION = "1"  # bump when a pair's tokens or labels change, to invalidate cached preference data
+NO_LIMIT = sys.maxsize
+
+
+def _fit(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len: int):
+    """A side within the budgets: the prompt (the tokens before the first trained one) keeps its last
+    max_prompt_len tokens, its BOS staying first; then the whole is cut at max_len."""
+    start = next((k for k, x in enumerate(labels) if x != IGNORE), len(ids))
+    if max_prompt_len and start > max_prompt_len:
+        keep = 1 if bos_id is not None and ids and ids[0] == bos_id else 0
+        cut = start - (max_prompt_len - keep)
+        ids, labels = ids[:keep] + ids[cut:], labels[:keep] + labels[cut:]
+    return ids[:max_len], labels[:max_len]
+
+
+def encode_sides(rows: list[dict], tokenizer) -> list[tuple]:
+    """Per pair, ((chosen ids, labels), (rejected ids, labels)), untruncated: one tokenizer call for
+    all the text pairs' sides, one for all the conversations'."""
+    split = [split_pair(r) for r in rows]
+    texts = [k for k, s in enumerate(split) if not s[3]]
+    chats = [k for k, s in enumerate(split) if s[3]]
+    sides: list = [None] * len(rows)
+    if texts:
+        pc = [{"prompt": split[k][0], "completion": split[k][side]} for k in texts for side in (1, 2)]
+        out = encode_batch(pc, "prompt_completion", tokenizer, False, NO_LIMIT)
+        for j, k in enumerate(texts):
+            sides[k] = (out[2 * j], out[2 * j + 1])
+    if chats:
+        conversations, skips = [], []
+        for k in chats:
+            prompt = split[k][0]
+            for side in (1, 2):
+                conversations.append(list(prompt) + list(split[k][side]))
+                skips.append(sum(1 for m in prompt if m["role"] == "assistant"))
+        out = encode_conversations(tokenizer, conversations, skips)
+        for j, k in enumerate(chats):
+            sides[k] = (out[2 * j], out[2 * j + 1])
+    return sides
+
+
+def trained(labels: list[int]) -> int:
+    """Trained tokens of a side, as SFT counts them: the first token is no token's target."""
+    return sum(1 for x in labels[1:] if x != IGNORE)
+
+
+def encode_pairs(rows: list[dict], tokenizer, max_len: int, max_prompt_len: int = 0) -> dict:
+    """Checked preference rows -> the columns of prepared pairs (PAIR_COLUMNS, n_tokens, n_targets);
+    n_targets is 0 for a pair that a side without a trained token left makes useless (dropped)."""
+    out = {c: [] for c in PAIR_COLUMNS + ["n_tokens", "n_targets"]}
+    for chosen, rejected in encode_sides(rows, tokenizer):
+        chosen = _fit(*chosen, tokenizer.bos_token_id, max_len, max_prompt_len)
+        rejected = _fit(*rejected, tokenizer.bos_token_id, max_len, max_prompt_len)
+        for name, (ids, labels) in (("chosen", chosen), ("rejected", rejected)):
+            out[f"{name}_input_ids"].append(ids)
+            out[f"{name}_labels"].append(labels)
+        counts = trained(chosen[1]), trained(rejected[1])
+        out["n_tokens"].append(len(chosen[0]) + len(rejected[0]))
+        out["n_targets"].append(sum(counts) if min(counts) > 0 else 0)
+    return out
+
+
+def encode_pair(row: dict, tokenizer, max_len: int, max_prompt_len: int = 0) -> dict:
+    """One preference row's prepared pair (encode_pairs of one row), without the counts."""
+    out = encode_pairs([row], tokenizer, max_len, max_prompt_len)
+    return {c: out[c][0] for c in PAIR_COLUMNS}
+
+
+def prompt_length(ids: list[int], labels: list[int]) -> int:
+    """The prompt's tokens in a prepared side: those before its first trained token."""
+    return next((k for k, x in enumerate(labels) if x != IGNORE), len(ids))

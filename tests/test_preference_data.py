@@ -1,0 +1,563 @@
+"""Preference data for objective=dpo (issue 22), in-process and without training: the three row shapes
+(explicit prompt, conversational, implicit prompt) on real tokenizers (Mistral v1 and v3 sentencepiece
+from mistral_common, a byte-level BPE with ChatML), each side tokenized as the SFT row of the same
+data (one BOS, one EOS or the template's end-of-turn, labels exactly on the side's answer), TRL's
+implicit-prompt cut, the prompt and total budgets and the pairs they drop, column mapping, mixtures
+of preference sources, the one-line refusals before any model loads, `finetune data --show` of a
+pair, the samples' prompts of a preference eval set, and builtin:tiny-preferences."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+
+import family_assets as FA
+from finetune import data as D
+from finetune.commands import data as data_command
+from finetune.data import IGNORE, DataError
+from finetune.recipe import DataSource, Recipe, RecipeError
+
+SYSTEM = {"role": "system", "content": "Answer briefly."}
+PROMPT = [SYSTEM, {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+          {"role": "user", "content": "And 3+3?"}]
+CHOSEN = [{"role": "assistant", "content": "6, of course."}]
+REJECTED = [{"role": "assistant", "content": "It is 7."}]
+TEXT = {"prompt": "Question: What is the capital of France? Answer: ", "chosen": "Paris", "rejected": "Lyon, I think"}
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """Mistral-7B v0.1's sentencepiece tokenizer (adds <s>), the [INST] template (ends an answer with </s>)."""
+    tok = FA.mistral_tokenizer("v1", tmp_path_factory.mktemp("v1"))
+    tok.chat_template = FA.MISTRAL
+    return tok
+
+
+@pytest.fixture(scope="module")
+def mistral_v3(tmp_path_factory):
+    """Mistral-7B-Instruct v0.3's, saved with its template so that a recipe can name it (tokenizer=DIR)."""
+    out = tmp_path_factory.mktemp("v3")
+    tok = FA.mistral_tokenizer("v3", out / "src")
+    tok.chat_template = FA.MISTRAL
+    tok.save_pretrained(out / "tok")
+    tok.saved_to = str(out / "tok")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def chatml_bpe(tmp_path_factory):
+    """A Qwen-style byte-level BPE (no BOS; EOS <|endoftext|>) with ChatML (ends a turn with <|im_end|>)."""
+    corpus = [m["content"] for m in PROMPT + CHOSEN + REJECTED] + list(TEXT.values())
+    tok = FA.make_tokenizer(FA.FAMILIES["qwen2"], corpus, tmp_path_factory.mktemp("chatml"))
+    tok.chat_template = FA.CHATML
+    return tok
+
+
+@pytest.fixture(scope="module")
+def llama3_bpe(tmp_path_factory):
+    """A Llama-3-style byte-level BPE that adds <|begin_of_text|> itself, with Llama 3's template."""
+    corpus = [m["content"] for m in PROMPT + CHOSEN + REJECTED] + list(TEXT.values())
+    tok = FA.make_tokenizer(FA.FAMILIES["llama3"], corpus, tmp_path_factory.mktemp("llama3"))
+    tok.chat_template = FA.LLAMA3
+    return tok
+
+
+TOKENIZERS = ["mistral", "mistral_v3", "chatml_bpe"]
+
+
+def runs(ids, labels):
+    """The labelled stretches of a side, as lists of ids (labels equal to the ids where set)."""
+    out, current = [], []
+    for t, lab in zip(ids, labels):
+        if lab == IGNORE:
+            if current:
+                out.append(current)
+            current = []
+        else:
+            assert lab == t
+            current.append(t)
+    return out + ([current] if current else [])
+
+
+def sides(pair: dict):
+    return [(pair[f"{s}_input_ids"], pair[f"{s}_labels"]) for s in ("chosen", "rejected")]
+
+
+def write_jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def one_line(fn, *args, error=RecipeError, **kwargs) -> str:
+    with pytest.raises(error) as info:
+        fn(*args, **kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- format detection
+
+
+def test_preference_is_detected_before_messages():
+    """UltraFeedback-binarized rows carry prompt, chosen, rejected and messages: they are pairs."""
+    assert D.detect_format(["prompt", "chosen", "rejected", "messages", "prompt_id"], "x") == "preference"
+    assert D.detect_format(["chosen", "rejected"], "x") == "preference"
+    assert D.detect_format(["messages", "chosen"], "x") == "messages"
+    assert D.FORMAT_FIELDS["preference"] == ("chosen", "rejected")
+
+
+# ---------------------------------------------------------------- (a) explicit prompt, strings
+
+
+@pytest.mark.parametrize("name", TOKENIZERS + ["llama3_bpe"])
+def test_explicit_pairs_are_prompt_completion_rows(name, request):
+    """Each side is exactly the SFT prompt_completion row (prompt, side): the tokenizer's BOS once
+    (none for the BPE without one), prompt + side tokenized as one text, one EOS, labels on the side."""
+    tok = request.getfixturevalue(name)
+    pair = D.encode_pair(TEXT, tok, 512)
+    bos = D.bos_ids(tok)
+    assert (name != "chatml_bpe") == bool(bos)
+    for (ids, labels), side in zip(sides(pair), (TEXT["chosen"], TEXT["rejected"])):
+        assert (ids, labels) == D.encode_prompt_completion(tok, TEXT["prompt"], side, False, 512)
+        assert ids[:len(bos)] == bos and ids.count(tok.bos_token_id) == len(bos)
+        assert ids[-1] == tok.eos_token_id and ids.count(tok.eos_token_id) == 1
+        trained = runs(ids, labels)
+        assert len(trained) == 1 and trained[0][-1] == tok.eos_token_id  # one stretch: the answer and its EOS
+        assert tok.decode(trained[0][:-1]).strip() == side
+        assert tok.decode(ids[len(bos):-1]) == TEXT["prompt"] + side  # decodes to exactly prompt + side
+        start = D.prompt_length(ids, labels)
+        assert labels[:start] == [IGNORE] * start and all(x != IGNORE for x in labels[start:])
+
+
+# ---------------------------------------------------------------- (b) conversational
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_conversational_pairs_train_only_their_own_answer(name, request):
+    """Each side is apply_chat_template(prompt + side)'s tokens; of its assistant turns only the side's
+    own is trained (the prompt's earlier answer "4" is context), with its end-of-turn marker."""
+    tok = request.getfixturevalue(name)
+    pair = D.encode_pair({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}, tok, 512)
+    end_of_turn = tok.convert_tokens_to_ids("<|im_end|>") if name == "chatml_bpe" else tok.eos_token_id
+    for (ids, labels), side in zip(sides(pair), (CHOSEN, REJECTED)):
+        conversation = PROMPT + side
+        assert ids == list(tok.apply_chat_template(conversation, tokenize=True)["input_ids"])
+        sft_ids, sft_labels = D.encode_messages(tok, conversation, False, 512)
+        assert ids == sft_ids
+        assert runs(ids, labels) == runs(sft_ids, sft_labels)[1:]  # the SFT row trains both answers; a side its own
+        trained = runs(ids, labels)
+        assert len(trained) == 1 and side[0]["content"] in tok.decode(trained[0])
+        assert end_of_turn in trained[0] and "4" not in tok.decode(trained[0]).replace(side[0]["content"], "")
+        renders_bos = name != "chatml_bpe"
+        assert ids.count(tok.bos_token_id) == int(renders_bos) and (ids[0] == tok.bos_token_id) == renders_bos
+
+
+# ---------------------------------------------------------------- (c) implicit prompt
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_implicit_prompt_of_conversations_is_their_common_prefix(name, request):
+    """HH-RLHF's shape as messages: the shared turns are the prompt; the pair is the conversational
+    pair with that prompt, token for token."""
+    tok = request.getfixturevalue(name)
+    implicit = {"chosen": PROMPT + CHOSEN, "rejected": PROMPT + REJECTED}
+    assert D.split_pair(implicit) == (PROMPT, CHOSEN, REJECTED, True)
+    explicit = D.encode_pair({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}, tok, 512)
+    assert D.encode_pair(implicit, tok, 512) == explicit
+    # HuggingFaceH4/ultrafeedback_binarized: a string prompt beside whole conversations is ignored, as TRL does
+    h4 = {"prompt": "What is 2+2?", "chosen": PROMPT + CHOSEN, "rejected": PROMPT + REJECTED}
+    assert D.encode_pair(h4, tok, 512) == explicit
+
+
+def test_implicit_prompt_cut_is_trls():
+    """trl/data_utils.py extract_prompt: the common prefix, a space before the first difference going
+    to the sides; where one side is the other's start, the shorter keeps its last item (message or
+    character). TRL's cut at a difference in the first character would move a trailing space of
+    chosen into the prompt (its chosen[idx - 1] is chosen[-1] there); here the prompt is empty."""
+    hh = "\n\nHuman: What is 2+2?\n\nAssistant:"
+    assert D.extract_prompt(hh + " 4", hh + " 5") == (hh, " 4", " 5")
+    assert D.extract_prompt(hh + " four", hh + " 4") == (hh, " four", " 4")
+    assert D.extract_prompt("abc", "abcdef") == ("ab", "c", "cdef")
+    assert D.extract_prompt("x y ", "z") == ("", "x y ", "z")
+    first, second = [{"role": "user", "content": "hi"}], [{"role": "assistant", "content": "yes"}]
+    more = [{"role": "user", "content": "and?"}, {"role": "assistant", "content": "no"}]
+    assert D.extract_prompt(first + second, first + second + more) == (first, second, second + more)
+
+
+@pytest.mark.parametrize("name", ["mistral", "chatml_bpe"])
+def test_implicit_prompt_of_texts_is_the_explicit_pair(name, request):
+    tok = request.getfixturevalue(name)
+    hh = "\n\nHuman: What is the capital of France?\n\nAssistant:"
+    implicit = D.encode_pair({"chosen": hh + " Paris", "rejected": hh + " Lyon"}, tok, 512)
+    assert implicit == D.encode_pair({"prompt": hh, "chosen": " Paris", "rejected": " Lyon"}, tok, 512)
+    for ids, labels in sides(implicit):
+        assert "Human" not in tok.decode([t for t in labels if t != IGNORE])
+
+
+# ---------------------------------------------------------------- batches of mixed shapes
+
+
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_a_batch_of_mixed_shapes_equals_each_row_alone(name, request):
+    tok = request.getfixturevalue(name)
+    rows = [TEXT, {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED},
+            {"chosen": PROMPT + REJECTED, "rejected": PROMPT + CHOSEN}, {"chosen": "A: yes", "rejected": "A: no"}]
+    batch = D.encode_pairs(rows, tok, 512)
+    for k, row in enumerate(rows):
+        one = D.encode_pair(row, tok, 512)
+        assert {c: batch[c][k] for c in D.PAIR_COLUMNS} == one
+        counts = [sum(1 for x in one[f"{s}_labels"][1:] if x != IGNORE) for s in ("chosen", "rejected")]
+        assert batch["n_targets"][k] == sum(counts) > 0
+        assert batch["n_tokens"][k] == len(one["chosen_input_ids"]) + len(one["rejected_input_ids"])
+
+
+# ---------------------------------------------------------------- truncation
+
+
+@pytest.mark.parametrize("name", ["mistral", "llama3_bpe", "chatml_bpe"])
+def test_prompt_budget_keeps_the_prompts_end_and_its_bos(name, request):
+    tok = request.getfixturevalue(name)
+    row = {"prompt": "Question: " + "What is the capital of France? " * 10 + "Answer: ", "chosen": "Paris",
+           "rejected": "Lyon, I think"}
+    full = D.encode_pair(row, tok, 512)
+    cut = D.encode_pair(row, tok, 512, max_prompt_len=8)
+    bos = D.bos_ids(tok)
+    for (ids, labels), (fids, flabels) in zip(sides(cut), sides(full)):
+        start, fstart = D.prompt_length(ids, labels), D.prompt_length(fids, flabels)
+        assert start == 8 < fstart
+        assert ids[:len(bos)] == bos  # the BOS stays first and counts in the budget
+        assert ids[len(bos):] == fids[fstart - (8 - len(bos)):] and labels[start:] == flabels[fstart:]
+    # the total budget then cuts each side's end
+    short = D.encode_pair(row, tok, 10, max_prompt_len=8)
+    for (ids, labels), (cids, clabels) in zip(sides(short), sides(cut)):
+        assert ids == cids[:10] and labels == clabels[:10]
+    # a conversation's prompt is the tokens before the side's answer: its header included
+    conv = D.encode_pair({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}, tok, 512, max_prompt_len=6)
+    fconv = D.encode_pair({"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}, tok, 512)
+    for (ids, labels), (fids, flabels) in zip(sides(conv), sides(fconv)):
+        assert D.prompt_length(ids, labels) == 6 and ids[-3:] == fids[-3:]
+        assert runs(ids, labels) == runs(fids, flabels)
+
+
+def test_a_pair_with_a_side_left_without_answer_is_dropped(mistral):
+    """'Answer: ' + 'Paris' merges into ▁Paris, so chosen's answer starts a token earlier than
+    rejected's ('\\nno'): a total budget that ends there leaves chosen one trained token and rejected
+    none, and the pair is dropped, as a pair where both lose theirs."""
+    pair = D.encode_pairs([{"prompt": "Answer: ", "chosen": "Paris", "rejected": "\nno"}], mistral, 4)
+    assert sum(1 for x in pair["chosen_labels"][0][1:] if x != IGNORE) == 1
+    assert all(x == IGNORE for x in pair["rejected_labels"][0])
+    assert pair["n_targets"] == [0]
+
+
+def test_dropped_pairs_are_counted_in_the_summary(tmp_path, mistral):
+    rows = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(20)]
+    rows.append({"prompt": "word " * 80, "chosen": "end", "rejected": "stop"})
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=64, eval_fraction=0.0)
+    data = D.build_datasets(recipe, mistral)
+    assert data.sources[0]["dropped_no_target"] == 1 and len(data.train) == 20
+    assert data.sources[0]["at_max_seq_len"] == 0
+    line = D.summary_lines(data, recipe)[0]
+    assert f"data dataset {path} (preference, split train): 21 rows, 1 dropped (chosen or rejected has no response " \
+           "token within max_seq_len=64)" in line
+    kept = D.build_datasets(Recipe(dataset=str(path), objective="dpo", max_seq_len=64, max_prompt_len=32,
+                                   eval_fraction=0.0), mistral)
+    assert kept.sources[0]["dropped_no_target"] == 0 and len(kept.train) == 21
+    assert kept.sources[0]["at_max_seq_len"] == 0  # the prompt budget made room: nothing cut at max_seq_len
+    everything = Recipe(dataset=str(path), objective="dpo", max_seq_len=8, eval_fraction=0.0)
+    cut = D.build_datasets(everything, mistral)
+    assert cut.sources[0]["at_max_seq_len"] == cut.sources[0]["kept"] > 0
+    hopeless = write_jsonl(tmp_path / "long.jsonl", rows[-1:])
+    message = one_line(D.build_datasets, Recipe(dataset=str(hopeless), objective="dpo", max_seq_len=64,
+                                                eval_fraction=0.0), mistral, error=DataError)
+    assert message == (f"{hopeless}: no pair has a response token left on both sides within max_seq_len=64; raise "
+                       "max_seq_len, or set max_prompt_len below it (a long prompt then loses its start)")
+
+
+# ---------------------------------------------------------------- mapping and mixtures
+
+
+def test_mapped_columns_and_message_fields_give_the_same_pairs(tmp_path, mistral):
+    def sharegpt(msgs):
+        return [{"from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]), "value": m["content"]}
+                for m in msgs]
+
+    plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}] * 4)
+    mapped = write_jsonl(tmp_path / "mapped.jsonl", [{"question": sharegpt(PROMPT), "good": sharegpt(CHOSEN),
+                                                      "bad": sharegpt(REJECTED)}] * 4)
+    columns = {"prompt": "question", "chosen": "good", "rejected": "bad", "role": "from", "content": "value"}
+    recipe = Recipe(dataset=str(plain), objective="dpo", max_seq_len=256, eval_fraction=0.0)
+    assert D.prevalidate(str(mapped), "auto", spec=DataSource(path=str(mapped), columns=columns)) == "preference"
+    a = D.tokenize_dataset(D.load_source(DataSource(path=str(plain))), "auto", mistral, recipe, "plain")
+    spec = DataSource(path=str(mapped), columns=columns)
+    b = D.tokenize_dataset(D.load_source(spec), "auto", mistral, recipe, "mapped", spec=spec)
+    assert a.column_names == b.column_names == D.PAIR_COLUMNS
+    assert a[:] == b[:]
+    bad = DataSource(path=str(mapped), columns={"chosen": "good", "rejected": "worse"})
+    assert "columns maps rejected to 'worse'" in one_line(D.prevalidate, str(mapped), "auto", spec=bad)
+
+
+def test_pairs_beside_a_conversations_column_are_not_read_as_sharegpt(tmp_path, mistral):
+    """ShareGPT's layout (a conversations column, no messages) is read as messages only for chat rows:
+    rows with chosen and rejected are pairs, their other columns left alone."""
+    row = {"conversations": [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}],
+           "prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [row] * 3)
+    assert D.prevalidate(str(path), "auto") == "preference"
+    recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=256, eval_fraction=0.0)
+    data = D.build_datasets(recipe, mistral)
+    assert data.train[0] == D.encode_pair(row, mistral, 256)
+
+
+def test_mixture_of_two_preference_sources(tmp_path, mistral_v3):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": f"Reverse {w}: ", "chosen": w[::-1], "rejected": w}
+                                           for w in (f"word{i}" for i in range(40))])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"chosen": [{"role": "user", "content": f"{i}+{i}?"},
+                                                       {"role": "assistant", "content": str(2 * i)}],
+                                            "rejected": [{"role": "user", "content": f"{i}+{i}?"},
+                                                         {"role": "assistant", "content": str(2 * i + 1)}]}
+                                           for i in range(20)])
+    recipe = Recipe(objective="dpo", max_seq_len=128, eval_fraction=0.1, seed=3,
+                    datasets=(DataSource(path=str(a), weight=0.5), DataSource(path=str(b), rows=30)))
+    first, again = D.build_datasets(recipe, mistral_v3), D.build_datasets(recipe, mistral_v3)
+    assert first.train.column_names == D.PAIR_COLUMNS and first.eval.column_names == D.PAIR_COLUMNS
+    assert first.train[:] == again.train[:]
+    assert first.format == "preference"
+    assert [s["rows"] for s in first.sources] == [36, 18] and [s["rows_in_mix"] for s in first.sources] == [18, 30]
+    assert len(first.train) == 48 and len(first.eval) == 4 + 2
+    for i, s in enumerate(first.sources):  # a pair's tokens and targets: both sides', counted as SFT counts them
+        rows = [first.train[int(k)] for k in np.flatnonzero(first.row_sources == i)]
+        assert s["tokens"] == sum(len(r["chosen_input_ids"]) + len(r["rejected_input_ids"]) for r in rows)
+        assert s["target_tokens"] == sum(sum(1 for x in r[f"{side}_labels"][1:] if x != IGNORE)
+                                         for r in rows for side in ("chosen", "rejected"))
+    lines = D.summary_lines(first, recipe)
+    assert lines[0].startswith(f"data datasets[0] {a} (preference, split train): 36 rows, none dropped; weight 0.5: "
+                               "18 rows in the mix")
+    assert lines[1].startswith(f"data datasets[1] {b} (preference, split train): 18 rows, none dropped; rows=30")
+
+
+def test_several_processes_prepare_the_same_pairs(tmp_path, mistral):
+    path = write_jsonl(tmp_path / "p.jsonl", [{"chosen": PROMPT + CHOSEN, "rejected": PROMPT + REJECTED},
+                                              TEXT] * 10)
+    raw = D.load_source(DataSource(path=str(path)))
+    one = D.tokenize_dataset(raw, "auto", mistral, Recipe(objective="dpo", max_seq_len=256, num_proc=1), "p1")
+    two = D.tokenize_dataset(raw, "auto", mistral, Recipe(objective="dpo", max_seq_len=256, num_proc=2), "p2")
+    assert one[:] == two[:]
+
+
+# ---------------------------------------------------------------- refusals
+
+
+BAD_ROWS = [
+    ({"prompt": "Q", "chosen": "A"}, "line 2: missing field 'rejected' (dataset_format=preference needs chosen, "
+     "rejected)"),
+    ({"prompt": "Q", "chosen": "A", "rejected": None}, "line 2: missing field 'rejected'"),
+    ({"prompt": "Q", "chosen": " A", "rejected": " A"}, "line 2: 'chosen' and 'rejected' are identical"),
+    ({"prompt": "Q", "chosen": 3, "rejected": "B"}, "line 2: field 'chosen' must be a string or a list of {role, "
+     "content} messages, got a int"),
+    ({"prompt": "Q", "chosen": "A", "rejected": CHOSEN}, "line 2: 'chosen' is a string and 'rejected' a list of "
+     "messages; both must be strings or both lists of messages"),
+    ({"prompt": PROMPT, "chosen": "A", "rejected": "B"}, "line 2: 'prompt' is a list of messages but 'chosen' and "
+     "'rejected' are strings"),
+    ({"prompt": 5, "chosen": "A", "rejected": "B"}, "line 2: field 'prompt' must be a string or a list"),
+    ({"prompt": PROMPT, "chosen": [{"role": "user", "content": "x"}], "rejected": REJECTED},
+     "line 2: 'chosen' has no assistant message after the prompt"),
+    ({"prompt": PROMPT, "chosen": [{"role": "assistant"}], "rejected": REJECTED},
+     "line 2: each message needs string 'role' and 'content'"),
+    ({"prompt": PROMPT, "chosen": [{"role": "bot", "content": "x"}], "rejected": REJECTED},
+     "line 2: message 0 has role 'bot'"),
+]
+
+
+@pytest.mark.parametrize("row,expected", BAD_ROWS)
+def test_bad_pairs_are_one_line_naming_file_and_line(tmp_path, row, expected):
+    path = write_jsonl(tmp_path / "bad.jsonl", [TEXT, row])
+    message = one_line(D.prevalidate, str(path), "auto", error=DataError)
+    assert message.startswith(f"{path} line 2") and expected in message, message
+    assert "line 2" in one_line(D.prevalidate, str(path), "preference", error=DataError)
+
+
+def test_bad_pairs_in_parquet_csv_and_saved_datasets_name_the_row(tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [TEXT, dict(TEXT, rejected=TEXT["chosen"])]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    assert one_line(D.prevalidate, str(tmp_path / "pairs.parquet"), "auto", error=DataError).startswith(
+        f"{tmp_path / 'pairs.parquet'} row 1: 'chosen' and 'rejected' are identical")
+    (tmp_path / "pairs.csv").write_text("prompt,chosen,rejected\nQ,A,B\nQ,C,C\n")
+    assert one_line(D.prevalidate, str(tmp_path / "pairs.csv"), "auto", error=DataError).startswith(
+        f"{tmp_path / 'pairs.csv'} row 1: 'chosen' and 'rejected' are identical")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    assert one_line(D.prevalidate, str(tmp_path / "saved"), "auto", error=DataError).startswith(
+        f"{tmp_path / 'saved'} row 1: 'chosen' and 'rejected' are identical")
+    pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "good.parquet")
+    assert D.prevalidate(str(tmp_path / "good.parquet"), "auto") == "preference"
+
+
+def test_objective_and_rows_must_agree(tmp_path):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [TEXT])
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q", "completion": "A"}])
+    message = one_line(D.prevalidate_recipe, Recipe(dataset=str(sft), objective="dpo"))
+    assert message.startswith("objective=dpo needs preference rows (prompt, chosen, rejected); "
+                              f"dataset={sft} has prompt_completion rows")
+    message = one_line(D.prevalidate_recipe, Recipe(dataset=str(pairs)))
+    assert message.startswith(f"dataset={pairs} has preference rows (chosen, rejected), which train with "
+                              "objective=dpo; set objective=dpo")
+    mixed = Recipe(objective="dpo", datasets=(DataSource(path=str(pairs)), DataSource(path=str(sft))))
+    assert f"datasets[1]={sft} has prompt_completion rows" in one_line(D.prevalidate_recipe, mixed)
+    with_eval = Recipe(dataset=str(pairs), objective="dpo", eval_dataset=str(sft))
+    assert f"eval_dataset={sft} has prompt_completion rows" in one_line(D.prevalidate_recipe, with_eval)
+    assert "objective=dpo needs preference rows" in one_line(
+        D.prevalidate_recipe, Recipe(dataset="builtin:tiny-tasks", objective="dpo"))
+    D.prevalidate_recipe(Recipe(dataset=str(pairs), objective="dpo"))
+    D.prevalidate_recipe(Recipe(dataset="builtin:tiny-preferences", objective="dpo"))
+
+
+def test_objective_is_checked_again_once_rows_are_seen(tmp_path, mistral):
+    """A hub dataset is not seen before it is downloaded; its format is checked where it is read."""
+    sft = write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "Q", "completion": "A"}] * 4)
+    message = one_line(D.build_datasets, Recipe(dataset=str(sft), objective="dpo", eval_fraction=0.0), mistral)
+    assert message.startswith("objective=dpo needs preference rows")
+
+
+@pytest.fixture
+def dpo_recipe(tmp_path, mistral_v3):
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [dict(TEXT, chosen=f"Paris {i}") for i in range(20)])
+    chats = write_jsonl(tmp_path / "chats.jsonl", [{"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}] * 10)
+    path = tmp_path / "dpo.py"
+    path.write_text(f'''from finetune.recipe import DataSource, Recipe
+
+recipe = Recipe(
+    tokenizer={mistral_v3.saved_to!r},
+    objective="dpo",
+    max_seq_len=256,
+    mixed_precision="no",
+    strategy="ddp",
+    datasets=[DataSource(path={str(pairs)!r}), DataSource(path={str(chats)!r})],
+    output_dir={str(tmp_path / "out")!r},
+)
+''')
+    return path
+
+
+@pytest.mark.parametrize("row,expected", [
+    ({"prompt": "Q", "chosen": "A"}, "line 3: missing field 'rejected'"),
+    ({"prompt": "Q", "chosen": "A", "rejected": "A"}, "line 3: 'chosen' and 'rejected' are identical"),
+    ({"prompt": "Q", "completion": "A"}, "objective=dpo needs preference rows (prompt, chosen, rejected)"),
+])
+def test_bad_pairs_stop_a_run_in_one_line_before_any_model(dpo_recipe, tmp_path, row, expected, capsys, monkeypatch):
+    import finetune.model
+    from finetune import run
+
+    pairs = tmp_path / "pairs.jsonl"
+    rows = pairs.read_text().splitlines()
+    pairs.write_text("\n".join(rows[:2] + [json.dumps(row)] + rows[2:]) + "\n")
+    if "completion" in row:
+        write_jsonl(pairs, [row])
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(finetune.model, "load_model", no_model)
+    monkeypatch.setattr(finetune.model, "load_config", no_model)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert run.main(["--recipe", str(dpo_recipe)]) == 2
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+# ---------------------------------------------------------------- finetune data --show
+
+
+def test_show_gives_the_prompt_once_and_each_side_marked(dpo_recipe, capsys):
+    assert data_command.main(["--recipe", str(dpo_recipe), "--show", "4", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    blocks = out.split("--- row ")[1:]
+    assert len(blocks) == 4
+    for block in blocks:
+        header, body = block.split("\n", 1)
+        assert "chosen " in header and "rejected " in header and " trained" in header
+        lines = [line for line in body.split("\n") if line.startswith(("prompt:", "chosen:", "rejected:"))]
+        assert [line.split(":")[0] for line in lines] == ["prompt", "chosen", "rejected"]
+        assert "[[" not in lines[0]  # the prompt is not trained
+        assert lines[1].split(None, 1)[1].startswith("[[") and lines[2].split(None, 1)[1].startswith("[[")
+        assert lines[1].rstrip().endswith("</s>]]") and lines[2].rstrip().endswith("</s>]]")
+    assert "(preference, split train)" in out and "rows in the mix" in out
+    assert "[INST] And 3+3?[/INST]" in out or "Question: What is the capital" in out
+
+
+def test_show_json_gives_the_pair_columns(dpo_recipe, mistral_v3, capsys):
+    assert data_command.main(["--recipe", str(dpo_recipe), "--show", "3", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 3
+    for r in rows:
+        assert set(D.PAIR_COLUMNS) <= set(r) and "n_tokens" not in r
+        assert r["chosen_input_ids"][0] == mistral_v3.bos_token_id
+
+
+def test_show_pair_text(mistral):
+    """The prompt is what both sides start with (rejected's untrained '▁', which chosen's ▁Paris holds,
+    belongs to rejected's line; decoded alone it shows as nothing); a side's own turns after the shared
+    prompt are shown on its line."""
+    pair = D.encode_pair({"prompt": "Answer: ", "chosen": "Paris", "rejected": "\nno"}, mistral, 64)
+    assert D.show_pair(mistral, pair) == "prompt:   <s> Answer:\nchosen:   [[Paris</s>]]\nrejected: [[\nno</s>]]"
+    first = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    pair = D.encode_pair({"chosen": first + [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Ok"}],
+                          "rejected": first + [{"role": "user", "content": "Go"}, {"role": "assistant", "content": "No"}]},
+                         mistral, 64)
+    assert D.show_pair(mistral, pair) == ("prompt:   <s>[INST] Hi[/INST] Hello</s>[INST]\nchosen:   Bye[/INST][[Ok</s>]]"
+                                          "\nrejected: Go[/INST][[No</s>]]")
+
+
+# ---------------------------------------------------------------- samples at eval
+
+
+def test_eval_prompts_of_preference_rows(tmp_path, mistral):
+    from finetune.samples import eval_prompts
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", [TEXT, {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}])
+    recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=256, eval_fraction=0.0)
+    ds = D.tokenize_dataset(D.load_source(DataSource(path=str(path))), "auto", mistral, recipe, "pairs")
+    prompts = eval_prompts(ds, 2, mistral)
+    text_ids, text_labels = D.encode_prompt_completion(mistral, TEXT["prompt"], TEXT["chosen"], False, 256)
+    assert prompts[0].ids == text_ids[:D.prompt_length(text_ids, text_labels)]
+    assert prompts[0].reference == "Paris"
+    chat = list(mistral.apply_chat_template(PROMPT, tokenize=True, add_generation_prompt=True)["input_ids"])
+    assert prompts[1].ids == chat and prompts[1].reference == CHOSEN[0]["content"]
+
+
+# ---------------------------------------------------------------- builtin:tiny-preferences
+
+
+def test_builtin_tiny_preferences(tiny_tokenizer):
+    from finetune.assets import resolve_dataset, tiny_preferences_file
+
+    path = resolve_dataset("builtin:tiny-preferences")
+    rows = [json.loads(line) for line in open(path)]
+    assert len(rows) == 4000 and path == str(tiny_preferences_file())
+    assert D.prevalidate(path, "auto") == "preference"
+    for r in rows:
+        assert set(r) == {"prompt", "chosen", "rejected"} and r["chosen"] != r["rejected"]
+        assert len(r["chosen"]) == len(r["rejected"])
+        task, word = r["prompt"].split("\n")[0].split(": ")
+        assert r["chosen"] == {"Reverse": word[::-1], "Capitals": word.upper(), "Copy": word}[task]
+        # wrong in a way the prompt shows: the case, or letters the word does not have
+        assert r["rejected"] == r["chosen"].swapcase() or not set(r["rejected"].lower()) & set(word)
+    assert {r["prompt"].split(":")[0] for r in rows} == {"Reverse", "Capitals", "Copy"}
+    recipe = Recipe(dataset="builtin:tiny-preferences", objective="dpo", max_seq_len=64, eval_fraction=0.05)
+    data = D.build_datasets(recipe, tiny_tokenizer)
+    assert data.sources[0]["dropped_no_target"] == 0 and len(data.train) + len(data.eval) == 4000
+    first = data.train[0]
+    assert first["chosen_input_ids"][0] == tiny_tokenizer.bos_token_id
+    assert first["chosen_input_ids"][-1] == first["chosen_labels"][-1] == tiny_tokenizer.eos_token_id
