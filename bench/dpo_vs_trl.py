@@ -541,6 +541,8 @@ def section(results: dict) -> str:
              f"({results['minutes']:.0f} min in all); {results['machine']['cpu']}, {results['machine']['cores']} "
              f"cores, shared with other jobs; " + ", ".join(f"{k} {v}" for k, v in results["versions"].items())
              + ".", ""]
+    if results.get("kept"):
+        lines += ["Kept from an earlier run: " + "; ".join(results["kept"]) + ".", ""]
     comp = results.get("compare")
     if comp:
         lines += [f"**Same pairs, same numbers.** {len(rows())} generated prompt/chosen/rejected pairs, a random-weight "
@@ -626,6 +628,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=1, help="timing rounds (the order of ours and TRL alternates)")
     p.add_argument("--work", default=f"/tmp/dpo-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--doc", default="", help="write the section into this report (docs/benchmarks.md)")
+    p.add_argument("--keep", default="", help="an earlier run's results.json: its parts not run now go in the report")
     a = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from common import CACHE, git_state, machine, versions
@@ -646,6 +649,13 @@ def main(argv: list[str]) -> int:
     if "timing" in parts:
         results["timing"] = timing(work, CACHE, a.timing_steps, a.rounds)
     results["minutes"] = (time.time() - t0) / 60
+    if a.keep:  # an earlier run's parts, with when and how they were measured
+        earlier = json.loads(Path(a.keep).read_text())
+        for part in ("compare", "tokens", "timing"):
+            if part not in results and part in earlier:
+                results[part] = earlier[part]
+                results.setdefault("kept", []).append(f"{part} from `{earlier['command']}` at git {earlier['git']} on "
+                                                      f"{earlier['started']}")
     results["uptime_end"] = uptime()
     (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     text = section(results)
