@@ -75,7 +75,7 @@ TRL 1.16's semantics, read from trl/trainer/dpo_trainer.py (and what the bench d
   configuration guarantees (64 pairs, micro-batch 4, no pair dropped: every micro-batch is full); the
   logged loss (the sum over micro-steps of mean/accumulation, averaged over ranks) and the metrics (each
   micro-step's values gathered over ranks and averaged, then averaged over the micro-steps) are global
-  means over pairs as well. With unequal micro-batches (a dropped pair, a short last batch) TRL's weights a
+  means over pairs as well. With unequal micro-batches (a dropped pair, a short last batch) TRL weighs a
   pair by 1/(its micro-batch's size); ours weighs every pair alike, by design.
 - DPOConfig defaults the bench overrides to match the recipe: bf16=True (here fp32), gradient_checkpointing
   =True (here off, as ours), learning_rate=1e-6, logging_steps=10 (here 1), max_length=1024 (here 256).
