@@ -596,13 +596,14 @@ def section(results: dict) -> str:
                   f"--num_processes 2` (gloo); median of each run's steps after the first {tim['warmup']}. other "
                   "load: CPU cores used by the rest of the machine during the launch (ours / TRL); metrics: the largest "
                   "difference of the seven compared metrics over the steps, ours against TRL, in these 2-process runs.", ""]
-        header = ["strategy", "round", "finetune s/step", "TRL s/step", "TRL / finetune", "other load",
+        header = ["strategy", "run (UTC)", "finetune s/step", "TRL s/step", "TRL / finetune", "other load",
                   "load average before", "metrics: max diff / max(1, |TRL|)", "TRL's engine / reference"]
         body = []
         for strategy, runs in tim["strategies"].items():
             for row in runs:
                 o, t = row["ours"], row["trl"]
-                body.append([strategy, f"{row['round']}{' (noisy)' if row['noisy'] else ''}",
+                body.append([strategy, f"{row.get('started', results['started'])[11:]}, round {row['round']}"
+                             f"{' (noisy)' if row['noisy'] else ''}",
                              f"{o['seconds_per_step']:.3f}" if o["seconds_per_step"] else "failed",
                              f"{t['seconds_per_step']:.3f}" if t["seconds_per_step"] else "failed",
                              f"{row['trl_over_ours']:.2f}x" if row["trl_over_ours"] else "-",
@@ -628,7 +629,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=1, help="timing rounds (the order of ours and TRL alternates)")
     p.add_argument("--work", default=f"/tmp/dpo-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--doc", default="", help="write the section into this report (docs/benchmarks.md)")
-    p.add_argument("--keep", default="", help="an earlier run's results.json: its parts not run now go in the report")
+    p.add_argument("--keep", default="", help="an earlier run's results.json: its parts not run now go in the "
+                   "report, and its timing rows before this run's")
     a = p.parse_args(argv)
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from common import CACHE, git_state, machine, versions
@@ -651,6 +653,12 @@ def main(argv: list[str]) -> int:
     results["minutes"] = (time.time() - t0) / 60
     if a.keep:  # an earlier run's parts, with when and how they were measured
         earlier = json.loads(Path(a.keep).read_text())
+        if "timing" in results and "timing" in earlier:  # timing rounds add up: the earlier run's rows first
+            for strategy, runs in results["timing"]["strategies"].items():
+                runs[:0] = [dict(row, started=earlier["started"]) for row in
+                            earlier["timing"]["strategies"].get(strategy, [])]
+            results["kept"] = [f"the timing rows of {earlier['started']} from `{earlier['command']}` at git "
+                               f"{earlier['git']}"]
         for part in ("compare", "tokens", "timing"):
             if part not in results and part in earlier:
                 results[part] = earlier[part]
