@@ -518,7 +518,9 @@ def timing(work: Path, cache: Path, steps: int, rounds: int) -> dict:
                 row["uptime_after"] = uptime()
                 if pair["ours"]["ok"] and pair["trl"]["ok"]:  # the same pairs, 2 processes: the metrics agree too
                     diffs = differences(pair["ours"]["records"], pair["trl"]["logs"])
-                    row["worst_scaled_diff"] = max(d["max_scaled_diff"] for d in diffs.values())
+                    row["worst_metric"] = max(diffs, key=lambda m: diffs[m]["max_scaled_diff"])
+                    row["worst_scaled_diff"] = diffs[row["worst_metric"]]["max_scaled_diff"]
+                    row["loss_max_abs_diff"] = diffs["loss"]["max_abs_diff"]
                 a, b = row["ours"]["seconds_per_step"], row["trl"]["seconds_per_step"]
                 row["trl_over_ours"] = b / a if a and b else None
                 noisy = max(row["ours"]["other_load"] or 0, row["trl"]["other_load"] or 0) > NOISE_LIMIT
@@ -552,7 +554,7 @@ def section(results: dict) -> str:
                   f"{comp['steps']} steps, the pairs in finetune's BatchSchedule order on both sides. "
                   "Largest |finetune - TRL| over the steps, per metric (TRL's names):", ""]
         done = {loss: res for loss, res in comp["losses"].items() if res["ok"]}
-        header = ["metric"] + [f"{loss}: {what}" for loss in done for what in ("max abs diff (step)", "/ max(1, |TRL|)")]
+        header = ["metric"] + [f"{loss}: {what}" for loss in done for what in ("max abs diff (step)", "diff / max(1, abs TRL)")]
         body = [[m] + [cell for res in done.values() for cell in
                        (f"{res['diffs'][m]['max_abs_diff']:.1e} ({res['diffs'][m]['step']})",
                         f"{res['diffs'][m]['max_scaled_diff']:.1e}")] for m in METRICS]
@@ -580,7 +582,7 @@ def section(results: dict) -> str:
                   "(`DPOTrainer(...).train_dataset`): each side's ids and which of them are trained.", ""]
         body = [[name, f"{r['same']} of {r['pairs']}", "; ".join(
             f"pair {d['pair']} {d['side']}: finetune trains {' '.join(d['ours'])}, TRL {' '.join(d['trl'])}"
-            for d in r["differ"]) or "-"] for name, r in tok.items()]
+            for d in r["differ"]).replace("|", "\\|") or "-"] for name, r in tok.items()]  # <|end_of_text|>
         lines += [table(["tokenizer", "pairs equal to TRL's", "the others"], body), ""]
         if any(r["differ"] for r in tok.values()):
             lines += ["Where they differ the prompt ends inside a word that one answer continues and the other "
@@ -594,10 +596,14 @@ def section(results: dict) -> str:
         lines += [f"**Seconds per step, 2 processes.** The same pairs on bench's llama-7m ({tim['model']}), dpo_loss "
                   f"sigmoid, the same recipe numbers as above, {tim['steps']} steps, `accelerate launch "
                   f"--num_processes 2` (gloo); median of each run's steps after the first {tim['warmup']}. other "
-                  "load: CPU cores used by the rest of the machine during the launch (ours / TRL); metrics: the largest "
-                  "difference of the seven compared metrics over the steps, ours against TRL, in these 2-process runs.", ""]
+                  "load: CPU cores used by the rest of the machine during the launch (ours / TRL). The last columns compare "
+                  "these 2-process runs' metrics, ours against TRL, over their steps: the loss, and the metric "
+                  "farthest apart. On this model the summed log-probs are near -230, where an fp32 ulp is 1.5e-5, "
+                  "and a reward is beta times the difference of two of them: its rounding is beta times theirs, so "
+                  "rewards/* can differ by about 1e-5 while the loss agrees within 1e-6.", ""]
         header = ["strategy", "run (UTC)", "finetune s/step", "TRL s/step", "TRL / finetune", "other load",
-                  "load average before", "metrics: max diff / max(1, |TRL|)", "TRL's engine / reference"]
+                  "load average before", "loss: max abs diff", "worst metric: diff / max(1, abs TRL)",
+                  "TRL's engine / reference"]
         body = []
         for strategy, runs in tim["strategies"].items():
             for row in runs:
@@ -609,7 +615,9 @@ def section(results: dict) -> str:
                              f"{row['trl_over_ours']:.2f}x" if row["trl_over_ours"] else "-",
                              f"{(o['other_load'] or 0):.2f} / {(t['other_load'] or 0):.2f}",
                              row["uptime_before"].split("load average:")[-1].strip() if row["uptime_before"] else "-",
-                             f"{row['worst_scaled_diff']:.1e}" if row.get("worst_scaled_diff") is not None else "-",
+                             f"{row['loss_max_abs_diff']:.1e}" if row.get("loss_max_abs_diff") is not None else "-",
+                             f"{row.get('worst_metric', '')} {row['worst_scaled_diff']:.1e}"
+                             if row.get("worst_scaled_diff") is not None else "-",
                              f"{t.get('engine')} / {t.get('reference')}"])
         lines += [table(header, body), ""]
     return "\n".join(lines).rstrip()
@@ -629,9 +637,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--rounds", type=int, default=1, help="timing rounds (the order of ours and TRL alternates)")
     p.add_argument("--work", default=f"/tmp/dpo-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--doc", default="", help="write the section into this report (docs/benchmarks.md)")
+    p.add_argument("--render", default="", help="only write the report from a run's results.json")
     p.add_argument("--keep", default="", help="an earlier run's results.json: its parts not run now go in the "
                    "report, and its timing rows before this run's")
     a = p.parse_args(argv)
+    if a.render:
+        text = section(json.loads(Path(a.render).read_text()))
+        print(text)
+        if a.doc:
+            write_doc(Path(a.doc), text)
+        return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from common import CACHE, git_state, machine, versions
 

@@ -44,18 +44,26 @@ def test_section_renders_every_part():
     side = {"ok": True, "other_load": 0.1, "seconds_per_step": 2.0, "engine": "DeepSpeedEngine",
             "reference": "DeepSpeedEngine"}
     row = {"round": 0, "noisy": False, "ours": side, "trl": dict(side, seconds_per_step=3.0), "trl_over_ours": 1.5,
-           "uptime_before": "up 1:00, load average: 0.50, 0.40, 0.30", "worst_scaled_diff": 3e-7}
+           "uptime_before": "up 1:00, load average: 0.50, 0.40, 0.30", "worst_scaled_diff": 3e-7,
+           "worst_metric": "rewards/chosen", "loss_max_abs_diff": 2e-7}
     results = {"command": "python bench/dpo_vs_trl.py", "git": "abc1234", "started": "2026-01-01 10:00 UTC",
                "minutes": 12.0, "machine": {"cpu": "CPU", "cores": 2}, "versions": {"trl": "1.16.0"},
                "kept": ["the timing rows of 2026-01-01 09:00 UTC"],
                "compare": {"steps": 2, "losses": {"sigmoid": ok, "ipo": {"ok": False, "error": "ours: boom"}}},
                "tokens": {"mistral-v3": {"pairs": 21, "same": 20, "differ": [
-                   {"pair": 19, "side": "rejected", "ours": ["ma"], "trl": ["▁Par", "ma"]}]}},
+                   {"pair": 19, "side": "rejected", "ours": ["ma", "<|end_of_text|>"], "trl": ["▁Par", "ma"]}]}},
                "timing": {"model": "m", "steps": 13, "warmup": 3,
                           "strategies": {"zero3": [dict(row, started="2026-01-01 09:00 UTC"), row]}}}
     text = B.section(results)
     assert "ipo: failed: ours: boom" in text and "64 of 64" in text and "20 of 21" in text
-    assert "finetune trains ma, TRL ▁Par ma" in text and "Kept from an earlier run" in text
+    assert "finetune trains ma <\\|end_of_text\\|>, TRL ▁Par ma" in text and "Kept from an earlier run" in text
     timing = [line for line in text.splitlines() if line.startswith("| zero3")]
     assert len(timing) == 2 and "09:00 UTC, round 0" in timing[0] and "10:00 UTC, round 0" in timing[1]
-    assert "1.50x" in timing[1] and "3.0e-07" in timing[1]
+    assert "1.50x" in timing[1] and "rewards/chosen 3.0e-07" in timing[1] and "2.0e-07" in timing[1]
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append(line.count("|") - line.count("\\|"))
+        elif block:
+            tables, block = tables + [block], []
+    assert len(tables) == 3 and all(len(set(t)) == 1 for t in tables)  # no stray "|" splits a cell
