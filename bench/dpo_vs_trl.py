@@ -504,7 +504,7 @@ def timing(work: Path, cache: Path, steps: int, rounds: int) -> dict:
                 wait_quiet(45)
                 load_before = uptime()
                 first_ours = (rnd + i) % 2 == 0
-                name = f"time-{strategy}-{rnd}"
+                name = f"time-{strategy}-{rnd}-{attempt}"  # a re-run keeps the noisy run's files
                 pair = {}
                 for side in (("ours", "trl") if first_ours else ("trl", "ours")):
                     pair[side] = (run_ours if side == "ours" else run_trl)(name, over, work, 2)
