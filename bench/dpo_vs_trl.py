@@ -608,8 +608,8 @@ def section(results: dict) -> str:
         for strategy, runs in tim["strategies"].items():
             for row in runs:
                 o, t = row["ours"], row["trl"]
-                body.append([strategy, f"{row.get('started', results['started'])[11:]}, round {row['round']}"
-                             f"{' (noisy)' if row['noisy'] else ''}",
+                body.append([strategy, f"{row.get('started', results['started'])[11:]}, round {row['round']}, "
+                             f"attempt {row.get('attempt', 0) + 1}{' (noisy)' if row['noisy'] else ''}",
                              f"{o['seconds_per_step']:.3f}" if o["seconds_per_step"] else "failed",
                              f"{t['seconds_per_step']:.3f}" if t["seconds_per_step"] else "failed",
                              f"{row['trl_over_ours']:.2f}x" if row["trl_over_ours"] else "-",
@@ -620,6 +620,20 @@ def section(results: dict) -> str:
                              if row.get("worst_scaled_diff") is not None else "-",
                              f"{t.get('engine')} / {t.get('reference')}"])
         lines += [table(header, body), ""]
+        ratios = {strategy: [row["trl_over_ours"] for row in runs if row.get("trl_over_ours")]
+                  for strategy, runs in tim["strategies"].items()}
+        every = [x for r in ratios.values() for x in r]
+        all_noisy = all(row["noisy"] for runs in tim["strategies"].values() for row in runs)
+        lines.append("TRL / finetune, the median over these runs: " + ", ".join(
+            f"{strategy} {statistics.median(r):.2f}x ({len(r)} runs)" for strategy, r in ratios.items() if r)
+            + (f", every run between {min(every):.2f}x and {max(every):.2f}x" if every else "")
+            + f". (noisy): the rest of the machine used more than {NOISE_LIMIT} cores on average during one of the "
+            "pair's launches, and the bench ran the pair again (once)"
+            + ("; on this shared machine every run was, so read the ratios rather than the absolute seconds."
+               if all_noisy else ".")
+            + (" -: not recorded for that run (its files were replaced by its re-run's, before the bench kept both)."
+               if any(row.get("loss_max_abs_diff") is None for runs in tim["strategies"].values() for row in runs)
+               else ""))
     return "\n".join(lines).rstrip()
 
 
