@@ -4,7 +4,7 @@
     python bench/dpo_vs_trl.py --only compare             # sigmoid and ipo, 20 steps each side, ~4 min
     python bench/dpo_vs_trl.py --only tokens              # pairs' tokens on real tokenizers against TRL's, ~1 min
     python bench/dpo_vs_trl.py --only timing --rounds 2   # zero3 and fsdp, ours vs TRL, 2 processes
-    python bench/dpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 11 of the report
+    python bench/dpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 12 of the report
 
 TRL is a bench-only dependency (pip install -e .[bench], or `pip install --no-deps 'trl>=1.0'` beside the
 project's pinned accelerate/datasets/transformers). Exit 1 when a pair's tokens differ or a compared metric differs

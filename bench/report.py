@@ -51,7 +51,7 @@ STEP_TITLE = "## 9. What a step costs beyond the model, against the Trainer"
 SAMPLES_BEGIN, SAMPLES_END = "<!-- samples:begin -->", "<!-- samples:end -->"
 SAMPLES_TITLE = "## 10. Samples at eval: seconds per sample under ddp, zero3 and fsdp"
 DPO_BEGIN, DPO_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
-DPO_TITLE = "## 11. DPO against TRL's DPOTrainer"
+DPO_TITLE = "## 12. DPO against TRL's DPOTrainer"
 
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:

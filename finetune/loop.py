@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
+from finetune import sequence_parallel as SP
 from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, after_nonfinite, checkpoints_dir,
                                  saved_names)
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
@@ -57,15 +58,16 @@ def main_first(accelerator, fn):
 
 
 def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, objective,
-             padding_free: bool = False) -> tuple[float, dict]:
+             padding_free: bool = False, shard=SP.Layout().shard) -> tuple[float, dict]:
     """The mean loss per counted unit (the objective's: target tokens, pairs) over the whole eval set,
-    exact across ranks, and the objective's metrics (their means) over it."""
+    exact across ranks, and the objective's metrics (their means) over it. shard: this rank's part of a
+    batch (its slice of every row under sequence parallelism)."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     objective.take_metrics()
     with torch.no_grad():
         for rows in batches:
-            batch = to_device(D.fetch(ds, rows, pad_id, packed, padding_free), device)
+            batch = to_device(shard(D.fetch(ds, rows, pad_id, packed, padding_free)), device)
             total[0] += objective.loss(model, batch).double()
             total[1] += objective.eval_count(batch)
     model.train()
@@ -166,6 +168,7 @@ class Run:
     reporter: "Reporter"
     samples: SampleWriter
     wall_t0: float
+    sp: SP.Layout = SP.Layout()  # this rank's place under sequence parallelism (rows it reads, slice it keeps)
 
     @property
     def recipe(self):
@@ -185,7 +188,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
     model_path, config = load_config(r)
-    problem = concatenation_problem(r, config)
+    problem = concatenation_problem(r, config) or SP.config_problem(r, config)
     if problem:
         raise RecipeError(problem)
     accelerator = build_accelerator(plan, config)
@@ -195,13 +198,14 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     torch.manual_seed(r.seed)
 
     tokenizer = load_tokenizer(r, model_path)
+    sp = SP.Layout.of(r, rank, world, tokenizer.pad_token_id)
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
-    schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, world, r.seed)
+    schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
     if schedule.steps_per_epoch == 0:
         raise RecipeError(f"the dataset has {len(datasets.train)} training rows, fewer than one global batch of "
                           f"{schedule.global_batch}; lower micro_batch_size or grad_accum, or add data")
     total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
-    eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, rank, world, r.eval_max_samples) \
+    eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, sp.dp_rank, sp.dp_size, r.eval_max_samples) \
         if datasets.eval is not None else None
     layout = (", packed" if r.packing else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
@@ -228,6 +232,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
         found = check_precomputed(r, precomputed, resuming=plan.resume is not None)
 
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
+    SP.start(r, model)
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
     reference = build_reference(plan, accelerator, model_path, config, reads_weights(plan, accelerator))
@@ -253,7 +258,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
     run = Run(plan, out, accelerator, model_path, config, tokenizer, datasets, schedule, total_steps, eval_rows,
               prompts, generation_config, stops, model, optimizer, scheduler, objective, reference,
-              checkpoints, reporter, samples, wall_t0)
+              checkpoints, reporter, samples, wall_t0, sp)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -282,8 +287,8 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     r, accelerator, model, objective = run.recipe, run.accelerator, run.model, run.objective
     device, world = accelerator.device, accelerator.num_processes
     pad_id = run.tokenizer.pad_token_id
-    micro_batches = [D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
-                     for rows in run.schedule.rows(state.step, accelerator.process_index)]
+    micro_batches = [run.sp.shard(D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free))
+                     for rows in run.schedule.rows(state.step, run.sp.dp_rank)]
     # The global batch's counts, summed on the device and not read back here: the host queues the
     # forward without waiting for the previous step to finish (see one_sync_per_step)
     counts = run.reduce_sum(to_device(objective.counts(micro_batches), device))
@@ -378,9 +383,11 @@ def run_eval(run: Run, step: int, meter: Throughput) -> tuple[float, dict, str]:
     r = run.recipe
     with meter.paused("eval"):
         loss, metrics = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
-                                 run.accelerator.device, run.reduce_sum, run.objective, r.padding_free)
-        shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer, r.sample_max_new_tokens,
-                               run.samples, step, run.generation_config)
+                                 run.accelerator.device, run.reduce_sum, run.objective, r.padding_free,
+                                 shard=run.sp.shard)
+        with SP.whole_sequences():
+            shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer,
+                                   r.sample_max_new_tokens, run.samples, step, run.generation_config)
     return loss, metrics, shown
 
 

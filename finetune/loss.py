@@ -65,6 +65,18 @@ def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
 
 
+def model_inputs(batch: dict) -> tuple[dict, torch.Tensor]:
+    """(what the model is called with, each position's target). A sequence-parallel shard
+    (finetune/sequence_parallel.py) carries its targets shifted over the whole row before it was
+    sliced (shift_labels: its last token's target is the next shard's first token), and its
+    attention_mask only for counting: Ulysses attention is causal over the gathered sequence and
+    discards masks, and the padding (on the right) has no targets."""
+    if "shift_labels" in batch:
+        inputs = {k: v for k, v in batch.items() if k not in ("shift_labels", "attention_mask")}
+        return inputs, batch["shift_labels"]
+    return {k: v for k, v in batch.items() if k != "labels"}, shifted_labels(batch["labels"])
+
+
 def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None,
              aux: list | None = None) -> torch.Tensor:
     """Sum (not mean) of next-token cross-entropy over target tokens: the caller divides by the
@@ -76,16 +88,16 @@ def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int | None = None
     """
     if impl not in IMPLS:
         raise ValueError(f"loss impl {impl!r}: must be one of {', '.join(IMPLS)}")
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    inputs, targets = model_inputs(batch)
     if impl != "full":
         head = OutputHeadLoss(model, impl, chunk)
         if head.supported:
-            with head.computing_loss(batch["labels"]):
+            with head.computing_loss(targets):
                 out = model(**inputs)
             loss = head.check(out.logits)
-            return loss + router_aux_loss(model, out, shifted_labels(batch["labels"]).to(loss.device), aux)
+            return loss + router_aux_loss(model, out, targets.to(loss.device), aux)
     out = model(**inputs)
-    labels = shifted_labels(batch["labels"]).to(out.logits.device)
+    labels = targets.to(out.logits.device)
     loss = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
     return loss + router_aux_loss(model, out, labels, aux)
 
@@ -177,7 +189,8 @@ class OutputHeadLoss:
         self.loss = None
 
     @contextlib.contextmanager
-    def computing_loss(self, labels: torch.Tensor):
+    def computing_loss(self, targets: torch.Tensor):
+        """targets: each position's target (shifted_labels of the labels)."""
         head = self.head
         saved_forward = head.__dict__.get("forward")  # an instance-level forward someone else set
         saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self.switched]
@@ -185,18 +198,18 @@ class OutputHeadLoss:
         def forward(hidden):
             if self.loss is not None:
                 raise RuntimeError("the output layer was called twice in one forward; use loss_impl=full")
-            targets = shifted_labels(labels).to(hidden.device).reshape(-1)
+            flat = targets.to(hidden.device).reshape(-1)
             hidden = hidden.reshape(-1, hidden.shape[-1])
-            if hidden.shape[0] != targets.shape[0]:
-                raise RuntimeError(f"the output layer got {hidden.shape[0]} positions for {targets.shape[0]} labels; "
+            if hidden.shape[0] != flat.shape[0]:
+                raise RuntimeError(f"the output layer got {hidden.shape[0]} positions for {flat.shape[0]} labels; "
                                    "use loss_impl=full")
             # Only target tokens need logits: prompts and padding (often most of a fine-tuning batch) are
             # skipped. Counting them is one host sync, after the forward is queued.
-            keep = (targets != IGNORE).nonzero().squeeze(1)
+            keep = (flat != IGNORE).nonzero().squeeze(1)
             compute = linear_token_logps if self.per_token else linear_cross_entropy
             if self.per_token:
-                self.rows = keep // labels.shape[-1]
-            self.loss = compute(hidden.index_select(0, keep), head.weight, head.bias, targets.index_select(0, keep),
+                self.rows = keep // targets.shape[-1]
+            self.loss = compute(hidden.index_select(0, keep), head.weight, head.bias, flat.index_select(0, keep),
                                 self.impl, scale=self.scale, softcap=self.softcap, chunk=self.chunk)
             return self.loss
 
@@ -248,7 +261,7 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
     if impl != "full":
         head = OutputHeadLoss(model, impl, chunk, per_token=True)
         if head.supported:
-            with head.computing_loss(labels):
+            with head.computing_loss(shifted_labels(labels)):
                 out = model(**inputs)
             logps = head.check(out.logits)
             where = head.rows.to(logps.device)

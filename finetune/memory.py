@@ -215,17 +215,21 @@ def loss_rows(vocab_size: int, tokens: int, loss_impl: str = "full", chunk_token
 
 def activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
                      activation_checkpointing: bool, loss_impl: str = "full", loss_chunk_tokens: int = 0,
-                     one_row: bool = False) -> int:
+                     one_row: bool = False, sequence_parallel: int = 1) -> int:
     """Activations per GPU; the formula is in this module's docstring (Korthikanti et al. 2022). The
     logits term counts the rows the loss holds at once (loss_rows). one_row: the micro-batch is one
     row of up to B*T tokens attended under a full-row mask (padding_free=true with sdpa/eager), whose
     scores term is a*(B*T)^2, B times a padded batch's; the B*T terms are unchanged (the row holds at
-    most B*T tokens)."""
+    most B*T tokens). sequence_parallel=N (Ulysses, finetune/sequence_parallel.py): a rank holds T/N
+    tokens of each row for every B*T term, and attends over the whole T for a/N heads, so the scores
+    term is B*(a/N)*T^2: every term is divided by N (the loss's rows too, up to a chunk)."""
     b, t, h, a, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_attention_heads, arch.num_hidden_layers
+    n = sequence_parallel
     scale = 1 if mixed_precision != "no" else 2
     one_layer = 34 * b * t * h + 5 * a * (b * t) ** 2 if one_row else 34 * b * t * h + 5 * b * a * t * t
     body = layers * 2 * b * t * h + one_layer if activation_checkpointing else layers * one_layer
-    rows = loss_rows(arch.vocab_size, b * t, loss_impl, loss_chunk_tokens)
+    body = body // n
+    rows = loss_rows(arch.vocab_size, -(-b * t // n), loss_impl, loss_chunk_tokens)
     logits = rows * arch.vocab_size * ((2 if mixed_precision != "no" else 4) + 8)
     return body * scale + logits
 
@@ -270,7 +274,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
-             pairs: bool = False) -> Estimate:
+             pairs: bool = False, sequence_parallel: int = 1) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -329,7 +333,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     buffers = strategy.buffers(arch, setup, trained, gb, n, lp, sixteen, layer, layer_trained)
     buffers += dequantized
     acts = activation_bytes(arch, micro_batch_size * (2 if pairs else 1), seq_len, mixed_precision,
-                            activation_checkpointing, loss_impl, loss_chunk_tokens, one_row)
+                            activation_checkpointing, loss_impl, loss_chunk_tokens, one_row, sequence_parallel)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
@@ -345,7 +349,8 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
                     one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0,
-                    reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") == "dpo")
+                    reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") == "dpo",
+                    sequence_parallel=getattr(recipe, "sequence_parallel", 1))
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -388,6 +393,62 @@ def cheapest_fit(rows: list[tuple[int, Estimate]], budget: int, headroom: float 
 
     fitting = [(i, row) for i, row in enumerate(rows) if row[1].fits(budget, headroom)]
     return min(fitting, key=key)[1][1] if fitting else None
+
+
+def longest_sequence(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup, budget: int,
+                     headroom: float = HEADROOM, sequence_parallel: int | None = None, limit: int = 2**24) -> int:
+    """The longest max_seq_len (a multiple of sequence_parallel, which splits it) whose estimate for
+    `setup` fits budget*(1-headroom) per GPU; 0 if not even one token per rank fits. The estimate
+    grows with the length, so a bisection finds it."""
+    from dataclasses import replace
+
+    n = sequence_parallel or getattr(recipe, "sequence_parallel", 1)
+
+    def fits(tokens: int) -> bool:
+        r = replace(recipe, max_seq_len=tokens, sequence_parallel=n)
+        return recipe_estimate(r, world_size, arch, setup).fits(budget, headroom)
+
+    low, high = 0, limit // n  # in units of n tokens: low fits (or is 0), high does not (or is the limit)
+    if fits(high * n):
+        return high * n
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid * n) else (low, mid)
+    return low * n
+
+
+def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: float = HEADROOM,
+                      name: str = "", arch: Architecture | None = None, budget_text: str = "") -> str:
+    """The planner's answer to "how long a sequence fits": per setup, the longest max_seq_len whose
+    per-GPU estimate fits the budget, without sequence parallelism and with the recipe's
+    sequence_parallel (or, with none, with every power of two up to the GPUs that divides them and
+    the heads)."""
+    arch = arch or load_architecture(recipe.model)
+    own_sp = getattr(recipe, "sequence_parallel", 1)
+    sizes = [1, own_sp] if own_sp > 1 else [
+        n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size and world_size % n == 0
+        and arch.num_attention_heads % n == 0 and (arch.kv_heads % n == 0 or n % arch.kv_heads == 0)]
+    rows = all_estimates(recipe, world_size, arch)
+    given = f" ({budget_text})" if budget_text else ""
+    lines = [f"recipe {name or '(given)'}: {describe_run(recipe, world_size, arch)}",
+             f"longest max_seq_len whose estimate fits {gib(budget * (1 - headroom))} GiB per GPU{given}, "
+             f"{headroom:.0%} headroom, micro batch {recipe.micro_batch_size}:"]
+    header = ["setup"] + [f"sequence_parallel={n}" for n in sizes]
+    table = [header]
+    own = Setup.of(recipe)
+    for _, e in rows:
+        mark = "* " if e.setup == own else "  "
+        longest = [longest_sequence(recipe, world_size, arch, e.setup, budget, headroom, n) for n in sizes]
+        table.append([mark + e.setup.label] + [f"{t:,}" for t in longest])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for i, r in enumerate(table):
+        lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]).rstrip())
+        if i == 0:
+            lines.append("-" * len(lines[-1]))
+    lines.append("* the recipe's own setup; tokens per row; 0: not even the model states fit. The attention term is "
+                 "the Korthikanti et al. bound (scores kept), which fused kernels (sdpa, flash) do not hold: an upper "
+                 "bound on memory, so these lengths are on the safe side")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- sizes and reports
@@ -434,7 +495,9 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
                      if recipe.precompute_reference else "the base, adapter disabled" if lora else "a frozen copy")
         what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
-    return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s), "
+    sp = getattr(recipe, "sequence_parallel", 1)
+    split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
+    return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s){split}, "
             f"{_precision(recipe.mixed_precision)}, micro batch {recipe.micro_batch_size} x {recipe.max_seq_len} tokens, "
             f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
 
@@ -514,7 +577,9 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
         return f"memory per GPU: not estimated: {err}"
     unit, name = (GiB, "GiB") if e.total + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")
     off = f"; offloaded per GPU: {_offloaded(e, unit)} {name}" if e.cpu or e.nvme else ""
-    lines = [f"memory per GPU (planner estimate, {e.setup.label} on {world_size} process(es)): "
+    sp = getattr(recipe, "sequence_parallel", 1)
+    where = f"{world_size} process(es)" + (f", sequence_parallel={sp}" if sp > 1 else "")
+    lines = [f"memory per GPU (planner estimate, {e.setup.label} on {where}): "
              f"params {gib(e.params, unit)}, grads {gib(e.grads, unit)}, optimizer {gib(e.optimizer, unit)}, "
              + (f"reference {gib(e.reference, unit)}, " if e.reference else "")
              + f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "

@@ -327,6 +327,9 @@ def format_summary(summary: dict) -> str:
         ("tokens", f"{summary['tokens']:,} target tokens, {summary['tokens_per_s']:,.0f} tokens/s while training"),
         ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
          f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
+        *([("eval rewards", f"accuracy {summary['final_eval_rewards/accuracies']:.4f}, margin "
+                            f"{summary['final_eval_rewards/margins']:.4f} (final)")]
+          if "final_eval_rewards/accuracies" in summary else []),
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),

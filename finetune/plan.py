@@ -29,8 +29,13 @@ class Plan:
         return self.resume is not None and self.resume.world_size != self.world_size
 
     @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read different rows: the processes, less the sequence-parallel ranks sharing a row."""
+        return data_parallel_size(self.recipe, self.world_size)
+
+    @property
     def global_batch_size(self) -> int:
-        return self.recipe.micro_batch_size * self.grad_accum * self.world_size
+        return self.recipe.micro_batch_size * self.grad_accum * self.data_parallel_size
 
     @property
     def strategy(self) -> Strategy:
@@ -52,26 +57,37 @@ class Plan:
         if r.offload_optimizer != "none":
             offload.append(f"optimizer->{r.offload_optimizer}")
         notes = "".join(f"\nnot runnable on this machine: {p}" for p in self.unchecked)
+        sp = r.sequence_parallel
+        ranks = (f"{self.data_parallel_size} data-parallel (sequence_parallel={sp}: each sequence split across {sp} "
+                 "ranks)" if sp > 1 else f"{self.world_size}")
         return (f"{r.strategy} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
                 f"global batch {self.global_batch_size} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
-                f"{self.world_size}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}{notes}")
+                f"{ranks}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}{notes}")
 
 
 def world_size_from_env(env=os.environ) -> int:
     return int(env.get("WORLD_SIZE", "1"))
 
 
+def data_parallel_size(recipe: Recipe, world_size: int) -> int:
+    """Processes that read different rows: sequence_parallel ranks share each row (at least 1, so that
+    a dry run on fewer processes than sequence_parallel still plans)."""
+    return max(1, world_size // getattr(recipe, "sequence_parallel", 1))
+
+
 def derive_grad_accum(recipe: Recipe, world_size: int) -> int:
     """Keep the global batch fixed when asked to (global_batch_size > 0), whatever the world size."""
     if not recipe.global_batch_size:
         return recipe.grad_accum
-    per_step = recipe.micro_batch_size * world_size
+    dp = data_parallel_size(recipe, world_size)
+    per_step = recipe.micro_batch_size * dp
     if recipe.global_batch_size % per_step:
         below = recipe.global_batch_size // per_step * per_step
         nearest = " or ".join(str(v) for v in (below, below + per_step) if v > 0)
+        ranks = "processes" if dp == world_size else "data-parallel ranks (processes / sequence_parallel)"
         raise RecipeError(
-            f"global_batch_size={recipe.global_batch_size} is not a multiple of micro_batch_size x processes = "
-            f"{recipe.micro_batch_size} x {world_size} = {per_step}; use global_batch_size={nearest}, "
+            f"global_batch_size={recipe.global_batch_size} is not a multiple of micro_batch_size x {ranks} = "
+            f"{recipe.micro_batch_size} x {dp} = {per_step}; use global_batch_size={nearest}, "
             "or a micro_batch_size that divides it"
         )
     return recipe.global_batch_size // per_step
@@ -248,9 +264,14 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
 
         if importlib.util.find_spec("liger_kernel") is None:
             problems.append("loss_impl=liger needs Liger-Kernel: pip install liger-kernel, or use loss_impl=chunked")
+    world_size = world_size_from_env(env)
+    from finetune.sequence_parallel import world_problem
+
+    problem = world_problem(recipe, world_size)
+    if problem:
+        problems.append(problem)
     if problems and not dry_run:
         raise RecipeError(problems[0])
-    world_size = world_size_from_env(env)
     return Plan(
         recipe=recipe,
         world_size=world_size,

@@ -115,6 +115,12 @@ class Recipe:
     offload_optimizer: str = _opt("none", choices=("none", "cpu", "nvme"))
     offload_params: str = _opt("none", choices=("none", "cpu", "nvme"))
     nvme_path: str = _opt("", help="directory on a fast local disk for offload=nvme")
+    sequence_parallel: int = _opt(1, min=1, help="Ulysses sequence parallelism: each sequence split across N ranks "
+                                  "(DeepSpeed's all-to-all attention), activations per rank / N; N divides the "
+                                  "processes and the attention heads; data parallel over processes / N "
+                                  "(finetune/sequence_parallel.py)")
+    context_parallel: int = _opt(1, min=1, help="ring-attention context parallelism (torch, GPUs only): not "
+                                 "available yet; use sequence_parallel")
     mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
     activation_checkpointing: bool = _opt(False)
     compile: bool = _opt(False, help="torch.compile each decoder layer (fuses the element-wise ops: norms, rotary, "
@@ -509,6 +515,7 @@ def validate(recipe: Recipe) -> Recipe:
                           "another; set padding_free=true (one row per micro-batch, varlen) or micro_batch_size=1")
     if r.compile:
         _check_compile(r)
+    _check_sequence_parallel(r)
     _check_objective(r)
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
@@ -600,6 +607,33 @@ def _check_objective(r: Recipe) -> None:
     if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
                           f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")
+
+
+def _check_sequence_parallel(r: Recipe) -> None:
+    """What Ulysses sequence parallelism (finetune/sequence_parallel.py) can take. That N divides the
+    processes is plan.make_plan's check, that it divides the heads the loop's, from the model's config."""
+    if r.context_parallel > 1:
+        raise RecipeError(f"context_parallel={r.context_parallel}: ring-attention context parallelism (torch's "
+                          "context_parallel, GPUs only: it has no CPU path) is not available in finetune yet; use "
+                          f"sequence_parallel={r.context_parallel} (Ulysses, every strategy, CPU and GPU)")
+    n = r.sequence_parallel
+    if n == 1:
+        return
+    if r.attn_implementation == "eager":
+        raise RecipeError(f"sequence_parallel={n} with attn_implementation=eager: Ulysses attention needs a kernel "
+                          "that is causal without a 4D mask (DeepSpeed refuses eager); use attn_implementation=sdpa "
+                          "(or flash_attention_2 on GPUs)")
+    for key in ("packing", "padding_free"):
+        if getattr(r, key):
+            raise RecipeError(f"{key}=true with sequence_parallel={n}: Ulysses attention is causal over the whole "
+                              "gathered row and drops the mask that keeps a row's examples apart, so they would "
+                              f"attend to one another; set {key}=false (padded rows, one example each)")
+    if r.objective != "sft":
+        raise RecipeError(f"objective={r.objective} with sequence_parallel={n}: not yet (a preference pair's "
+                          "log-probs would be summed across ranks); use sequence_parallel=1")
+    if r.compile:
+        raise RecipeError(f"compile=true with sequence_parallel={n}: compiled layers around Ulysses' all-to-all "
+                          "were not tried; set compile=false")
 
 
 def _check_compile(r: Recipe) -> None:

@@ -27,7 +27,7 @@ from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManif
                                  verify)
 from finetune.files import publish
 from finetune.lock import launch_id
-from finetune.plan import derive_grad_accum, world_size_from_env
+from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
 from finetune.recipe import Recipe, RecipeError
 from finetune.strategy import strategy_for
 
@@ -42,6 +42,7 @@ RESUME_EFFECTS = {
     "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
     "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
     "micro_batch_size": "the global batch is kept, accumulation is recomputed",
+    "sequence_parallel": "each sequence split across this many ranks from this step on; the same global batches",
     "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
                     "(false) from this step on",
 }
@@ -64,7 +65,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     check_fits(point, recipe, allow_data_change)
     check_model(point, resolve_model(recipe.model))
     changed = changes(point, recipe)
-    asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * world_size  # the plan's global batch
+    asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * data_parallel_size(recipe, world_size)
     if asked != point.global_batch_size:
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
     if convert and strategy_for(recipe.strategy).converts_on_world_size_change and point.world_size != world_size:
@@ -217,7 +218,7 @@ def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> s
         return (f"global_batch_size={recipe.global_batch_size} (the checkpoint's global batch is "
                 f"{point.global_batch_size})")
     if "grad_accum" in changed and not recipe.global_batch_size:
-        asked = recipe.micro_batch_size * recipe.grad_accum * world_size_from_env()
+        asked = recipe.micro_batch_size * recipe.grad_accum * data_parallel_size(recipe, world_size_from_env())
         if asked != point.global_batch_size:
             return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "
                     f"{point.global_batch_size}: leave grad_accum as it was, it is recomputed to keep it)")

@@ -680,7 +680,8 @@ def deepspeed_config(plan, hidden_size: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": r.micro_batch_size,
         "gradient_accumulation_steps": plan.grad_accum,
-        "train_batch_size": plan.global_batch_size,
+        # DeepSpeed counts every rank as data parallel (it is not given the sequence-parallel groups)
+        "train_batch_size": r.micro_batch_size * plan.grad_accum * plan.world_size,
         "gradient_clipping": r.max_grad_norm,
         "zero_optimization": zero,
         "bf16": {"enabled": r.mixed_precision == "bf16"},

@@ -7,9 +7,7 @@ rejected); the eval's rewards/accuracies climbs well above 0.5.
 
 The reference is a frozen copy of the starting weights, partitioned by ZeRO-3 like the policy;
 precompute_reference=true, dpo_loss=ipo or simpo, lora=true each change it (README: preference tuning).
-Sized for 2 x 1 GB GPUs or CPU processes (any machine).
-Memory per GPU, the planner's estimate (python -m finetune.plan --recipe tiny_dpo --gpus 2 --gpu-mem 1GB):
-    params 0.00 + grads 0.00 + optimizer 0.00 + reference 0.00 + activations 0.01 + buffers 0.00 = total 0.01 GiB
+About 42 MiB per process by the planner (python -m finetune.plan --recipe tiny_dpo --gpus 2).
 """
 
 from finetune.recipe import Recipe
@@ -20,14 +18,14 @@ recipe = Recipe(
     dataset_format="preference",
     objective="dpo",
     dpo_loss="sigmoid",
-    dpo_beta=0.1,
+    dpo_beta=0.5,
     eval_fraction=0.05,
     max_seq_len=128,
     strategy="zero3",
     mixed_precision="no",
     micro_batch_size=8,
     grad_accum=2,
-    lr=1e-3,
+    lr=1e-2,
     lr_scheduler="cosine",
     warmup_steps=5,
     weight_decay=0.0,

@@ -244,14 +244,21 @@ def test_prompt_budget_keeps_the_prompts_end_and_its_bos(name, request):
         assert runs(ids, labels) == runs(fids, flabels)
 
 
-def test_a_pair_with_a_side_left_without_answer_is_dropped(mistral):
-    """'Answer: ' + 'Paris' merges into ▁Paris, so chosen's answer starts a token earlier than
-    rejected's ('\\nno'): a total budget that ends there leaves chosen one trained token and rejected
-    none, and the pair is dropped, as a pair where both lose theirs."""
-    pair = D.encode_pairs([{"prompt": "Answer: ", "chosen": "Paris", "rejected": "\nno"}], mistral, 4)
-    assert sum(1 for x in pair["chosen_labels"][0][1:] if x != IGNORE) == 1
-    assert all(x == IGNORE for x in pair["rejected_labels"][0])
-    assert pair["n_targets"] == [0]
+def test_both_sides_are_scored_from_the_same_position_and_a_budget_there_drops_the_pair(mistral):
+    """'Answer: ' + 'Paris' merges into ▁Paris, so chosen's tokens leave the prompt's a token earlier
+    than rejected's ('\nno'): both sides are scored from that earlier position (TRL's one prompt length
+    for a pair), rejected's last prompt token included, so both are conditioned on the same tokens; a
+    total budget that ends there leaves neither side an answer, and the pair is dropped."""
+    pair = D.encode_pairs([{"prompt": "Answer: ", "chosen": "Paris", "rejected": "\nno"}], mistral, 64)
+    starts = [D.prompt_length(pair[f"{side}_input_ids"][0], pair[f"{side}_labels"][0]) for side in ("chosen", "rejected")]
+    assert starts[0] == starts[1]
+    assert pair["chosen_input_ids"][0][:starts[0]] == pair["rejected_input_ids"][0][:starts[0]]
+    alone = D.encode_pairs([{"prompt": "Answer: ", "completion": "x", "chosen": "\nyes", "rejected": "\nno"}],
+                           mistral, 64)
+    assert D.prompt_length(alone["rejected_input_ids"][0], alone["rejected_labels"][0]) > starts[0], \
+        "without a merging side, rejected's answer starts later: the earlier start came from chosen"
+    cut = D.encode_pairs([{"prompt": "Answer: ", "chosen": "Paris", "rejected": "\nno"}], mistral, starts[0])
+    assert cut["n_targets"] == [0]
 
 
 def test_dropped_pairs_are_counted_in_the_summary(tmp_path, mistral):

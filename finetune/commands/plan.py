@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from finetune.memory import parse_size, plan_table
-from finetune.plan import derive_grad_accum
+from finetune.memory import max_seq_len_table, parse_size, plan_table
+from finetune.plan import data_parallel_size, derive_grad_accum
 from finetune.recipe import RecipeError, resolve
 
 
@@ -26,10 +26,16 @@ def _parse_planner_args(argv):
     parser.add_argument("--gpu-mem", help="memory of one GPU: 80GB (10^9 bytes), 40GiB, 24G (2^30)")
     parser.add_argument("--headroom", type=float, default=0.10,
                         help="fraction of --gpu-mem kept free for the CUDA context and fragmentation (0.10)")
+    parser.add_argument("--max-seq-len", action="store_true",
+                        help="instead: the longest max_seq_len that fits --gpu-mem per setup, without sequence "
+                             "parallelism and with the recipe's sequence_parallel (or every size the GPUs and heads "
+                             "take); needs --gpu-mem")
     parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
     args = parser.parse_args(argv)
     if args.gpus < 1:
         raise RecipeError(f"--gpus {args.gpus}: must be at least 1")
+    if args.max_seq_len and args.gpu_mem is None:
+        raise RecipeError("--max-seq-len needs --gpu-mem (the memory of one GPU, like 80GB)")
     if not 0 <= args.headroom < 1:
         raise RecipeError(f"--headroom {args.headroom}: must be at least 0 and below 1")
     return args
@@ -42,14 +48,21 @@ def main(argv=None) -> int:
         budget = parse_size(args.gpu_mem) if args.gpu_mem is not None else None
         recipe = resolve(args.recipe, args.overrides)  # the same loading and checks as finetune/run.py
         accum = derive_grad_accum(recipe, args.gpus)
+        if args.max_seq_len:
+            print(max_seq_len_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe,
+                                    budget_text=args.gpu_mem))
+            return 0
         table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe,
                            budget_text=args.gpu_mem or "")
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table)
-    print(f"global batch {recipe.micro_batch_size * accum * args.gpus} = micro {recipe.micro_batch_size} x accum "
-          f"{accum} x {args.gpus} GPUs")
+    dp = data_parallel_size(recipe, args.gpus)
+    ranks = f"{args.gpus} GPUs" if dp == args.gpus else \
+        f"{dp} data-parallel ranks ({args.gpus} GPUs / sequence_parallel)"
+    print(f"global batch {recipe.micro_batch_size * accum * dp} = micro {recipe.micro_batch_size} x accum "
+          f"{accum} x {ranks}")
     return 0
 
 

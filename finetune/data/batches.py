@@ -125,6 +125,8 @@ def concatenate(rows: list[dict], packed: bool, lengths: list[int] | None = None
 
 
 def target_tokens(batch: dict) -> int:
+    if "shift_labels" in batch:  # a sequence-parallel shard (finetune/sequence_parallel.py): shifted already
+        return int((batch["shift_labels"] != IGNORE).sum())
     return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 

@@ -18,6 +18,9 @@ extract_prompt, apply_chat_template):
   string prompt of HuggingFaceH4/ultrafeedback_binarized, whose chosen and rejected are whole
   conversations) is ignored, as TRL ignores it.
 
+Both sides are scored from the same position (same_prompt, TRL's rule): where the prompt ends inside a
+word one side continues, the other side's last prompt tokens are scored too.
+
 A prepared pair is the columns PAIR_COLUMNS (labels unshifted, IGNORE off the response, as SFT rows'
 labels) and the counts n_tokens (both sides) and n_targets (both sides' trained tokens; 0 marks a pair
 to drop: a side with no trained token left within the budgets). Truncation: the prompt keeps its last
@@ -33,7 +36,7 @@ from finetune.data.formats import IGNORE, split_pair
 from finetune.data.tokenization import encode_batch, encode_conversations
 
 PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
-PREFERENCE_VERSION = "1"  # bump when a pair's tokens or labels change, to invalidate cached preference data
+PREFERENCE_VERSION = "2"  # bump when a pair's tokens or labels change, to invalidate cached preference data
 NO_LIMIT = sys.maxsize
 
 
@@ -73,6 +76,23 @@ def encode_sides(rows: list[dict], tokenizer) -> list[tuple]:
     return sides
 
 
+def same_prompt(chosen: tuple, rejected: tuple) -> tuple[tuple, tuple]:
+    """Both sides scored from the same position, TRL's rule: DPO compares log p(chosen | prompt) with
+    log p(rejected | prompt), so both must be conditioned on the same tokens. Where the prompt ends
+    inside a word that one side continues ("... is Par" + "is." against + "ma."), that side's tokens
+    leave the prompt's earlier; the other side's prompt tokens from there on are scored too."""
+    (c_ids, c_labels), (r_ids, r_labels) = chosen, rejected
+    c_start, r_start = prompt_length(c_ids, c_labels), prompt_length(r_ids, r_labels)
+    start = min(c_start, r_start)
+    if c_ids[:start] != r_ids[:start]:
+        return chosen, rejected
+
+    def scored_from(ids, labels, own):
+        return ids, labels[:start] + ids[start:own] + labels[own:]
+
+    return scored_from(c_ids, c_labels, c_start), scored_from(r_ids, r_labels, r_start)
+
+
 def trained(labels: list[int]) -> int:
     """Trained tokens of a side, as SFT counts them: the first token is no token's target."""
     return sum(1 for x in labels[1:] if x != IGNORE)
@@ -83,6 +103,7 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, max_prompt_len: int 
     n_targets is 0 for a pair that a side without a trained token left makes useless (dropped)."""
     out = {c: [] for c in PAIR_COLUMNS + ["n_tokens", "n_targets"]}
     for chosen, rejected in encode_sides(rows, tokenizer):
+        chosen, rejected = same_prompt(chosen, rejected)
         chosen = _fit(*chosen, tokenizer.bos_token_id, max_len, max_prompt_len)
         rejected = _fit(*rejected, tokenizer.bos_token_id, max_len, max_prompt_len)
         for name, (ids, labels) in (("chosen", chosen), ("rejected", rejected)):

@@ -1,0 +1,167 @@
+"""Ulysses sequence parallelism (recipe.sequence_parallel=N): each sequence is split across N ranks,
+and DeepSpeed's Ulysses attention (deepspeed.runtime.sequence_parallel.ulysses_sp) exchanges heads
+for sequence with an all-to-all before and after attention, so every rank attends over the whole
+sequence for 1/N of the heads. Everything else (embeddings, MLPs, norms, the chunked loss) runs on
+the rank's 1/N of the tokens, so activations per rank are divided by N. All SP setup is here: the
+layout of ranks, the registration with transformers, the slicing of a micro-batch.
+
+Ranks: DeepSpeed's groups (parallel_state_sp) put consecutive ranks in one SP group ([0, 1], [2, 3]
+for N=2 on 4 processes), so a rank's place in its group is rank % N and its data-parallel rank is
+rank // N, of world / N. The whole SP group reads the same rows (the BatchSchedule is indexed by the
+data-parallel rank): the global batch is micro x accum x world / N rows.
+
+Exactness (tests/distributed/test_sequence_parallel.py: 2 processes with SP 2 equal 1 process on whole
+sequences to fp32 round-off):
+- positions are global: each shard carries its slice of arange(length) as position_ids (without
+  them transformers gives every shard positions 0..length/N-1, and rotary embeddings go wrong on all
+  but the first shard, silently: gradients about 50% off);
+- labels are shifted before slicing (`shift_labels`), so a shard's last token predicts the first
+  token of the next shard; finetune/loss.py uses them as given;
+- a row is padded on the right to a multiple of N (and a short micro-batch to micro_batch_size rows,
+  which the Ulysses wrapper fixes at registration) with IGNORE labels: the attention is causal over
+  the gathered sequence, so real tokens never see the padding, and padding is no target;
+- the loss of a shard is its sum over its target tokens and the counts are per shard, summed over
+  every rank: the loop divides the sum over all ranks by the global target count. The shards hold
+  different numbers of targets, so a mean of per-rank means would be wrong.
+- gradients: every strategy averages them over all the world's ranks (DeepSpeed's engine is not
+  given the SP groups, so it treats every rank as data parallel), and the loop scales each rank's
+  loss by world x accum / global target count. The Ulysses all-to-all carries each shard's gradient
+  back to the rank that computed its queries, keys and values, so the sum over ranks of the local
+  gradients is the gradient of the sum over all shards: the update is the gradient of (sum over
+  target tokens) / (global count), as without SP.
+
+The attention mask is dropped (Ulysses runs causal attention over the gathered sequence), which is
+why packed rows (several examples per row, kept apart only by a mask) are refused with SP, and eager
+attention (DeepSpeed refuses it: it needs a 4D mask).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+IGNORE = -100  # finetune.data.formats.IGNORE (imported lazily there: this module stays light for the planner)
+
+
+def world_problem(recipe, world_size: int) -> str | None:
+    """sequence_parallel must divide the processes (a plan-time check: it needs the world size)."""
+    n = recipe.sequence_parallel
+    if n > 1 and world_size % n:
+        return (f"sequence_parallel={n} does not divide the {world_size} process(es): each sequence is split across "
+                f"{n} ranks and data parallel runs over processes / {n}; launch a multiple of {n} processes or set "
+                f"sequence_parallel to a divisor of {world_size}")
+    return None
+
+
+def config_problem(recipe, config) -> str | None:
+    """Ulysses splits the attention heads across the SP ranks: the heads must divide by N, and the kv
+    heads too (or N by them: DeepSpeed then replicates each kv head). Checked from the config, before
+    any weight is read."""
+    n = recipe.sequence_parallel
+    if n <= 1:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    if heads is None:
+        return (f"sequence_parallel={n}: model type {getattr(config, 'model_type', '?')} names no "
+                "num_attention_heads in its config; Ulysses splits attention heads; set sequence_parallel=1")
+    if heads % n:
+        return (f"sequence_parallel={n}: the model has {heads} attention heads, not divisible by {n} (Ulysses gives "
+                f"each rank heads / {n}); use a sequence_parallel that divides {heads}")
+    if kv % n and n % kv:
+        return (f"sequence_parallel={n}: the model has {kv} key/value heads; Ulysses needs them divisible by {n} "
+                f"(or {n} divisible by them); use a sequence_parallel that divides {kv}")
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: `size` ranks share each sequence (its SP group), `rank` is its place in
+    the group (which slice it keeps), `dp_rank` of `dp_size` data-parallel groups (which rows it reads)."""
+    size: int = 1
+    rank: int = 0
+    dp_rank: int = 0
+    dp_size: int = 1
+    rows: int = 1  # micro_batch_size: Ulysses' wrapper is registered for this many rows
+    pad_id: int = 0
+
+    @classmethod
+    def of(cls, recipe, rank: int, world_size: int, pad_id: int = 0) -> "Layout":
+        n = recipe.sequence_parallel
+        return cls(n, rank % n, rank // n, world_size // n, recipe.micro_batch_size, pad_id)
+
+    def shard(self, batch: dict) -> dict:
+        """This rank's contiguous 1/size of every row of a collated micro-batch; unchanged without SP."""
+        if self.size == 1:
+            return batch
+        return shard(batch, self.size, self.rank, self.rows, self.pad_id)
+
+
+def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int) -> dict:
+    """A padded micro-batch (input_ids, labels, attention_mask) as rank `rank` of `size` keeps it: rows
+    padded to `rows` and to a length divisible by `size` (pad tokens, IGNORE labels, mask 0), global
+    position ids, labels shifted over the whole row before slicing (shift_labels), then the slice
+    [rank * length / size, (rank + 1) * length / size). The slice keeps its attention_mask so that its
+    real tokens can be counted (finetune/loss.py does not give it to the model)."""
+    import torch
+    import torch.nn.functional as F
+
+    ids, labels = batch["input_ids"], batch["labels"]
+    mask = batch.get("attention_mask")
+    b, s = ids.shape
+    width = -(-s // size) * size
+    grow = (0, width - s, 0, max(rows - b, 0))
+    ids = F.pad(ids, grow, value=pad_id)
+    labels = F.pad(labels, grow, value=IGNORE)
+    mask = F.pad(mask if mask is not None else torch.ones(b, s, dtype=torch.long), grow, value=0)
+    positions = torch.arange(width, dtype=torch.long).expand(ids.shape[0], width)
+    targets = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]  # each position's target: the next token
+    part = slice(rank * width // size, (rank + 1) * width // size)
+    return {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous(),
+            "shift_labels": targets[:, part].contiguous(), "attention_mask": mask[:, part].contiguous()}
+
+
+_ATTENTION: dict = {}  # the implementation's name -> (its own function, the Ulysses wrapper)
+
+
+def start(recipe, model) -> None:
+    """Register DeepSpeed's Ulysses attention for the recipe's attn_implementation (it replaces that
+    implementation in transformers' ALL_ATTENTION_FUNCTIONS for the whole process) and build the SP
+    groups. After the process group exists and the model is loaded (its config's attention must be the
+    recipe's), before the model is wrapped."""
+    n = recipe.sequence_parallel
+    if n <= 1:
+        return
+    import deepspeed
+    import torch
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from finetune.loss import hf_model
+
+    # deepspeed.comm over the existing group (ZeRO's Accelerator has made it already; fsdp and ddp not)
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    impl = recipe.attn_implementation
+    own = ALL_ATTENTION_FUNCTIONS[impl]
+    UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=hf_model(model), core_attn_implementation=impl, sequence_parallel_size=n,
+        micro_batch_size=recipe.micro_batch_size, seq_length_is_variable=True, disable_in_eval=False)
+    _ATTENTION[impl] = (own, ALL_ATTENTION_FUNCTIONS[impl])
+
+
+@contextmanager
+def whole_sequences():
+    """Attention as without SP for a block (generating samples: every rank runs the same whole prompt)."""
+    if not _ATTENTION:
+        yield
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for impl, (own, _) in _ATTENTION.items():
+        ALL_ATTENTION_FUNCTIONS[impl] = own
+    try:
+        yield
+    finally:
+        for impl, (_, wrapper) in _ATTENTION.items():
+            ALL_ATTENTION_FUNCTIONS[impl] = wrapper

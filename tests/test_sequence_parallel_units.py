@@ -1,0 +1,219 @@
+"""Sequence parallelism's pure parts (finetune/sequence_parallel.py): the slicing of a micro-batch, the
+rank layout, the one-line refusals and the plan's batch arithmetic. The real 2-process runs are
+tests/distributed/test_sequence_parallel.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from finetune import data as D
+from finetune import sequence_parallel as SP
+from finetune.loss import model_inputs, shifted_labels
+from finetune.plan import make_plan
+from finetune.recipe import RecipeError, apply_overrides, load_recipe_module, validate
+from finetune.strategy import deepspeed_config
+
+IGNORE = D.IGNORE
+
+
+def recipe(*overrides):
+    return apply_overrides(load_recipe_module("tiny"), ["mixed_precision=no", *overrides])
+
+
+def batch(lengths, pad_id=0, seed=0):
+    """A padded micro-batch as D.collate makes it: random ids, the first 3 labels of each row unset."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(5, 100, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [IGNORE] * 3 + ids[3:]})
+    return D.collate(rows, pad_id, packed=False)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("lengths", [[9, 6, 7], [8, 8], [13]])
+def test_shards_put_together_are_the_whole_row_with_global_positions_and_targets(size, lengths):
+    whole = batch(lengths)
+    rows = 4
+    shards = [SP.shard(whole, size, rank, rows, pad_id=0) for rank in range(size)]
+    width = shards[0]["input_ids"].shape[1] * size
+    assert width % size == 0 and max(lengths) <= width < max(lengths) + size  # padded to a multiple of size
+    for s in shards:
+        assert all(t.shape == (rows, width // size) for t in s.values())
+        assert set(s) == {"input_ids", "position_ids", "shift_labels", "attention_mask"}
+    cat = {k: torch.cat([s[k] for s in shards], dim=1) for k in shards[0]}
+    b, n = whole["input_ids"].shape
+    assert torch.equal(cat["input_ids"][:b, :n], whole["input_ids"])
+    assert torch.equal(cat["position_ids"], torch.arange(width).expand(rows, width))  # global, not per shard
+    # targets shifted over the whole row: a shard's last position predicts the next shard's first token
+    assert torch.equal(cat["shift_labels"][:b, :n], shifted_labels(whole["labels"]))
+    assert (cat["shift_labels"][:b, n:] == IGNORE).all() and (cat["shift_labels"][b:] == IGNORE).all()
+    assert torch.equal(cat["attention_mask"][:b, :n], whole["attention_mask"])
+    assert cat["attention_mask"][:, n:].sum() == 0 and cat["attention_mask"][b:].sum() == 0
+    # counts per shard, summed over the ranks, are the whole batch's
+    assert sum(D.target_tokens(s) for s in shards) == D.target_tokens(whole)
+    assert sum(D.input_tokens(s) for s in shards) == D.input_tokens(whole)
+
+
+def test_the_boundary_token_is_a_target_of_the_shard_before_it():
+    whole = batch([8])
+    first = SP.shard(whole, 2, 0, 1, pad_id=0)
+    assert first["shift_labels"][0, -1] == whole["labels"][0, 4]  # position 3 predicts token 4, on rank 1
+    assert first["shift_labels"][0, -1] != IGNORE
+
+
+def test_a_shard_gives_the_model_no_mask_and_the_loss_its_shifted_targets():
+    s = SP.shard(batch([7, 5]), 2, 1, 2, pad_id=0)
+    inputs, targets = model_inputs(s)
+    assert set(inputs) == {"input_ids", "position_ids"}
+    assert targets is s["shift_labels"]
+    whole = batch([7, 5])
+    inputs, targets = model_inputs(whole)
+    assert set(inputs) == {"input_ids", "attention_mask"} and torch.equal(targets, shifted_labels(whole["labels"]))
+
+
+def test_layout_puts_consecutive_ranks_in_one_sp_group():
+    # DeepSpeed's parallel_state_sp: SP groups [0, 1], [2, 3]; data parallel over rank // N
+    r = recipe("sequence_parallel=2", "micro_batch_size=3")
+    layouts = [SP.Layout.of(r, rank, 4) for rank in range(4)]
+    assert [(x.rank, x.dp_rank, x.dp_size, x.rows) for x in layouts] == [(0, 0, 2, 3), (1, 0, 2, 3), (0, 1, 2, 3),
+                                                                        (1, 1, 2, 3)]
+    plain = SP.Layout.of(recipe(), 3, 4)
+    assert (plain.size, plain.dp_rank, plain.dp_size) == (1, 3, 4)
+    b = batch([5])
+    assert plain.shard(b) is b
+
+
+def test_sp_group_reads_the_same_rows_and_the_global_batch_counts_data_parallel_ranks():
+    schedule = D.BatchSchedule(num_rows=64, micro_batch_size=2, grad_accum=2, world_size=2, seed=1)  # dp 2 of 4
+    layouts = [SP.Layout.of(recipe("sequence_parallel=2", "micro_batch_size=2"), rank, 4) for rank in range(4)]
+    rows = [schedule.rows(0, x.dp_rank) for x in layouts]
+    assert rows[0] == rows[1] and rows[2] == rows[3] and rows[0] != rows[2]
+    assert schedule.global_batch == 8
+
+
+def config(heads, kv, model_type="llama"):
+    text = types.SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv)
+    return types.SimpleNamespace(model_type=model_type, get_text_config=lambda: text)
+
+
+@pytest.mark.parametrize("n,heads,kv,words", [
+    (2, 4, 2, None), (4, 32, 8, None), (8, 32, 4, None),  # kv heads replicated when N is a multiple of them
+    (3, 4, 2, "4 attention heads, not divisible by 3"),
+    (4, 12, 6, "6 key/value heads"),
+])
+def test_heads_must_divide(n, heads, kv, words):
+    problem = SP.config_problem(recipe(f"sequence_parallel={n}"), config(heads, kv))
+    if words is None:
+        assert problem is None
+    else:
+        assert words in problem and f"sequence_parallel={n}" in problem
+
+
+def test_the_tiny_models_heads_take_sp2(tiny_tokenizer):
+    from finetune.model import load_config
+
+    _, cfg = load_config(recipe("sequence_parallel=2"))
+    assert SP.config_problem(recipe("sequence_parallel=2"), cfg) is None
+
+
+@pytest.mark.parametrize("overrides,words", [
+    (["attn_implementation=eager"], "attn_implementation=eager: Ulysses attention needs"),
+    (["packing=true"], "packing=true with sequence_parallel=2"),
+    (["padding_free=true"], "padding_free=true with sequence_parallel=2"),
+    (["objective=dpo", "dataset_format=preference"], "objective=dpo with sequence_parallel=2: not yet"),
+    (["compile=true", "strategy=fsdp"], "compile=true with sequence_parallel=2"),
+])
+def test_what_sp_cannot_take_is_one_line(overrides, words):
+    with pytest.raises(RecipeError) as info:
+        validate(recipe("sequence_parallel=2", *overrides))
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_context_parallel_is_refused_and_points_to_sequence_parallel():
+    with pytest.raises(RecipeError) as info:
+        validate(recipe("context_parallel=2"))
+    msg = str(info.value)
+    assert "no CPU path" in msg and "use sequence_parallel=2" in msg
+
+
+def test_sp_must_divide_the_processes():
+    with pytest.raises(RecipeError) as info:
+        make_plan(recipe("sequence_parallel=2"), env={"WORLD_SIZE": "3"}, cuda_available=False)
+    assert "sequence_parallel=2 does not divide the 3 process(es)" in str(info.value)
+    dry = make_plan(recipe("sequence_parallel=8"), env={"WORLD_SIZE": "1"}, cuda_available=False, dry_run=True)
+    assert any("sequence_parallel=8" in p for p in dry.unchecked)
+
+
+def test_plan_counts_data_parallel_ranks_in_the_global_batch():
+    p = make_plan(recipe("sequence_parallel=2", "global_batch_size=16", "micro_batch_size=4"),
+                  env={"WORLD_SIZE": "4"}, cuda_available=False)
+    assert (p.data_parallel_size, p.grad_accum, p.global_batch_size) == (2, 2, 16)
+    assert "global batch 16 = micro 4 x accum 2 x 2 data-parallel (sequence_parallel=2" in p.describe()
+    # DeepSpeed is not given the SP groups: its batch check counts every rank
+    config = deepspeed_config(replace_strategy(p, "zero3"), hidden_size=64)
+    assert config["train_batch_size"] == 4 * 2 * 4
+    with pytest.raises(RecipeError) as info:
+        make_plan(recipe("sequence_parallel=2", "global_batch_size=12", "micro_batch_size=4"),
+                  env={"WORLD_SIZE": "4"}, cuda_available=False)
+    assert "micro_batch_size x data-parallel ranks (processes / sequence_parallel) = 4 x 2 = 8" in str(info.value)
+
+
+def replace_strategy(plan, strategy):
+    import dataclasses
+
+    return dataclasses.replace(plan, recipe=dataclasses.replace(plan.recipe, strategy=strategy))
+
+
+# ---------------------------------------------------------------- the planner
+
+
+def test_activations_per_rank_are_divided_by_sequence_parallel():
+    from finetune import memory as M
+
+    a = M.Architecture(hidden_size=64, num_hidden_layers=4, intermediate_size=128, vocab_size=100,
+                       num_attention_heads=4)
+    b, t, h, heads, layers, v = 2, 16, 64, 4, 4, 100
+    one_layer = 34 * b * t * h + 5 * b * heads * t * t  # a rank: T/N tokens, a/N heads over the whole T
+    assert M.activation_bytes(a, b, t, "bf16", False, sequence_parallel=2) == layers * one_layer // 2 + \
+        (b * t // 2) * v * 10
+    assert M.activation_bytes(a, b, t, "bf16", True, sequence_parallel=4) == \
+        (layers * 2 * b * t * h + one_layer) // 4 + (b * t // 4) * v * 10
+    # the chunked loss holds one chunk whatever the split
+    assert M.activation_bytes(a, b, t, "bf16", False, "chunked", 8, sequence_parallel=2) == \
+        layers * one_layer // 2 + 8 * v * 10
+
+
+def test_longest_sequence_fits_and_one_step_more_does_not():
+    from dataclasses import replace
+
+    from finetune import memory as M
+
+    r = M.Recipe(model="meta-llama/Llama-2-7b-hf", strategy="zero3", activation_checkpointing=True)
+    a = M.load_architecture(r.model)
+    budget = M.parse_size("80GB")
+    setup = M.Setup("zero3")
+    lengths = {}
+    for n in (1, 2, 8):
+        t = M.longest_sequence(r, 8, a, setup, budget, sequence_parallel=n)
+        assert t % n == 0 and t > 0
+        fits = [M.recipe_estimate(replace(r, max_seq_len=x, sequence_parallel=n), 8, a, setup).fits(budget)
+                for x in (t, t + n)]
+        assert fits == [True, False]
+        lengths[n] = t
+    assert lengths[1] < lengths[2] < lengths[8]
+    assert M.longest_sequence(r, 1, a, M.Setup("ddp"), budget) == 0  # 16 bytes x 6.7e9 do not fit 80 GB
+
+
+def test_planner_cli_answers_the_longest_sequence(capsys):
+    from finetune.commands.plan import main
+
+    assert main(["--recipe", "llama7b_zero3", "--gpus", "8", "--gpu-mem", "80GB", "--max-seq-len",
+                 "sequence_parallel=8", "packing=false"]) == 0
+    out = capsys.readouterr().out
+    assert "sequence_parallel=1" in out and "sequence_parallel=8" in out and "* zero3" in out
+    assert main(["--recipe", "llama7b_zero3", "--gpus", "8", "--max-seq-len"]) == 2
+    assert "--max-seq-len needs --gpu-mem" in capsys.readouterr().err
