@@ -691,8 +691,8 @@ def main(argv: list[str]) -> int:
         for part in ("compare", "tokens", "timing"):
             if part not in results and part in earlier:
                 results[part] = earlier[part]
-                results.setdefault("kept", []).append(f"{part} from `{earlier['command']}` at git {earlier['git']} on "
-                                                      f"{earlier['started']}")
+                results.setdefault("kept", []).append(earlier.get("provenance", {}).get(part) or (
+                    f"{part} from `{earlier['command']}` at git {earlier['git']} on {earlier['started']}"))
     results["uptime_end"] = uptime()
     (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     text = section(results)
