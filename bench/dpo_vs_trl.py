@@ -42,10 +42,10 @@ TRL 1.16's semantics, read from trl/trainer/dpo_trainer.py (and what the bench d
   character tokenizer adds <s>); the completion starts at min(common prefix of the prompt's ids with each
   side's ids): one prompt length for both sides, and whatever follows it is trained. Our preference format
   follows our SFT rule (BOS + prompt + completion as one text + EOS, the completion from where the prompt's
-  own tokens stop matching), per side. The two agree wherever the prompt ends on a token boundary for both
-  sides (every pair of the compare part: checked pair by pair); where one answer merges with the prompt's
-  last token and the other does not, TRL's rejected side also scores that prompt token and ours does not
-  (the tokens part shows it).
+  own tokens stop matching), then both sides are scored from the earlier of the two starts
+  (finetune/data/preference.py same_prompt, TRL's rule): where one answer merges with the prompt's last
+  token ("...is Par" + "is.") and the other does not ("ma."), both score that prompt token. The compare
+  and tokens parts check each pair's ids and trained positions against TRL's.
 - Truncation: TRL 1.16 has no max_prompt_length (removed in its DPO refactor); `max_length` (default 1024)
   cuts each prompt+completion sequence to its first max_length tokens in the collator, and drops pairs
   whose prompt alone fills max_length. Ours: max_seq_len for a side's whole sequence, max_prompt_len cuts a
