@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +124,21 @@ def run_in_process(launch_env, monkeypatch):
     return call
 
 
+@contextmanager
+def one_thread():
+    """torch on one intra-op thread, as every launched process runs (OMP_NUM_THREADS=1 above): a
+    command called in this process computes (merges, generates) with the kernels' single-thread
+    reduction order, as the same command started from a shell with the launches' environment does."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def export_in_process(capsys):
     """`python -m finetune.export CKPT OUT` as a call of its main in this process."""
@@ -131,9 +147,26 @@ def export_in_process(capsys):
         from finetune.commands.export import main
 
         capsys.readouterr()
-        code = main([str(ckpt), str(out), *options])
+        with one_thread():
+            code = main([str(ckpt), str(out), *options])
         captured = capsys.readouterr()
         return Run(Path(out), code, captured.out, captured.err, {})
+
+    return call
+
+
+@pytest.fixture
+def chat_in_process(capsys):
+    """`finetune chat ARGS` as a call of its main in this process (a prompt's answer is printed)."""
+
+    def call(*argv: str) -> Run:
+        from finetune.commands.chat import main
+
+        capsys.readouterr()
+        with one_thread():
+            code = main([str(a) for a in argv])
+        captured = capsys.readouterr()
+        return Run(Path(argv[0]), code, captured.out, captured.err, {})
 
     return call
 
@@ -149,6 +182,22 @@ def strategy_run(launch):
         return cache[name, nprocs]
 
     return get
+
+
+# The run a person watching it sees (test_run_experience: tracker files, loss plot, summary, quiet logs),
+# launched the way the README starts one (`finetune train`), which is also test_samples_run's ZeRO-3 run
+# with parameters and optimizer offloaded (samples at eval equal `finetune chat` on its outputs): a low
+# learning rate and 4 steps, so that the last samples differ from step 0's and are not yet the empty
+# answers a few steps at the recipe's rate give; an eval every 2 steps, so that the trackers and the
+# plot see one in the middle of the run as well.
+WATCHED = ["strategy=zero3", "offload_params=cpu", "offload_optimizer=cpu", "lr=1e-4", "max_steps=4", "warmup_steps=1",
+           "eval_every=2", "sample_max_new_tokens=16", "report_to=tensorboard", "plot_loss=true"]
+
+
+@pytest.fixture(scope="session")
+def watched_run(launch):
+    """The WATCHED run, launched once per session through `finetune train`."""
+    return launch(2, *WATCHED, front=True)
 
 
 @pytest.fixture(scope="session")

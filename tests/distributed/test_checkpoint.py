@@ -82,16 +82,32 @@ def test_interrupted_run_resumes_exactly(strategy, launch, uninterrupted, tmp_pa
     assert left == KEPT[strategy], left
 
 
+@pytest.fixture(scope="module")
+def resumed_on_one(launch, uninterrupted, tmp_path_factory):
+    """resumed_on_one(strategy) -> the 1-process resume of a copy of the 2-process run's step 5, launched
+    once: test_two_processes_to_one checks it, and the universal-conversion test starts from the
+    conversion its zero2 resume made."""
+    cache = {}
+
+    def get(strategy):
+        if strategy not in cache:
+            out = resume_copy(uninterrupted(strategy), 5, tmp_path_factory)
+            cache[strategy] = launch(1, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
+        return cache[strategy]
+
+    return get
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])
-def test_two_processes_to_one(strategy, launch, uninterrupted, tmp_path_factory):
+def test_two_processes_to_one(strategy, resumed_on_one, uninterrupted):
     """Step 5 of 2 processes is 10 micro-steps; on 1 process the accumulation is 4, which does not
     divide 10: a resume that kept counting micro-steps from the checkpoint froze (ddp, fsdp) or
     stepped mid-batch (ZeRO). The global batches and the curve must continue as if uninterrupted.
     fsdp stands for ddp (the same micro-step counting; DCP resharding instead of whole tensors);
     zero2 for zero1 (DeepSpeed's universal conversion of a stage 1/2 checkpoint); zero3 for stage 3."""
     reference = uninterrupted(strategy)
-    out = resume_copy(reference, 5, tmp_path_factory)
-    resumed = launch(1, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
+    resumed = resumed_on_one(strategy)
+    out = resumed.output_dir
     assert "(2 -> 1 processes)" in resumed.stderr
     recipe = json.loads((out / "recipe.json").read_text())
     assert (recipe["world_size"], recipe["grad_accum"], recipe["global_batch_size"]) == (1, 4, 16)
@@ -301,19 +317,20 @@ def test_unreadable_manifest(launch, run_in_process, uninterrupted, tmp_path):
     assert (out / "final" / "model.safetensors").is_file()
 
 
-def test_universal_conversion_is_verified_rebuilt_and_made_elsewhere_on_read_only_storage(launch, uninterrupted,
-                                                                                        tmp_path_factory):
+def test_universal_conversion_is_verified_rebuilt_and_made_elsewhere_on_read_only_storage(
+        launch, uninterrupted, resumed_on_one, tmp_path_factory):
     """A ZeRO resume on another process count converts the checkpoint to DeepSpeed's universal format,
     sealed by its own listing (resume.CONVERSION: every file's size and xxh3 checksum, and the
     checkpoint's manifest digest). A flipped byte in one fp32.pt is found at the next resume and the
     conversion rebuilt: the curve is the good conversion's. A checkpoint on read-only storage is
-    converted into the new run's output_dir/universal-cache/ instead."""
+    converted into the new run's output_dir/universal-cache/ instead. The good conversion is the one
+    test_two_processes_to_one[zero2]'s resume made (the same launch)."""
     from finetune.checkpoint import manifest_digest, seal_problem
     from finetune.resume import CONVERSION, UNIVERSAL_CACHE
 
     reference = uninterrupted("zero2")
-    out = resume_copy(reference, 5, tmp_path_factory)
-    good = launch(1, "strategy=zero2", *SAVE, "--resume", "auto", output_dir=out)
+    good = resumed_on_one("zero2")
+    out = good.output_dir
     ckpt = out / "checkpoints" / "step_000000005"
     assert seal_problem(ckpt / "universal", CONVERSION, {"source_manifest": manifest_digest(ckpt)}) is None
     assert_close_after(good, reference, 5)
@@ -438,12 +455,10 @@ def test_full_disk_during_an_fsdp_save(launch, tmp_path):
         assert [r["step"] for r in run.train_records] == [1, 2, 3, 4]
 
 
-def test_a_full_disk_at_final_is_one_line_naming_the_checkpoint_to_export(launch, tmp_path):
+def test_a_full_disk_at_final_is_one_line_naming_the_checkpoint_to_export(launch, export_in_process, tmp_path):
     """final/ is written by rank 0 after the last checkpoint; a full disk there (ENOSPC raised where the
     files are written) stops every rank with one line, removes final.tmp, releases the lock, and names the
-    export that makes final/ from the last checkpoint: that command works."""
-    import sys
-
+    export that makes final/ from the last checkpoint: that command works (its main, called here)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
@@ -458,8 +473,7 @@ def test_a_full_disk_at_final_is_one_line_naming_the_checkpoint_to_export(launch
                               f"once there is room, finetune export {ckpt} {final}"), errors[0]
     assert run.stderr.count("Traceback") <= 1  # the launcher's report that its workers exited with 2
     assert not final.exists() and not (out / "final.tmp").exists() and not (out / "finetune.lock").exists()
-    exported = subprocess.run([sys.executable, "-m", "finetune.export", str(ckpt), str(final)], env=run.env,
-                              capture_output=True, text=True, timeout=600)
+    exported = export_in_process(ckpt, final)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert AutoModelForCausalLM.from_pretrained(final) is not None
 

@@ -88,7 +88,8 @@ def worker_lines(stderr: str, launcher_pid: int) -> list[str]:
     return [line for line in lines if not re.match(r"^[WIE]\d{4} ", line)]
 
 
-def test_ctrl_c_saves_and_resume_continues_and_a_busy_dir_is_refused(launch_env, fast_overrides, tmp_path):
+def test_ctrl_c_saves_and_resume_continues_and_a_busy_dir_is_refused(launch_env, fast_overrides, run_in_process,
+                                                                      tmp_path):
     out = tmp_path / "run"
     first = start(launch_env, fast_overrides, free_port(), out)
     try:
@@ -96,11 +97,10 @@ def test_ctrl_c_saves_and_resume_continues_and_a_busy_dir_is_refused(launch_env,
         holder = json.loads((out / LOCK_NAME).read_text())
         assert holder["pid"] == workers(first.pid)[0]  # rank 0 holds the lock
 
-        # a second run into the busy output_dir: refused before loading anything, nothing changed
+        # a second run into the busy output_dir (`python finetune/run.py`, its main called in this process):
+        # refused before loading anything, nothing changed
         files = sorted(p.name for p in out.iterdir())
-        busy = subprocess.run([sys.executable, "finetune/run.py", "--recipe", "tiny", *fast_overrides, *LONG,
-                               f"output_dir={out}", "--resume", "auto"], cwd=REPO, env=launch_env,
-                              capture_output=True, text=True, timeout=300)
+        busy = run_in_process(*LONG, "--resume", "auto", output_dir=out)
         assert busy.returncode == 2, busy.stderr
         assert busy.stderr.splitlines() == [busy.stderr.strip()] and busy.stderr.startswith(
             f"error: output_dir={out} is in use by another run: pid {holder['pid']} on host {holder['host']}, "

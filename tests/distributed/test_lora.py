@@ -106,27 +106,18 @@ def test_lora_resume_is_exact(strategy, lora_runs, launch, tmp_path_factory):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def export(ckpt, out, env, *options):
-    import subprocess
-    import sys
-
-    from tests.distributed.conftest import REPO
-
-    return subprocess.run([sys.executable, "-m", "finetune.export", str(ckpt), str(out), *options], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 @pytest.mark.parametrize("strategy", ["fsdp", "zero3"])
-def test_lora_checkpoint_exports(strategy, lora_runs, tmp_path):
-    """`python -m finetune.export` of a LoRA checkpoint writes the adapter, which peft loads on the base
-    and which equals final/ tensor for tensor; with --merge, the plain model equal to final_merged/
-    (checked on the fsdp run; export merges the adapter it rebuilt, the same for every strategy)."""
+def test_lora_checkpoint_exports(strategy, lora_runs, export_in_process, tmp_path):
+    """`python -m finetune.export` of a LoRA checkpoint (its main, called in this process) writes the
+    adapter, which peft loads on the base and which equals final/ tensor for tensor; with --merge, the
+    plain model equal to final_merged/ (checked on the fsdp run; export merges the adapter it rebuilt,
+    the same for every strategy)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     run = lora_runs(strategy)
     ckpt = run.output_dir / "checkpoints" / "step_000000012"
-    adapter = export(ckpt, tmp_path / "adapter", run.env)
+    adapter = export_in_process(ckpt, tmp_path / "adapter")
     assert adapter.returncode == 0, adapter.stderr[-3000:]
     assert "exported the LoRA adapter of step 12" in adapter.stdout and "probe logits identical" in adapter.stdout
     a = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
@@ -141,7 +132,7 @@ def test_lora_checkpoint_exports(strategy, lora_runs, tmp_path):
 
     if strategy != "fsdp":  # --merge works from the adapter above whatever wrote it: one strategy is enough
         return
-    merged = export(ckpt, tmp_path / "merged", run.env, "--merge")
+    merged = export_in_process(ckpt, tmp_path / "merged", "--merge")
     assert merged.returncode == 0, merged.stderr[-3000:]
     assert "merged into" in merged.stdout and "probe logits identical" in merged.stdout
     a = load_file(str(tmp_path / "merged" / "model.safetensors"))

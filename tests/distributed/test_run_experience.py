@@ -10,9 +10,11 @@ import time
 from PIL import Image
 
 
-def test_tensorboard_plot_and_summary(launch):
-    """Launched the way the README starts a run: `finetune train` checks, then starts 2 processes."""
-    run = launch(2, "strategy=zero3", "report_to=tensorboard", "plot_loss=true", front=True)
+def test_tensorboard_plot_and_summary(watched_run):
+    """Launched the way the README starts a run: `finetune train` checks, then starts 2 processes (the
+    session's WATCHED run, conftest.py: ZeRO-3, 4 steps, an eval every 2, which test_samples_run also
+    checks)."""
+    run = watched_run
     assert "finetune: accelerate launch --multi_gpu" in run.stderr
     out = run.output_dir
 
@@ -28,20 +30,20 @@ def test_tensorboard_plot_and_summary(launch):
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
         for tag in acc.Tags()["tensors"]:  # text summaries: the samples at each eval
             texts.setdefault(tag, []).extend((e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(tag))
-    assert [s for s, _ in sorted(scalars["train/loss"])] == list(range(1, 13))
-    assert [s for s, _ in sorted(scalars["eval/loss"])] == [0, 6, 12]
+    assert [s for s, _ in sorted(scalars["train/loss"])] == list(range(1, 5))
+    assert [s for s, _ in sorted(scalars["eval/loss"])] == [0, 2, 4]
     logged = {r["step"]: r["loss"] for r in run.train_records}
     for step, value in scalars["train/loss"]:
         assert abs(value - logged[step]) < 1e-5 * abs(logged[step])
     assert {"train/lr", "train/grad_norm", "train/tokens_per_s"} <= set(scalars)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [s for s, _ in sorted(texts["samples/text_summary"])] == [0, 6, 12]
-    last = dict(texts["samples/text_summary"])[12]
-    assert all(s["reference"] in last for s in samples if s["step"] == 12)
+    assert [s for s, _ in sorted(texts["samples/text_summary"])] == [0, 2, 4]
+    last = dict(texts["samples/text_summary"])[4]
+    assert all(s["reference"] in last for s in samples if s["step"] == 4)
 
     png = Image.open(out / "loss.png")
     assert png.format == "PNG" and png.size[0] >= 600 and png.size[1] >= 400
-    assert json.loads(png.text["Description"]) == {"train_loss": 12, "eval_loss": 3, "last_step": 12}
+    assert json.loads(png.text["Description"]) == {"train_loss": 4, "eval_loss": 3, "last_step": 4}
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_model"] == str(out / "final") and (out / "final" / "config.json").is_file()

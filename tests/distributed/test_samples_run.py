@@ -2,7 +2,9 @@
 for token): ZeRO-3 (with its parameters and optimizer offloaded) and FSDP2 generate with their weights
 gathered once per eval, FSDP2 also with LoRA; chat loads final/ as a plain model (or base + adapter)
 in one process. A low learning rate and 4 steps: the answers at the end differ from step 0's but are
-not yet the empty answers a few steps at the recipe's rate give (an empty answer compares one token)."""
+not yet the empty answers a few steps at the recipe's rate give (an empty answer compares one token).
+The ZeRO-3 run is the session's WATCHED run (conftest.py; test_run_experience checks its trackers,
+plot and summary), launched through `finetune train` with an eval every 2 steps."""
 
 from __future__ import annotations
 
@@ -17,15 +19,16 @@ from conftest import REPO
 
 SAMPLES = ["max_steps=4", "warmup_steps=1", "sample_max_new_tokens=16"]
 RUNS = {
-    "zero3_offload": ["strategy=zero3", "offload_params=cpu", "offload_optimizer=cpu", "lr=1e-4"],
     "fsdp": ["strategy=fsdp", "lr=1e-4"],
     "fsdp_lora": ["strategy=fsdp", "lora=true", "lr=3e-4"],
 }
+# the directories of output_dir besides checkpoints/ and final/ (the WATCHED run's tensorboard logs)
+TRACKER_DIRS = {"zero3_offload": ["finetune"]}
 
 
 @pytest.fixture(scope="module")
-def sample_run(launch):
-    cache = {}
+def sample_run(launch, watched_run):
+    cache = {"zero3_offload": watched_run}
 
     def get(name):
         if name not in cache:
@@ -42,25 +45,32 @@ def _samples(run) -> list[dict]:
 ALPACA = re.compile(r"<s>### Instruction:\n(.*)\n\n### Input:\n(.*)\n\n### Response:\n", re.S)
 
 
-def _chat(run, path, prompts: list[str], max_new_tokens: int) -> list[str]:
+def _chat(run, path, prompts: list[str], max_new_tokens: int, chat_in_process) -> list[str]:
     """`finetune chat PATH INSTRUCTION --input INPUT` as a user asks (the run's alpaca format is found in
-    its recipe.json), once per prompt of samples.jsonl (its prompt is the rendered alpaca prompt)."""
+    its recipe.json), once per prompt of samples.jsonl (its prompt is the rendered alpaca prompt): the
+    first as the command itself, in a process of its own with the launches' environment, the others as
+    calls of its main in this process (the same loading and generation, without an interpreter and
+    torch's import per prompt)."""
     answers = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         instruction, input = ALPACA.fullmatch(prompt).groups()
-        proc = subprocess.run([sys.executable, "-m", "finetune.cli", "chat", str(path), instruction, "--input", input,
-                               "--max-new-tokens", str(max_new_tokens)], cwd=REPO, env=run.env, capture_output=True,
-                              text=True, timeout=300)
+        argv = [str(path), instruction, "--input", input, "--max-new-tokens", str(max_new_tokens)]
+        if i == 0:
+            proc = subprocess.run([sys.executable, "-m", "finetune.cli", "chat", *argv], cwd=REPO, env=run.env,
+                                  capture_output=True, text=True, timeout=300)
+        else:
+            proc = chat_in_process(*argv)
         assert proc.returncode == 0, proc.stderr[-3000:]
         answers.append(proc.stdout.removesuffix("\n"))
     return answers
 
 
-def assert_samples_equal_chat(run, path=None):
+def assert_samples_equal_chat(run, chat_in_process, path=None):
     samples = _samples(run)
     recipe = json.loads((run.output_dir / "recipe.json").read_text())
     steps = sorted({s["step"] for s in samples})
-    assert steps == [0, 4]  # eval_at_start, the end
+    assert recipe["max_steps"] == 4
+    assert steps == [*range(0, 4, recipe["eval_every"]), 4]  # eval_at_start, every eval_every, the end
     last = [s for s in samples if s["step"] == 4]
     assert len(last) == recipe["sample_prompts"] == 3
     assert all(s["reference"] and ALPACA.fullmatch(s["prompt"]) for s in last)
@@ -69,22 +79,26 @@ def assert_samples_equal_chat(run, path=None):
     summary = json.loads((run.output_dir / "summary.json").read_text())
     assert summary["samples"] == last
     assert "step 4: sample (3 in" in run.stderr
-    chat = _chat(run, path or run.output_dir / "final", [s["prompt"] for s in last], recipe["sample_max_new_tokens"])
+    chat = _chat(run, path or run.output_dir / "final", [s["prompt"] for s in last], recipe["sample_max_new_tokens"],
+                 chat_in_process)
     assert chat == [s["generated"] for s in last]
     assert any(chat)  # not all empty answers: the comparison compared tokens
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_samples_equal_chat_on_final(name, sample_run):
-    assert_samples_equal_chat(sample_run(name))
+@pytest.mark.parametrize("name", ["zero3_offload", *RUNS])
+def test_samples_equal_chat_on_final(name, sample_run, chat_in_process):
+    assert_samples_equal_chat(sample_run(name), chat_in_process)
 
 
 @pytest.mark.parametrize("name", ["zero3_offload", "fsdp_lora"])
-def test_samples_equal_chat_on_checkpoint(name, sample_run):
+def test_samples_equal_chat_on_checkpoint(name, sample_run, chat_in_process):
     """A checkpoint is rebuilt in memory (the export path, nothing written) and answers like final/."""
     run = sample_run(name)
-    assert_samples_equal_chat(run, run.output_dir / "checkpoints" / "step_000000004")
-    assert sorted(p.name for p in run.output_dir.iterdir() if p.is_dir()) == ["checkpoints", "final"]
+    before = sorted(run.output_dir.rglob("*"))
+    assert_samples_equal_chat(run, chat_in_process, run.output_dir / "checkpoints" / "step_000000004")
+    assert sorted(p.name for p in run.output_dir.iterdir() if p.is_dir()) == \
+        sorted(["checkpoints", "final", *TRACKER_DIRS.get(name, [])])
+    assert sorted(run.output_dir.rglob("*")) == before  # nothing written anywhere
 
 
 def test_more_samples_than_eval_rows_is_one_line(launch):
