@@ -81,8 +81,7 @@ def form_cpu_group(strategy: str) -> bool:
 def trainer_kwargs(r, plan, config, on_cpu: bool) -> dict:
     """The TrainingArguments that depend on strategy, precision and device (the module's docstring
     says why each is what it is). On CPU it also forms the gloo group (form_cpu_group)."""
-    from finetune.model import no_split_modules
-    from finetune.strategy import deepspeed_config
+    from finetune.strategy import deepspeed_config, no_split_modules
 
     kw = {"bf16": r.mixed_precision == "bf16", "fp16": r.mixed_precision == "fp16",
           "optim": "adamw_torch" if on_cpu else "adamw_torch_fused", "dataloader_pin_memory": not on_cpu}

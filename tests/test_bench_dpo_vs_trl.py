@@ -1,0 +1,69 @@
+"""bench/dpo_vs_trl.py's pure parts: the generated pairs, the per-step comparison and TRL's pair layout.
+No launches, no TRL; the metric values below are made up to exercise the comparison."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench modules import each other by name
+
+import dpo_vs_trl as B  # noqa: E402
+
+
+def test_rows_are_explicit_distinct_pairs_of_unequal_lengths():
+    rows = B.rows()
+    assert len(rows) == 64 and rows == B.rows()  # the same pairs on every call
+    assert all(set(r) == {"prompt", "chosen", "rejected"} and r["chosen"] != r["rejected"] for r in rows)
+    assert sum(len(r["chosen"]) != len(r["rejected"]) for r in rows) >= 32  # ipo's per-side token counts differ
+    assert all(len(r["prompt"]) + max(len(r["chosen"]), len(r["rejected"])) + 2 < 256 for r in rows)  # no truncation
+
+
+def test_differences_absolute_for_small_values_relative_for_sums():
+    trl = [{m: 0.5 for m in B.METRICS} | {"logps/chosen": -120.0, "logps/rejected": -130.0} for _ in range(3)]
+    ours = [dict(r) for r in trl]
+    ours[1]["loss"] += 2e-6
+    ours[2]["logps/chosen"] -= 7.6e-4  # 6.3e-6 relative: a few fp32 ulps of a sum near -120 would pass
+    d = B.differences(ours, trl)
+    assert d["loss"]["step"] == 2 and abs(d["loss"]["max_abs_diff"] - 2e-6) < 1e-9 and d["loss"]["within"]
+    assert d["logps/chosen"]["within"] and abs(d["logps/chosen"]["max_scaled_diff"] - 7.6e-4 / 120) < 1e-9
+    ours[0]["rewards/margins"] += 2e-5  # above 1e-5 on a value below 1: absolute
+    assert not B.differences(ours, trl)["rewards/margins"]["within"]
+    del ours[2]["rewards/accuracies"]  # a step that lacks a metric never passes
+    assert B.differences(ours, trl)["rewards/accuracies"]["max_abs_diff"] == float("inf")
+
+
+def test_trl_pair_layout_as_ours():
+    sides = B.trl_sides({"prompt_ids": [1, 5, 6], "chosen_ids": [7, 2], "rejected_ids": [8, 9, 2]})
+    assert sides == {"chosen": ([1, 5, 6, 7, 2], [0, 0, 0, 1, 1]), "rejected": ([1, 5, 6, 8, 9, 2], [0, 0, 0, 1, 1, 1])}
+
+
+def test_section_renders_every_part():
+    """The report section from a synthetic result (made-up numbers): every part, a failed loss, kept rows."""
+    trl = [{m: 0.5 for m in B.METRICS} | {"logps/chosen": -120.0, "logps/rejected": -130.0}] * 2
+    ok = {"ok": True, "steps_ours": 2, "steps_trl": 2, "diffs": B.differences(trl, trl), "ours": trl, "pairs": 64,
+          "pairs_trl": 64, "same_tokens": 64, "match": True}
+    side = {"ok": True, "other_load": 0.1, "seconds_per_step": 2.0, "engine": "DeepSpeedEngine",
+            "reference": "DeepSpeedEngine"}
+    row = {"round": 0, "noisy": False, "ours": side, "trl": dict(side, seconds_per_step=3.0), "trl_over_ours": 1.5,
+           "uptime_before": "up 1:00, load average: 0.50, 0.40, 0.30", "worst_scaled_diff": 3e-7,
+           "worst_metric": "rewards/chosen", "loss_max_abs_diff": 2e-7}
+    results = {"command": "python bench/dpo_vs_trl.py", "git": "abc1234", "started": "2026-01-01 10:00 UTC",
+               "minutes": 12.0, "machine": {"cpu": "CPU", "cores": 2}, "versions": {"trl": "1.16.0"},
+               "kept": ["the timing rows of 2026-01-01 09:00 UTC"],
+               "compare": {"steps": 2, "losses": {"sigmoid": ok, "ipo": {"ok": False, "error": "ours: boom"}}},
+               "tokens": {"mistral-v3": {"pairs": 21, "same": 20, "differ": [
+                   {"pair": 19, "side": "rejected", "ours": ["ma", "<|end_of_text|>"], "trl": ["▁Par", "ma"]}]}},
+               "timing": {"model": "m", "steps": 13, "warmup": 3,
+                          "strategies": {"zero3": [dict(row, started="2026-01-01 09:00 UTC"), row]}}}
+    text = B.section(results)
+    assert "ipo: failed: ours: boom" in text and "64 of 64" in text and "20 of 21" in text
+    assert "finetune trains ma <\\|end_of_text\\|>, TRL ▁Par ma" in text and "Kept from an earlier run" in text
+    timing = [line for line in text.splitlines() if line.startswith("| zero3")]
+    assert len(timing) == 2 and "09:00 UTC, round 0" in timing[0] and "10:00 UTC, round 0" in timing[1]
+    assert "1.50x" in timing[1] and "rewards/chosen 3.0e-07" in timing[1] and "2.0e-07" in timing[1]
+    tables, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|"):
+            block.append(line.count("|") - line.count("\\|"))
+        elif block:
+            tables, block = tables + [block], []
+    assert len(tables) == 3 and all(len(set(t)) == 1 for t in tables)  # no stray "|" splits a cell
