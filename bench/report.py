@@ -50,6 +50,8 @@ STEP_BEGIN, STEP_END = "<!-- step-overhead:begin -->", "<!-- step-overhead:end -
 STEP_TITLE = "## 9. What a step costs beyond the model, against the Trainer"
 SAMPLES_BEGIN, SAMPLES_END = "<!-- samples:begin -->", "<!-- samples:end -->"
 SAMPLES_TITLE = "## 10. Samples at eval: seconds per sample under ddp, zero3 and fsdp"
+SP_BEGIN, SP_END = "<!-- sp-memory:begin -->", "<!-- sp-memory:end -->"
+SP_TITLE = "## 11. Sequence parallelism: peak memory per rank (bench/sp_memory.py)"
 DPO_BEGIN, DPO_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
 DPO_TITLE = "## 12. DPO against TRL's DPOTrainer"
 
@@ -281,6 +283,10 @@ def write_cpu_report(doc: Path, results: dict) -> str:
     if samples_block is not None:  # measured by bench/samples.py, kept as it is
         add(SAMPLES_TITLE + "\n")
         add(SAMPLES_BEGIN + "\n" + samples_block + "\n" + SAMPLES_END + "\n")
+    sp_block = _marked_block(doc, SP_BEGIN, SP_END)
+    if sp_block is not None:  # measured by bench/sp_memory.py --doc, kept as it is
+        add(SP_TITLE + "\n")
+        add(SP_BEGIN + "\n" + sp_block + "\n" + SP_END + "\n")
     dpo_block = _marked_block(doc, DPO_BEGIN, DPO_END)
     if dpo_block is not None:  # measured by bench/dpo_vs_trl.py --doc, kept as it is
         add(DPO_TITLE + "\n")

@@ -96,12 +96,9 @@ def main(argv: list[str]) -> int:
     ])
     print(text)
     if args.doc:
-        path = Path(args.doc)
-        title = "## 11. Sequence parallelism: peak memory per rank (bench/sp_memory.py)"
-        body = path.read_text()
-        if title in body:
-            body = body[:body.index(title)].rstrip() + "\n"
-        path.write_text(body.rstrip() + "\n\n" + title + "\n\n" + text + "\n")
+        from report import SP_BEGIN, SP_END, SP_TITLE, write_marked_section
+
+        write_marked_section(Path(args.doc), SP_TITLE, SP_BEGIN, SP_END, text)
     (work / "sp_memory.json").write_text(json.dumps(results, indent=2) + "\n")
     return 0
 
