@@ -34,7 +34,18 @@ TWO_PROCESSES = {  # name: (its 1-process curve, overrides)
 }
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-ATOL, RTOL = 1e-6, 1e-7  # fp32; a sequence's log-prob sums ~25 token log-probs (measured: 1.3e-6 at -27.6)
+# fp32. The loss is held to 1e-6 (measured: up to 7.9e-7 on 2 processes). The rewards and logps are sums of
+# ~25 token log-probs (about -25); another split of the batch moves such a sum by about one ulp there (1.9e-6),
+# so they are held to 4 ulps of the record's largest log-prob sum (measured: 1.4e-6 in rewards/margins).
+ATOL, RTOL = 1e-6, 1e-7
+SUM_ULPS = 4
+
+
+def tolerance(key: str, record: dict, atol: float = ATOL) -> float:
+    if key.removeprefix("eval_") in ("loss", "rewards/accuracies"):
+        return atol
+    scale = max(abs(v) for k, v in record.items() if "logps/" in k)
+    return max(atol, SUM_ULPS * math.ulp(scale))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +71,7 @@ def assert_same_curve(got, want, atol=ATOL):
     assert [sorted(r) for r in a] == [sorted(r) for r in b], "the same steps and metrics"
     for x, y in zip(a, b):
         for key in x:
-            assert math.isclose(x[key], y[key], rel_tol=RTOL, abs_tol=atol), (key, x, y)
+            assert math.isclose(x[key], y[key], rel_tol=RTOL, abs_tol=tolerance(key, y, atol)), (key, x, y)
 
 
 @pytest.mark.parametrize("name", list(TWO_PROCESSES))
@@ -70,7 +81,11 @@ def test_two_processes_equal_one(name, dpo_run):
     records = got.train_records
     assert [r["step"] for r in records] == list(range(1, 7))
     assert all(set(METRICS) <= set(r) for r in records), records[0]
-    assert records[0]["rewards/accuracies"] == 0.0 or name.startswith("simpo"), "policy == reference at step 1"
+    if not name.startswith("simpo"):  # step 1: the policy is the reference
+        first = records[0]
+        assert abs(first["rewards/chosen"]) < 1e-5 and abs(first["rewards/rejected"]) < 1e-5, first
+        if not name.startswith("precompute"):  # computed in the same forward: equal, so never strictly ahead
+            assert first["rewards/accuracies"] == 0.0, first
     assert_same_curve(got, want)
     reference = {"fsdp": "a frozen copy", "zero3": "a frozen copy", "lora_fsdp": "the policy with its adapter disabled",
                  "qlora_fsdp": "the policy with its adapter disabled", "precompute_zero2": "precomputed"}
@@ -131,7 +146,7 @@ def test_precomputed_reference_is_reused_by_a_resume_on_one_process(dpo_run, lau
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for x, y in zip(got, want):
         for key in x:
-            assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=ATOL), (key, x, y)
+            assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=tolerance(key, y)), (key, x, y)
 
 
 def test_precomputed_reference_gone_at_resume_is_one_line(dpo_run, launch, tmp_path_factory):
