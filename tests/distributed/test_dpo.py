@@ -194,14 +194,14 @@ def test_sigkill_and_exact_resume_zero3(dpo_run, launch, tmp_path_factory):
 
 
 def test_tiny_dpo_recipe_learns(launch, tmp_path_factory):
-    """The recipe as a user runs it (2 processes, its own steps and evals): the eval's reward accuracy
-    climbs well above chance."""
+    """The recipe as a user runs it (2 processes, its hyper-parameters and data), shortened to 20 steps
+    (its cosine schedule with them): the eval's reward accuracy climbs well above chance."""
     out = tmp_path_factory.mktemp("tiny-dpo")
-    run = launch(2, "max_steps=60", "eval_every=20", "eval_max_samples=64", "log_every=10", "warmup_steps=5",
+    run = launch(2, "max_steps=20", "eval_every=20", "eval_max_samples=64", "log_every=10", "warmup_steps=5",
                  "global_batch_size=32", "micro_batch_size=8", "loss_chunk_tokens=0", "sample_prompts=0",
                  output_dir=out, recipe="tiny_dpo")
     evals = run.eval_records
-    assert evals[0]["step"] == 0 and evals[-1]["step"] == 60
+    assert [r["step"] for r in evals] == [0, 20]
     assert evals[0]["eval_rewards/accuracies"] == 0.0  # the policy is the reference at step 0
-    assert evals[-1]["eval_rewards/accuracies"] >= 0.7, evals  # 0.78 measured (1 process, same batches)
+    assert evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
     assert evals[-1]["eval_loss"] < math.log(2) - 0.1, evals

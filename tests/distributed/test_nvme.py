@@ -1,7 +1,8 @@
 """NVMe offload for real: ZeRO-3 with parameters and optimizer states swapped to files in nvme_path
 through DeepSpeed's async_io op (libaio; scripts/setup.sh installs it and builds the op), on 2
-processes. Its curve is the CPU-offload curve: both keep the fp32 master weights and Adam states
-off the accelerator and step them with the same CPU Adam; NVMe only moves them through files.
+processes. The optimizer on NVMe steps as the optimizer on CPU does, bit for bit: both keep the fp32
+master weights and Adam states off the accelerator and step them with the same CPU Adam; NVMe only
+moves them through files.
 
 DeepSpeed swaps only tensors of at least 1 MiB per rank (swap_tensor.utils.MIN_AIO_BYTES); every
 tensor of the builtin tiny model is smaller, so NVMe offload of it would write nothing. The model
@@ -18,10 +19,11 @@ import math
 from pathlib import Path
 
 import pytest
+from suite_runs import resume_copy
 
 SHORT = ["max_steps=4", "eval_at_start=false", "strategy=zero3"]
 # After a 2-process resume of ZeRO-3 with the optimizer on cpu the next loss differed from the
-# uninterrupted one by 5e-7 relative (7.4890647 vs 7.4890683 at step 4; one process: bit for bit):
+# uninterrupted one (then on cpu) by 5e-7 relative (7.4890647 vs 7.4890683 at step 4; one process: bit for bit):
 # fp32 rounding, well inside the 1e-5 that checkpoints moved between world sizes are held to.
 RESUME_RTOL = 1e-5
 STOP_AT_2 = {"FINETUNE_FAULT": "after_step:1:1:SIGTERM"}  # rank 1 gets SIGTERM after step 1; all stop at 2
@@ -72,41 +74,45 @@ def curve(run) -> list[tuple]:
     return [(r["step"], r["tokens"], r["loss"]) for r in run.train_records]
 
 
-def test_nvme_offload_follows_the_cpu_offload_curve_and_resumes(launch, run_in_process, swappable_model, tmp_path):
+def test_nvme_offload_trains_like_cpu_offload_and_params_on_nvme_resume(launch, run_in_process, swappable_model,
+                                                                         tmp_path, tmp_path_factory):
     model = f"model={swappable_model}"
-    reference = launch(2, *SHORT, model, "offload_optimizer=cpu", "offload_params=cpu")
-    assert [s for s, _, _ in curve(reference)] == [1, 2, 3, 4] and reference.losses[-1] < reference.losses[0]
-
-    # parameters and optimizer on NVMe: the same numbers, bit for bit (the same CPU Adam on the same
-    # values in the same order; NVMe only stores them in between)
+    # parameters and optimizer on NVMe, uninterrupted
     both = tmp_path / "nvme-both"
     both.mkdir()
-    first = launch(2, *SHORT, model, "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={both}",
-                   extra_env=STOP_AT_2)
-    assert "stopped by signal at step 2" in first.stderr
-    assert curve(first) == curve(reference)[:2]
+    reference = launch(2, *SHORT, model, "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={both}",
+                       "save_every=2")
+    assert [s for s, _, _ in curve(reference)] == [1, 2, 3, 4] and reference.losses[-1] < reference.losses[0]
     for kind in ("optimizer", "float32params"):  # both ranks swapped both, in files of at least 1 MiB
         files = swap_files(both, kind)
         assert list(files) == ["rank0", "rank1"] and all(s and max(s) >= 2**20 for s in files.values()), (kind, files)
-    checkpoint = first.output_dir / "checkpoints" / "step_000000002"
+    checkpoint = reference.output_dir / "checkpoints" / "step_000000002"
     assert len([p for p in (checkpoint / "pytorch_model" / "offloaded_tensors").iterdir() if any(p.iterdir())]) == 2
 
     # ... whose resume DeepSpeed gets wrong: refused before anything loads, in one line
+    stopped_there = resume_copy(reference, 2, tmp_path_factory)
+    copied = stopped_there / "checkpoints" / "step_000000002"
     refused = run_in_process(*SHORT, model, "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={both}",
-                             "--resume", "auto", output_dir=first.output_dir)
+                             "--resume", "auto", output_dir=stopped_there)
     assert refused.returncode == 2, refused.stderr
     assert refused.stderr.splitlines() == [
-        f"error: --resume {checkpoint}: the checkpoint was written with offload_optimizer=nvme, which deepspeed "
+        f"error: --resume {copied}: the checkpoint was written with offload_optimizer=nvme, which deepspeed "
         f"{__import__('deepspeed').__version__} does not resume correctly (Adam's step count restarts and the small "
         "optimizer partitions return to their initial values); runs that must resume: offload_optimizer=cpu "
         "(offload_params=nvme resumes correctly)"], refused.stderr
 
-    # parameters on NVMe, stopped by a scheduler's SIGTERM and resumed: the uninterrupted curve
+    # parameters on NVMe, the optimizer on CPU, stopped by a scheduler's SIGTERM: the same numbers, bit for
+    # bit (the same CPU Adam on the same values in the same order; NVMe only stores them in between) ...
     params = tmp_path / "nvme-params"
     params.mkdir()
     nvme_params = ["offload_optimizer=cpu", "offload_params=nvme", f"nvme_path={params}"]
     stopped = launch(2, *SHORT, model, *nvme_params, extra_env=STOP_AT_2)
+    assert "stopped by signal at step 2" in stopped.stderr
+    assert curve(stopped) == curve(reference)[:2]
     assert swap_files(params, "float32params") and all(swap_files(params, "float32params").values())
+    assert not swap_files(params, "optimizer")
+
+    # ... and resumed: the uninterrupted curve
     resumed = launch(2, *SHORT, model, *nvme_params, "--resume", "auto", output_dir=stopped.output_dir)
     assert "at step 2" in resumed.stderr
     got, want = curve(resumed), curve(reference)
