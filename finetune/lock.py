@@ -22,7 +22,6 @@ import os
 import socket
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -187,23 +186,23 @@ class OutputDirLock:
         raise RecipeError(f"output_dir={self.output_dir}: could not take {self.path}; other runs keep taking it")
 
     def _break_stale(self, holder: Holder) -> bool:
-        """Move the stale lock aside under a unique name, then check it is the one judged stale: two
-        runs breaking the same stale lock at once must not delete the fresh lock of the faster one."""
-        aside = self.path.with_name(f".{LOCK_NAME}.stale.{uuid.uuid4().hex}")
+        """Remove the lock judged stale, if it is still that one. Runs that break the same stale lock at once
+        take turns under flock on output_dir (local to this host, where a stale lock is judged; released by
+        the kernel if a holder dies): each reads the lock again and removes it only if it is still the stale
+        one, so no run removes the fresh lock of a faster one. Only these turns remove a stale lock, and a
+        live run removes only its own, so the lock cannot change between that read and the removal."""
+        import fcntl
+
+        fd = os.open(self.output_dir, os.O_RDONLY)
         try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False
-        moved = _holder(aside, wait_s=0)
-        if moved is not None and moved.info == holder.info:
-            aside.unlink(missing_ok=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = _holder(self.path, wait_s=0)
+            if current is None or current.info != holder.info:
+                return False  # gone, or another run's lock now: look again
+            self.path.unlink(missing_ok=True)
             return True
-        try:  # someone else's fresh lock: put it back (link fails if yet another one appeared meanwhile)
-            os.link(aside, self.path)
-        except OSError:
-            pass
-        aside.unlink(missing_ok=True)
-        return False
+        finally:
+            os.close(fd)  # releases the flock
 
     def release(self) -> None:
         """Remove the lock if it is still this run's; idempotent."""
