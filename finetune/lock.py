@@ -195,7 +195,10 @@ class OutputDirLock:
 
         fd = os.open(self.output_dir, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:  # a filesystem without flock: the read again below still narrows the race
+                pass
             current = _holder(self.path, wait_s=0)
             if current is None or current.info != holder.info:
                 return False  # gone, or another run's lock now: look again
