@@ -54,6 +54,11 @@ SP_BEGIN, SP_END = "<!-- sp-memory:begin -->", "<!-- sp-memory:end -->"
 SP_TITLE = "## 11. Sequence parallelism: peak memory per rank (bench/sp_memory.py)"
 DPO_BEGIN, DPO_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
 DPO_TITLE = "## 12. DPO against TRL's DPOTrainer"
+# Sections measured by other benches, kept as they are and in this order by the report:
+# bench/loss_memory.py, data_prep.py, step_overhead.py, samples.py, sp_memory.py, dpo_vs_trl.py
+KEPT_SECTIONS = [(LOSS_TITLE, LOSS_BEGIN, LOSS_END), (DATA_TITLE, DATA_BEGIN, DATA_END),
+                 (STEP_TITLE, STEP_BEGIN, STEP_END), (SAMPLES_TITLE, SAMPLES_BEGIN, SAMPLES_END),
+                 (SP_TITLE, SP_BEGIN, SP_END), (DPO_TITLE, DPO_BEGIN, DPO_END)]
 
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:
@@ -267,30 +272,11 @@ def write_cpu_report(doc: Path, results: dict) -> str:
 
     add("## 6. One GPU, 1B model, bf16\n")
     add(GPU_BEGIN + "\n" + _gpu_block(doc) + "\n" + GPU_END + "\n")
-    loss_block = _marked_block(doc, LOSS_BEGIN, LOSS_END)
-    if loss_block is not None:  # measured by bench/loss_memory.py --doc, kept as it is
-        add(LOSS_TITLE + "\n")
-        add(LOSS_BEGIN + "\n" + loss_block + "\n" + LOSS_END + "\n")
-    data_block = _marked_block(doc, DATA_BEGIN, DATA_END)
-    if data_block is not None:  # measured by bench/data_prep.py --doc, kept as it is
-        add(DATA_TITLE + "\n")
-        add(DATA_BEGIN + "\n" + data_block + "\n" + DATA_END + "\n")
-    step_block = _marked_block(doc, STEP_BEGIN, STEP_END)
-    if step_block is not None:  # measured by bench/step_overhead.py --doc, kept as it is
-        add(STEP_TITLE + "\n")
-        add(STEP_BEGIN + "\n" + step_block + "\n" + STEP_END + "\n")
-    samples_block = _marked_block(doc, SAMPLES_BEGIN, SAMPLES_END)
-    if samples_block is not None:  # measured by bench/samples.py, kept as it is
-        add(SAMPLES_TITLE + "\n")
-        add(SAMPLES_BEGIN + "\n" + samples_block + "\n" + SAMPLES_END + "\n")
-    sp_block = _marked_block(doc, SP_BEGIN, SP_END)
-    if sp_block is not None:  # measured by bench/sp_memory.py --doc, kept as it is
-        add(SP_TITLE + "\n")
-        add(SP_BEGIN + "\n" + sp_block + "\n" + SP_END + "\n")
-    dpo_block = _marked_block(doc, DPO_BEGIN, DPO_END)
-    if dpo_block is not None:  # measured by bench/dpo_vs_trl.py --doc, kept as it is
-        add(DPO_TITLE + "\n")
-        add(DPO_BEGIN + "\n" + dpo_block + "\n" + DPO_END + "\n")
+    for title, begin, end in KEPT_SECTIONS:  # measured by their own scripts (--doc), kept as they are
+        block = _marked_block(doc, begin, end)
+        if block is not None:
+            add(title + "\n")
+            add(begin + "\n" + block + "\n" + end + "\n")
     text = "\n".join(out)
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
