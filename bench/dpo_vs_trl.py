@@ -160,19 +160,9 @@ def overrides(model_dir: Path, data: Path, loss: str, steps: int, strategy: str,
 def trl_main(argv: list[str]) -> int:
     """`[accelerate launch ...] bench/dpo_vs_trl.py trl OUT --recipe NAME key=value ...`: TRL's DPOTrainer
     on the recipe's model, pairs and numbers; writes OUT/trl_summary.json on rank 0."""
-    out = Path(argv[0])
-    args = argv[1:]
-    recipe_name = args[args.index("--recipe") + 1]
-    extra = [a for i, a in enumerate(args) if a != "--recipe" and (i == 0 or args[i - 1] != "--recipe")]
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import trainer_baseline as TB
 
-    from finetune.plan import make_plan
-    from finetune.recipe import resolve
-    from finetune.strategy import ensure_process_env
-
-    r = resolve(recipe_name, extra)
-    ensure_process_env()
-    plan = make_plan(r)
+    out, r, plan = TB.recipe_and_plan(argv)
 
     import torch
     import trl
@@ -180,7 +170,6 @@ def trl_main(argv: list[str]) -> int:
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    import trainer_baseline as TB
     from common import read_jsonl
     from finetune import data as D
     from finetune import loop

@@ -150,7 +150,9 @@ class ScheduleSampler:
         return len(self.order)
 
 
-def main(argv: list[str]) -> int:
+def recipe_and_plan(argv: list[str]):
+    """`OUT --recipe NAME key=value ...` (a launched peer's arguments) -> (OUT, the resolved recipe, its plan),
+    with the process environment set as finetune/run.py sets it."""
     out = Path(argv[0])
     args = argv[1:]
     recipe_name = args[args.index("--recipe") + 1]
@@ -163,7 +165,11 @@ def main(argv: list[str]) -> int:
 
     recipe = resolve(recipe_name, overrides)
     ensure_process_env()
-    plan = make_plan(recipe)
+    return out, recipe, make_plan(recipe)
+
+
+def main(argv: list[str]) -> int:
+    out, recipe, plan = recipe_and_plan(argv)
     r = recipe
     t_wall = time.perf_counter()
 
