@@ -175,16 +175,32 @@ def tile_mlps(model) -> int:
     slice of the sequence at a time with DeepSpeed's TiledMLP, which recomputes a slice's forward in the
     backward, so that the [tokens, intermediate] activations (3 of them, at 3.5x the hidden size for
     Llama) exist for one slice only. Slices: ceil(tokens / hidden size), as DeepSpeed's example, agreed
-    by every rank (their MLP calls must pair up under ZeRO-3 and FSDP). Set on each MLP object, before
-    the model is wrapped. Returns how many MLPs were tiled."""
+    by every rank (their MLP calls must pair up under ZeRO-3 and FSDP) once per forward of the model, at
+    its first MLP: every layer's MLP sees the same tokens, and the count holds for the recomputed forwards
+    of activation checkpointing. Set on each MLP object, before the model is wrapped. Returns how many MLPs
+    were tiled."""
     import math
 
     import torch
     from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
 
+    agreed = {"slices": None}  # this forward's slice count, agreed by the ranks
+
+    def new_forward(module, args):
+        agreed["slices"] = None
+
     def slice_forward(module, x):
         return module.finetune_untiled_forward(x)
 
+    def slices_for(x) -> int:
+        if agreed["slices"] is None:
+            slices = torch.tensor(math.ceil(x.shape[-2] / x.shape[-1]), device=x.device)
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(slices, op=torch.distributed.ReduceOp.MAX)
+            agreed["slices"] = int(slices)
+        return agreed["slices"]
+
+    model.register_forward_pre_hook(new_forward)
     count = 0
     for module in model.modules():
         if not all(isinstance(getattr(module, name, None), torch.nn.Module) for name in MLP_PROJECTIONS):
@@ -192,10 +208,7 @@ def tile_mlps(model) -> int:
         module.finetune_untiled_forward = module.forward
 
         def forward(x, module=module):
-            slices = torch.tensor(math.ceil(x.shape[-2] / x.shape[-1]), device=x.device)
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.all_reduce(slices, op=torch.distributed.ReduceOp.MAX)
-            return TiledMLP.apply(slice_forward, module, x, int(slices), list(module.parameters()))
+            return TiledMLP.apply(slice_forward, module, x, slices_for(x), list(module.parameters()))
 
         module.forward = forward
         count += 1
