@@ -139,6 +139,15 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
+def call_main(capsys, main, argv: list[str], output_dir: Path) -> Run:
+    """A command's main(argv) called in this process on one thread, with what it printed."""
+    capsys.readouterr()
+    with one_thread():
+        code = main(argv)
+    captured = capsys.readouterr()
+    return Run(Path(output_dir), code, captured.out, captured.err, {})
+
+
 @pytest.fixture
 def export_in_process(capsys):
     """`python -m finetune.export CKPT OUT` as a call of its main in this process."""
@@ -146,11 +155,7 @@ def export_in_process(capsys):
     def call(ckpt: Path, out: Path, *options: str) -> Run:
         from finetune.commands.export import main
 
-        capsys.readouterr()
-        with one_thread():
-            code = main([str(ckpt), str(out), *options])
-        captured = capsys.readouterr()
-        return Run(Path(out), code, captured.out, captured.err, {})
+        return call_main(capsys, main, [str(ckpt), str(out), *options], out)
 
     return call
 
@@ -162,11 +167,7 @@ def chat_in_process(capsys):
     def call(*argv: str) -> Run:
         from finetune.commands.chat import main
 
-        capsys.readouterr()
-        with one_thread():
-            code = main([str(a) for a in argv])
-        captured = capsys.readouterr()
-        return Run(Path(argv[0]), code, captured.out, captured.err, {})
+        return call_main(capsys, main, [str(a) for a in argv], argv[0])
 
     return call
 
