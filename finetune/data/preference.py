@@ -19,7 +19,9 @@ extract_prompt, apply_chat_template):
   conversations) is ignored, as TRL ignores it.
 
 Both sides are scored from the same position (same_prompt, TRL's rule): where the prompt ends inside a
-word one side continues, the other side's last prompt tokens are scored too.
+word one side continues, the other side's last prompt tokens are scored too. A conversational side
+trains nothing that the prompt as generation is given it (its generation prompt included) already
+holds (after_prompt, TRL's rule), whatever the template's {% generation %} blocks cover.
 
 A prepared pair is the columns PAIR_COLUMNS (labels unshifted, IGNORE off the response, as SFT rows'
 labels) and the counts n_tokens (both sides) and n_targets (both sides' trained tokens; 0 marks a pair
@@ -33,10 +35,10 @@ from __future__ import annotations
 import sys
 
 from finetune.data.formats import IGNORE, split_pair
-from finetune.data.tokenization import encode_batch, encode_conversations
+from finetune.data.tokenization import encode_batch, encode_conversations, render_chats
 
 PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
-PREFERENCE_VERSION = "2"  # bump when a pair's tokens or labels change, to invalidate cached preference data
+PREFERENCE_VERSION = "3"  # bump when a pair's tokens or labels change, to invalidate cached preference data
 NO_LIMIT = sys.maxsize
 
 
@@ -71,9 +73,37 @@ def encode_sides(rows: list[dict], tokenizer) -> list[tuple]:
                 conversations.append(list(prompt) + list(split[k][side]))
                 skips.append(sum(1 for m in prompt if m["role"] == "assistant"))
         out = encode_conversations(tokenizer, conversations, skips)
+        served = served_prompts(tokenizer, [split[k][0] for k in chats])
         for j, k in enumerate(chats):
-            sides[k] = (out[2 * j], out[2 * j + 1])
+            sides[k] = tuple(after_prompt(served[j], *out[2 * j + side]) for side in (0, 1))
     return sides
+
+
+def served_prompts(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
+    """Each conversational prompt's tokens as generation is given them: the chat template's rendering
+    with its generation prompt (`apply_chat_template(prompt, add_generation_prompt=True)`); [] for an
+    empty prompt."""
+    kept = [k for k, p in enumerate(prompts) if p]
+    texts = render_chats(tokenizer, [prompts[k] for k in kept], generation_prompt=True) if kept else []
+    ids = tokenizer(texts, add_special_tokens=False).input_ids if texts else []
+    out: list[list[int]] = [[] for _ in prompts]
+    for k, tokens in zip(kept, ids):
+        out[k] = list(tokens)
+    return out
+
+
+def after_prompt(served: list[int], ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
+    """A conversational side with nothing trained among the tokens it shares with its served prompt
+    (TRL's common_prefix_length). DPO scores log p(side | prompt), the prompt being what generation
+    starts from, generation prompt included; a template whose {% generation %} block opens before the
+    end of its generation prompt (TRL's qwen2_5_training.jinja opens it after `<|im_start|>assistant`,
+    before the newline that ends the generation prompt) would otherwise train that newline, a token the
+    model never produces. It is the same in both sides and cancels in sigmoid's margin, but not in
+    ipo's and simpo's per-token averages."""
+    n = 0
+    while n < min(len(served), len(ids)) and served[n] == ids[n]:
+        n += 1
+    return ids, [IGNORE] * n + labels[n:]
 
 
 def same_prompt(chosen: tuple, rejected: tuple) -> tuple[tuple, tuple]:
