@@ -157,6 +157,46 @@ def test_conversational_pairs_train_only_their_own_answer(name, request):
         assert ids.count(tok.bos_token_id) == int(renders_bos) and (ids[0] == tok.bos_token_id) == renders_bos
 
 
+# ChatML whose {% generation %} block opens after `<|im_start|>assistant`, before the newline that ends the
+# generation prompt, as TRL's qwen2_5_training.jinja marks it (SFT's assistant-only loss then trains that newline).
+CHATML_MARKED_BEFORE_NEWLINE = FA.CHATML.replace(
+    "{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}",
+    "{%- if m['role'] == 'assistant' %}{{- '<|im_start|>assistant' }}"
+    "{%- generation %}{{- '\n' + m['content'] + '<|im_end|>\n' }}{%- endgeneration %}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif %}")
+
+
+@pytest.mark.parametrize("name", ["chatml_bpe", "llama3_bpe"])
+def test_conversational_sides_train_nothing_of_the_generation_prompt(name, request):
+    """A side is scored as log p(side | prompt), the prompt as generation is given it: its generation
+    prompt `<|im_start|>assistant\n` is context even where the template's {% generation %} block
+    covers the newline (issue 34: 0 of 16 pairs equal to TRL's, IPO's loss 0.33 off). The pair is
+    the same under that template, under one marking the block after the newline, and under the
+    unmarked template; its first trained token follows apply_chat_template(prompt,
+    add_generation_prompt=True)'s tokens, TRL's prompt_ids. On the Qwen-style BPE (<|im_end|>
+    special) and on the Llama-3-style one (<|im_end|> plain text)."""
+    assert CHATML_MARKED_BEFORE_NEWLINE.count("{%- generation %}") == 1
+    tok = request.getfixturevalue(name)
+    row, own = {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}, tok.chat_template
+    try:
+        pairs = []
+        for template in (CHATML_MARKED_BEFORE_NEWLINE, FA.with_generation_marks(FA.CHATML), FA.CHATML):
+            tok.chat_template = template
+            pairs.append(D.encode_pair(row, tok, 512))
+        served = list(tok.apply_chat_template(PROMPT, tokenize=True, add_generation_prompt=True)["input_ids"])
+        tok.chat_template = CHATML_MARKED_BEFORE_NEWLINE
+        sft_ids, sft_labels = D.encode_messages(tok, PROMPT + CHOSEN, False, 512)
+    finally:
+        tok.chat_template = own
+    assert pairs[0] == pairs[1] == pairs[2]
+    for (ids, labels), side in zip(sides(pairs[0]), (CHOSEN, REJECTED)):
+        assert D.prompt_length(ids, labels) == len(served) and ids[:len(served)] == served
+        assert tok.decode(ids[len(served):]) == side[0]["content"] + "<|im_end|>\n"
+        assert all(x != IGNORE for x in labels[len(served):])
+    newline = len(served) - 1  # the generation prompt's last token: trained in the SFT row, as the marks say
+    assert tok.decode([sft_ids[newline]]) == "\n" and sft_labels[newline] == sft_ids[newline]
+
+
 # ---------------------------------------------------------------- (c) implicit prompt
 
 
