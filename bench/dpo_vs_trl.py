@@ -26,9 +26,12 @@ does, by up to 1.5e-5).
    too): loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
    logps/rejected; also each pair's tokens (TRL's prompt_ids/chosen_ids/rejected_ids against ours).
 2. tokens: each pair's tokens and trained positions, ours against TRL's prepared pairs, on real tokenizers
-   (Mistral v1 and v3 sentencepiece from the mistral_common wheel, a Llama-3-style byte-level BPE;
+   (Mistral v1 and v3 sentencepiece and tekken from the mistral_common wheel, a Llama-3-style byte-level BPE;
    tests/family_assets.py): the first 16 pairs and SEAM_PAIRS (a prompt ending in a space, answers starting
-   with one, a newline, a word cut by the prompt's end). No training.
+   with one, a newline, a word cut by the prompt's end); on tekken also the 16 with an empty prompt; on the BPE
+   also the 16 as conversations under TRL's qwen2_5_training.jinja. And per side the length ipo averages over,
+   ours (scored) against TRL's (trl_ipo_length). No training. Exit 1 when a pair's tokens differ or the ipo
+   lengths differ other than by TRL's count of a sequence's first token (IPO_LENGTH_NOTE).
 3. timing: the same pairs on a larger model (bench llama-7m: hidden 256, 4 layers, vocab 8192), 2 processes
    (`accelerate launch --multi_gpu --num_processes 2`, gloo), strategy zero3 and fsdp, ours against TRL:
    seconds per optimizer step, the median of the steps after the first WARMUP, with the CPU load of the rest
@@ -63,7 +66,10 @@ TRL 1.16's semantics, read from trl/trainer/dpo_trainer.py (and what the bench d
   smoothing (its label_smoothing feeds the `robust` and `exo_pair` losses only), so the bench compares
   dpo_label_smoothing=0 only.
 - ipo: each side's log-ratio divided by ITS OWN number of completion tokens (completion_mask.sum, at least
-  1), then (avg_c - avg_r - 1/(2 beta))**2: the per-token mean, not the summed log-ratio.
+  1), then (avg_c - avg_r - 1/(2 beta))**2: the per-token mean, not the summed log-ratio. completion_mask is
+  not shifted: where the completion starts the sequence (an empty prompt, no BOS) it counts the first token,
+  which has no log-prob; ours divides by the tokens summed (IPO_LENGTH_NOTE; the compare part's pairs have
+  prompts and a BOS, so the two counts agree there).
 - rewards/chosen|rejected = beta * (summed policy logp - summed reference logp) for every loss (ipo too),
   their means over pairs; rewards/margins the mean of their differences; rewards/accuracies the mean of
   (chosen reward > rejected reward), strictly: 0.0 at step 1, where policy and reference are the same
@@ -412,37 +418,98 @@ SEAM_PAIRS = [  # prompt/chosen/rejected seams (tests/test_tokenization.py SEAMS
 ]
 
 
+IPO_LENGTH_NOTE = (
+    "The ipo lengths differ where a side's answer starts the sequence (an empty prompt on a tokenizer that adds no "
+    "BOS): its first token follows nothing and has no log-prob, on both sides, yet TRL 1.16 divides the summed "
+    "log-ratio by completion_mask.sum(), which counts it; finetune divides by the tokens summed. ipo's per-token "
+    "average (TRL's own comment: normalize by the number of completion tokens, the average per token) is the "
+    "sum over its terms; TRL's is the sum over n - 1 tokens divided by n. The pairs' tokens and the sigmoid loss "
+    "are the same; ipo's loss is not, by design.")
+
+
+def scored(mask: list[int]) -> int:
+    """The tokens a side's summed log-probs cover, on both sides: its trained positions after the
+    first (a sequence's first token follows nothing, so no log-prob is computed for it)."""
+    return sum(mask[1:])
+
+
+def trl_ipo_length(mask: list[int]) -> int:
+    """What TRL 1.16's ipo divides a side's summed log-ratio by: its completion_mask's sum (at least 1),
+    the first position included. That is scored(mask) + 1 where the completion starts the sequence (an
+    empty prompt on a tokenizer that adds no BOS, tekken's or Qwen's): a token without a log-prob is
+    counted in the average. Ours divides by scored(mask), the tokens summed."""
+    return max(1, sum(mask))
+
+
+def first_token_counted(mask: list[int]) -> bool:
+    """Whether TRL's ipo length exceeds ours only by the sequence's first token (IPO_LENGTH_NOTE)."""
+    return bool(mask) and mask[0] == 1 and trl_ipo_length(mask) == scored(mask) + 1
+
+
+def tokens_match(tok: dict) -> bool:
+    """The tokens part passes: every pair's tokens equal TRL's, and the ipo lengths differ only by
+    TRL's count of a sequence's first token."""
+    return all(r["same"] == r["pairs"] == r["ours"] == r["trl"]
+               and all(d.get("first_token") for d in r.get("ipo_lengths", [])) for r in tok.values())
+
+
+def empty_prompt_pairs(pairs: list[dict]) -> list[dict]:
+    """The pairs with an empty prompt (chosen and rejected alone, nothing before them)."""
+    return [{"prompt": "", "chosen": r["chosen"], "rejected": r["rejected"]} for r in pairs]
+
+
+def conversational_pairs(pairs: list[dict]) -> list[dict]:
+    """The pairs as conversations (trl-lib/ultrafeedback_binarized's shape): the prompt a user message,
+    each side an assistant message."""
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+             "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]} for r in pairs]
+
+
 def tokens(work: Path) -> dict:
     """Each pair's tokens and trained positions, ours against TRL's (no training), on real tokenizers:
-    Mistral v1 and v3 sentencepiece (mistral_common's files, tests/family_assets.py) and a Llama-3-style
-    byte-level BPE; the bench's pairs and the seam pairs above."""
+    Mistral v1 and v3 sentencepiece and tekken (mistral_common's files, tests/family_assets.py) and a
+    Llama-3-style byte-level BPE; the bench's pairs and the seam pairs above, with empty prompts on
+    tekken (no BOS: the answer starts the sequence), and as conversations under TRL's own
+    qwen2_5_training.jinja (its {% generation %} block opens before the generation prompt's newline; on
+    that BPE <|im_end|> is plain text). Also, per side, the length each toolkit's ipo averages over
+    (scored, trl_ipo_length)."""
     import transformers
     import trl
     from datasets import Dataset
 
     import family_assets as FA
     from finetune import data as D
+    from finetune.model import load_tokenizer
     from finetune.recipe import resolve
 
     pairs = rows()[:16] + [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in SEAM_PAIRS]
-    data = work / "token-pairs.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in pairs))
     texts = [t for r in pairs for t in r.values()]
     tmp = work / "tokenizers"
-    made = {"mistral-v1": lambda: FA.mistral_tokenizer("v1", tmp / "v1"),
-            "mistral-v3": lambda: FA.mistral_tokenizer("v3", tmp / "v3"),
-            "llama3-bpe": lambda: FA.make_tokenizer(FA.FAMILIES["llama3"], texts, tmp / "l3")}
+    qwen_training = (Path(trl.__file__).parent / "chat_templates" / "qwen2_5_training.jinja").read_text()
+    cases = {  # name: (the tokenizer, its chat template or None, the pairs)
+        "mistral-v1": (lambda: FA.mistral_tokenizer("v1", tmp / "v1"), None, pairs),
+        "mistral-v3": (lambda: FA.mistral_tokenizer("v3", tmp / "v3"), None, pairs),
+        "llama3-bpe": (lambda: FA.make_tokenizer(FA.FAMILIES["llama3"], texts, tmp / "l3"), None, pairs),
+        "tekken, empty prompts": (lambda: FA.tekken_tokenizer(tmp / "tekken"), None,
+                                  pairs + empty_prompt_pairs(pairs[:16])),
+        "llama3-bpe, TRL's qwen2_5_training chats": (lambda: FA.make_tokenizer(FA.FAMILIES["llama3"], texts,
+                                                                               tmp / "l3-chatml"),
+                                                     qwen_training, conversational_pairs(pairs[:16])),
+    }
     config = transformers.LlamaConfig(vocab_size=131072, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1)
     out = {}
-    for name, make in made.items():
+    for k, (name, (make, template, these)) in enumerate(cases.items()):
+        data = work / f"token-pairs-{k}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in these))
         tok = make()
-        path = tmp / f"{name}-saved"  # as a tokenizer directory a recipe names (tokenizer.json)
+        if template is not None:
+            tok.chat_template = template
+        path = tmp / f"{k}-saved"  # as a tokenizer directory a recipe names (tokenizer.json)
         tok.save_pretrained(path)
         r = resolve("tiny", [f"tokenizer={path}", f"dataset={data}", "dataset_format=preference", "objective=dpo",
                              "max_seq_len=512", "eval_fraction=0"])
-        from finetune.model import load_tokenizer
-
         ours_tok = load_tokenizer(r, str(path))
         train = D.build_datasets(r, ours_tok).train
         mine = [{side: (list(train[i][f"{side}_input_ids"]),
@@ -454,20 +521,25 @@ def tokens(work: Path) -> dict:
                              use_cpu=True)
         prepared = trl.DPOTrainer(model=transformers.LlamaForCausalLM(config),
                                   ref_model=transformers.LlamaForCausalLM(config), args=args,
-                                  train_dataset=Dataset.from_list(pairs), processing_class=tok).train_dataset
-        theirs = [trl_sides({k: list(prepared[i][k]) for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
+                                  train_dataset=Dataset.from_list(these), processing_class=tok).train_dataset
+        theirs = [trl_sides({c: list(prepared[i][c]) for c in ("prompt_ids", "chosen_ids", "rejected_ids")})
                   for i in range(len(prepared))]
-        differ = []
+        differ, ipo = [], []
         for i, (x, y) in enumerate(zip(mine, theirs)):
             if x != y:
                 side = "chosen" if x["chosen"] != y["chosen"] else "rejected"
                 (ids, m), (tids, tm) = x[side], y[side]
                 differ.append({"pair": i, "side": side, "ours": tok.convert_ids_to_tokens(
-                    [t for t, k in zip(ids, m) if k]), "trl": tok.convert_ids_to_tokens([t for t, k in zip(tids, tm)
-                                                                                         if k])})
-        out[name] = {"pairs": len(pairs), "ours": len(mine), "trl": len(theirs),
-                     "same": sum(x == y for x, y in zip(mine, theirs)), "differ": differ}
-        print(f"tokens {name}: {out[name]['same']} of {len(pairs)} pairs equal to TRL's", flush=True)
+                    [t for t, j in zip(ids, m) if j]), "trl": tok.convert_ids_to_tokens([t for t, j in zip(tids, tm)
+                                                                                         if j])})
+            for side in ("chosen", "rejected"):
+                if scored(x[side][1]) != trl_ipo_length(y[side][1]):
+                    ipo.append({"pair": i, "side": side, "ours": scored(x[side][1]),
+                                "trl": trl_ipo_length(y[side][1]), "first_token": first_token_counted(y[side][1])})
+        out[name] = {"pairs": len(these), "ours": len(mine), "trl": len(theirs),
+                     "same": sum(x == y for x, y in zip(mine, theirs)), "differ": differ, "ipo_lengths": ipo}
+        print(f"tokens {name}: {out[name]['same']} of {len(these)} pairs equal to TRL's; ipo lengths differ on "
+              f"{len(ipo)} sides", flush=True)
         for d in differ:
             print(f"  pair {d['pair']} {d['side']}: ours trains {d['ours']}, TRL {d['trl']}", flush=True)
     return out
@@ -567,12 +639,20 @@ def section(results: dict) -> str:
     tok = results.get("tokens")
     if tok:
         lines += ["**Tokens on real tokenizers** (no training): the first 16 pairs and 5 prompt/answer seams "
-                  "(`SEAM_PAIRS`), our prepared pairs (finetune.data.build_datasets) against TRL's "
-                  "(`DPOTrainer(...).train_dataset`): each side's ids and which of them are trained.", ""]
+                  "(`SEAM_PAIRS`); on tekken also the 16 with an empty prompt; on the Llama-3-style BPE also the 16 as "
+                  "conversations under TRL's qwen2_5_training.jinja. Our prepared pairs (finetune.data.build_datasets) "
+                  "against TRL's (`DPOTrainer(...).train_dataset`): each side's ids and which of them are trained; and "
+                  "the sides whose length ipo averages over differs (ours: the tokens scored; TRL's: "
+                  "completion_mask.sum()).", ""]
         body = [[name, f"{r['same']} of {r['pairs']}", "; ".join(
             f"pair {d['pair']} {d['side']}: finetune trains {' '.join(d['ours'])}, TRL {' '.join(d['trl'])}"
-            for d in r["differ"]).replace("|", "\\|") or "-"] for name, r in tok.items()]  # <|end_of_text|>
-        lines += [table(["tokenizer", "pairs equal to TRL's", "the others"], body), ""]
+            for d in r["differ"]).replace("|", "\\|") or "-",  # <|end_of_text|>
+            f"{len(r['ipo_lengths'])}" + (f" (e.g. pair {r['ipo_lengths'][0]['pair']} "
+                                          f"{r['ipo_lengths'][0]['side']}: {r['ipo_lengths'][0]['ours']} / "
+                                          f"{r['ipo_lengths'][0]['trl']})" if r["ipo_lengths"] else "")
+            if "ipo_lengths" in r else "-"] for name, r in tok.items()]
+        lines += [table(["tokenizer", "pairs equal to TRL's", "the others",
+                         "sides whose ipo length differs (finetune / TRL)"], body), ""]
         if any(r["differ"] for r in tok.values()):
             lines += ["Where they differ the prompt ends inside a word that one answer continues and the other "
                       "does not (\"...is Par\" + \"is.\" / \"ma.\"): TRL cuts both sides at one prompt length, the "
@@ -580,6 +660,8 @@ def section(results: dict) -> str:
                       "the prompt's last token; finetune cuts each side where its own tokens leave the prompt's, as "
                       "its SFT rows do, and scores answer tokens only. By design; the compare part's pairs end their "
                       "prompts on a token boundary.", ""]
+        if any(r.get("ipo_lengths") for r in tok.values()):
+            lines += [IPO_LENGTH_NOTE, ""]
     tim = results.get("timing")
     if tim:
         lines += [f"**Seconds per step, 2 processes.** The same pairs on bench's llama-7m ({tim['model']}), dpo_loss "
@@ -690,7 +772,8 @@ def main(argv: list[str]) -> int:
     if a.doc:
         write_doc(Path(a.doc), text)
     comp = results.get("compare", {}).get("losses", {})
-    return 0 if all(r.get("match") for r in comp.values()) else 1
+    tokens_ok = "tokens" not in parts or tokens_match(results["tokens"])
+    return 0 if all(r.get("match") for r in comp.values()) and tokens_ok else 1
 
 
 if __name__ == "__main__":

@@ -67,3 +67,56 @@ def test_section_renders_every_part():
         elif block:
             tables, block = tables + [block], []
     assert len(tables) == 3 and all(len(set(t)) == 1 for t in tables)  # no stray "|" splits a cell
+
+
+def test_ipo_lengths_differ_from_trls_only_where_the_answer_starts_the_sequence():
+    """Issue 34: tekken (no BOS), an empty prompt, ipo: the same tokens, the loss 3.3 apart. TRL 1.16's ipo
+    divides a side's summed log-ratio by completion_mask.sum(), unshifted: where the answer starts the
+    sequence it counts the first token, which follows nothing and has no log-prob. Ours divides by the
+    tokens summed. With a prompt (or a BOS) the two agree."""
+    empty = B.trl_sides({"prompt_ids": [], "chosen_ids": [7, 8, 2], "rejected_ids": [9, 2]})
+    for side, n in (("chosen", 3), ("rejected", 2)):
+        mask = empty[side][1]
+        assert B.scored(mask) == n - 1 and B.trl_ipo_length(mask) == n and B.first_token_counted(mask)
+    prompted = B.trl_sides({"prompt_ids": [1], "chosen_ids": [7, 8, 2], "rejected_ids": [9, 2]})
+    assert all(B.scored(m) == B.trl_ipo_length(m) and not B.first_token_counted(m) for _, m in prompted.values())
+    # the tokens part passes on that difference, and on no other
+    same = {"pairs": 2, "ours": 2, "trl": 2, "same": 2, "differ": []}
+    counted = {"pair": 0, "side": "chosen", "ours": 2, "trl": 3, "first_token": True}
+    assert B.tokens_match({"tekken": dict(same, ipo_lengths=[counted])})
+    assert not B.tokens_match({"tekken": dict(same, ipo_lengths=[dict(counted, first_token=False)])})
+    assert not B.tokens_match({"chats": dict(same, same=1, ipo_lengths=[])})
+    text = B.section({"command": "c", "git": "g", "started": "2026-01-01 10:00 UTC", "minutes": 1.0,
+                      "machine": {"cpu": "CPU", "cores": 2}, "versions": {},
+                      "tokens": {"tekken, empty prompts": dict(same, ipo_lengths=[counted])}})
+    assert "| 2 of 2 " in text and "1 (e.g. pair 0 chosen: 2 / 3)" in text and B.IPO_LENGTH_NOTE in text
+
+
+def test_our_ipo_averages_over_the_tokens_it_sums_on_tekken_with_an_empty_prompt(tmp_path):
+    """Our side of that difference, on the real tekken tokenizer: a pair with an empty prompt starts with
+    its answer (tekken adds no BOS); sequence_logps sums that side's scored tokens (the first has no
+    log-prob) and counts the same number, the length ipo divides by."""
+    import torch
+    import transformers
+
+    import family_assets as FA
+    from finetune import data as D
+    from finetune.loss import sequence_logps
+
+    tok = FA.tekken_tokenizer(tmp_path / "tekken")
+    pair = D.encode_pair({"prompt": "", "chosen": " zulu tango", "rejected": " alpha"}, tok, 64)
+    masks = [[int(x != D.IGNORE) for x in pair[f"{s}_labels"]] for s in ("chosen", "rejected")]
+    assert all(m[0] == 1 for m in masks), "the answer starts the sequence"
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1)).eval()
+    batch = D.collate_pairs([pair], tok.eos_token_id)
+    with torch.no_grad():
+        sums, counts = sequence_logps(model, batch, "full")
+        logps = torch.log_softmax(model(input_ids=batch["input_ids"]).logits.float(), -1)
+    for k, (side, mask) in enumerate(zip(("chosen", "rejected"), masks)):
+        ids = pair[f"{side}_input_ids"]
+        by_hand = sum(logps[k, t - 1, ids[t]].item() for t in range(1, len(ids)) if mask[t])
+        assert abs(sums[k].item() - by_hand) < 1e-4
+        assert counts[k].item() == B.scored(mask) == B.trl_ipo_length(mask) - 1
