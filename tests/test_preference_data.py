@@ -276,14 +276,44 @@ def test_dropped_pairs_are_counted_in_the_summary(tmp_path, mistral):
                                    eval_fraction=0.0), mistral)
     assert kept.sources[0]["dropped_no_target"] == 0 and len(kept.train) == 21
     assert kept.sources[0]["at_max_seq_len"] == 0  # the prompt budget made room: nothing cut at max_seq_len
-    everything = Recipe(dataset=str(path), objective="dpo", max_seq_len=8, eval_fraction=0.0)
+    everything = Recipe(dataset=str(path), objective="dpo", max_seq_len=9, eval_fraction=0.0)
     cut = D.build_datasets(everything, mistral)
-    assert cut.sources[0]["at_max_seq_len"] == cut.sources[0]["kept"] > 0
+    assert cut.sources[0]["at_max_seq_len"] == cut.sources[0]["kept"] == 5
+    assert cut.sources[0]["dropped_identical"] == 5  # " 10" against " 11" cut after "▁1"
     hopeless = write_jsonl(tmp_path / "long.jsonl", rows[-1:])
     message = one_line(D.build_datasets, Recipe(dataset=str(hopeless), objective="dpo", max_seq_len=64,
                                                 eval_fraction=0.0), mistral, error=DataError)
     assert message == (f"{hopeless}: no pair has a response token left on both sides within max_seq_len=64; raise "
                        "max_seq_len, or set max_prompt_len below it (a long prompt then loses its start)")
+
+
+def test_pairs_identical_once_cut_at_max_seq_len_are_dropped_and_counted(tmp_path, mistral):
+    """Sides that differ only past max_seq_len are the same tokens once cut: the pair's DPO margin is 0
+    whatever the weights (no gradient, a log 2 diluting the mean), so it is dropped as identical rows
+    are refused, and counted on the summary line apart from the pairs without a response token."""
+    same = "The answer, after a long and careful thought about every part of the question, is "
+    rows = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(20)]
+    rows += [{"prompt": f"Question {i}: ", "chosen": same + "yes.", "rejected": same + "no."} for i in range(3)]
+    rows.append({"prompt": "word " * 80, "chosen": "end", "rejected": "stop"})
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    pairs = D.encode_pairs(rows[20:23], mistral, 20)
+    assert pairs["chosen_input_ids"] == pairs["rejected_input_ids"] and pairs["n_targets"] == [-1] * 3
+    assert D.encode_pairs(rows[20:23], mistral, 64)["n_targets"][0] > 0  # they differ within 64 tokens
+    recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=20, eval_fraction=0.0)
+    data = D.build_datasets(recipe, mistral)
+    assert len(data.train) == 20 and all(r["chosen_input_ids"] != r["rejected_input_ids"] for r in data.train)
+    assert data.sources[0]["dropped_identical"] == 3 and data.sources[0]["dropped_no_target"] == 1
+    assert D.summary_lines(data, recipe)[0].startswith(
+        f"data dataset {path} (preference, split train): 24 rows, 1 dropped (chosen or rejected has no response "
+        "token within max_seq_len=20), 3 dropped (chosen and rejected identical within max_seq_len=20: they "
+        "differ only after it)")
+    wide = D.build_datasets(Recipe(dataset=str(path), objective="dpo", max_seq_len=64, eval_fraction=0.0), mistral)
+    assert wide.sources[0]["dropped_identical"] == 0 and len(wide.train) == 23
+    alone = write_jsonl(tmp_path / "same.jsonl", rows[20:23])
+    message = one_line(D.build_datasets, Recipe(dataset=str(alone), objective="dpo", max_seq_len=20,
+                                                eval_fraction=0.0), mistral, error=DataError)
+    assert message == (f"{alone}: no pair left: 3 of 3 have chosen and rejected identical within max_seq_len=20 "
+                       "(they differ only after it), the others no response token on both sides; raise max_seq_len")
 
 
 # ---------------------------------------------------------------- mapping and mixtures
