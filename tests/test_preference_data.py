@@ -514,6 +514,34 @@ def test_bad_pairs_stop_a_run_in_one_line_before_any_model(dpo_recipe, tmp_path,
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
 
 
+def test_pairs_read_as_another_format_name_dataset_format_preference(tmp_path, mistral):
+    """Preference rows given to a recipe whose dataset_format is alpaca (recipes/tiny.py's), or messages,
+    get one line naming the setting that reads them, as ShareGPT rows read as alpaca do: from a jsonl
+    file, a parquet file's columns, and rows first seen while tokenizing (a hub dataset)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    hint = ("these rows hold preference pairs (chosen, rejected), which train with objective=dpo: set "
+            "dataset_format=preference (or auto; format='preference' on a DataSource)")
+    rows = [TEXT, {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    msg = one_line(D.prevalidate, str(path), "alpaca", error=DataError)
+    assert msg == f"{path} line 1: missing field 'instruction' (dataset_format=alpaca needs instruction, output); {hint}"
+    msg = one_line(D.prevalidate_recipe, Recipe(dataset=str(path), dataset_format="messages", objective="dpo"),
+                   error=DataError)
+    assert msg == f"{path} line 1: missing field 'messages' (dataset_format=messages needs messages); {hint}"
+    pq.write_table(pa.Table.from_pylist([TEXT] * 2), tmp_path / "pairs.parquet")
+    msg = one_line(D.prevalidate, str(tmp_path / "pairs.parquet"), "alpaca", error=DataError)
+    assert "missing column(s) ['instruction', 'output'] for dataset_format=alpaca; " + hint in msg, msg
+    msg = one_line(D.tokenize_dataset, Dataset.from_list([TEXT] * 2), "prompt_completion", mistral,
+                   Recipe(max_seq_len=64), "hub/pairs", error=DataError)
+    assert msg == f"hub/pairs: missing field(s) ['completion'] for dataset_format=prompt_completion; {hint}"
+    assert D.format_hint(["instruction", "output"], "messages").endswith("set dataset_format=alpaca (or auto; "
+                                                                          "format='alpaca' on a DataSource)")
+    assert D.format_hint(["chosen", "rejected"], "preference") == D.format_hint(["other"], "text") == ""
+
+
 # ---------------------------------------------------------------- finetune data --show
 
 
