@@ -40,11 +40,15 @@ DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a shard se
 CHECKSUM = "xxh3_128"  # of every file, in the manifest (see file_checksums)
 # Keys that must match for a checkpoint to continue this run; the first group can never differ.
 HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
+# Every key that changes which rows, and which of their tokens, a step trains on (max_prompt_len: the
+# tokens a preference pair's prompt keeps, and so which pairs are dropped). No other recipe key does:
+# num_proc, padding_free and sequence_parallel give the same tokens laid out otherwise.
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
-             "packing", "train_on_prompt", "seed", "tokenizer", "chat_template", "datasets", "eval_split")
+             "packing", "train_on_prompt", "seed", "tokenizer", "chat_template", "datasets", "eval_split",
+             "max_prompt_len")
 # Data keys written into a fingerprint only when set, so that a single-dataset run's fingerprint is the
 # one earlier versions wrote (their checkpoints still resume, and new ones resume on older versions).
-OPTIONAL_DATA_KEYS = ("datasets", "eval_split")
+OPTIONAL_DATA_KEYS = ("datasets", "eval_split", "max_prompt_len")
 
 
 # Where a run's outputs live under output_dir.

@@ -577,6 +577,17 @@ def _check_optimizer(r: Recipe) -> None:
 
 
 DPO_FIELDS = ("dpo_loss", "dpo_beta", "dpo_label_smoothing", "simpo_gamma", "precompute_reference", "max_prompt_len")
+# The ranges where every DPO loss and its gradient stay finite in float32 (the log-probs are float32 in
+# bf16 runs too). beta multiplies the margin z of summed (or averaged) log-probs, and is cast to float32
+# doing so: past 3.4e38 it is inf, and the first step (z = 0, the policy equal to its reference) gives
+# inf x 0 = NaN; well before that, the gradient, up to beta per trained token's log-prob, overflows the
+# gradient norm's float32 sum of squares (1.8e19 an element). ipo and simpo divide by beta (the target
+# margin 1/(2 beta), squared by ipo: inf below beta 3e-20; simpo's gamma / beta). Within these ranges
+# beta x |z| stays under 1e10 for a margin of 1e7 nats (100,000 tokens a side at 30 nats each), the
+# gradient under 1e3 per token, 1/(2 beta) and gamma / beta under 1e6. Published values sit 10x inside:
+# beta 0.01 to 0.5 (sigmoid, ipo's tau), 2 to 10 (simpo), simpo_gamma up to 16.
+DPO_BETA_RANGE = (1e-3, 1e3)
+SIMPO_GAMMA_MAX = 1e3
 
 
 def _check_objective(r: Recipe) -> None:
@@ -588,9 +599,14 @@ def _check_objective(r: Recipe) -> None:
             raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
                               f"{key} out")
         return
-    if r.dpo_beta <= 0:
-        raise RecipeError(f"dpo_beta={r.dpo_beta}: must be > 0 (the usual values: 0.1 for sigmoid and ipo, 2.0 for "
-                          "simpo)")
+    low, high = DPO_BETA_RANGE
+    if not low <= r.dpo_beta <= high:
+        raise RecipeError(f"dpo_beta={r.dpo_beta:g}: must be in [{low:g}, {high:g}], where the loss and its gradient "
+                          "stay finite in float32 (the usual values: 0.1 for sigmoid and ipo, 2.0 for simpo)")
+    if r.simpo_gamma > SIMPO_GAMMA_MAX:
+        raise RecipeError(f"simpo_gamma={r.simpo_gamma:g}: must be in [0, {SIMPO_GAMMA_MAX:g}], where simpo_gamma / "
+                          "dpo_beta stays finite and leaves the log-probs their float32 precision (the usual values: "
+                          "0.5 to 1.6 x dpo_beta)")
     if r.dpo_loss == "simpo" and r.precompute_reference:
         raise RecipeError("precompute_reference=true with dpo_loss=simpo: SimPO is reference-free, there is no "
                           "reference to precompute; set precompute_reference=false, or dpo_loss=sigmoid or ipo")

@@ -178,10 +178,11 @@ def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> N
             raise RecipeError(f"checkpoint {point.path} was written with {key}={saved.get(key)}, this run has "
                               f"{key}={current.get(key)}: its shards cannot be loaded; set {key}={saved.get(key)}, "
                               "or export it (python -m finetune.export) and fine-tune the export in a new run")
-    # a key the checkpoint's fingerprint lacks came later (tokenizer, chat_template) or is optional: it had
-    # the default
+    # a key the checkpoint's fingerprint lacks came later (tokenizer, chat_template, max_prompt_len) or is
+    # optional: it had the value of the checkpoint's recipe.json, else the default
     defaults = json.loads(json.dumps(Recipe().to_dict()))
-    saved = {k: saved.get(k, defaults[k]) for k in DATA_KEYS} | {k: saved.get(k) for k in HARD_KEYS}
+    saved = {k: saved.get(k, point.recipe.get(k, defaults[k])) for k in DATA_KEYS} | \
+        {k: saved.get(k) for k in HARD_KEYS}
     current = {k: current.get(k, defaults[k]) for k in DATA_KEYS} | {k: current.get(k) for k in HARD_KEYS}
     changed = [k for k in DATA_KEYS if saved.get(k) != current.get(k)]
     if changed and not allow_data_change:

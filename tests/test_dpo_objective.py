@@ -32,6 +32,44 @@ def test_sigmoid_ipo_simpo_on_a_hand_computed_pair():
     assert loss.item() == pytest.approx(softplus(-1.5), abs=1e-12)
 
 
+@pytest.mark.parametrize("overrides,words", [
+    (["dpo_beta=1e39"], "dpo_beta=1e+39: must be in [0.001, 1000], where the loss and its gradient stay finite in "
+                        "float32"),
+    (["dpo_beta=0"], "dpo_beta=0: must be in [0.001, 1000]"),
+    (["dpo_loss=ipo", "dpo_beta=1e-40"], "dpo_beta=1e-40: must be in [0.001, 1000]"),
+    (["dpo_loss=simpo", "dpo_beta=2", "simpo_gamma=1e39"], "simpo_gamma=1e+39: must be in [0, 1000]"),
+    (["dpo_label_smoothing=0.7"], "dpo_label_smoothing=0.7: must be <= 0.5"),
+    (["dpo_beta=nan"], "dpo_beta=nan: must be a finite number"),
+])
+def test_dpo_numbers_whose_loss_is_not_finite_are_refused_in_one_line(overrides, words):
+    from finetune.recipe import RecipeError, resolve
+
+    with pytest.raises(RecipeError) as info:
+        resolve("tiny", ["objective=dpo"] + overrides)
+    assert str(info.value).startswith(words) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["sigmoid", "ipo", "simpo"])
+def test_the_dpo_ranges_keep_loss_and_gradient_finite_in_float32(kind):
+    """At the ends of the allowed ranges, with a margin of 1e7 nats (the comment's bound), the float32
+    loss and gradient are finite; past them (1e39 rounds to inf in float32, ipo's 1/(2 beta) squared
+    overflows at 1e-40) they are not."""
+    from finetune.recipe import DPO_BETA_RANGE, SIMPO_GAMMA_MAX
+
+    def loss_and_grad(beta, margin):
+        policy = torch.tensor([-1.0, -1.0 - margin], requires_grad=True)
+        reference = None if kind == "simpo" else torch.tensor([-1.0, -1.0])
+        loss = pair_losses(kind, beta, policy, reference, gamma=SIMPO_GAMMA_MAX if kind == "simpo" else 0.0)
+        loss.sum().backward()
+        return torch.cat([loss.detach(), policy.grad])
+
+    for beta in DPO_BETA_RANGE:
+        for margin in (0.0, 1e7, -1e7):
+            assert torch.isfinite(loss_and_grad(beta, margin)).all(), (beta, margin)
+    past = 1e-40 if kind == "ipo" else 1e39  # ipo squares 1/(2 beta); the others multiply by beta
+    assert not torch.isfinite(loss_and_grad(past, 0.0)).all()
+
+
 def tiny_model(tie=False, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -316,14 +316,44 @@ def test_dropped_pairs_are_counted_in_the_summary(tmp_path, mistral):
                                    eval_fraction=0.0), mistral)
     assert kept.sources[0]["dropped_no_target"] == 0 and len(kept.train) == 21
     assert kept.sources[0]["at_max_seq_len"] == 0  # the prompt budget made room: nothing cut at max_seq_len
-    everything = Recipe(dataset=str(path), objective="dpo", max_seq_len=8, eval_fraction=0.0)
+    everything = Recipe(dataset=str(path), objective="dpo", max_seq_len=9, eval_fraction=0.0)
     cut = D.build_datasets(everything, mistral)
-    assert cut.sources[0]["at_max_seq_len"] == cut.sources[0]["kept"] > 0
+    assert cut.sources[0]["at_max_seq_len"] == cut.sources[0]["kept"] == 5
+    assert cut.sources[0]["dropped_identical"] == 5  # " 10" against " 11" cut after "▁1"
     hopeless = write_jsonl(tmp_path / "long.jsonl", rows[-1:])
     message = one_line(D.build_datasets, Recipe(dataset=str(hopeless), objective="dpo", max_seq_len=64,
                                                 eval_fraction=0.0), mistral, error=DataError)
     assert message == (f"{hopeless}: no pair has a response token left on both sides within max_seq_len=64; raise "
                        "max_seq_len, or set max_prompt_len below it (a long prompt then loses its start)")
+
+
+def test_pairs_identical_once_cut_at_max_seq_len_are_dropped_and_counted(tmp_path, mistral):
+    """Sides that differ only past max_seq_len are the same tokens once cut: the pair's DPO margin is 0
+    whatever the weights (no gradient, a log 2 diluting the mean), so it is dropped as identical rows
+    are refused, and counted on the summary line apart from the pairs without a response token."""
+    same = "The answer, after a long and careful thought about every part of the question, is "
+    rows = [{"prompt": f"{i} plus {i} is", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(20)]
+    rows += [{"prompt": f"Question {i}: ", "chosen": same + "yes.", "rejected": same + "no."} for i in range(3)]
+    rows.append({"prompt": "word " * 80, "chosen": "end", "rejected": "stop"})
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    pairs = D.encode_pairs(rows[20:23], mistral, 20)
+    assert pairs["chosen_input_ids"] == pairs["rejected_input_ids"] and pairs["n_targets"] == [-1] * 3
+    assert D.encode_pairs(rows[20:23], mistral, 64)["n_targets"][0] > 0  # they differ within 64 tokens
+    recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=20, eval_fraction=0.0)
+    data = D.build_datasets(recipe, mistral)
+    assert len(data.train) == 20 and all(r["chosen_input_ids"] != r["rejected_input_ids"] for r in data.train)
+    assert data.sources[0]["dropped_identical"] == 3 and data.sources[0]["dropped_no_target"] == 1
+    assert D.summary_lines(data, recipe)[0].startswith(
+        f"data dataset {path} (preference, split train): 24 rows, 1 dropped (chosen or rejected has no response "
+        "token within max_seq_len=20), 3 dropped (chosen and rejected identical within max_seq_len=20: they "
+        "differ only after it)")
+    wide = D.build_datasets(Recipe(dataset=str(path), objective="dpo", max_seq_len=64, eval_fraction=0.0), mistral)
+    assert wide.sources[0]["dropped_identical"] == 0 and len(wide.train) == 23
+    alone = write_jsonl(tmp_path / "same.jsonl", rows[20:23])
+    message = one_line(D.build_datasets, Recipe(dataset=str(alone), objective="dpo", max_seq_len=20,
+                                                eval_fraction=0.0), mistral, error=DataError)
+    assert message == (f"{alone}: no pair left: 3 of 3 have chosen and rejected identical within max_seq_len=20 "
+                       "(they differ only after it), the others no response token on both sides; raise max_seq_len")
 
 
 # ---------------------------------------------------------------- mapping and mixtures
@@ -522,6 +552,34 @@ def test_bad_pairs_stop_a_run_in_one_line_before_any_model(dpo_recipe, tmp_path,
             signal.signal(s, h)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
+
+
+def test_pairs_read_as_another_format_name_dataset_format_preference(tmp_path, mistral):
+    """Preference rows given to a recipe whose dataset_format is alpaca (recipes/tiny.py's), or messages,
+    get one line naming the setting that reads them, as ShareGPT rows read as alpaca do: from a jsonl
+    file, a parquet file's columns, and rows first seen while tokenizing (a hub dataset)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import Dataset
+
+    hint = ("these rows hold preference pairs (chosen, rejected), which train with objective=dpo: set "
+            "dataset_format=preference (or auto; format='preference' on a DataSource)")
+    rows = [TEXT, {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}]
+    path = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    msg = one_line(D.prevalidate, str(path), "alpaca", error=DataError)
+    assert msg == f"{path} line 1: missing field 'instruction' (dataset_format=alpaca needs instruction, output); {hint}"
+    msg = one_line(D.prevalidate_recipe, Recipe(dataset=str(path), dataset_format="messages", objective="dpo"),
+                   error=DataError)
+    assert msg == f"{path} line 1: missing field 'messages' (dataset_format=messages needs messages); {hint}"
+    pq.write_table(pa.Table.from_pylist([TEXT] * 2), tmp_path / "pairs.parquet")
+    msg = one_line(D.prevalidate, str(tmp_path / "pairs.parquet"), "alpaca", error=DataError)
+    assert "missing column(s) ['instruction', 'output'] for dataset_format=alpaca; " + hint in msg, msg
+    msg = one_line(D.tokenize_dataset, Dataset.from_list([TEXT] * 2), "prompt_completion", mistral,
+                   Recipe(max_seq_len=64), "hub/pairs", error=DataError)
+    assert msg == f"hub/pairs: missing field(s) ['completion'] for dataset_format=prompt_completion; {hint}"
+    assert D.format_hint(["instruction", "output"], "messages").endswith("set dataset_format=alpaca (or auto; "
+                                                                          "format='alpaca' on a DataSource)")
+    assert D.format_hint(["chosen", "rejected"], "preference") == D.format_hint(["other"], "text") == ""
 
 
 # ---------------------------------------------------------------- finetune data --show

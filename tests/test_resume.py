@@ -61,6 +61,45 @@ def test_another_world_size_keeps_the_global_batch_silently():
     assert resume_changes(point(saved_after_pin), unfixed) == []
 
 
+def test_a_change_of_max_prompt_len_needs_allow_data_change_as_max_seq_len_does():
+    """max_prompt_len decides which tokens of a pair's prompt are kept (and so which pairs are dropped):
+    a resumed run that changes it trains other tokens at the checkpoint's data position."""
+    from finetune.checkpoint import fingerprint
+    from finetune.resume import check_fits
+
+    dpo = dataclasses.replace(SAVED, objective="dpo", max_prompt_len=64)
+    resumed = dataclasses.replace(point(dpo), manifest={"fingerprint": fingerprint(dpo)})
+    check_fits(resumed, dpo, allow_data_change=False)
+    for key, value in (("max_prompt_len", 32), ("max_prompt_len", 0), ("max_seq_len", 1024)):
+        with pytest.raises(RecipeError) as e:
+            check_fits(resumed, dataclasses.replace(dpo, **{key: value}), allow_data_change=False)
+        assert f"{key}: {getattr(dpo, key)} -> {value}" in str(e.value) and "--allow-data-change" in str(e.value)
+        check_fits(resumed, dataclasses.replace(dpo, **{key: value}), allow_data_change=True)
+    # a checkpoint whose fingerprint predates max_prompt_len: its recipe.json holds the value it trained with
+    older = {k: v for k, v in fingerprint(dpo).items() if k != "max_prompt_len"}
+    resumed = dataclasses.replace(point(dpo), manifest={"fingerprint": older})
+    check_fits(resumed, dpo, allow_data_change=False)
+    with pytest.raises(RecipeError, match="max_prompt_len: 64 -> 0"):
+        check_fits(resumed, dataclasses.replace(dpo, max_prompt_len=0), allow_data_change=False)
+    assert "max_prompt_len" not in fingerprint(SAVED)  # unset, an SFT run's fingerprint is the one it was
+
+
+def test_every_recipe_key_the_data_preparation_reads_is_a_data_key():
+    """The data fingerprint a resume checks holds every key that changes which tokens a step trains:
+    each recipe field read by finetune/data/ (and the tokenizer's), but num_proc (the same rows in any
+    number of processes) and objective (it only checks the rows' format, a data key)."""
+    import re
+
+    import finetune.data
+    from finetune.checkpoint import DATA_KEYS
+    from finetune.recipe import FIELDS
+
+    read = {name for path in Path(finetune.data.__file__).parent.glob("*.py")
+            for name in re.findall(r"\brecipe\.([a-z_]+)", path.read_text()) if name in FIELDS}
+    assert {"max_seq_len", "max_prompt_len", "train_on_prompt", "packing"} <= read
+    assert read - {"num_proc", "objective"} | {"tokenizer", "chat_template"} <= set(DATA_KEYS)
+
+
 def test_a_checkpoint_from_before_a_data_key_existed_still_fits(tmp_path):
     """Checkpoints written before `tokenizer` and `chat_template` joined the data fingerprint lack them:
     they had the defaults, so resuming them with the defaults is no data change."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from finetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, DataError, FORMAT_FIELDS, IGNORE,
                                    PIPELINE_VERSION, check_messages, check_pair, check_roles, check_row, detect_format,
-                                   extract_prompt, sharegpt_hint, split_pair, unknown_role)
+                                   extract_prompt, format_hint, sharegpt_hint, split_pair, unknown_role)
 from finetune.data.sources import (CSV_MISSING, SHAREGPT_COLUMNS, SHAREGPT_ROLES, check_columns, eval_source,
                                    first_row_of, is_saved_dataset, local_splits, map_row, need_fields, need_split,
                                    prevalidate, prevalidate_recipe, saved_splits, top_level_columns, train_sources,

@@ -49,6 +49,25 @@ def sharegpt_hint(fields) -> str:
     return ""
 
 
+ROWS_OF = {"preference": "preference pairs (chosen, rejected), which train with objective=dpo",
+           "messages": "conversations (messages)", "alpaca": "alpaca rows (instruction, output)",
+           "prompt_completion": "prompt_completion rows (prompt, completion)", "text": "plain text rows (text)"}
+
+
+def format_hint(fields, fmt: str) -> str:
+    """What to set when rows of another format (as dataset_format=auto would read them) are read as
+    fmt: ShareGPT conversations, preference pairs, or another format's fields."""
+    if sharegpt_hint(fields):
+        return sharegpt_hint(fields)
+    try:
+        found = detect_format(fields, "")
+    except DataError:
+        return ""
+    if found == fmt:
+        return ""
+    return f"; these rows hold {ROWS_OF[found]}: set dataset_format={found} (or auto; format='{found}' on a DataSource)"
+
+
 def unknown_role(where: str, index: int, role) -> DataError:
     return DataError(f"{where}: message {index} has role {role!r}, which is none of {', '.join(ROLES)}; map it with "
                      f"roles={{{role!r}: 'assistant'}} (or user, system, tool) on the source's DataSource in the "
@@ -80,7 +99,7 @@ def check_row(row, fmt: str, where: str) -> None:
     for name in FORMAT_FIELDS[fmt]:
         if name not in row or row[name] is None:
             raise DataError(f"{where}: missing field {name!r} (dataset_format={fmt} needs "
-                            f"{', '.join(FORMAT_FIELDS[fmt])}){sharegpt_hint(row)}")
+                            f"{', '.join(FORMAT_FIELDS[fmt])}){format_hint(row, fmt)}")
     if fmt == "preference":
         return check_pair(row, where)
     if fmt == "messages":

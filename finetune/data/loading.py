@@ -9,7 +9,7 @@ from pathlib import Path
 from finetune.assets import resolve_dataset
 from finetune.data.formats import (DataError, FORMAT_FIELDS, IGNORE, PIPELINE_VERSION, check_roles, check_row,
                                    detect_format)
-from finetune.data.preference import PREFERENCE_VERSION, encode_pairs
+from finetune.data.preference import IDENTICAL, PREFERENCE_VERSION, encode_pairs
 from finetune.data.sources import (check_columns, first_row_of, is_saved_dataset, local_splits, map_row, need_fields,
                                    need_split, saved_splits, top_level_columns, with_sharegpt)
 from finetune.data.tokenization import encode_batch, pack_rows
@@ -74,10 +74,12 @@ COUNTS = ["n_tokens", "n_targets"]  # per-row columns kept while sources are mix
 
 
 def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spec: DataSource | None = None,
-                     pack: bool | None = None, keep_counts: bool = False):
+                     pack: bool | None = None, keep_counts: bool = False, dropped: dict | None = None):
     """Map columns, format, tokenize (a batch of rows per tokenizer call, in num_proc processes), drop
-    examples with no target token, and pack; cached by content fingerprint. keep_counts: keep each
-    row's n_tokens and n_targets (for mixing and the summary; never with packing)."""
+    examples with no target token (and preference pairs whose sides are identical once cut), and pack;
+    cached by content fingerprint. keep_counts: keep each row's n_tokens and n_targets (for mixing and
+    the summary; never with packing). dropped: a dict given here gets the rows dropped, by reason
+    ("no_target", "identical")."""
     if len(ds) == 0:
         raise DataError(f"{where}: the dataset is empty")
     spec = spec or DataSource(path=where)
@@ -119,8 +121,16 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     ds = ds.select_columns(used) if len(used) < len(ds.column_names) else ds
     ds = ds.map(encode, batched=True, with_indices=True, remove_columns=used, new_fingerprint=fp, num_proc=procs,
                 desc=f"tokenize {where}")
+    rows = len(ds)
+    identical = count_identical(ds) if fmt == "preference" else 0
     ds = ds.filter(lambda n: [x > 0 for x in n], input_columns="n_targets", batched=True, num_proc=procs,
                    new_fingerprint=cache_fingerprint(fp, "filter"), desc="drop rows without targets")
+    if dropped is not None:
+        dropped |= {"no_target": rows - len(ds) - identical, "identical": identical}
+    if len(ds) == 0 and identical:
+        raise DataError(f"{where}: no pair left: {identical} of {rows} have chosen and rejected identical within "
+                        f"max_seq_len={max_len}{budget_note(recipe)} (they differ only after it), the others no "
+                        "response token on both sides; raise max_seq_len")
     if len(ds) == 0 and fmt == "preference":
         fix = "lower max_prompt_len" if recipe.max_prompt_len else \
             "set max_prompt_len below it (a long prompt then loses its start)"
@@ -132,6 +142,13 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     if recipe.packing if pack is None else pack:
         return pack_dataset(ds, tokenizer, recipe, where)
     return ds if keep_counts else ds.remove_columns(COUNTS)
+
+
+def count_identical(ds) -> int:
+    """Prepared pairs marked IDENTICAL (their sides the same tokens once cut), read from the Arrow column."""
+    import pyarrow.compute as pc
+
+    return int(pc.sum(pc.equal(ds.data.column("n_targets"), IDENTICAL)).as_py() or 0)
 
 
 def budget_note(recipe: Recipe) -> str:

@@ -73,7 +73,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
 
     sources = train_sources(recipe)
     evaluated = eval_source(recipe)
-    parts, held, formats, raw_rows = [], [], [], []
+    parts, held, formats, raw_rows, drops = [], [], [], [], []
     for i, (key, split_key, spec) in enumerate(sources):
         raw = load_source(spec, key, split_key)
         spec = with_sharegpt(spec, raw.column_names, first_row_of(raw))
@@ -87,7 +87,9 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
             raw, raw_held = split["train"], split["test"]
         raw_rows.append(len(raw))
         formats.append(fmt)
-        parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True))
+        drops.append({})
+        parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True,
+                                      dropped=drops[-1]))
         if raw_held is not None:
             held.append(tokenize_dataset(raw_held, fmt, tokenizer, recipe, where + " (eval)", spec=spec,
                                          pack=False, keep_counts=True))
@@ -100,7 +102,8 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         rows = _row_counts(part)
         stats.append({"source": key.removesuffix(".path"), "path": spec.path, "format": formats[i],
                       "split": spec.split, "weight": spec.weight, "rows_wanted": spec.rows, "rows": raw_rows[i],
-                      "kept": available[i], "dropped_no_target": raw_rows[i] - available[i],
+                      "kept": available[i], "dropped_no_target": drops[i]["no_target"],
+                      "dropped_identical": drops[i]["identical"],
                       "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())})
@@ -152,7 +155,11 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
         share = f"rows={s['rows_wanted']}" if s["rows_wanted"] else f"weight {s['weight']:g}"
         why = (f"chosen or rejected has no response token within max_seq_len={recipe.max_seq_len}{budget_note(recipe)}"
                if s["format"] == "preference" else f"no target token within max_seq_len={recipe.max_seq_len}")
-        dropped = f", {s['dropped_no_target']} dropped ({why})" if s["dropped_no_target"] else ", none dropped"
+        dropped = f", {s['dropped_no_target']} dropped ({why})" if s["dropped_no_target"] else ""
+        if s["dropped_identical"]:
+            dropped += (f", {s['dropped_identical']} dropped (chosen and rejected identical within "
+                        f"max_seq_len={recipe.max_seq_len}{budget_note(recipe)}: they differ only after it)")
+        dropped = dropped or ", none dropped"
         cut = f", {s['at_max_seq_len']} cut at max_seq_len" if s["at_max_seq_len"] else ""
         lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
                      f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {s['tokens']} tokens, "

@@ -24,8 +24,10 @@ trains nothing that the prompt as generation is given it (its generation prompt 
 holds (after_prompt, TRL's rule), whatever the template's {% generation %} blocks cover.
 
 A prepared pair is the columns PAIR_COLUMNS (labels unshifted, IGNORE off the response, as SFT rows'
-labels) and the counts n_tokens (both sides) and n_targets (both sides' trained tokens; 0 marks a pair
-to drop: a side with no trained token left within the budgets). Truncation: the prompt keeps its last
+labels) and the counts n_tokens (both sides) and n_targets (both sides' trained tokens; NO_TARGET marks
+a pair to drop because a side has no trained token left within the budgets, IDENTICAL one to drop
+because its sides are the same tokens once cut: a pair that prefers nothing, as check_pair refuses
+identical rows; tokenize_dataset counts both). Truncation: the prompt keeps its last
 max_prompt_len tokens (TRL's keep_end for prompts; the BOS, where the row starts with one, stays
 first and counts in the budget), then each side is cut at max_seq_len.
 """
@@ -40,6 +42,10 @@ from finetune.data.tokenization import encode_batch, encode_conversations, rende
 PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
 PREFERENCE_VERSION = "3"  # bump when a pair's tokens or labels change, to invalidate cached preference data
 NO_LIMIT = sys.maxsize
+# n_targets of a pair to drop (kept rows have n_targets > 0). A pair whose sides differ only past
+# max_seq_len is the same tokens on both sides: its DPO margin is 0 whatever the weights, so it adds no
+# gradient and only dilutes the batch's mean loss (log 2 each).
+NO_TARGET, IDENTICAL = 0, -1
 
 
 def _fit(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len: int):
@@ -130,7 +136,8 @@ def trained(labels: list[int]) -> int:
 
 def encode_pairs(rows: list[dict], tokenizer, max_len: int, max_prompt_len: int = 0) -> dict:
     """Checked preference rows -> the columns of prepared pairs (PAIR_COLUMNS, n_tokens, n_targets);
-    n_targets is 0 for a pair that a side without a trained token left makes useless (dropped)."""
+    n_targets is NO_TARGET for a pair that a side without a trained token left makes useless, IDENTICAL
+    for one whose sides became the same tokens (and labels) when cut at the budgets (both dropped)."""
     out = {c: [] for c in PAIR_COLUMNS + ["n_tokens", "n_targets"]}
     for chosen, rejected in encode_sides(rows, tokenizer):
         chosen, rejected = same_prompt(chosen, rejected)
@@ -141,7 +148,7 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, max_prompt_len: int 
             out[f"{name}_labels"].append(labels)
         counts = trained(chosen[1]), trained(rejected[1])
         out["n_tokens"].append(len(chosen[0]) + len(rejected[0]))
-        out["n_targets"].append(sum(counts) if min(counts) > 0 else 0)
+        out["n_targets"].append(NO_TARGET if min(counts) == 0 else IDENTICAL if chosen == rejected else sum(counts))
     return out
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune.assets import BUILTIN_FORMATS
-from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, sharegpt_hint, unknown_role
+from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, unknown_role
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
 
 
@@ -162,7 +162,7 @@ def need_split(split_key: str, source: str, split: str, available: list[str]) ->
 def need_fields(names, fmt: str, where: str) -> None:
     missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
     if missing:
-        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}{sharegpt_hint(names)}")
+        raise DataError(f"{where}: missing field(s) {missing} for dataset_format={fmt}{format_hint(names, fmt)}")
 
 
 def _data_files(path: Path) -> list[Path]:
@@ -234,7 +234,7 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                 fmt = detect_format(names, str(path))
             missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
             if missing:
-                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}{sharegpt_hint(names)}")
+                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}{format_hint(names, fmt)}")
             rows_seen += _num_rows(path, [top_level_columns(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
             if fmt == "preference":
                 _check_pairs(_table_rows(path, _pair_fields(columns, spec)), spec, f"{path} row")
