@@ -258,10 +258,12 @@ class RewardModel:
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.path)
             self._model = AutoModelForSequenceClassification.from_pretrained(self.path).to(self.device).eval()
-            if self._tokenizer.pad_token_id is None:
+            # the model scores each row at its last token that is not its pad id: both must pad with the same id
+            if self._tokenizer.pad_token_id is None and self._model.config.pad_token_id is not None:
+                self._tokenizer.pad_token_id = self._model.config.pad_token_id
+            elif self._tokenizer.pad_token_id is None:
                 self._tokenizer.pad_token = self._tokenizer.eos_token
-            if self._model.config.pad_token_id is None:
-                self._model.config.pad_token_id = self._tokenizer.pad_token_id
+            self._model.config.pad_token_id = self._tokenizer.pad_token_id
         return self._model, self._tokenizer
 
     def texts(self, prompts, completions) -> list[str]:
