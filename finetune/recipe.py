@@ -35,7 +35,7 @@ def _opt(default, *, choices=None, min=None, max=None, help=""):
     return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
 
 
-FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference")
+FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt")
 # What `columns` may map: a format's fields, and inside `messages` each message's role and content.
 MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text",
             "chosen", "rejected")

@@ -115,14 +115,14 @@ def render_chat(tokenizer, messages: list[dict], generation_prompt: bool, spans:
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 
-def render_chats(tokenizer, conversations: list[list[dict]], spans: bool = False):
+def render_chats(tokenizer, conversations: list[list[dict]], spans: bool = False, generation_prompt: bool = False):
     """render_chat of many conversations in one call (one template lookup and setup for the batch)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
-            add_generation_prompt=False, **tokenizer.special_tokens_map)
+            add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
     except Exception as e:
         raise _template_failed(tokenizer, e) from None
     return [(t, [tuple(s) for s in i]) for t, i in zip(texts, indices)] if spans else list(texts)
