@@ -273,7 +273,8 @@ def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
     if recipe.objective != "grpo" and fmt == "prompt":
         raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
                         f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
-                        f"{recipe.objective})")
+                        f"{recipe.objective}; a column holding the answer is mapped with columns={{'completion': "
+                        "...}})")
 
 
 def _pair_fields(columns, spec: DataSource) -> list[str]:
