@@ -141,6 +141,7 @@ class OutputHeadLoss:
     def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
         self.rows = None  # per_token: the batch row of each target token
+        self.positions = None  # per_token: each target token's flat index in the shifted targets
         hf = hf_model(model)
         self.head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
         # A Linear whose forward is Linear's own (FSDP2 makes lm_head an FSDPLinear that only adds hooks),
@@ -208,7 +209,7 @@ class OutputHeadLoss:
             keep = (flat != IGNORE).nonzero().squeeze(1)
             compute = linear_token_logps if self.per_token else linear_cross_entropy
             if self.per_token:
-                self.rows = keep // targets.shape[-1]
+                self.rows, self.positions = keep // targets.shape[-1], keep
             self.loss = compute(hidden.index_select(0, keep), head.weight, head.bias, flat.index_select(0, keep),
                                 self.impl, scale=self.scale, softcap=self.softcap, chunk=self.chunk)
             return self.loss
@@ -274,6 +275,31 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
     mask = targets != IGNORE
     logps = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
     return (logps * mask).sum(-1), mask.sum(-1)
+
+
+def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None) -> torch.Tensor:
+    """Each target token's log-probability, [rows, length] fp32 laid out as the labels: out[b, t] =
+    log p(labels[b, t] | tokens before t) where labels[b, t] is set, 0 elsewhere (what a policy-gradient
+    loss weighs token by token, finetune/objectives/grpo.py). As sequence_logps, computed inside the
+    output layer a chunk of tokens at a time, no [tokens, vocab] logits at once; impl=full from the full
+    logits. Not for sequence-parallel shards (their targets are shifted over the whole row)."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+    labels = batch["labels"]
+    if impl != "full":
+        head = OutputHeadLoss(model, impl, chunk, per_token=True)
+        if head.supported:
+            with head.computing_loss(shifted_labels(labels)):
+                out = model(**inputs)
+            logps = head.check(out.logits)
+            # shifted position p predicts the label at p + 1 (the last position of a row has no target)
+            where = head.positions.to(logps.device) + 1
+            flat = torch.zeros(labels.numel(), dtype=logps.dtype, device=logps.device).index_put((where,), logps)
+            return flat.view(labels.shape)
+    out = model(**inputs)
+    targets = shifted_labels(labels).to(out.logits.device)
+    mask = targets != IGNORE
+    logps = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    return F.pad((logps * mask)[:, :-1], (1, 0))
 
 
 def linear_token_logps(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,

@@ -35,7 +35,7 @@ def _opt(default, *, choices=None, min=None, max=None, help=""):
     return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
 
 
-FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference")
+FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt")
 # What `columns` may map: a format's fields, and inside `messages` each message's role and content.
 MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text",
             "chosen", "rejected")
@@ -139,7 +139,7 @@ class Recipe:
     loss_chunk_tokens: int = _opt(0, min=0, help="tokens per chunk of loss_impl=chunked; 0: as many as keep one "
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
     # What to optimize: sft (next-token loss on the responses) or dpo (preference pairs: finetune/objectives/dpo.py)
-    objective: str = _opt("sft", choices=("sft", "dpo"))
+    objective: str = _opt("sft", choices=("sft", "dpo", "grpo"))
     dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
                          help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
                          "(length-normalised log-probs and a margin simpo_gamma): loads no reference model")
@@ -151,7 +151,33 @@ class Recipe:
     precompute_reference: bool = _opt(False, help="dpo: the reference's log-probs of every pair in one pass before "
                                       "training, cached beside the prepared data; training then holds no reference")
     max_prompt_len: int = _opt(0, min=0, help="dpo: the most tokens a pair's prompt keeps (its start is cut); "
-                               "0: no limit but max_seq_len")
+                               "grpo: the most tokens a prompt may have (its start is cut); 0: no limit but "
+                               "max_seq_len")
+    # GRPO (finetune/objectives/grpo.py, TRL's GRPOConfig names and defaults): each prompt gets num_generations
+    # sampled completions, scored by reward functions (finetune/rewards.py); the global batch counts prompts
+    reward_funcs: tuple[object, ...] = _opt((), help="grpo: reward functions: callables in the recipe file, or module:function "
+                               "names, comma-separated (built in: finetune.rewards:exact_match, "
+                               "finetune.rewards:math_answer, finetune.rewards:think_format)")
+    reward_weights: tuple[object, ...] = _opt((), help="grpo: one weight per reward function, comma-separated; empty: 1 each")
+    num_generations: int = _opt(8, help="grpo: completions sampled per prompt (a group), at least 2")
+    temperature: float = _opt(1.0, min=0.0, help="grpo: sampling temperature (0: greedy)")
+    top_p: float = _opt(1.0, min=0.0, max=1.0, help="grpo: nucleus sampling's probability mass (1: off)")
+    top_k: int = _opt(0, min=0, help="grpo: sample among the k likeliest tokens (0: off)")
+    max_completion_len: int = _opt(256, min=1, help="grpo: the most tokens a completion gets; also dr_grpo's "
+                                   "normaliser")
+    loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo"),
+                          help="grpo: each completion's mean token loss, averaged; dapo: the mean over all "
+                          "completion tokens of the global batch; dr_grpo: their sum / (completions x "
+                          "max_completion_len)")
+    scale_rewards: str = _opt("group", choices=("group", "batch", "none"),
+                              help="grpo: advantages divided by the group's reward std, the batch's, or not")
+    epsilon: float = _opt(0.2, min=0.0, help="grpo: the importance ratio is clipped below at 1 - epsilon")
+    epsilon_high: float = _opt(0.0, min=0.0, help="grpo: ... and above at 1 + epsilon_high (0: epsilon; DAPO: 0.28)")
+    num_iterations: int = _opt(1, min=1, help="grpo: optimizer steps per rollout (old log-probs kept from it)")
+    beta: float = _opt(0.0, min=0.0, help="grpo: the KL penalty's weight against the reference (0: no reference "
+                       "held)")
+    mask_truncated_completions: bool = _opt(False, help="grpo: completions cut at max_completion_len count in no "
+                                            "loss term (DAPO)")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
     lora: bool = _opt(False)
     lora_r: int = _opt(16, min=1)
@@ -199,9 +225,19 @@ class Recipe:
     def __post_init__(self):
         if isinstance(self.datasets, list):  # a recipe file may write the mixture as a list
             object.__setattr__(self, "datasets", tuple(self.datasets))
+        for name in ("reward_funcs", "reward_weights"):  # a recipe file may write them as lists, or one function
+            value = getattr(self, name)
+            if isinstance(value, list) or callable(value):
+                object.__setattr__(self, name, tuple(value) if isinstance(value, list) else (value,))
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Plain values (recipe.json, trackers): a reward function given as a callable by its name."""
+        values = dataclasses.asdict(self)
+        if self.reward_funcs:
+            from finetune.rewards import spec_name
+
+            values["reward_funcs"] = tuple(spec_name(f) for f in self.reward_funcs)
+        return values
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
@@ -379,6 +415,8 @@ def _check_field(name: str, value) -> None:
         for i, source in enumerate(value):
             check_source_fields(f"datasets[{i}]", source)
         return
+    if name in GRPO_LISTS:
+        return  # checked with the objective (_check_grpo): callables and numbers, not strings only
     if name == "eval_dataset":
         if isinstance(value, DataSource):
             check_source_fields("eval_dataset", value, weighted=False)
@@ -590,8 +628,66 @@ DPO_BETA_RANGE = (1e-3, 1e3)
 SIMPO_GAMMA_MAX = 1e3
 
 
+GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
+               "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
+               "mask_truncated_completions")
+GRPO_LISTS = ("reward_funcs", "reward_weights")
+
+
+def _check_grpo(r: Recipe) -> None:
+    """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
+    if r.objective != "grpo":
+        changed = [k for k in GRPO_FIELDS if getattr(r, k) != FIELDS[k].default]
+        if changed:
+            key = changed[0]
+            shown = ",".join(map(str, getattr(r, key))) if key in GRPO_LISTS else getattr(r, key)
+            raise RecipeError(f"{key}={shown} applies to objective=grpo only; set objective=grpo, or leave {key} out")
+        return
+    from finetune import rewards
+
+    if not r.reward_funcs:
+        raise RecipeError("objective=grpo needs reward functions: reward_funcs=module:function,... (or callables in "
+                          "the recipe file); built in: finetune.rewards:exact_match, finetune.rewards:math_answer, "
+                          "finetune.rewards:think_format")
+    try:
+        rewards.resolve_all(r.reward_funcs)
+        rewards.weights(r.reward_weights, len(r.reward_funcs))
+    except rewards.RewardSpecError as e:
+        raise RecipeError(str(e)) from None
+    if r.num_generations < 2:
+        raise RecipeError(f"num_generations={r.num_generations}: a group needs at least 2 completions (its advantages "
+                          "are rewards minus the group's mean); set num_generations=2 or more (TRL's default: 8)")
+    if r.global_batch_size and r.global_batch_size * r.num_generations % r.micro_batch_size:
+        raise RecipeError(f"global_batch_size={r.global_batch_size} prompts x num_generations={r.num_generations} = "
+                          f"{r.global_batch_size * r.num_generations} completions do not split into micro-batches of "
+                          f"micro_batch_size={r.micro_batch_size}; make micro_batch_size divide it")
+    if not r.global_batch_size and r.micro_batch_size * r.grad_accum % r.num_generations:
+        raise RecipeError(f"micro_batch_size={r.micro_batch_size} x grad_accum={r.grad_accum} completions per process "
+                          f"do not split into whole groups of num_generations={r.num_generations}; set "
+                          "global_batch_size=N (prompts per step), or make micro_batch_size x grad_accum a multiple "
+                          "of num_generations")
+    for key in ("packing", "padding_free", "train_on_prompt"):
+        if getattr(r, key):
+            raise RecipeError(f"{key}=true with objective=grpo: a completion is scored on its own tokens; set "
+                              f"{key}=false")
+    if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
+        raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
+                          f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")
+    if r.beta and r.strategy == "fsdp" and r.fsdp_version == 1 and not r.lora:
+        raise RecipeError("objective=grpo with beta > 0 and fsdp_version=1: the frozen reference is sharded by FSDP2 "
+                          "only; use fsdp_version=2, or beta=0 (no reference held)")
+
+
 def _check_objective(r: Recipe) -> None:
     """The objective's own fields only with it, and the combinations a preference run cannot take."""
+    _check_grpo(r)
+    if r.objective == "grpo":
+        changed = [k for k in DPO_FIELDS if k != "max_prompt_len" and getattr(r, k) != FIELDS[k].default]
+        if changed:
+            key = changed[0]
+            raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
+                              f"{key} out")
+        return
     changed = [k for k in DPO_FIELDS if getattr(r, k) != FIELDS[k].default]
     if r.objective == "sft":
         if changed:

@@ -62,7 +62,7 @@ def test_detect_format(columns, expected):
     assert D.detect_format(columns, "somewhere") == expected
 
 
-@pytest.mark.parametrize("columns", [[], ["instruction"], ["prompt", "answer"], ["question", "output"]])
+@pytest.mark.parametrize("columns", [[], ["instruction"], ["question", "answer"], ["question", "output"]])
 def test_detect_format_unknown(columns):
     msg = error(D.detect_format, columns, "data.jsonl line 1")
     assert msg.startswith("data.jsonl line 1: cannot tell the dataset format")

@@ -9,15 +9,16 @@ The package, by stage: formats (detection, row checks), sources (where data come
 column mapping, prevalidation), tokenization (rows -> ids and labels, chat templates, packing),
 loading (a source -> a cached tokenized dataset), mixtures (the train and eval sets of a recipe),
 batches (the resumable schedule and the collated micro-batch), inspector (rows shown as trained),
-preference (the preference pairs of objective=dpo: their shapes, checks and tokenization).
+preference (the preference pairs of objective=dpo: their shapes, checks and tokenization), prompts
+(the prompt rows of objective=grpo and their tokenization).
 Every public name is importable from `finetune.data` itself.
 """
 
 from __future__ import annotations
 
 from finetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, DataError, FORMAT_FIELDS, IGNORE,
-                                   PIPELINE_VERSION, check_messages, check_pair, check_roles, check_row, detect_format,
-                                   extract_prompt, format_hint, sharegpt_hint, split_pair, unknown_role)
+                                   PIPELINE_VERSION, check_messages, check_pair, check_prompt_row, check_roles, check_row,
+                                   detect_format, extract_prompt, format_hint, sharegpt_hint, split_pair, unknown_role)
 from finetune.data.sources import (CSV_MISSING, SHAREGPT_COLUMNS, SHAREGPT_ROLES, check_columns, eval_source,
                                    first_row_of, is_saved_dataset, local_splits, map_row, need_fields, need_split,
                                    prevalidate, prevalidate_recipe, saved_splits, top_level_columns, train_sources,
@@ -32,4 +33,5 @@ from finetune.data.batches import (BatchSchedule, PAIR_SIDES, REFERENCE_COLUMNS,
                                    eval_batches, fetch, input_tokens, is_preference, packed_length, target_tokens)
 from finetune.data.preference import (PAIR_COLUMNS, PREFERENCE_VERSION, encode_pair, encode_pairs, prompt_length,
                                       trained)
+from finetune.data.prompts import PROMPT_COLUMNS, PROMPT_VERSION, encode_prompts, fit_prompt
 from finetune.data.inspector import (GREEN, RESET, show_pair, show_row)

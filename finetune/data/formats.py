@@ -12,6 +12,7 @@ FORMAT_FIELDS = {
     "messages": ("messages",),
     "text": ("text",),
     "preference": ("chosen", "rejected"),  # and an optional prompt (split_pair reads the three shapes)
+    "prompt": ("prompt",),  # objective=grpo: prompts alone, other columns kept for the rewards (data/prompts.py)
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -34,10 +35,12 @@ def detect_format(columns, where: str) -> str:
         return "prompt_completion"
     if "text" in cols:
         return "text"
+    if "prompt" in cols:  # a prompt and no answer to train on: prompts to generate from (objective=grpo)
+        return "prompt"
     raise DataError(
         f"{where}: cannot tell the dataset format from its fields {sorted(cols)}; expected messages, "
-        "instruction+output (alpaca), prompt+completion, text, or chosen+rejected (preference); or set "
-        "dataset_format=..."
+        "instruction+output (alpaca), prompt+completion, text, chosen+rejected (preference), or prompt alone "
+        "(prompts, for objective=grpo); or set dataset_format=..."
     )
 
 
@@ -51,7 +54,8 @@ def sharegpt_hint(fields) -> str:
 
 ROWS_OF = {"preference": "preference pairs (chosen, rejected), which train with objective=dpo",
            "messages": "conversations (messages)", "alpaca": "alpaca rows (instruction, output)",
-           "prompt_completion": "prompt_completion rows (prompt, completion)", "text": "plain text rows (text)"}
+           "prompt_completion": "prompt_completion rows (prompt, completion)", "text": "plain text rows (text)",
+           "prompt": "prompt rows (prompt, other columns for the rewards), which train with objective=grpo"}
 
 
 def format_hint(fields, fmt: str) -> str:
@@ -63,7 +67,7 @@ def format_hint(fields, fmt: str) -> str:
         found = detect_format(fields, "")
     except DataError:
         return ""
-    if found == fmt:
+    if found == fmt or (found, fmt) == ("prompt", "prompt_completion"):  # a row missing its completion
         return ""
     return f"; these rows hold {ROWS_OF[found]}: set dataset_format={found} (or auto; format='{found}' on a DataSource)"
 
@@ -102,6 +106,8 @@ def check_row(row, fmt: str, where: str) -> None:
                             f"{', '.join(FORMAT_FIELDS[fmt])}){format_hint(row, fmt)}")
     if fmt == "preference":
         return check_pair(row, where)
+    if fmt == "prompt":
+        return check_prompt_row(row, where)
     if fmt == "messages":
         msgs = row["messages"]
         check_messages(msgs, where)
@@ -175,3 +181,23 @@ def check_pair(row: dict, where: str) -> None:
             if not any(m["role"] == "assistant" for m in side):
                 raise DataError(f"{where}: {name!r} has no assistant message after the prompt, so there is no answer "
                                 "to prefer; each side needs the assistant's answer")
+
+
+# ---------------------------------------------------------------- prompt rows (finetune/data/prompts.py)
+
+
+def check_prompt_row(row: dict, where: str) -> None:
+    """A prompt row: its prompt a non-empty string, or a non-empty list of messages that does not end
+    with the assistant's turn (generation writes that turn)."""
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"{where}: the prompt is empty")
+        return
+    if not isinstance(prompt, list):
+        raise DataError(f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got "
+                        f"{'nothing' if prompt is None else 'a ' + type(prompt).__name__}")
+    check_messages(prompt, where, "prompt")
+    if prompt[-1]["role"] == "assistant":
+        raise DataError(f"{where}: the prompt's last message is the assistant's; a prompt ends with the turn the "
+                        "model answers (user, or tool), and its completion is generated")

@@ -10,6 +10,7 @@ from finetune.assets import resolve_dataset
 from finetune.data.formats import (DataError, FORMAT_FIELDS, IGNORE, PIPELINE_VERSION, check_roles, check_row,
                                    detect_format)
 from finetune.data.preference import IDENTICAL, PREFERENCE_VERSION, encode_pairs
+from finetune.data.prompts import PROMPT_VERSION, encode_prompts
 from finetune.data.sources import (check_columns, first_row_of, is_saved_dataset, local_splits, map_row, need_fields,
                                    need_split, saved_splits, top_level_columns, with_sharegpt)
 from finetune.data.tokenization import encode_batch, pack_rows
@@ -89,6 +90,8 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
     if fmt == "auto":
         fmt = detect_format(names, where)
     need_fields(names, fmt, where)
+    if fmt == "prompt":
+        return tokenize_prompts(ds, tokenizer, recipe, where, spec)
     optional = {"alpaca": {"input"}, "preference": {"prompt"}}.get(fmt, set())
     needed = set(FORMAT_FIELDS[fmt]) | optional
     used = [c for c in ds.column_names if c in {top_level_columns(spec.columns).get(f, f) for f in needed}]
@@ -149,6 +152,27 @@ def count_identical(ds) -> int:
     import pyarrow.compute as pc
 
     return int(pc.sum(pc.equal(ds.data.column("n_targets"), IDENTICAL)).as_py() or 0)
+
+
+def tokenize_prompts(ds, tokenizer, recipe: Recipe, where: str, spec: DataSource):
+    """Prompt rows (objective=grpo, finetune/data/prompts.py): each row's prompt (mapped by spec.columns)
+    checked and tokenized into prompt_input_ids and n_tokens; every other column kept for the rewards."""
+    source = top_level_columns(spec.columns).get("prompt", "prompt")
+    room = max(recipe.max_seq_len - recipe.max_completion_len, 1)
+
+    def encode(batch, indices):
+        rows = [map_row({k: batch[k][i] for k in batch}, spec, f"{where} row {index}")
+                for i, index in enumerate(indices)]
+        names = [f"{where} row {index}" for index in indices]
+        for row, name in zip(rows, names):
+            check_row(row, "prompt", name)
+        out = encode_prompts(rows, tokenizer, max_prompt_len=recipe.max_prompt_len, room=room, where=names)
+        return {"prompt": [r["prompt"] for r in rows], **out}
+
+    fp = cache_fingerprint(PIPELINE_VERSION, PROMPT_VERSION, ds._fingerprint, tokenizer_fingerprint(tokenizer),
+                           recipe.max_prompt_len, room, spec.columns, spec.roles)
+    return ds.map(encode, batched=True, with_indices=True, remove_columns=[source], new_fingerprint=fp,
+                  num_proc=num_processes(recipe, len(ds)), desc=f"tokenize prompts {where}")
 
 
 def budget_note(recipe: Recipe) -> str:

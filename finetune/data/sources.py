@@ -266,6 +266,15 @@ def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
     if recipe.objective != "dpo" and fmt == "preference":
         raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
                         f"objective=dpo, or use a dataset of SFT rows (objective={recipe.objective})")
+    if recipe.objective == "grpo" and fmt not in ("auto", "prompt"):
+        raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
+                        f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "
+                        "and set dataset_format=prompt, or set objective=sft")
+    if recipe.objective != "grpo" and fmt == "prompt":
+        raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
+                        f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
+                        f"{recipe.objective}; a column holding the answer is mapped with columns={{'completion': "
+                        "...}})")
 
 
 def _pair_fields(columns, spec: DataSource) -> list[str]:

@@ -1,0 +1,289 @@
+"""Reward functions for GRPO (finetune/objectives/grpo.py), as TRL's GRPOTrainer calls them: each is
+called once per step with keyword arguments
+
+    prompts       the step's prompts, one per completion (a prompt's value as the data has it: text, or
+                  a list of messages)
+    completions   the completions' text
+    completion_ids  their token ids
+    <column>      every other column of the rows (answer, ...), one value per completion
+
+and returns one number per completion, or None where it does not score that completion. A recipe names
+them in reward_funcs: callables in the recipe file, or "module:function" strings (on the command line);
+reward_weights weighs them (1 each by default); a completion's reward is the weighted sum of the rewards
+it got (NaN-sum: a None counts as nothing), and a completion no function scored gets no learning signal.
+
+Built in: exact_match (the completion equals the `answer` column; exact_match_on(column) for another),
+think_format (the completion is <think>...</think> then an answer; regex_reward(pattern) for another
+format), math_answer (the math-verify package, optional: pip install math-verify), and RewardModel (a
+sequence-classification model directory scoring prompt + completion)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+from dataclasses import dataclass
+
+import torch
+
+
+class RewardSpecError(ValueError):
+    """A reward function that cannot be found or used as named in the recipe."""
+
+
+class RewardError(RuntimeError):
+    """A reward function failed during the run: which step, which function, which prompt, what."""
+
+    def __init__(self, step: int, function: str, prompt, message: str):
+        self.step, self.function, self.prompt = step, function, prompt
+        super().__init__(f"step {step}: reward function {function} {message} (prompt: {str(prompt)!r:.120})")
+
+
+# ---------------------------------------------------------------- naming and resolving
+
+
+def spec_name(func) -> str:
+    """A reward function's name as recipes, logs and metrics show it: "module:function" for a function,
+    its own `name` for an object that has one (RewardModel), else its class's."""
+    if isinstance(func, str):
+        return func
+    name = getattr(func, "name", None)
+    if isinstance(name, str):
+        return name
+    qualname = getattr(func, "__qualname__", None) or type(func).__qualname__
+    return f"{getattr(func, '__module__', type(func).__module__)}:{qualname}"
+
+
+def short_name(func) -> str:
+    """The name in metrics (rewards/NAME/mean): the function's own name, as TRL's __name__."""
+    return spec_name(func).rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+
+def resolve(spec):
+    """A callable from a callable or a "module:function" string."""
+    if callable(spec):
+        return spec
+    if not isinstance(spec, str) or ":" not in spec:
+        raise RewardSpecError(f"reward_funcs={spec!r}: name a reward function as module:function (for example "
+                              "finetune.rewards:exact_match), or give a callable in the recipe file")
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - any failure to import is the same mistake for the user
+        raise RewardSpecError(f"reward_funcs={spec}: module {module_name} cannot be imported ({type(e).__name__}: "
+                              f"{e}); check the name and that it is on PYTHONPATH") from None
+    func = module
+    for part in attr.split("."):
+        func = getattr(func, part, None)
+        if func is None:
+            raise RewardSpecError(f"reward_funcs={spec}: module {module_name} has no {attr}; check the name")
+    if not callable(func):
+        raise RewardSpecError(f"reward_funcs={spec}: {attr} is a {type(func).__name__}, not a function")
+    return func
+
+
+def resolve_all(specs) -> list:
+    funcs = [resolve(s) for s in specs]
+    names = [short_name(f) for f in funcs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise RewardSpecError(f"reward_funcs: two functions are named {twice[0]} (metrics are kept per name); give "
+                              "each its own name")
+    return funcs
+
+
+def weights(values, count: int) -> torch.Tensor:
+    """The reward weights: one number per function (strings from the command line parsed), 1 each when
+    none are given."""
+    if not values:
+        return torch.ones(count)
+    if len(values) != count:
+        raise RewardSpecError(f"reward_weights={','.join(map(str, values))}: {len(values)} weights for {count} reward "
+                              "functions; give one weight per function, in order")
+    out = []
+    for v in values:
+        try:
+            number = float(v) if isinstance(v, str) or (isinstance(v, numbers.Real) and not isinstance(v, bool)) else None
+        except ValueError:
+            number = None
+        if number is None or not math.isfinite(number):
+            raise RewardSpecError(f"reward_weights={','.join(map(str, values))}: {v!r} is not a finite number")
+        out.append(number)
+    return torch.tensor(out)
+
+
+def weighted_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[completions, functions] rewards (NaN: not scored) to one reward each: the weighted nansum (TRL's),
+    NaN where no function scored the completion."""
+    rewards = (per_func * weights.to(per_func).unsqueeze(0)).nansum(dim=1)
+    return rewards.masked_fill(torch.isnan(per_func).all(dim=1), float("nan"))
+
+
+# ---------------------------------------------------------------- scoring a step
+
+
+class Rewards:
+    """The recipe's reward functions with their names and weights."""
+
+    def __init__(self, specs, weight_values=()):
+        self.funcs = resolve_all(specs)
+        self.names = [short_name(f) for f in self.funcs]
+        self.weights = weights(weight_values, len(self.funcs))
+
+    @classmethod
+    def from_recipe(cls, recipe) -> Rewards:
+        return cls(recipe.reward_funcs, recipe.reward_weights)
+
+    def score(self, step: int, prompts: list, completions: list[str], completion_ids: list[list[int]],
+              columns: dict[str, list]) -> torch.Tensor:
+        """[completions, functions] float32 rewards, NaN where a function returned None. A function that
+        raises, returns another number of rewards, or a value that is not a number stops the run with a
+        RewardError naming the step, the function and the prompt."""
+        out = torch.full((len(completions), len(self.funcs)), float("nan"), dtype=torch.float32)
+        for j, (func, name) in enumerate(zip(self.funcs, self.names)):
+            try:
+                values = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except Exception as e:  # noqa: BLE001 - the user's code: any failure is reported as theirs
+                raise RewardError(step, name, prompts[0] if prompts else None,
+                                  f"raised {type(e).__name__}: {e}") from e
+            try:
+                values = list(values)
+            except TypeError:
+                raise RewardError(step, name, prompts[0] if prompts else None,
+                                  f"returned {type(values).__name__}, not a list of rewards") from None
+            if len(values) != len(completions):
+                raise RewardError(step, name, prompts[0] if prompts else None,
+                                  f"returned {len(values)} rewards for {len(completions)} completions (one per "
+                                  "completion, None where it does not score one)")
+            for i, v in enumerate(values):
+                if v is None:
+                    continue
+                number = as_number(v)
+                if number is None:
+                    raise RewardError(step, name, prompts[i], f"returned {v!r:.40} ({type(v).__name__}) for "
+                                      f"completion {i}; a reward is a finite number, or None")
+                out[i, j] = number
+        return out
+
+
+def as_number(value) -> float | None:
+    """A reward as a float, or None when it is not a finite number (bool counts as 0 / 1)."""
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    return None
+
+
+# ---------------------------------------------------------------- built in
+
+
+def completion_text(completion) -> str:
+    """A completion's text: a string, or the content of a conversational completion's messages."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(m.get("content", "") for m in completion)
+
+
+def exact_match_on(column: str):
+    """1.0 where the completion, stripped, equals the row's `column` value (as text, stripped), else 0.0."""
+
+    def exact_match(completions, **kwargs):
+        if column not in kwargs:
+            raise KeyError(f"exact_match needs a column {column!r} in the prompt data; the rows have "
+                           f"{', '.join(sorted(k for k in kwargs if k not in ('prompts', 'completion_ids'))) or 'none'}")
+        return [float(completion_text(c).strip() == str(a).strip()) for c, a in zip(completions, kwargs[column])]
+
+    exact_match.__qualname__ = f"exact_match_on({column!r})" if column != "answer" else "exact_match"
+    exact_match.__module__ = __name__
+    return exact_match
+
+
+exact_match = exact_match_on("answer")
+
+
+def regex_reward(pattern: str, *, name: str = "regex_format", reward: float = 1.0):
+    """`reward` where the whole completion matches the regular expression (re.DOTALL: . spans lines), else 0.0."""
+    compiled = re.compile(pattern, re.DOTALL)
+
+    def regex_format(completions, **kwargs):
+        return [reward if compiled.fullmatch(completion_text(c)) else 0.0 for c in completions]
+
+    regex_format.__qualname__ = name
+    regex_format.__module__ = __name__
+    return regex_format
+
+
+# TRL's think_format_reward: a <think> block (no nested tag), then the answer
+think_format = regex_reward(r"^<think>(?!.*<think>)(.*?)</think>.*$", name="think_format")
+
+
+def math_answer(completions, answer, **kwargs):
+    """1.0 where math-verify finds the completion's final answer equal to the row's `answer`, 0.0 where
+    not, None where the reference answer cannot be parsed (TRL's accuracy_reward)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError("math_answer needs the math-verify package: pip install math-verify") from None
+    out = []
+    for completion, solution in zip(completions, answer):
+        gold = parse(str(solution))
+        if len(gold) == 0:
+            out.append(None)
+            continue
+        out.append(float(verify(gold, parse(completion_text(completion)))))
+    return out
+
+
+@dataclass
+class RewardModel:
+    """A sequence-classification model directory (AutoModelForSequenceClassification, its tokenizer beside
+    it) as a reward function: the first logit of prompt + completion, rendered with the tokenizer's chat
+    template for a conversational prompt. Loaded on first use, on the CPU unless `device` says otherwise;
+    scores batch_size texts at a time."""
+    path: str
+    device: str = "cpu"
+    batch_size: int = 8
+    name: str = ""
+
+    def __post_init__(self):
+        self.name = self.name or f"reward_model({self.path})"
+        self._model = self._tokenizer = None
+
+    def load(self):
+        if self._model is None:
+            from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
+            self._model = AutoModelForSequenceClassification.from_pretrained(self.path).to(self.device).eval()
+            # the model scores each row at its last token that is not its pad id: both must pad with the same id
+            if self._tokenizer.pad_token_id is None and self._model.config.pad_token_id is not None:
+                self._tokenizer.pad_token_id = self._model.config.pad_token_id
+            elif self._tokenizer.pad_token_id is None:
+                self._tokenizer.pad_token = self._tokenizer.eos_token
+            self._model.config.pad_token_id = self._tokenizer.pad_token_id
+        return self._model, self._tokenizer
+
+    def texts(self, prompts, completions) -> list[str]:
+        _, tokenizer = self.load()
+        out = []
+        for prompt, completion in zip(prompts, completions):
+            if isinstance(prompt, str):
+                out.append(prompt + completion_text(completion))
+            else:
+                messages = list(prompt) + [{"role": "assistant", "content": completion_text(completion)}]
+                out.append(tokenizer.apply_chat_template(messages, tokenize=False))
+        return out
+
+    def __call__(self, prompts, completions, **kwargs) -> list[float]:
+        model, tokenizer = self.load()
+        texts = self.texts(prompts, completions)
+        scores = []
+        with torch.inference_mode():
+            for start in range(0, len(texts), self.batch_size):
+                inputs = tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
+                                   padding_side="right", add_special_tokens=False).to(self.device)
+                scores += model(**inputs).logits[:, 0].float().tolist()
+        return scores

@@ -1,0 +1,303 @@
+"""GRPO's loss and advantages against TRL's formulas on the same random tensors, per-token log-probs a
+chunk at a time against the full logits, the objective on a real (tiny) model, the rollout batch's layout.
+
+TRL is not a dependency (bench only) and its loss is a method of GRPOTrainer that needs a model and an
+accelerator, so TRL's lines are reproduced below as written in trl 1.16.0, trl/trainer/grpo_trainer.py:
+GRPOTrainer._compute_loss lines 3058-3066 (old log-probs), 3083-3086 (token-level ratio), 3095-3103
+(coef_1, k3 KL), 3112-3119 (clipping), 3149-3150 (KL term), 3152-3173 (grpo, dr_grpo, dapo
+normalisations), 3259-3279 (global_masked_mean, kl and clip_ratio metrics); _generate_and_score_completions
+lines 2756-2790 and 2807 (sum_then_normalize advantages); trl/trainer/utils.py nanstd lines 1037-1050.
+Branches for settings this toolkit does not offer (vLLM, entropy masks, off-policy masks, sequence-level
+importance sampling, delta, bias-corrected KL, other loss types) are left out; nothing else is changed."""
+
+import types
+
+import pytest
+import torch
+
+from finetune.data import IGNORE
+from finetune.loss import token_logps
+from finetune.objectives.grpo import GRPO, group_advantages, policy_loss, rollout_batch
+from finetune.rewards import weighted_rewards
+from finetune.recipe import Recipe
+
+
+# ----------------------------------------------------------------------------- TRL 1.16.0, as written
+def trl_nanstd(tensor, dim=None, keepdim=False):
+    mean = torch.nanmean(tensor, dim=dim, keepdim=True)
+    variance = torch.nanmean((tensor - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(tensor), dim=dim, keepdim=True)  # count of non-NaN values
+    correction = count / (count - 1)
+    correction = torch.where(count > 1, correction, torch.full_like(correction, float("nan")))
+    variance *= correction  # Bessel's correction
+    std = torch.sqrt(variance)
+    if keepdim:
+        return std
+    if dim is None:
+        return std.squeeze()
+    if isinstance(dim, int):
+        return std.squeeze(dim)
+
+
+def trl_advantages(self, rewards_per_func, num_generations, device="cpu"):
+    unscorable_mask = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * self.reward_weights.to(device).unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable_mask] = torch.nan
+    mean_grouped_rewards = torch.nanmean(rewards.view(-1, num_generations), dim=1)
+    mean_grouped_rewards = mean_grouped_rewards.repeat_interleave(num_generations, dim=0)
+    if self.scale_rewards in ["group", "none"]:
+        # If self.scale_rewards = "none", we'll only use std_rewards to check for zero std for logging
+        if num_generations > 1:
+            std_rewards = trl_nanstd(rewards.view(-1, num_generations), dim=1)
+            std_rewards = std_rewards.repeat_interleave(num_generations, dim=0)
+        else:  # doesn't occur during training, but could occur in eval when num_generations_eval=1
+            std_rewards = torch.zeros_like(rewards)
+    elif self.scale_rewards == "batch":
+        # Compute global std
+        if rewards.numel() > 1:
+            std_rewards = trl_nanstd(rewards).expand_as(rewards)
+        else:  # doesn't occur during training, but could occur in eval when num_generations_eval=batch_size=1
+            std_rewards = torch.zeros_like(rewards)
+    advantages = rewards - mean_grouped_rewards
+    if self.scale_rewards != "none":
+        advantages = advantages / (std_rewards + 1e-4)
+    is_std_zero = torch.isclose(std_rewards, torch.zeros_like(std_rewards))  # for logging
+    advantages = torch.nan_to_num(advantages, nan=0.0)
+    return advantages, is_std_zero
+
+
+def trl_compute_loss(self, per_token_logps, inputs):
+    """One micro-batch's loss on one rank, and the metrics it appends (TRL's accelerator.reduce is the
+    identity here: one rank)."""
+    mask = inputs["completion_mask"]
+    advantages = inputs["advantages"]
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    old_per_token_logps = inputs.get("old_per_token_logps")
+    old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps
+
+    log_ratio = per_token_logps - old_per_token_logps
+    if self.importance_sampling_level == "token":
+        log_importance_weights = log_ratio
+
+    coef_1 = torch.exp(log_importance_weights)
+
+    # Compute the KL divergence between the model and the reference model
+    if self.beta != 0.0:
+        ref_per_token_logps = inputs["ref_per_token_logps"]
+        per_token_kl = (
+            torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
+        )
+
+    if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        per_token_loss1 = coef_1 * advantages
+        per_token_loss2 = coef_2 * advantages
+        per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+
+    if self.beta != 0.0:
+        per_token_loss = per_token_loss + self.beta * per_token_kl
+
+    mode = "train" if self.model.training else "eval"
+    if self.loss_type in ["grpo", "sapo"]:
+        loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # no accum in eval
+        loss = loss / normalizer
+    elif self.loss_type == "dr_grpo":
+        loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # no accum in eval
+        loss = loss / normalizer
+    elif self.loss_type in ["cispo", "dapo", "vespo"]:
+        # `num_items_in_batch` spans the generation batch, so rescale it to one accumulation window
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":  # in eval, the batch is neither split across steps nor accumulated
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        loss = (per_token_loss * mask).sum() / normalizer
+
+    def global_masked_mean(x):
+        local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+    if self.beta != 0.0:
+        self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl))
+
+    if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+        is_low_clipped = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
+        is_high_clipped = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
+        is_region_clipped = is_low_clipped | is_high_clipped
+        self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(is_low_clipped.float()))
+        self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(is_high_clipped.float()))
+        self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(is_region_clipped.float()))
+    return loss
+
+
+# ----------------------------------------------------------------------------- the comparison
+def trainer(loss_type, beta, *, ga, world, max_len, epsilon=0.2, epsilon_high=0.28):
+    return types.SimpleNamespace(
+        loss_type=loss_type, beta=beta, epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=max_len,
+        importance_sampling_level="token", current_gradient_accumulation_steps=ga,
+        accelerator=types.SimpleNamespace(num_processes=world, reduce=lambda t, reduction: t),
+        args=types.SimpleNamespace(steps_per_generation=ga), model=types.SimpleNamespace(training=True),
+        _metrics={"train": {"kl": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [],
+                            "clip_ratio/region_mean": []}})
+
+
+def rollout_tensors(rows=8, length=9, seed=0, iterations=1):
+    g = torch.Generator().manual_seed(seed)
+    logps = -3 * torch.rand(rows, length, generator=g)
+    lengths = torch.randint(1, length + 1, (rows,), generator=g)
+    mask = (torch.arange(length)[None] < lengths[:, None]).float()
+    mask[3] = 0  # a truncated completion, masked out of the loss
+    advantages = torch.randn(rows, generator=g)
+    advantages[5] = 0.0
+    old = logps + 0.3 * torch.randn(rows, length, generator=g) if iterations > 1 else None
+    ref = logps + 0.2 * torch.randn(rows, length, generator=g)
+    return logps, old, ref, advantages, mask
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+@pytest.mark.parametrize("iterations", [1, 2])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta):
+    """The global batch of 8 completions split over 2 ranks x 2 micro-batches: TRL's loss (per
+    micro-batch, summed over accumulation, averaged over ranks as DDP does) against ours (micro-batch
+    sums over the global batch's count), values and gradients; metrics on one micro-batch."""
+    world, ga, max_len = 2, 2, 9
+    base, old, ref, advantages, mask = rollout_tensors(iterations=iterations)
+    micro = [slice(i, i + 2) for i in range(0, 8, 2)]  # rank r's micro-batch k: micro[r * ga + k]
+
+    trl_logps = base.clone().requires_grad_()
+    t = trainer(loss_type, beta, ga=ga, world=world, max_len=max_len)
+    trl_loss = 0.0
+    for part in micro:
+        inputs = {"completion_mask": mask[part], "advantages": advantages[part],
+                  "ref_per_token_logps": ref[part], "num_items_in_batch": mask.sum()}
+        if old is not None:
+            inputs["old_per_token_logps"] = old[part]
+        trl_loss = trl_loss + trl_compute_loss(t, trl_logps[part], inputs) / world
+    trl_loss.backward()
+
+    ours_logps = base.clone().requires_grad_()
+    count = mask.sum() if loss_type == "dapo" else 8
+    ours_loss = 0.0
+    for part in micro:
+        loss, _ = policy_loss(ours_logps[part], advantages[part], mask[part],
+                              old_logps=old[part] if old is not None else None, ref_logps=ref[part],
+                              loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, max_completion_len=max_len)
+        ours_loss = ours_loss + loss / count
+    ours_loss.backward()
+    assert abs(ours_loss.item() - trl_loss.item()) < 1e-6
+    assert torch.allclose(ours_logps.grad, trl_logps.grad, rtol=0, atol=1e-6)
+    assert trl_logps.grad.abs().sum() > 0
+
+    t = trainer(loss_type, beta, ga=1, world=1, max_len=max_len)  # metrics: the whole batch at once
+    trl_compute_loss(t, base, {"completion_mask": mask, "advantages": advantages, "ref_per_token_logps": ref,
+                               "num_items_in_batch": mask.sum(), **({"old_per_token_logps": old} if old is not None
+                                                                    else {})})
+    sums = sum(policy_loss(base[p], advantages[p], mask[p], old_logps=old[p] if old is not None else None,
+                           ref_logps=ref[p], loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta,
+                           max_completion_len=max_len)[1] for p in micro)
+    objective = GRPO(Recipe(objective="grpo", loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
+                            max_completion_len=max_len, **REWARD))
+    ours = dict(zip(objective.metrics, objective.means(sums)))
+    theirs = {k: v[0] for k, v in t._metrics["train"].items() if v}
+    assert set(ours) == set(theirs)
+    for name in ours:
+        assert abs(ours[name] - theirs[name]) < 1e-6, name
+    if iterations == 2:
+        assert theirs["clip_ratio/region_mean"] > 0  # the clipping is exercised
+    if beta:
+        assert theirs["kl"] > 0
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_as_trl(scale):
+    g = torch.Generator().manual_seed(3)
+    per_func = torch.randn(12, 3, generator=g)
+    per_func[2, 1] = float("nan")  # one function did not score this completion
+    per_func[7] = float("nan")  # no function scored this one: advantage 0
+    per_func[8:12, 0] = 1.0
+    per_func[8:12, 1:] = float("nan")  # a group of equal rewards
+    weights = torch.tensor([1.0, 0.5, 2.0])
+    theirs, theirs_zero = trl_advantages(types.SimpleNamespace(reward_weights=weights, scale_rewards=scale), per_func, 4)
+    ours, zero = group_advantages(per_func, weights, 4, scale)
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-6) and torch.equal(zero, theirs_zero)
+    assert ours[7] == 0 and (ours[8:12] == 0).all()
+    assert torch.isnan(weighted_rewards(per_func, weights)[7])
+
+
+# ----------------------------------------------------------------------------- on a model
+REWARD = {"reward_funcs": ["finetune.rewards:exact_match"]}
+
+
+def tiny_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    return LlamaForCausalLM(config)
+
+
+def test_rollout_batch_layout():
+    batch = rollout_batch([[1, 5, 6], [1, 7]], [[8, 9, 2], [10, 11, 12, 13]], [True, False], torch.tensor([0.5, -1.0]),
+                          pad_id=0, mask_truncated=True, real=[True, False])
+    assert batch["input_ids"].tolist() == [[1, 5, 6, 8, 9, 2], [1, 7, 10, 11, 12, 13]]
+    assert batch["labels"].tolist() == [[IGNORE] * 3 + [8, 9, 2], [IGNORE] * 6]  # truncated, masked
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1] * 6]
+    assert batch["real"].tolist() == [True, False]
+    kept = rollout_batch([[1, 7]], [[10, 11]], [False], torch.tensor([1.0]), pad_id=0)
+    assert kept["labels"].tolist() == [[IGNORE, IGNORE, 10, 11]]
+
+
+def rollout(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 97, (2 + i % 3,), generator=g).tolist() for i in range(4)]
+    completions = [torch.randint(3, 97, (1 + (3 * i) % 5,), generator=g).tolist() for i in range(4)]
+    return rollout_batch(prompts, completions, [True, True, False, True], torch.tensor([1.0, -0.5, 0.3, -0.8]),
+                         pad_id=0)
+
+
+def test_token_logps_chunked_as_full_values_and_gradients():
+    model = tiny_model()
+    batch = rollout()
+    weights = torch.randn(batch["labels"].shape)
+    grads = {}
+    for impl in ("chunked", "full"):
+        model.zero_grad()
+        logps = token_logps(model, batch, impl, chunk=3)
+        (logps * weights).sum().backward()
+        grads[impl] = (logps.detach(), model.lm_head.weight.grad.clone(), model.model.embed_tokens.weight.grad.clone())
+    mask = batch["labels"] != IGNORE
+    assert (grads["full"][0][~mask] == 0).all() and (grads["full"][0][mask] < 0).all()
+    for a, b in zip(grads["chunked"], grads["full"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    # the layout: out[b, t] = log p(labels[b, t] | tokens before t)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    b, t = mask.nonzero()[0].tolist()
+    direct = torch.log_softmax(logits[b, t - 1].float(), -1)[batch["input_ids"][b, t]]
+    assert abs(direct.item() - grads["chunked"][0][b, t].item()) < 1e-5
+
+
+def test_objective_on_a_model_is_policy_loss_of_its_logps():
+    model = tiny_model()
+    batch = rollout()
+    with torch.no_grad():
+        batch["old_logps"] = token_logps(model, batch, "full") + 0.3  # ratio exp(-0.3) < 1 - epsilon: clipped
+        batch["ref_logps"] = batch["old_logps"] - 0.2
+    recipe = Recipe(objective="grpo", loss_type="grpo", beta=0.04, num_iterations=2, max_completion_len=8, **REWARD)
+    objective = GRPO(recipe)
+    loss = objective.loss(model, batch)
+    mask = batch["labels"] != IGNORE
+    expected, sums = policy_loss(token_logps(model, batch, "full"), batch["advantages"], mask,
+                                 old_logps=batch["old_logps"], ref_logps=batch["ref_logps"], loss_type="grpo",
+                                 beta=0.04, epsilon=0.2, epsilon_high=0.2)
+    assert abs(loss.item() - expected.item()) < 1e-5
+    assert objective.metrics == ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    taken = objective.take_metrics()
+    assert torch.allclose(taken, sums, rtol=1e-5) and objective.take_metrics() is None
+    assert taken[1] > 0 and taken[1] == taken[3] and taken[2] == 0  # negative advantages' tokens clipped low
+    assert objective.counts([batch]).tolist() == [4, mask.sum().item(), batch["attention_mask"].sum().item()]
+    dapo = GRPO(Recipe(objective="grpo", loss_type="dapo", max_completion_len=8, **REWARD))
+    assert dapo.counts([batch])[0] == mask.sum() and dapo.metrics[0] == "clip_ratio/low_mean"

@@ -1,0 +1,84 @@
+"""Prompt rows for objective=grpo (finetune/data/prompts.py): detection, checks, tokens as a prompt
+continues into generation (text: BOS + text; messages: the chat template with its generation prompt,
+as apply_chat_template makes them), the budget (max_prompt_len cuts the start; else a too-long prompt is
+refused, naming its row), and the prepared dataset keeping the columns the rewards read. Real
+tokenizer: Mistral's sentencepiece model from the mistral_common wheel (tests/family_assets.py)."""
+
+import json
+
+import pytest
+
+import family_assets as FA
+from finetune import data as D
+from finetune.recipe import DataSource, Recipe
+
+CHAT = [{"role": "system", "content": "Answer with a number."}, {"role": "user", "content": "What is 12 + 30?"}]
+GRPO = {"objective": "grpo", "reward_funcs": ("finetune.rewards:exact_match",), "num_generations": 2,
+        "micro_batch_size": 2, "num_proc": 1, "max_seq_len": 64, "max_completion_len": 16}
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    tok = FA.mistral_tokenizer("v3", tmp_path_factory.mktemp("v3"))
+    tok.chat_template = FA.CHATML  # a template with a generation prompt
+    return tok
+
+
+def test_prompt_rows_are_detected_and_checked():
+    assert D.detect_format(["prompt", "answer", "level"], "d") == "prompt"
+    assert D.detect_format(["prompt"], "d") == "prompt"
+    assert D.detect_format(["prompt", "completion"], "d") == "prompt_completion"
+    D.check_row({"prompt": "2+2=", "answer": "4"}, "prompt", "d row 0")
+    D.check_row({"prompt": CHAT}, "prompt", "d row 0")
+    with pytest.raises(D.DataError, match="d row 1: the prompt is empty"):
+        D.check_row({"prompt": ""}, "prompt", "d row 1")
+    with pytest.raises(D.DataError, match="must be a string or a list of .* got a int"):
+        D.check_row({"prompt": 3}, "prompt", "d row 1")
+    with pytest.raises(D.DataError, match="the prompt's last message is the assistant's"):
+        D.check_row({"prompt": CHAT + [{"role": "assistant", "content": "42"}]}, "prompt", "d row 1")
+
+
+def test_tokens_are_what_generation_continues_from(mistral):
+    out = D.encode_prompts([{"prompt": "What is 12 + 30?"}, {"prompt": CHAT}], mistral)
+    assert out["prompt_input_ids"][0] == mistral("What is 12 + 30?").input_ids  # its BOS, then the text
+    assert out["prompt_input_ids"][0][0] == mistral.bos_token_id
+    expected = mistral.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert out["prompt_input_ids"][1] == expected["input_ids"]
+    assert mistral.decode(out["prompt_input_ids"][1]).endswith("<|im_start|>assistant\n")
+    assert out["n_tokens"] == [len(x) for x in out["prompt_input_ids"]]
+
+
+def test_long_prompts_lose_their_start_or_are_refused(mistral):
+    long = "one two three four five six seven eight nine ten eleven twelve"
+    whole = mistral(long).input_ids
+    cut = D.encode_prompts([{"prompt": long}], mistral, max_prompt_len=5)["prompt_input_ids"][0]
+    assert cut == whole[:1] + whole[-4:] and cut[0] == mistral.bos_token_id  # the BOS stays, counted
+    assert D.encode_prompts([{"prompt": long}], mistral, max_prompt_len=50)["prompt_input_ids"][0] == whole
+    with pytest.raises(D.DataError, match=f"d row 7: the prompt has {len(whole)} tokens, more than the 5 that "
+                                          "max_seq_len - max_completion_len leaves; set max_prompt_len"):
+        D.encode_prompts([{"prompt": long}], mistral, room=5, where=["d row 7"])
+
+
+def test_prepared_prompts_keep_the_reward_columns(mistral, tmp_path):
+    rows = [{"question": "What is 12 + 30?", "answer": "42", "level": 1},
+            {"question": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4", "level": 2}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
+    spec = DataSource(path=str(path), columns={"prompt": "question"})
+    ds = D.tokenize_dataset(D.load_source(spec), "auto", mistral, Recipe(**GRPO), "prompts", spec=spec)
+    assert sorted(ds.column_names) == ["answer", "level", "n_tokens", "prompt", "prompt_input_ids"]
+    assert ds[0]["prompt"] == "What is 12 + 30?" and ds[0]["answer"] == "42"
+    assert ds[0]["prompt_input_ids"] == mistral("What is 12 + 30?").input_ids
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text(json.dumps({"prompt": rows[1]["question"], "answer": "4"}) + "\n")
+    ds = D.tokenize_dataset(D.load_source(DataSource(path=str(chats))), "prompt", mistral,
+                            Recipe(**GRPO, max_prompt_len=8), "chats")
+    assert ds[0]["n_tokens"] == 8 and ds[0]["prompt"] == rows[1]["question"]
+
+
+def test_objective_and_rows_must_agree():
+    with pytest.raises(D.DataError, match="objective=grpo needs prompt rows"):
+        D.sources.check_objective(Recipe(**GRPO), "messages", "dataset", "d.jsonl")
+    with pytest.raises(D.DataError, match="has prompt rows .* which train with objective=grpo"):
+        D.sources.check_objective(Recipe(), "prompt", "dataset", "d.jsonl")
+    D.sources.check_objective(Recipe(**GRPO), "prompt", "dataset", "d.jsonl")
