@@ -136,8 +136,8 @@ def check_precomputed(recipe, paths: list[Path], saved: dict | None) -> tuple[Pa
     if present:
         raise RecipeError(f"precompute_reference=true: {present[0]} is not the reference log-probs file this run was "
                           f"trained with (its sha256 is {sha256_file(present[0])[:16]}..., the checkpoint recorded "
-                          f"{saved['sha256'][:16]}...: rewritten, or of another model or data); restore that file "
-                          f"({saved['path']}), {way_out}")
+                          f"{saved['sha256'][:16]}...: rewritten, or of another model or data); restore the file "
+                          f"it was{'' if str(present[0]) == saved['path'] else ' (' + saved['path'] + ')'}, {way_out}")
     raise RecipeError(f"precompute_reference=true: the reference log-probs this run was trained with "
                       f"({saved['path']}, sha256 {saved['sha256'][:16]}...) are in none of "
                       f"{', '.join(map(str, candidates))}; restore that file, {way_out}")
