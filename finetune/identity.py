@@ -7,7 +7,7 @@ resume reads the model again (a DPO run's frozen reference, a LoRA run's base: r
   safetensors file in 55 ms from the page cache (7.6 GB/s) and 0.54 s from disk (0.78 GB/s, the disk's
   speed), and the run reads those files right after, so a cold read here warms the load. A safetensors
   header alone (names, shapes, offsets: under 1 ms) does not change when a fine-tune rewrites the values,
-  so it cannot stand for the content.
+  so it cannot stand for the content. Only the runs that need it hash (loop.setup: LoRA, DPO).
 - a hub id: the commit of the snapshot the Hugging Face cache resolves it to (refs/main, or the
   revision it names), which is what from_pretrained loads; a repo moved to a new commit is another model.
 """

@@ -229,9 +229,10 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
                     "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "
                     "flash_attention_2, else set padding_free=false")
 
-    # the weights' identity (finetune/identity.py): hashed once, on rank 0, and shared; the checkpoints
-    # record it (a resume that reads the model again checks it) and the precomputed log-probs are keyed by it
-    identity = [model_identity(model_path) if is_main else None]
+    # the weights' identity (finetune/identity.py), for the runs whose resume reads the model again (LoRA's
+    # base, DPO's frozen reference: resume.check_identity) and whose precomputed log-probs are keyed by it
+    # (DPO); hashed once, on rank 0, and shared. A full fine-tune's checkpoint holds every weight it needs.
+    identity = [model_identity(model_path) if is_main and (r.lora or r.objective == "dpo") else None]
     torch.distributed.broadcast_object_list(identity, src=0)
     identity = identity[0]
     precomputed = None
@@ -240,7 +241,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
         precomputed = precomputed_path(r, datasets, key)
         found, sha256 = check_precomputed(r, precomputed, reference_record(plan.resume))
 
-    records = {"model_identity": identity}  # what the checkpoints and recipe.json record of the run's inputs
+    records = {"model_identity": identity} if identity else {}  # what checkpoints and recipe.json record
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     SP.start(r, model)
     if r.tiled_mlp:

@@ -234,7 +234,9 @@ def read_precomputed(path: Path, key: dict, sha256: str | None = None) -> tuple[
     saved = header.get("key") or {}
     if saved.get("data") != key["data"]:
         raise RecipeError(f"{path}: holds the reference log-probs of other pairs (another dataset, tokenizer or "
-                          f"data setting); {fix}")
+                          "data setting); " + ("the resumed run's data differ from those its run started with: "
+                                               "resume with those, or with precompute_reference=false" if sha256
+                                               else fix))
     if sha256 is None and saved.get("model") != key["model"]:
         raise RecipeError(f"{path}: holds the reference log-probs of another model (or precision, attention or "
                           f"quantization); {fix}")

@@ -141,8 +141,11 @@ def test_the_file_of_another_model_or_data_is_refused(written):
     path, key, _ = written
     with pytest.raises(RecipeError, match="of another model"):
         read_precomputed(path, key | {"model": "another"})
-    with pytest.raises(RecipeError, match="of other pairs"):
+    with pytest.raises(RecipeError, match="of other pairs.*delete it"):
         read_precomputed(path, key | {"data": "another"})
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()  # a resume on other data: the file is not at fault
+    with pytest.raises(RecipeError, match="of other pairs.*the resumed run's data differ"):
+        read_precomputed(path, key | {"data": "another"}, digest)
 
 
 def test_a_resume_reads_only_the_file_its_checkpoint_recorded(written, tmp_path):
