@@ -540,7 +540,9 @@ class Checkpointer:
     it in place and returns the loop's state. Built once the model and optimizer are prepared."""
 
     def __init__(self, plan, accelerator, optimizer, model_path: str, model_config=None, tokenizer=None,
-                 generation_config=None):
+                 generation_config=None, records: dict | None = None):
+        """records: what each manifest records of the run's inputs (the model's identity, the precomputed
+        reference log-probs' file and sha256), for a resume to check (resume.check_identity)."""
         r = plan.recipe
         self.root = checkpoints_dir(r.output_dir)
         # copied in, so export needs nothing else (the generation config: the one final/ gets)
@@ -552,6 +554,7 @@ class Checkpointer:
         self.fingerprint = fingerprint(r, model_path)
         self.global_batch_size = plan.global_batch_size
         self.keep_last = r.keep_last
+        self.records = dict(records or {})
 
     def save(self, state: LoopState) -> Path:
         """Collective: every rank calls it. Returns the committed checkpoint directory. Refuses (every rank
@@ -584,7 +587,7 @@ class Checkpointer:
                 manifest = {"step": state.step, "world_size": acc.num_processes,
                             "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
                             "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
-                            "seconds": round(time.perf_counter() - t0, 3)}
+                            "seconds": round(time.perf_counter() - t0, 3), **self.records}
                 with open(tmp / MANIFEST, "w") as f:  # fsync'd: an empty manifest after a power cut would hide
                     f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
                     f.flush()

@@ -27,7 +27,10 @@ from finetune.model import concatenation_problem, load_config, load_model, load_
 from finetune.objectives import objective_for
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
-from finetune.reference import attach, build_reference, check_precomputed, precompute, precomputed_path
+from finetune.identity import model_identity
+from finetune.reference import (attach, build_reference, check_precomputed, precompute, precompute_key,
+                                precomputed_path, read_precomputed)
+from finetune.resume import reference_record
 from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.stopping import StopRequest, fault_point
 from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
@@ -226,11 +229,19 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
                     "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "
                     "flash_attention_2, else set padding_free=false")
 
+    # the weights' identity (finetune/identity.py), for the runs whose resume reads the model again (LoRA's
+    # base, DPO's frozen reference: resume.check_identity) and whose precomputed log-probs are keyed by it
+    # (DPO); hashed once, on rank 0, and shared. A full fine-tune's checkpoint holds every weight it needs.
+    identity = [model_identity(model_path) if is_main and (r.lora or r.objective == "dpo") else None]
+    torch.distributed.broadcast_object_list(identity, src=0)
+    identity = identity[0]
     precomputed = None
     if r.objective == "dpo" and r.precompute_reference:
-        precomputed = precomputed_path(r, datasets, model_path, tokenizer)
-        found = check_precomputed(r, precomputed, resuming=plan.resume is not None)
+        key = precompute_key(r, datasets, identity, tokenizer)
+        precomputed = precomputed_path(r, datasets, key)
+        found, sha256 = check_precomputed(r, precomputed, reference_record(plan.resume))
 
+    records = {"model_identity": identity} if identity else {}  # what checkpoints and recipe.json record
     model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
     SP.start(r, model)
     if r.tiled_mlp:
@@ -243,21 +254,24 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     if precomputed is not None:
         if found is None:  # the policy has not trained yet: it is the reference
             t0 = time.perf_counter()
-            found = precompute(accelerator, model, datasets, r, tokenizer.pad_token_id, precomputed, to_device)
+            found = precompute(accelerator, model, datasets, r, tokenizer.pad_token_id, precomputed, to_device, key)
             if is_main:
                 log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
-        datasets = attach(datasets, found)
+        values, sha256 = read_precomputed(found, key, sha256)
+        datasets = attach(datasets, found, values)
+        records["reference_logps"] = {"path": str(found), "sha256": sha256}
 
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
         resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
                                   "global_batch_size": plan.global_batch_size,
-                                  "data": {"sources": datasets.sources, "summary": datasets.summary}}
+                                  "data": {"sources": datasets.sources, "summary": datasets.summary}, **records}
         (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
     objective = objective_for(r, reference)
     reporter = Reporter(accelerator, r, out, total_steps, objective.metrics)
     samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
-    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config)
+    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config,
+                               records=records)
     run = Run(plan, out, accelerator, model_path, config, tokenizer, datasets, schedule, total_steps, eval_rows,
               prompts, generation_config, stops, model, optimizer, scheduler, objective, reference,
               checkpoints, reporter, samples, wall_t0, sp)

@@ -7,9 +7,11 @@ training started. Three ways to have it, chosen by the recipe (build_reference):
   rank). It is never written to checkpoints: a resume reads it from the model again.
 - precompute_reference=true: one pass over the train and eval pairs before the first step, with the
   policy as it starts (which is the reference), writes each pair's reference log-probs to a file keyed
-  by the model, the tokenizer and the prepared data; the pairs then carry them (columns
-  ref_chosen_logps, ref_rejected_logps) and training holds no reference. A resume, and any later run
-  on the same model and data, reads the file.
+  by the model's identity (its weights' content or hub revision, finetune/identity.py), the tokenizer
+  and the prepared data; the pairs then carry them (columns ref_chosen_logps, ref_rejected_logps) and
+  training holds no reference. Any later run on the same model and data reads the file; a resume reads
+  the very file its run started with, named with its sha256 in every checkpoint's manifest (and in
+  recipe.json). Every read checks the file: whole, of these pairs, of this model (or of that sha256).
 SimPO needs none."""
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from finetune.loss import sequence_logps
 from finetune.recipe import RecipeError
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+FORMAT = "finetune reference log-probs 2"
 
 
 def _peft_model(model):
@@ -95,40 +98,58 @@ def build_reference(plan, accelerator, model_path: str, config, weights_on_this_
 # ---------------------------------------------------------------- precomputed log-probs
 
 
-def _model_fingerprint(model_path: str) -> str:
-    """The model's files by name, size and modification time (reading 100 GB of weights to hash them
-    would cost more than the pass it saves)."""
-    path = Path(model_path)
-    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in path.iterdir()
-                   if p.is_file()) if path.is_dir() else []
-    return cache_fingerprint(str(path.resolve()) if path.exists() else model_path, files)
+def precompute_key(recipe, datasets, identity: dict, tokenizer) -> dict:
+    """What the log-probs are of: the prepared pairs (and the tokenizer that made them), and the model that
+    scored them (its weights' identity, finetune/identity.py, and how it computed)."""
+    return {"data": cache_fingerprint(datasets.train._fingerprint,
+                                      datasets.eval._fingerprint if datasets.eval is not None else None,
+                                      tokenizer_fingerprint(tokenizer)),
+            "model": cache_fingerprint(identity, recipe.mixed_precision, recipe.attn_implementation, recipe.lora,
+                                       recipe.load_in_4bit)}
 
 
-def precomputed_path(recipe, datasets, model_path: str, tokenizer) -> list[Path]:
+def precomputed_path(recipe, datasets, key: dict) -> list[Path]:
     """Where a precompute_reference run's log-probs are (the first that exists) or go (the first
     writable): beside the prepared data in the datasets cache, else in the output directory."""
-    key = cache_fingerprint("reference-logps-1", datasets.train._fingerprint,
-                            datasets.eval._fingerprint if datasets.eval is not None else None,
-                            _model_fingerprint(model_path), tokenizer_fingerprint(tokenizer), recipe.mixed_precision,
-                            recipe.attn_implementation, recipe.lora, recipe.load_in_4bit)
-    name = f"reference-logps-{key}.json"
+    name = f"reference-logps-{cache_fingerprint(FORMAT, key['data'], key['model'])}.json"
     places = [Path(f["filename"]).parent / name for f in datasets.train.cache_files[:1]]
     return places + [Path(recipe.output_dir) / "reference" / name]
 
 
-def check_precomputed(recipe, paths: list[Path], resuming: bool) -> Path | None:
-    """The file that holds this run's reference log-probs, if one does. A resume needs it: the policy
-    has moved since the start, so it can no longer give the reference's values."""
-    found = next((p for p in paths if p.is_file()), None)
-    if found is None and resuming:
-        raise RecipeError(f"precompute_reference=true: the reference log-probs computed when this run started are "
-                          f"gone (looked in {', '.join(map(str, paths))}), and the resumed policy is no longer the "
-                          "reference; restore that file, or resume with precompute_reference=false (a reference "
-                          "model is loaded instead)")
-    return found
+def check_precomputed(recipe, paths: list[Path], saved: dict | None) -> tuple[Path | None, str | None]:
+    """The file that holds this run's reference log-probs, if one does, and the sha256 it must have.
+
+    saved: what a resumed checkpoint says of them (resume.reference_record: the file it was trained with
+    and its sha256; None on a fresh run). A resume needs that very file: the policy has moved since the
+    start, so it can no longer give the reference's values."""
+    if saved is None:
+        return next((p for p in paths if p.is_file()), None), None
+    way_out = "or resume with precompute_reference=false (the reference model is loaded instead)"
+    if saved.get("sha256") is None:
+        raise RecipeError(f"precompute_reference=true: {saved['why']}; the resumed policy is no longer the "
+                          f"reference, so its log-probs cannot be computed now; {way_out}")
+    candidates = list(dict.fromkeys([*paths, Path(saved["path"])]))
+    present = [p for p in candidates if p.is_file()]
+    for path in present:
+        if sha256_file(path) == saved["sha256"]:
+            return path, saved["sha256"]
+    if present:
+        raise RecipeError(f"precompute_reference=true: {present[0]} is not the reference log-probs file this run was "
+                          f"trained with (its sha256 is {sha256_file(present[0])[:16]}..., the checkpoint recorded "
+                          f"{saved['sha256'][:16]}...: rewritten, or of another model or data); restore the file "
+                          f"it was{'' if str(present[0]) == saved['path'] else ' (' + saved['path'] + ')'}, {way_out}")
+    raise RecipeError(f"precompute_reference=true: the reference log-probs this run was trained with "
+                      f"({saved['path']}, sha256 {saved['sha256'][:16]}...) are in none of "
+                      f"{', '.join(map(str, candidates))}; restore that file, {way_out}")
 
 
-def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Path], to_device) -> Path:
+def sha256_file(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Path], to_device, key: dict) -> Path:
     """One pass over the train and eval pairs with the policy as it starts (adapter off under LoRA):
     each rank scores its share, rank 0 writes them all (atomically), every rank waits for the file."""
     rank, world = accelerator.process_index, accelerator.num_processes
@@ -158,18 +179,23 @@ def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Pa
     model.train()
     target = None
     if accelerator.is_main_process:
-        target = _write(paths, values)
+        target = _write(paths, values, key)
     where = [str(target) if target else None]
     torch.distributed.broadcast_object_list(where, src=0)
     return Path(where[0])
 
 
-def _write(paths: list[Path], values: dict) -> Path:
+def _write(paths: list[Path], values: dict, key: dict) -> Path:
+    """The file: a header line (format, key, the body's sha256), then the body (each split's pairs)."""
+    import hashlib
+
+    body = json.dumps(values).encode()
+    header = json.dumps({"format": FORMAT, "key": key, "body_sha256": hashlib.sha256(body).hexdigest()}).encode()
     for path in paths:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(values))
+            tmp.write_bytes(header + b"\n" + body)
             os.replace(tmp, path)
             return path
         except OSError:
@@ -178,9 +204,47 @@ def _write(paths: list[Path], values: dict) -> Path:
                       f"{', '.join(map(str, paths))}; make one of them writable")
 
 
-def attach(datasets, path: Path):
-    """The train and eval pairs with their reference log-probs as two columns."""
-    values = json.loads(path.read_text())
+def read_precomputed(path: Path, key: dict, sha256: str | None = None) -> tuple[dict, str]:
+    """The file's log-probs and its sha256, read once and checked: whole (its body's sha256), of these
+    pairs (the key's data part), and of this model (the key's model part) unless `sha256` is given (a
+    resume: the checkpoint names the very file its run started with, whatever `model=` holds now)."""
+    import hashlib
+
+    fix = ("restore the file the run started with, or resume with precompute_reference=false" if sha256 else
+           "delete it to compute them again")
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read the reference log-probs ({e.strerror or e}); {fix}") from None
+    digest = hashlib.sha256(raw).hexdigest()
+    if sha256 is not None and digest != sha256:
+        raise RecipeError(f"{path}: the reference log-probs file changed since this run started (sha256 "
+                          f"{digest[:16]}..., the checkpoint recorded {sha256[:16]}...); {fix}")
+    first, _, body = raw.partition(b"\n")
+    try:
+        header = json.loads(first)
+        damaged = (not isinstance(header, dict) or header.get("format") != FORMAT or
+                   header.get("body_sha256") != hashlib.sha256(body).hexdigest())
+        values = None if damaged else json.loads(body)
+    except ValueError:
+        damaged = True
+    if damaged or not isinstance(values, dict):
+        raise RecipeError(f"{path}: is not a whole reference log-probs file of this finetune (truncated, garbled "
+                          f"or of another version); {fix}")
+    saved = header.get("key") or {}
+    if saved.get("data") != key["data"]:
+        raise RecipeError(f"{path}: holds the reference log-probs of other pairs (another dataset, tokenizer or "
+                          "data setting); " + ("the resumed run's data differ from those its run started with: "
+                                               "resume with those, or with precompute_reference=false" if sha256
+                                               else fix))
+    if sha256 is None and saved.get("model") != key["model"]:
+        raise RecipeError(f"{path}: holds the reference log-probs of another model (or precision, attention or "
+                          f"quantization); {fix}")
+    return values, digest
+
+
+def attach(datasets, path: Path, values: dict):
+    """The train and eval pairs with their reference log-probs (read from `path`) as two columns."""
     for split in ("train", "eval"):
         ds = getattr(datasets, split)
         if ds is None:

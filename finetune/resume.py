@@ -49,7 +49,8 @@ RESUME_EFFECTS = {
 
 
 def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_size: int, rank: int = 0,
-            convert: bool = True, log=print) -> tuple[ResumePoint | None, Recipe, list[str]]:
+            convert: bool = True, log=print, allow_model_change: bool = False
+            ) -> tuple[ResumePoint | None, Recipe, list[str]]:
     """--resume auto|PATH -> (the checked point or None, the recipe to plan with, the changes to report).
 
     The recipe keeps the checkpoint's global batch (the data position is counted in global batches;
@@ -65,6 +66,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     check_fits(point, recipe, allow_data_change)
     check_model(point, resolve_model(recipe.model))
     changed = changes(point, recipe)
+    check_identity(point, recipe, allow_model_change)
     asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * data_parallel_size(recipe, world_size)
     if asked != point.global_batch_size:
         recipe = replace(recipe, global_batch_size=point.global_batch_size)
@@ -197,6 +199,13 @@ def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
     saved, current = point.recipe, json.loads(json.dumps(recipe.to_dict()))
     changed = {k: (saved[k], current[k]) for k in current
                if k in saved and saved[k] != current[k] and k not in HARD_KEYS + DATA_KEYS}
+    if "objective" in changed:
+        old, new = changed["objective"]
+        why = ("a DPO run's reference is the model as that run started, which would be the base model, not this "
+               "policy" if new == "dpo" else "its optimizer state and data position belong to the other objective")
+        raise RecipeError(f"checkpoint {point.path} was trained with objective={old}, this run has objective={new}: "
+                          f"{why}; export the checkpoint (python -m finetune.export {point.path} OUT) and start a new objective={new} "
+                          "run with model=OUT in another output_dir")
     refused = [k for k in changed if k in STATE_KEYS]
     batch = _global_batch_change(point, recipe, changed)
     if batch:
@@ -224,6 +233,52 @@ def _global_batch_change(point: ResumePoint, recipe: Recipe, changed: dict) -> s
             return (f"grad_accum={recipe.grad_accum} (a global batch of {asked}; the checkpoint's is "
                     f"{point.global_batch_size}: leave grad_accum as it was, it is recomputed to keep it)")
     return ""
+
+
+def reads_model_again(recipe: Recipe) -> str | None:
+    """What a resumed run takes from `model=` besides the checkpoint (None: nothing, the checkpoint holds
+    every weight it trains with)."""
+    if recipe.lora:
+        return "a LoRA run's base weights"
+    if recipe.objective == "dpo" and recipe.dpo_loss != "simpo" and not recipe.precompute_reference:
+        return "the DPO reference (a frozen copy of the model as training started)"
+    return None
+
+
+def check_identity(point: ResumePoint, recipe: Recipe, allow_model_change: bool,
+                   identity: dict | None = None) -> None:
+    """Refuse (one line) to resume, from a model whose weights changed since the checkpoint's run started,
+    a run that reads them again (reads_model_again), unless allow_model_change. A checkpoint of an older
+    finetune records no identity: nothing to compare."""
+    from finetune.identity import identity_change, model_identity
+
+    saved = point.manifest.get("model_identity")
+    what = reads_model_again(recipe)
+    if not saved or what is None or allow_model_change:
+        return
+    model = resolve_model(recipe.model)
+    change = identity_change(saved, identity if identity is not None else model_identity(model))
+    if change:
+        raise RecipeError(f"model={recipe.model} is not the model checkpoint {point.path} was trained from "
+                          f"({change}), and the resumed run reads {what} from it; restore that model, or pass "
+                          "--allow-model-change to continue from the weights it holds now")
+
+
+def reference_record(point: ResumePoint | None) -> dict | None:
+    """What a resumed checkpoint says of the precomputed reference log-probs its run was trained with:
+    {"path", "sha256"}, or {"why": why it has none}; None on a fresh run (see reference.check_precomputed)."""
+    if point is None:
+        return None
+    saved = point.manifest.get("reference_logps")
+    if saved:
+        return saved
+    if point.recipe.get("precompute_reference"):
+        why = (f"checkpoint {point.path} was written by an older finetune, which did not record the reference "
+               "log-probs file it was trained with")
+    else:
+        why = (f"checkpoint {point.path} was trained with precompute_reference=false (its reference, the model, is "
+               "read again on resume), so no reference log-probs file belongs to it")
+    return {"why": why}
 
 
 def check_model(point: ResumePoint, model_path: str) -> None:

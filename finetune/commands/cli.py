@@ -125,7 +125,8 @@ def train(argv: list[str]) -> int:
     from finetune.recipe import RecipeError
 
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: finetune train RECIPE [key=value ...] [--resume auto|PATH] [--allow-data-change] [--dry-run]\n"
+        print("usage: finetune train RECIPE [key=value ...] [--resume auto|PATH] [--allow-data-change]\n"
+              "                      [--allow-model-change] [--dry-run]\n"
               "                      [--num_processes N] [--config_file YAML] [--num_machines N --machine_rank R\n"
               "                       --main_process_ip IP --main_process_port PORT]\n\n"
               "RECIPE is a name in recipes/ or a .py file; key=value overrides a recipe field "

@@ -28,6 +28,37 @@ def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def say_once(message: str, store=None) -> None:
+    """A user error found while training, when the process group exists: each rank finds its own (a file
+    another rank reads differently, or rank 0 still waiting in a collective), so the first rank to find
+    one says it, once, whichever rank that is. The ranks agree through the process group's key-value
+    store (under torchrun the launcher's, alive while any rank is), not a collective, which a rank that
+    is waiting in another collective would never join. Without a store: rank 0 says it."""
+    import datetime
+
+    if store is None:
+        store = _default_store()
+    first = _rank() == "0"
+    if store is not None:
+        try:
+            store.set_timeout(datetime.timedelta(seconds=10))
+            first = store.add("finetune/error-said", 1) == 1
+        except Exception:  # the store's host is gone: fall back on rank 0 saying it
+            pass
+    if first:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _default_store():
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def output_dir_problem(output_dir: Path) -> str | None:
     """A file where the directory should be, or a place this user cannot write: found now, not at
     the first save after the model has loaded."""
@@ -117,6 +148,9 @@ def parse_args(argv):
                         help="auto: the newest complete checkpoint in output_dir (else start fresh); or a checkpoint")
     parser.add_argument("--allow-data-change", action="store_true",
                         help="resume even though dataset, format, sequence length or seed differ from the checkpoint")
+    parser.add_argument("--allow-model-change", action="store_true",
+                        help="resume even though the model's weights differ from those the checkpoint's run started "
+                             "from (a DPO reference or a LoRA base is read from them again)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the plan, do not train")
     parser.add_argument("overrides", nargs="*", help="key=value, typed by the recipe field")
     return parser.parse_intermixed_args(argv)
@@ -148,7 +182,8 @@ def prepare(args, lock: bool = True):
     rank = int(os.environ.get("RANK", "0"))
     say = (lambda m: None) if rank else (lambda m: print(m, file=sys.stderr))
     point, recipe, changes = resume.resolve(args.resume, recipe, args.allow_data_change, world_size_from_env(), rank,
-                                            convert=lock and not args.dry_run, log=say)
+                                            convert=lock and not args.dry_run, log=say,
+                                            allow_model_change=args.allow_model_change)
     plan = make_plan(recipe, dry_run=args.dry_run, resume=point)
     if problem:  # planning on another machine than the one that trains
         plan = replace(plan, unchecked=plan.unchecked + (problem,))
@@ -184,7 +219,7 @@ def main(argv=None) -> int:
         train(plan)
     except RecipeError as e:  # found only once data or model were reached (hub datasets, for example)
         let_go_of_output_dir()
-        _say(f"error: {e}")
+        say_once(f"error: {e}")
         return 2
     except Exception as e:  # a bug or a machine fault: say where, then exit so the launcher stops the others
         import traceback

@@ -7,8 +7,10 @@ for adapters); the tiny_dpo recipe learns (eval reward accuracy well above 0.5).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +152,12 @@ def test_precomputed_reference_is_reused_by_a_resume_on_one_process(dpo_run, lau
                      recipe="tiny_dpo")
     assert "(2 -> 1 processes)" in resumed.stderr
     assert "reference log-probs of every pair computed in" not in resumed.stderr, "read from the cache, not redone"
+    # the file the run trained with is named with its sha256 in recipe.json and every checkpoint's manifest
+    recorded = json.loads((two.output_dir / "recipe.json").read_text())["reference_logps"]
+    assert hashlib.sha256(Path(recorded["path"]).read_bytes()).hexdigest() == recorded["sha256"]
+    for run in (two, resumed):
+        for manifest in (run.output_dir / "checkpoints").glob("step_*/manifest.json"):
+            assert json.loads(manifest.read_text())["reference_logps"] == recorded, manifest
     got = curve(resumed)
     want = [r for r in curve(two) if r["step"] > 3]
     assert [r["step"] for r in got] == [r["step"] for r in want]
@@ -157,24 +165,61 @@ def test_precomputed_reference_is_reused_by_a_resume_on_one_process(dpo_run, lau
         assert_close(x, y, rtol=1e-5)
 
 
-def test_precomputed_reference_gone_at_resume_is_one_line(dpo_run, launch, tmp_path_factory):
+@pytest.mark.parametrize("damage", ["gone", "rewritten"])
+def test_precomputed_reference_gone_or_rewritten_at_resume_is_one_line(damage, dpo_run, launch, tmp_path_factory):
+    """The file the checkpoint names, moved away or rewritten at the same size with other values (a resume
+    that trained on it would silently have another reference), is one line naming it."""
     two = dpo_run("precompute_zero2", 2)
     out = resume_copy(two, 3, tmp_path_factory)
-    cache = dict(two.env)
-    moved = []
-    for path in (tmp_path_factory.getbasetemp()).rglob("reference-logps-*.json"):
-        path.rename(path.with_suffix(".away"))
-        moved.append(path)
+    files = list(tmp_path_factory.getbasetemp().rglob("reference-logps-*.json"))
+    saved = {path: path.read_bytes() for path in files}
+    for path, raw in saved.items():
+        if damage == "gone":
+            path.unlink()
+        else:  # one digit of a log-prob changed: the same size, still valid JSON
+            at = raw.index(b"\n") + next(i for i, c in enumerate(raw[raw.index(b"\n"):]) if chr(c) in "12345678")
+            path.write_bytes(raw[:at] + (b"9" if raw[at:at + 1] != b"9" else b"1") + raw[at + 1:])
+            assert path.stat().st_size == len(raw)
     try:
         run = launch(1, *DPO, *TWO_PROCESSES["precompute_zero2"][1], "--resume", "auto", output_dir=out,
                      recipe="tiny_dpo", check=False)
     finally:
-        for path in moved:
-            path.with_suffix(".away").rename(path)
-    assert moved and cache
+        for path, raw in saved.items():
+            path.write_bytes(raw)
+    assert files
     assert run.returncode == 2, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1 and "precompute_reference=true" in lines[0] and "are gone" in lines[0], run.stderr[-2000:]
+    assert len(lines) == 1 and "precompute_reference=true" in lines[0], run.stderr[-2000:]
+    recorded = json.loads((two.output_dir / "recipe.json").read_text())["reference_logps"]
+    if damage == "gone":
+        assert f"({recorded['path']}, sha256 {recorded['sha256'][:16]}...) are in none of" in lines[0], lines[0]
+    else:
+        assert f"{recorded['path']} is not the reference log-probs file this run was trained with" in lines[0]
+    assert "restore" in lines[0] and "resume with precompute_reference=false" in lines[0]
+
+
+def test_a_resume_that_reads_the_model_again_refuses_a_changed_model(dpo_run, run_in_process, tmp_path_factory):
+    """The zero3 run's checkpoint names its model's identity (the weights' xxh3); resumed from weights other
+    than those (here: the manifest says the run started from others), its frozen reference would be read
+    from the new ones: one line, unless --allow-model-change."""
+    from finetune.identity import model_identity
+
+    run = dpo_run("zero3", 2)
+    model = json.loads((run.output_dir / "recipe.json").read_text())["model"]
+    out = resume_copy(run, 3, tmp_path_factory)
+    manifest_path = out / "checkpoints" / "step_000000003" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["model_identity"] == model_identity(model)
+    manifest["model_identity"]["files"]["model.safetensors"] = "0" * 32
+    manifest_path.write_text(json.dumps(manifest))
+    args = (*DPO, "strategy=zero3", "--resume", "auto", "--dry-run")
+    refused = run_in_process(*args, output_dir=out, recipe="tiny_dpo")
+    lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+    assert "model.safetensors changed" in lines[0] and "the DPO reference" in lines[0], lines[0]
+    assert "--allow-model-change" in lines[0]
+    allowed = run_in_process(*args, "--allow-model-change", output_dir=out, recipe="tiny_dpo")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
 
 
 def test_sigkill_and_exact_resume_zero3(dpo_run, launch, tmp_path_factory):
