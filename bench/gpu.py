@@ -109,19 +109,17 @@ def compile_problem() -> str | None:
 
 
 def cases(cuda: bool) -> list[dict]:
-    """The matrix, in launch order: per strategy finetune and the Trainer (who goes first alternating),
-    then the variants."""
-    out = []
-    for i, strategy in enumerate(STRATEGIES):
-        pair = [("finetune", strategy, "default", [], None), ("trainer", strategy, "default", [], None)]
-        out += pair if i % 2 == 0 else pair[::-1]
+    """The matrix, in launch order: finetune and the Trainer for each (strategy, variant), who goes
+    first alternating; the eager defaults of ddp and fsdp, then their compile=true pairs, then zero3 and
+    liger, so that a run cut short by --deadline has the compiled comparison before the rest."""
     liger, compiled = liger_problem(cuda), compile_problem()
-    out += [("finetune", "ddp", "loss_impl=liger", ["loss_impl=liger"], liger),
-            ("trainer", "ddp", "loss_impl=liger", ["loss_impl=liger"], liger),
-            ("finetune", "ddp", "compile=true", ["compile=true"], compiled),
-            ("trainer", "ddp", "compile=true", ["compile=true"], compiled),
-            ("trainer", "fsdp", "compile=true", ["compile=true"], compiled),
-            ("finetune", "fsdp", "compile=true", ["compile=true"], compiled)]
+    pairs = [("ddp", "default", [], None), ("fsdp", "default", [], None),
+             ("ddp", "compile=true", ["compile=true"], compiled), ("fsdp", "compile=true", ["compile=true"], compiled),
+             ("zero3", "default", [], None), ("ddp", "loss_impl=liger", ["loss_impl=liger"], liger)]
+    out = []
+    for i, (strategy, variant, overrides, skip) in enumerate(pairs):
+        pair = [("finetune", strategy, variant, overrides, skip), ("trainer", strategy, variant, overrides, skip)]
+        out += pair if i % 2 == 0 else pair[::-1]
     return [{"toolkit": t, "strategy": s, "variant": v, "overrides": o, "skip": k} for t, s, v, o, k in out]
 
 

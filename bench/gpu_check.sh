@@ -57,7 +57,7 @@ fi
 # 1. the wheels (bench/README.md "On a lent GPU machine without deepspeed or datasets")
 if [ "$SMOKE" = 1 ]; then
     export PYTHONPATH=$PWD  # this checkout's finetune, not one installed elsewhere
-    note "wheels: not installed (smoke: $($PY -c 'import deepspeed, datasets; print("deepspeed", deepspeed.__version__, "datasets", datasets.__version__)'))"
+    note "wheels: not installed (smoke: $($PY -c 'import deepspeed, datasets; print("deepspeed", deepspeed.__version__, "datasets", datasets.__version__)' 2>/dev/null))"
 elif [ -f "$STATE/wheels.done" ]; then
     note "wheels: installed by an earlier call"
     export PYTHONPATH=/tmp/site
@@ -67,7 +67,7 @@ else
         exit 2
     fi
     t=$SECONDS
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site bench/wheels_gpu/*.whl
+    "$PY" -m pip install -q --upgrade --no-index --no-deps --target /tmp/site bench/wheels_gpu/*.whl
     rc=$?
     export PYTHONPATH=/tmp/site
     "$PY" -c "import datasets, deepspeed, pydantic; from accelerate.utils import DummyOptim; print('imports ok: deepspeed', deepspeed.__version__, 'datasets', datasets.__version__)"
