@@ -90,9 +90,10 @@ else
     cp -f "$DPO_OUT/summary.json" "$OUT/tiny_dpo.summary.json" 2>/dev/null
     cp -f "$DPO_OUT/metrics.jsonl" "$OUT/tiny_dpo.metrics.jsonl" 2>/dev/null
     steps=$($PY -c "import json,sys; s=json.load(open(sys.argv[1])); print(s['steps'], 'steps, eval accuracy', s.get('final_eval_rewards/accuracies'), ', steady tok/s', s.get('tokens_per_s_steady'))" "$DPO_OUT/summary.json" 2>/dev/null || echo "no summary.json")
-    crash=$(grep -m1 -o "tracing error at step [0-9]*[^\"]\{0,80\}" "$OUT/tiny_dpo.log" || true)
+    last=$(grep -o "^step [0-9]*" "$OUT/tiny_dpo.log" | tail -1)
+    err=$(grep -m1 "^error:" "$OUT/tiny_dpo.log" | cut -c1-160)
     [ $rc = 0 ] || FAILED+=(tiny_dpo)
-    note "tiny_dpo: rc=$rc in $((SECONDS - t))s ($([ $rc = 124 ] && echo "timed out at ${DPO_LIMIT}s; ")$steps)${crash:+; $crash}"
+    note "tiny_dpo: rc=$rc in $((SECONDS - t))s ($([ $rc = 124 ] && echo "timed out at ${DPO_LIMIT}s; ")$steps; last logged: ${last:-none})${err:+; $err}"
 fi
 
 # 3. the bench, bounded by what is left of the budget (15 s kept for copying the results back)
