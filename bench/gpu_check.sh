@@ -57,7 +57,7 @@ fi
 # 1. the wheels (bench/README.md "On a lent GPU machine without deepspeed or datasets")
 if [ "$SMOKE" = 1 ]; then
     export PYTHONPATH=$PWD  # this checkout's finetune, not one installed elsewhere
-    note "wheels: not installed (smoke: $($PY -c 'import deepspeed, datasets; print("deepspeed", deepspeed.__version__, "datasets", datasets.__version__)' 2>/dev/null))"
+    note "wheels: not installed (smoke: $($PY -c 'import deepspeed, datasets; print("deepspeed", deepspeed.__version__, "datasets", datasets.__version__)' 2>/dev/null | tail -1))"
 elif [ -f "$STATE/wheels.done" ]; then
     note "wheels: installed by an earlier call"
     export PYTHONPATH=/tmp/site
@@ -79,6 +79,7 @@ fi
 # 2. the README's DPO command on one GPU (one process)
 DPO_OUT=$STATE/tiny_dpo
 if [ -f "$STATE/dpo.rc" ]; then
+    [ "$(cat "$STATE/dpo.rc")" = 0 ] || FAILED+=(tiny_dpo)
     note "tiny_dpo: run by an earlier call, rc=$(cat "$STATE/dpo.rc") (its files are in \$OUT from that call)"
 else
     rm -rf "$DPO_OUT"
@@ -122,6 +123,8 @@ for r in res.get("rows", []):
     print(f"  {r['toolkit']:8} {r['strategy']:5} {r['variant']:15} {what}"
           + (f"; removed {freed / 2**30:.1f} GiB" if freed else ""))
 print(f"  rows not run for the deadline: {res.get('not_run_deadline', 0)}, failed: {res.get('failed')}")
+if res.get("not_run_deadline"):
+    print("  to run them: bash bench/gpu_check.sh again on the same warm machine (finished rows and the DPO run are kept)")
 EOF
 note "done in $((SECONDS - T0))s${FAILED[*]:+; failed: ${FAILED[*]}}"
 [ ${#FAILED[@]} = 0 ]
