@@ -7,18 +7,27 @@ Every run is one process, `python finetune/run.py ...` or `python bench/trainer_
 which forms a 1-process group for every strategy (finetune.strategy.ensure_process_env), so fsdp and
 zero3 run on the one GPU through the same code as on many. Both get the same model, rows in the same
 order, batch, AdamW hyper-parameters, schedule, DeepSpeed config or FSDP2 mixed-precision policy
-(bench/trainer_baseline.py says what is shared and what differs). Variants, finetune only unless
-said: loss_impl=liger under ddp (the Trainer with the same Liger kernel alongside) when liger_kernel
-is importable, else a row that says so; compile=true under fsdp when finetune/recipe.py has the
-field, else a row that says so. A run that fails is a row with its error; the others still run.
+(bench/trainer_baseline.py says what is shared and what differs). Variants, each with the Trainer's
+counterpart alongside: loss_impl=liger under ddp (the Trainer with the same Liger kernel) when
+liger_kernel is importable, else a row that says so; compile=true under ddp and fsdp (the Trainer with
+torch_compile=True: its own whole-model compile against finetune's per-layer one) when
+finetune/recipe.py has the field, else a row that says so. A run that fails is a row with its error;
+the others still run.
+
+Disk: a finetune run of the 1B model leaves ~15 GB (the end-of-run checkpoint and final/), and the 64
+GiB disk of a lent machine filled at the 8th row. Each run's output directory is emptied once its row
+is read (prune_outputs), keeping only the small files the row was read from (metrics.jsonl,
+summary.json, trainer_summary.json, recipe.json); the log stays beside it.
 Peak memory is torch.cuda.max_memory_allocated of the one process over its whole life: finetune's as
 its summary.json reports it (taken after its final save), the Trainer's after train() (it saves
 nothing here).
 
-Budget: 30 steps per run, the first 10 left out (the earlier single run took 40 and left out 10).
-Estimated, not yet timed: the 9 launches of the matrix, each with its start-up, model load and, for
-finetune, the end-of-run checkpoint and final model (20 s in the earlier ddp run), take about 9
-minutes on an H100. Where a command may run at most 10 minutes, run it again with `--reuse` and the
+Budget: 30 steps per run, the first 10 left out (as summary.json's tokens_per_s_steady leaves them
+out of a 30-step run). Timed on an H200 (../shared/reference/gpu.md): 9 rows took 257 s in all, a
+finetune row 35-46 s (16-18 s of it the end-of-run checkpoint and final model), a Trainer row
+15-26 s; the 12 rows with the compile pairs, about 6-7 minutes (estimated). `--deadline SECONDS`
+bounds the whole run: a row does not start with under ROW_MIN_S left (it is "not run", and `--reuse`
+runs it later) and a running launch is stopped at the deadline. Run it again with `--reuse` and the
 same `--work` if it was cut off: the finished rows are kept. `--gpu-smoke` runs the same matrix on
 CPU with llama-7m in fp32, 128 tokens x 2 rows, 5 steps (2 left out): it checks the pipeline, it
 measures nothing worth reading.
@@ -36,6 +45,9 @@ import json
 import os
 import random
 from pathlib import Path
+
+import shutil
+import time
 
 from common import CACHE, MODELS, PY, build_model, fmt, fresh_dir, run, shown, table
 from throughput import ours_steps, steady
@@ -69,6 +81,8 @@ def peak_flops(name: str) -> tuple[float | None, str]:
 
 
 STRATEGIES = ("ddp", "fsdp", "zero3")
+KEEP = ("metrics.jsonl", "summary.json", "trainer_summary.json", "recipe.json")  # what a row is read from
+ROW_MIN_S = 60  # with less than this left before --deadline, a row is not started (a row takes 15-46 s on an H200)
 GPU_RUN = {"model": "llama-1b", "seq_len": 2048, "micro": 4, "steps": 30, "warmup": 10, "precision": "bf16",
            "rows": 600, "timeout": 600}
 SMOKE_RUN = {"model": "llama-7m", "seq_len": 128, "micro": 2, "steps": 5, "warmup": 2, "precision": "no",
@@ -95,16 +109,17 @@ def compile_problem() -> str | None:
 
 
 def cases(cuda: bool) -> list[dict]:
-    """The matrix, in launch order: per strategy finetune and the Trainer (who goes first alternating),
-    then the variants."""
+    """The matrix, in launch order: finetune and the Trainer for each (strategy, variant), who goes
+    first alternating; the eager defaults of ddp and fsdp, then their compile=true pairs, then zero3 and
+    liger, so that a run cut short by --deadline has the compiled comparison before the rest."""
+    liger, compiled = liger_problem(cuda), compile_problem()
+    pairs = [("ddp", "default", [], None), ("fsdp", "default", [], None),
+             ("ddp", "compile=true", ["compile=true"], compiled), ("fsdp", "compile=true", ["compile=true"], compiled),
+             ("zero3", "default", [], None), ("ddp", "loss_impl=liger", ["loss_impl=liger"], liger)]
     out = []
-    for i, strategy in enumerate(STRATEGIES):
-        pair = [("finetune", strategy, "default", [], None), ("trainer", strategy, "default", [], None)]
+    for i, (strategy, variant, overrides, skip) in enumerate(pairs):
+        pair = [("finetune", strategy, variant, overrides, skip), ("trainer", strategy, variant, overrides, skip)]
         out += pair if i % 2 == 0 else pair[::-1]
-    liger = liger_problem(cuda)
-    out += [("finetune", "ddp", "loss_impl=liger", ["loss_impl=liger"], liger),
-            ("trainer", "ddp", "loss_impl=liger", ["loss_impl=liger"], liger),
-            ("finetune", "fsdp", "compile=true", ["compile=true"], compile_problem())]
     return [{"toolkit": t, "strategy": s, "variant": v, "overrides": o, "skip": k} for t, s, v, o, k in out]
 
 
@@ -116,10 +131,49 @@ def base_overrides(model_dir: Path, data: Path, cfg: dict) -> list[str]:
             "attn_implementation=sdpa", "plot_loss=false"]
 
 
-def measure(work: Path, smoke: bool = False, reuse: bool = False) -> dict:
+def prune_outputs(out: Path, keep: tuple[str, ...] = KEEP) -> int:
+    """Empties a run's output directory but for the files named in `keep` at its top level (the
+    checkpoints, final/ and anything else go); returns the bytes removed. A missing directory is 0."""
+    freed = 0
+    if not out.is_dir():
+        return 0
+    for entry in out.iterdir():
+        if entry.name in keep and entry.is_file() and not entry.is_symlink():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            freed += sum(f.lstat().st_size for f in entry.rglob("*") if f.is_file() or f.is_symlink())
+            shutil.rmtree(entry)
+        else:
+            freed += entry.lstat().st_size
+            entry.unlink()
+    return freed
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (a time.monotonic() value), None without one."""
+    return None if deadline is None else deadline - time.monotonic()
+
+
+def next_step(case: dict, earlier: dict | None, left: float | None, timeout: float) -> tuple[str, object]:
+    """What to do with a case of the matrix: ("skip", why) for a case that cannot run here or would
+    start with under ROW_MIN_S left before the deadline; ("reuse", row) for a row an earlier run in
+    the same --work finished (`earlier`, given with --reuse); else ("run", the launch's timeout: the
+    case's, or what is left before the deadline if less)."""
+    if case["skip"]:
+        return "skip", case["skip"]
+    if earlier and earlier.get("ok"):
+        return "reuse", dict(earlier, reused=True)
+    if left is not None and left < ROW_MIN_S:
+        return "skip", f"--deadline: {max(left, 0):.0f} s left, under {ROW_MIN_S} s; --reuse runs it"
+    return "run", timeout if left is None else min(timeout, left)
+
+
+def measure(work: Path, smoke: bool = False, reuse: bool = False, deadline: float | None = None) -> dict:
     """smoke=True: the same pipeline on CPU with a small model in fp32, to check it without a GPU.
     reuse=True (`bench/run.py --gpu --reuse --work DIR`): rows that an earlier, interrupted run in the
-    same DIR finished are read back, not run again (each row is saved as it ends)."""
+    same DIR finished are read back, not run again (each row is saved as it ends).
+    deadline (a time.monotonic() value, `--deadline`): no row starts with under ROW_MIN_S left, and a
+    running launch is stopped there."""
     import torch
 
     from common import launch_env, versions
@@ -152,15 +206,19 @@ def measure(work: Path, smoke: bool = False, reuse: bool = False) -> dict:
     for case in cases(cuda and not smoke):
         row = {k: case[k] for k in ("toolkit", "strategy", "variant")}
         saved = work / (case_name(case) + ".row.json")
-        if case["skip"]:
-            row.update(ok=None, skipped=case["skip"])
-        elif reuse and saved.is_file() and json.loads(saved.read_text()).get("ok"):
-            row = dict(json.loads(saved.read_text()), reused=True)
-        else:
+        earlier = json.loads(saved.read_text()) if reuse and saved.is_file() else None
+        action, what = next_step(case, earlier, time_left(deadline), cfg["timeout"])
+        if action == "skip":
+            row.update(ok=None, skipped=what)
+        elif action == "reuse":
+            row = what
+        else:  # what: the launch's timeout
             try:
-                row.update(run_case(case, base, work, env, cfg, flops_per_token, peak))
+                row.update(run_case(case, base, work, env, dict(cfg, timeout=what), flops_per_token, peak))
             except Exception as e:  # noqa: BLE001  (a row that cannot be read back is a failed row)
                 row.update(ok=False, error=f"{type(e).__name__}: {e}")
+            finally:
+                row["outputs_removed_bytes"] = prune_outputs(work / case_name(case))
             saved.write_text(json.dumps(row, indent=2) + "\n")
         res["rows"].append(row)
         print(f"  {row['toolkit']} {row['strategy']} {row['variant']}: " + (
@@ -168,6 +226,7 @@ def measure(work: Path, smoke: bool = False, reuse: bool = False) -> dict:
             f"{fmt(row.get('tokens_per_s'))} tok/s" + (f", MFU {row['mfu']:.1%}" if row.get("mfu") else "")
             if row.get("ok") else f"failed: {str(row.get('error'))[:300]}"), flush=True)
     res["ok"] = any(r.get("ok") for r in res["rows"])
+    res["not_run_deadline"] = sum(1 for r in res["rows"] if str(r.get("skipped", "")).startswith("--deadline"))
     res["failed"] = sum(1 for r in res["rows"] if r.get("ok") is False)
     if not res["ok"]:
         res["error"] = "every run failed; see the rows"
@@ -196,12 +255,15 @@ def run_case(case: dict, base: list[str], work: Path, env: dict, cfg: dict, flop
         tokens, seconds, losses = got["tokens"], got["seconds"], got["losses"]
         peaks = got["summary"].get("peak_memory_per_rank") or [None]
         row.update(peak_memory=peaks[0], peak_memory_kind=got["summary"].get("peak_memory_kind"),
-                   loop_fields=got["loop_fields"])
+                   loop_fields=got["loop_fields"],
+                   summary_tokens_per_s=got["summary"].get("tokens_per_s"),
+                   summary_tokens_per_s_steady=got["summary"].get("tokens_per_s_steady"),
+                   summary_steady_steps=got["summary"].get("steady_steps"))
     else:
         s = json.loads(done.read_text())
         tokens, seconds, losses = s["tokens"], s["step_seconds"], s["losses"]
         row.update(peak_memory=s.get("peak_memory"), peak_memory_kind=s.get("peak_memory_kind"),
-                   engine=s.get("engine"), optim=s.get("optim"), autocast=s.get("autocast"),
+                   engine=s.get("engine"), optim=s.get("optim"), autocast=s.get("autocast"), compiled=s.get("compiled"),
                    fsdp_mixed_precision_policy=s.get("fsdp_mixed_precision_policy"))
     seq = cfg["seq_len"]
     target_tps = steady(tokens, seconds, cfg["warmup"])
@@ -224,8 +286,8 @@ def slug(text: str) -> str:
 
 
 def reference(res: dict, row: dict) -> tuple[dict | None, str]:
-    """The Trainer row finetune's row is compared with: the same strategy and variant, else the same
-    strategy's default (a variant the Trainer has no counterpart for, e.g. compile=true)."""
+    """The Trainer row finetune's row is compared with: the same strategy and variant, else (that row
+    failed or was not run) the same strategy's default, named so in the table."""
     trainer = [r for r in res["rows"] if r["toolkit"] == "trainer" and r["strategy"] == row["strategy"] and r.get("ok")]
     same = next((r for r in trainer if r["variant"] == row["variant"]), None)
     if same:
@@ -310,6 +372,7 @@ def render(res: dict, command: str, when: str, versions: dict) -> str:
     ran = [f"{r['strategy']}{'' if r['variant'] == 'default' else ' ' + r['variant']}: {r.get('engine')}, "
            f"{r.get('optim')}, autocast {'on' if r.get('autocast') else 'off'}"
            + (f", {r['fsdp_mixed_precision_policy']}" if r.get("fsdp_mixed_precision_policy") else "")
+           + (", compiled (torch_compile=True)" if r.get("compiled") else "")
            for r in res["rows"] if r["toolkit"] == "trainer" and r.get("ok") and r.get("engine")]
     if ran:
         lines += ["", "The Trainer as its Accelerator took it: " + "; ".join(ran) + "."]

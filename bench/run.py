@@ -56,6 +56,9 @@ def parse(argv):
                    "nothing (for changes to the report's wording)")
     p.add_argument("--reuse", action="store_true", help="with --gpu and the --work of an interrupted run: keep the "
                    "rows it finished instead of running them again")
+    p.add_argument("--deadline", type=float, metavar="SECONDS", help="with --gpu: stop within SECONDS from now; "
+                   "rows that would start too late are 'not run' (--reuse runs them) and a running launch is "
+                   "stopped at the deadline")
     p.add_argument("--gpu-smoke", action="store_true", help=argparse.SUPPRESS)  # the --gpu pipeline on CPU, tiny
     return p.parse_args(argv)
 
@@ -88,7 +91,8 @@ def main(argv=None) -> int:
         import gpu
 
         print(f"GPU benchmark; outputs in {work}", flush=True)
-        res = gpu.measure(work, smoke=args.gpu_smoke, reuse=args.reuse)
+        deadline = time.monotonic() + args.deadline if args.deadline else None
+        res = gpu.measure(work, smoke=args.gpu_smoke, reuse=args.reuse, deadline=deadline)
         res["wall_seconds"] = round(time.perf_counter() - t0, 1)
         save_json(work / "gpu.json", res)
         section = gpu.render(res, command_line(args), started, common.versions())

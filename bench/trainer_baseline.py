@@ -36,6 +36,11 @@ Precision and device follow the recipe and the machine, as finetune's plan does 
   cross-entropy on (liger_kernel_config), the one kernel finetune's loss_impl=liger uses; any other
   loss_impl is the model's own ForCausalLMLoss over full logits (finetune's default "chunked" never
   holds them: that difference is finetune's and stays).
+- compile=true in the recipe gives the Trainer torch_compile=True: its own way to compile (Accelerate
+  torch.compiles the whole prepared model, default backend and mode), against finetune's compile of each
+  decoder layer (finetune/model.py compile_layers); so a compiled finetune row is compared with a
+  compiled Trainer, not an eager one. trainer_summary.json's "compiled" says whether the model it
+  trained was a compiled module.
 What still differs: the Trainer keeps its DDP default find_unused_parameters=True (a PreTrainedModel
 without gradient checkpointing), and it logs through its own callbacks; both are the Trainer as a
 user gets it.
@@ -101,6 +106,8 @@ def trainer_kwargs(r, plan, config, on_cpu: bool) -> dict:
         kw["use_cpu"] = True  # TrainingArguments refuses bf16 on CPU without it
     if configured:
         kw["accelerator_config"] = {"use_configured_state": True}
+    if r.compile:
+        kw["torch_compile"] = True
     if r.loss_impl == "liger":
         kw["use_liger_kernel"] = True
         kw["liger_kernel_config"] = {"fused_linear_cross_entropy": True, "cross_entropy": False, "rope": False,
@@ -120,14 +127,17 @@ def fsdp_mixed_precision(targs, r) -> bool:
 
 
 def what_ran(trainer) -> dict:
-    """Precision, optimizer and FSDP policy as the Trainer's Accelerator took them (not as asked)."""
+    """Precision, optimizer, FSDP policy and compile as the Trainer's Accelerator took them (not as asked)."""
+    from accelerate.utils import is_compiled_module
+
     acc = trainer.accelerator
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     fused = any(g.get("fused") for g in trainer.optimizer.param_groups)
     policy = getattr(getattr(acc.state, "fsdp_plugin", None), "mixed_precision_policy", None)
     return {"mixed_precision": acc.mixed_precision, "optim": type(inner).__name__ + (" (fused)" if fused else ""),
             "autocast": bool(acc.native_amp and (acc.autocast_handler is None or acc.autocast_handler.enabled)),
-            "fsdp_mixed_precision_policy": None if policy is None else str(policy)}
+            "fsdp_mixed_precision_policy": None if policy is None else str(policy),
+            "compiled": any(is_compiled_module(m) for m in (trainer.model_wrapped, trainer.model))}
 
 
 class ScheduleSampler:

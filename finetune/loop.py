@@ -413,7 +413,8 @@ def train(plan: Plan) -> dict:
     stop = StopRequest()
     reporter.begin(state.step)
     meter = Throughput(run.accelerator.device, r.mixed_precision, run.config, r.max_seq_len,
-                       run.accelerator.num_processes, tokens_at_start=state.tokens)
+                       run.accelerator.num_processes, tokens_at_start=state.tokens,
+                       steps=run.total_steps - state.step, first_step=state.step)
     last_eval, last_metrics = None, {}
     if run.eval_rows is not None and r.eval_at_start and state.step == 0:
         last_eval, last_metrics, shown = run_eval(run, 0, meter)

@@ -224,33 +224,74 @@ class LossPlot:
 # ---------------------------------------------------------------- training speed
 
 
+STEADY_SKIP_MAX = 10  # steps left out of the steady state: the first compile, allocator and NCCL warm-up
+
+
+def steady_skip(steps: int) -> int | None:
+    """How many of a run's first steps the steady-state figure leaves out: half of a short run, 10 of
+    one of 20 steps or more (torch.compile compiles at the first step and once more at the first other
+    sequence length; DeepSpeed's and the CUDA allocator's warm-up take a few steps). None where the run
+    has fewer than 2 steps: nothing would be left that is not warm-up."""
+    if steps < 2:
+        return None
+    return min(STEADY_SKIP_MAX, steps // 2)
+
+
+def steady_rate(start: tuple[float, int] | None, end: tuple[float, int] | None) -> float | None:
+    """Tokens per second between two marks (training seconds, tokens so far), each taken at the end of
+    a step. None where either is missing or no time passed between them."""
+    if start is None or end is None or end[0] <= start[0]:
+        return None
+    return (end[1] - start[1]) / (end[0] - start[0])
+
+
 class Throughput:
     """Training speed, as the log records and the summary report it: target tokens per second over
     the window since the last record, with evaluation and checkpoint time left out (`paused`), and
-    MFU where the GPU's peak is known (model FLOPs of the real, non-padding input tokens)."""
+    MFU where the GPU's peak is known (model FLOPs of the real, non-padding input tokens).
 
-    def __init__(self, device, mixed_precision: str, config, seq_len: int, world: int, tokens_at_start: int):
+    The summary gives two figures: tokens_per_s over all the steps this process trained (its first
+    steps, which warm up and compile, included) and tokens_per_s_steady over the steps after the first
+    steady_skip(steps) of them, the figure other toolkits' logs are compared with (steady_steps says
+    which steps, numbered as the run numbers them). `steps` is how many steps this process will train,
+    from step `first_step` on (a resumed run: the rest, from where it resumed)."""
+
+    def __init__(self, device, mixed_precision: str, config, seq_len: int, world: int, tokens_at_start: int,
+                 steps: int = 0, first_step: int = 0, clock=time.perf_counter):
         self.peak = peak_flops(device, mixed_precision)
         self.flops = flops_per_token(config, seq_len) if self.peak else 0.0
         self.world, self.tokens_at_start = world, tokens_at_start  # a resumed run counts only what it trained
+        self.clock = clock
         self.paused_seconds = {"eval": 0.0, "checkpoint": 0.0}
-        self.t0 = self.window_t0 = time.perf_counter()
+        self.t0 = self.window_t0 = clock()
         self.window_tokens = self.window_inputs = 0
+        self.skip, self.first_step = steady_skip(steps), first_step
+        self.steps_done, self.tokens_done = 0, 0
+        self.skip_mark = self.last_mark = None  # (training seconds, tokens) at the end of step skip, of the latest
+
+    def stepping_seconds(self) -> float:
+        """Training time so far, eval and checkpoint pauses left out."""
+        return self.clock() - self.t0 - sum(self.paused_seconds.values())
 
     def step(self, target_tokens: int, input_tokens: int) -> None:
         self.window_tokens += target_tokens
         self.window_inputs += input_tokens
+        self.steps_done += 1
+        self.tokens_done += target_tokens
+        self.last_mark = (self.stepping_seconds(), self.tokens_done)
+        if self.steps_done == self.skip:
+            self.skip_mark = self.last_mark
 
     class _Pause:
         def __init__(self, meter, kind):
             self.meter, self.kind = meter, kind
 
         def __enter__(self):
-            self.start = time.perf_counter()
+            self.start = self.meter.clock()
             return self
 
         def __exit__(self, *exc):
-            self.seconds = time.perf_counter() - self.start
+            self.seconds = self.meter.clock() - self.start
             self.meter.paused_seconds[self.kind] += self.seconds
             self.meter.window_t0 += self.seconds  # the window measures training alone
 
@@ -260,7 +301,7 @@ class Throughput:
 
     def window(self) -> dict:
         """The record's speed fields for the window since the last call; starts the next window."""
-        now = time.perf_counter()
+        now = self.clock()
         seconds = now - self.window_t0
         fields = {"tokens_per_s": self.window_tokens / seconds}
         if self.peak and self.flops:
@@ -270,11 +311,14 @@ class Throughput:
         return fields
 
     def summary(self, tokens: int) -> dict:
-        train = time.perf_counter() - self.t0
+        train = self.clock() - self.t0
         stepping = train - sum(self.paused_seconds.values())
+        steady = steady_rate(self.skip_mark, self.last_mark)
         return {"train_seconds": round(train, 2), "eval_seconds": round(self.paused_seconds["eval"], 2),
                 "checkpoint_seconds": round(self.paused_seconds["checkpoint"], 2),
-                "tokens_per_s": (tokens - self.tokens_at_start) / stepping if stepping > 0 else 0.0}
+                "tokens_per_s": (tokens - self.tokens_at_start) / stepping if stepping > 0 else 0.0,
+                "tokens_per_s_steady": steady,
+                "steady_steps": [self.first_step + self.skip + 1, self.first_step + self.steps_done] if steady else None}
 
 
 # ---------------------------------------------------------------- memory and the end-of-run summary
@@ -316,6 +360,15 @@ def flops_per_token(config, seq_len: int) -> float:
     return 6 * n + 12 * arch.num_hidden_layers * arch.num_attention_heads * arch.head_size * seq_len
 
 
+def speed_line(summary: dict) -> str:
+    """The steady state first (what other toolkits' logs show), then the figure over every step."""
+    overall = f"{summary['tokens_per_s']:,.0f} tokens/s over every step"
+    steady, steps = summary.get("tokens_per_s_steady"), summary.get("steady_steps")
+    if not steady or not steps:
+        return overall.replace("over every step", "while training")
+    return f"{steady:,.0f} tokens/s steady (steps {steps[0]}-{steps[1]}), {overall} (warm-up included)"
+
+
 def format_summary(summary: dict) -> str:
     gib = 2**30
     peaks = summary.get("peak_memory_per_rank") or []
@@ -324,7 +377,7 @@ def format_summary(summary: dict) -> str:
         ("steps", f"{summary['steps']}" + (f" (resumed at {summary['resumed_at']})" if summary.get("resumed_at") else "")),
         ("time", f"{summary['train_seconds']:.1f} s training (of which eval {summary.get('eval_seconds', 0):.1f} s, "
                  f"checkpoints {summary.get('checkpoint_seconds', 0):.1f} s), {summary['wall_seconds']:.1f} s in all"),
-        ("tokens", f"{summary['tokens']:,} target tokens, {summary['tokens_per_s']:,.0f} tokens/s while training"),
+        ("tokens", f"{summary['tokens']:,} target tokens, " + speed_line(summary)),
         ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
          f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
         *([("eval rewards", f"accuracy {summary['final_eval_rewards/accuracies']:.4f}, margin "

@@ -9,6 +9,8 @@ disabled (no second copy); FSDP shards the base as in llama70b_qlora_fsdp. Each 
 2 sequences of up to 1024 tokens in one forward.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama70b_dpo_qlora_fsdp --gpus 2 --gpu-mem 48GB):
     params 19.29 + grads 0.39 + optimizer 0.77 + activations 4.28 + buffers 5.54 = total 30.27 GiB
+compile stays off: finetune refuses compile=true for a 4-bit base under fsdp (bitsandbytes re-attaches
+each sharded weight's quantization state inside the layer, a graph break at every Linear).
 """
 
 from finetune.recipe import Recipe

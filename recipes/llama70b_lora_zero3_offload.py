@@ -9,6 +9,9 @@ GPUs as it runs. On 8 x 40 GB or larger, offload_params=none fits too and is muc
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama70b_lora_zero3_offload --gpus 8 --gpu-mem 24GB):
     params 0.00 + grads 0.00 + optimizer 0.00 + activations 4.91 + buffers 4.04 = total 8.95 GiB;
     offloaded to CPU 16.91 GiB
+compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
+and norm breaks a compiled layer into pieces: no fusion, slower than eager); strategy=fsdp shards the
+same way and compiles.
 """
 
 from dataclasses import replace

@@ -11,6 +11,8 @@ Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b
     params 3.74 + grads 3.74 + optimizer 7.48 + activations 22.16 + buffers 6.92 = total 44.03 GiB
 The longest row that fits (python -m finetune.plan --recipe llama8b_longctx_fsdp --gpus 8 --gpu-mem 80GB --max-seq-len):
     47,664 tokens with sequence_parallel=8, 16,083 without (the attention term is an upper bound)
+compile stays off: finetune refuses compile=true with sequence_parallel > 1 (compiled layers around
+Ulysses' all-to-all were not tried).
 """
 
 from finetune.recipe import Recipe

@@ -11,6 +11,8 @@ Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b
     params 1.87 + grads 1.87 + optimizer 11.22 + activations 22.16 + buffers 6.12 = total 43.23 GiB
 The longest row that fits (python -m finetune.plan --recipe llama8b_longctx_zero3 --gpus 8 --gpu-mem 80GB --max-seq-len):
     48,104 tokens with sequence_parallel=8, 16,236 without (the attention term is an upper bound)
+compile stays off: finetune refuses compile=true with sequence_parallel > 1 (compiled layers around
+Ulysses' all-to-all were not tried).
 """
 
 from finetune.recipe import Recipe

@@ -26,3 +26,84 @@ def test_paused_time_is_left_out_of_speed():
     assert summary["train_seconds"] >= summary["eval_seconds"] + summary["checkpoint_seconds"]
     stepping = summary["train_seconds"] - summary["eval_seconds"] - summary["checkpoint_seconds"]
     assert abs(summary["tokens_per_s"] - 500 / max(stepping, 1e-9)) / summary["tokens_per_s"] < 0.2
+
+
+class FakeClock:
+    """A clock the test moves by hand: Throughput's figures are then exact."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_steady_skip_leaves_out_the_first_steps():
+    from finetune.metrics import steady_skip
+
+    assert [steady_skip(n) for n in (0, 1, 2, 3, 5, 19, 20, 30, 10_000)] == [None, None, 1, 1, 2, 9, 10, 10, 10]
+
+
+def test_steady_rate_is_tokens_over_seconds_between_two_marks():
+    from finetune.metrics import steady_rate
+
+    assert steady_rate((2.0, 100), (6.0, 500)) == 100.0
+    assert steady_rate(None, (6.0, 500)) is None and steady_rate((2.0, 100), None) is None
+    assert steady_rate((2.0, 100), (2.0, 100)) is None  # no time between them: no figure, not a division by 0
+
+
+def test_steady_figure_leaves_out_warm_up_and_pauses():
+    """30 steps of 1,000 tokens: the first two (compile) take 10 s each, the rest 0.5 s, and an eval of
+    7 s and a checkpoint of 3 s fall in the steady part. tokens_per_s counts every step (30,000 tokens
+    over 34 s of stepping); tokens_per_s_steady steps 11-30 (20,000 tokens over 10 s)."""
+    clock = FakeClock()
+    meter = Throughput(torch.device("cpu"), "no", None, 128, world=1, tokens_at_start=0, steps=30, clock=clock)
+    for step in range(1, 31):
+        clock.now += 10.0 if step <= 2 else 0.5
+        meter.step(1000, 1000)
+        if step == 15:
+            with meter.paused("eval"):
+                clock.now += 7.0
+        if step == 30:
+            with meter.paused("checkpoint"):
+                clock.now += 3.0
+    summary = meter.summary(tokens=30_000)
+    assert summary["train_seconds"] == 44.0 and summary["eval_seconds"] == 7.0
+    assert summary["tokens_per_s"] == 30_000 / 34.0
+    assert summary["tokens_per_s_steady"] == 20_000 / 10.0
+    assert summary["steady_steps"] == [11, 30]
+
+
+def test_steady_figure_of_a_resumed_run_and_of_a_short_one():
+    """A run resumed at step 100 of 110 times its own 10 steps (after the first 5), numbered as the run
+    numbers them; a 1-step run, or one stopped before its warm-up ended, has no steady figure."""
+    clock = FakeClock()
+    meter = Throughput(torch.device("cpu"), "no", None, 128, world=1, tokens_at_start=50_000, steps=10,
+                       first_step=100, clock=clock)
+    for step in range(10):
+        clock.now += 4.0 if step == 0 else 1.0
+        meter.step(200 + step, 0)
+    summary = meter.summary(tokens=50_000 + sum(200 + s for s in range(10)))
+    assert summary["steady_steps"] == [106, 110]
+    assert summary["tokens_per_s_steady"] == sum(200 + s for s in range(5, 10)) / 5.0
+    for steps, taken in ((1, 1), (30, 10)):
+        meter = Throughput(torch.device("cpu"), "no", None, 128, world=1, tokens_at_start=0, steps=steps, clock=clock)
+        for _ in range(taken):
+            clock.now += 1.0
+            meter.step(10, 10)
+        summary = meter.summary(tokens=10 * taken)
+        assert summary["tokens_per_s_steady"] is None and summary["steady_steps"] is None
+        assert summary["tokens_per_s"] == 10.0
+
+
+def test_summary_line_shows_the_steady_figure_first():
+    from finetune.metrics import format_summary
+
+    base = {"steps": 30, "train_seconds": 44.0, "wall_seconds": 50.0, "tokens": 30_000, "tokens_per_s": 882.35}
+    line = next(ln for ln in format_summary({**base, "tokens_per_s_steady": 2000.0, "steady_steps": [11, 30]})
+                .splitlines() if ln.split()[:1] == ["tokens"])
+    assert line.split(None, 1)[1] == ("30,000 target tokens, 2,000 tokens/s steady (steps 11-30), 882 tokens/s "
+                                      "over every step (warm-up included)")
+    line = next(ln for ln in format_summary({**base, "tokens_per_s_steady": None, "steady_steps": None})
+                .splitlines() if ln.split()[:1] == ["tokens"])
+    assert line.split(None, 1)[1] == "30,000 target tokens, 882 tokens/s while training"
