@@ -585,9 +585,10 @@ def _check_objective(r: Recipe, strategy) -> None:
             raise RecipeError(f"{key}=true with objective=dpo: a preference pair is scored as its two whole "
                               f"sequences, on the responses only; set {key}=false")
     needs_copy = r.dpo_loss != "simpo" and not r.precompute_reference and not r.lora
-    problem = strategy.reference_copy_problem(r) if needs_copy else None
+    problem = strategy.frozen_reference_problem(r) if needs_copy else None
     if problem:
-        raise RecipeError(problem)
+        raise RecipeError(f"objective=dpo with {problem}, or precompute_reference=true (no reference held while "
+                          "training)")
     if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
                           f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")

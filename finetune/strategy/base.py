@@ -98,8 +98,9 @@ class Strategy:
                     "strategies for long rows: use one of them, or tiled_mlp=false")
         return None
 
-    def reference_copy_problem(self, recipe) -> str | None:
-        """A DPO run that holds a frozen copy of the model as its reference (wrap_reference)."""
+    def frozen_reference_problem(self, recipe) -> str | None:
+        """A run that holds a frozen copy of the model as its reference (wrap_reference): why this strategy
+        cannot, and the fix on its side; the objective's own error line adds its alternative."""
         return None
 
     # -- the planner's terms (memory.py asks these)

@@ -41,10 +41,9 @@ class Fsdp(Strategy):
                     "fsdp_version=2 or compile=false")
         return None
 
-    def reference_copy_problem(self, recipe):
+    def frozen_reference_problem(self, recipe):
         if recipe.fsdp_version == 1:
-            return ("objective=dpo with fsdp_version=1: the frozen reference is sharded by FSDP2 only; use "
-                    "fsdp_version=2, or precompute_reference=true (no reference held while training)")
+            return "fsdp_version=1: the frozen reference is sharded by FSDP2 only; use fsdp_version=2"
         return None
 
     def offload(self, setup, params, grads, optimizer, trained, grad_bytes, world_size):
