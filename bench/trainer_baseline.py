@@ -12,7 +12,7 @@ What is shared with the toolkit, and why it is fair:
 - the row order: a sampler that yields finetune.data.BatchSchedule's order, so that Accelerate's
   batch sharding (batch k to rank k mod N) hands every rank the rows it gets in finetune at every
   step: the two loss curves can be compared step by step;
-- the CPU process-group shim of finetune/strategy.py (see ../shared/reference/cpu-distributed.md).
+- the CPU process-group shim of finetune/distributed.py (see ../shared/reference/cpu-distributed.md).
   finetune.strategy.ensure_process_env is imported; the PartialState lines are repeated in
   `form_cpu_group` because finetune has them inside build_accelerator, not as a function.
 The Trainer's own code does everything else: model wrapping, loss (the model's ForCausalLMLoss with
@@ -25,7 +25,7 @@ Precision and device follow the recipe and the machine, as finetune's plan does 
   enabled (DeepSpeed's bf16 engine, as finetune).
 - fsdp: FSDP2 with finetune's own policy (finetune.strategy.fsdp2_mixed_precision: bf16 parameters for
   compute, fp32 gradient reduction, fp32 sharded masters, no output cast) and autocast off, as
-  finetune/strategy.py sets it. Left to itself the Trainer would take Accelerate's default policy
+  finetune/strategy/fsdp.py sets it. Left to itself the Trainer would take Accelerate's default policy
   (bf16 reduction, bf16 outputs) with autocast on top; that is a different numeric recipe, not a
   different toolkit, so the comparison gives both the same one.
 - on a GPU (no gloo shim, NCCL group) the optimizer is AdamW "adamw_torch_fused" (the Trainer's own
@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def form_cpu_group(strategy: str) -> bool:
-    """finetune/strategy.py's CPU shim for DeepSpeed and FSDP; returns whether the Trainer must use the
+    """finetune/distributed.py's CPU shim for DeepSpeed and FSDP; returns whether the Trainer must use the
     configured state. DDP needs none: the Trainer's use_cpu=True + ddp_backend=gloo is the same."""
     from accelerate import DistributedType, PartialState
 
@@ -117,7 +117,7 @@ def trainer_kwargs(r, plan, config, on_cpu: bool) -> dict:
 
 def fsdp_mixed_precision(targs, r) -> bool:
     """Give the Trainer's FSDP2 plugin finetune's MixedPrecisionPolicy; returns whether autocast must be
-    turned off (as finetune/strategy.py does when FSDP2's policy casts)."""
+    turned off (as finetune/strategy/fsdp.py does when FSDP2's policy casts)."""
     if r.strategy != "fsdp" or r.mixed_precision == "no" or targs.fsdp_plugin_args is None:
         return False
     from finetune.strategy import fsdp2_mixed_precision

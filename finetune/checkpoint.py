@@ -28,7 +28,7 @@ from pathlib import Path
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 from finetune.stopping import fault_point
-from finetune.strategy import nonfinite_count
+from finetune.optim import nonfinite_count
 
 PREFIX = "step_"
 MANIFEST = "manifest.json"

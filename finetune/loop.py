@@ -25,6 +25,7 @@ from finetune.metrics import (PAIR_METRICS, LossPlot, MetricsFile, Progress, Thr
                               peak_memory_bytes, setup_logging, start_trackers)
 from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer
 from finetune.objectives import objective_for
+from finetune.parallel import Parallel
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.identity import model_identity
@@ -33,7 +34,7 @@ from finetune.reference import (attach, build_reference, check_precomputed, prec
 from finetune.resume import reference_record
 from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.stopping import StopRequest, fault_point
-from finetune.strategy import accumulate, build_accelerator, prepare, reads_weights
+from finetune.distributed import accumulate, build_accelerator, prepare
 
 
 def main_first(accelerator, fn):
@@ -171,7 +172,7 @@ class Run:
     reporter: "Reporter"
     samples: SampleWriter
     wall_t0: float
-    sp: SP.Layout = SP.Layout()  # this rank's place under sequence parallelism (rows it reads, slice it keeps)
+    parallel: Parallel  # the strategy, and this rank's place under sequence parallelism
 
     @property
     def recipe(self):
@@ -201,7 +202,8 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     torch.manual_seed(r.seed)
 
     tokenizer = load_tokenizer(r, model_path)
-    sp = SP.Layout.of(r, rank, world, tokenizer.pad_token_id)
+    parallel = Parallel.of(plan, rank, world, tokenizer.pad_token_id)
+    sp = parallel.sp
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
     schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
     if schedule.steps_per_epoch == 0:
@@ -242,13 +244,13 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
         found, sha256 = check_precomputed(r, precomputed, reference_record(plan.resume))
 
     records = {"model_identity": identity} if identity else {}  # what checkpoints and recipe.json record
-    model = load_model(r, model_path, config, weights_on_this_rank=reads_weights(plan, accelerator))
+    model = load_model(r, model_path, config, weights_on_this_rank=parallel.strategy.reads_weights(accelerator))
     SP.start(r, model)
     if r.tiled_mlp:
         log.info(f"tiled_mlp: {SP.tile_mlps(model)} MLPs compute a slice of the sequence at a time")
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
-    reference = build_reference(plan, accelerator, model_path, config, reads_weights(plan, accelerator))
+    reference = build_reference(plan, accelerator, model_path, config, parallel.strategy.reads_weights(accelerator))
     if reference is not None and is_main:
         log.info(f"reference: {reference.kind}")
     if precomputed is not None:
@@ -274,7 +276,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
                                records=records)
     run = Run(plan, out, accelerator, model_path, config, tokenizer, datasets, schedule, total_steps, eval_rows,
               prompts, generation_config, stops, model, optimizer, scheduler, objective, reference,
-              checkpoints, reporter, samples, wall_t0, sp)
+              checkpoints, reporter, samples, wall_t0, parallel)
     state = LoopState()
     if plan.resume is not None:
         t0 = time.perf_counter()
@@ -303,8 +305,9 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     r, accelerator, model, objective = run.recipe, run.accelerator, run.model, run.objective
     device, world = accelerator.device, accelerator.num_processes
     pad_id = run.tokenizer.pad_token_id
-    micro_batches = [run.sp.shard(D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free))
-                     for rows in run.schedule.rows(state.step, run.sp.dp_rank)]
+    sp = run.parallel.sp
+    micro_batches = [sp.shard(D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free))
+                     for rows in run.schedule.rows(state.step, sp.dp_rank)]
     # The global batch's counts, summed on the device and not read back here: the host queues the
     # forward without waiting for the previous step to finish (see one_sync_per_step)
     counts = run.reduce_sum(to_device(objective.counts(micro_batches), device))
@@ -400,7 +403,7 @@ def run_eval(run: Run, step: int, meter: Throughput) -> tuple[float, dict, str]:
     with meter.paused("eval"):
         loss, metrics = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
                                  run.accelerator.device, run.reduce_sum, run.objective, r.padding_free,
-                                 shard=run.sp.shard)
+                                 shard=run.parallel.sp.shard)
         with SP.whole_sequences():
             shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer,
                                    r.sample_max_new_tokens, run.samples, step, run.generation_config)

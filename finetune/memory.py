@@ -138,9 +138,8 @@ def lora_parameters(arch: Architecture, r: int, targets=()) -> int:
 
 
 def recipe_lora(recipe: Recipe) -> tuple[bool, int, tuple]:
-    """(lora on, r, targets), read defensively: the LoRA fields are newer than some recipes' code."""
-    return (bool(getattr(recipe, "lora", False)), int(getattr(recipe, "lora_r", 16)),
-            tuple(getattr(recipe, "lora_target_modules", ()) or ()))
+    """(lora on, r, targets)."""
+    return recipe.lora, recipe.lora_r, tuple(recipe.lora_target_modules)
 
 
 # ---------------------------------------------------------------- setups and formulas
@@ -346,16 +345,16 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     micro_batch_size=recipe.micro_batch_size, seq_len=recipe.max_seq_len,
                     activation_checkpointing=recipe.activation_checkpointing,
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
-                    quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
+                    quantized_base=lora and recipe.load_in_4bit,
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
-                    one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0,
-                    reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") == "dpo",
-                    sequence_parallel=getattr(recipe, "sequence_parallel", 1))
+                    one_row=padding_free_scores(recipe), samples=recipe.sample_prompts > 0,
+                    reference=holds_reference(recipe), pairs=recipe.objective == "dpo",
+                    sequence_parallel=recipe.sequence_parallel)
 
 
 def holds_reference(recipe: Recipe) -> bool:
     """Whether a run holds a reference model beside the policy (finetune/reference.py build_reference)."""
-    return (getattr(recipe, "objective", "sft") == "dpo" and recipe.dpo_loss != "simpo"
+    return (recipe.objective == "dpo" and recipe.dpo_loss != "simpo"
             and not recipe.precompute_reference and not recipe_lora(recipe)[0])
 
 
@@ -363,19 +362,19 @@ def padding_free_scores(recipe: Recipe) -> bool:
     """padding_free=true under sdpa/eager: one row of the micro-batch's tokens under a block-diagonal
     mask over the whole row (activation_bytes one_row). flash_attention_2 attends per example (varlen):
     the sum of its examples' squared lengths is at most B*T^2, the padded bound, which then holds."""
-    return bool(getattr(recipe, "padding_free", False)) and recipe.attn_implementation != "flash_attention_2"
+    return recipe.padding_free and recipe.attn_implementation != "flash_attention_2"
 
 
 def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[tuple[int, Estimate]]:
     """(cost rank, estimate) for every setup in SETUPS, plus the recipe's own if it is not one of them.
     A 4-bit (QLoRA) base runs under ddp, fsdp and zero3 without parameter offload (recipe.validate),
     so then only those setups."""
-    setups = [(rank, s) for rank, s in SETUPS if not getattr(recipe, "load_in_4bit", False)
+    setups = [(rank, s) for rank, s in SETUPS if not recipe.load_in_4bit
               or (strategy_for(s.strategy).takes_4bit_base and s.offload_params == "none")]
     rows = [(rank, recipe_estimate(recipe, world_size, arch, setup)) for rank, setup in setups]
     own = Setup.of(recipe)
     if all(e.setup != own for _, e in rows):
-        rank = max(rank for rank, s in SETUPS if s.strategy == own.strategy)
+        rank = max(rank for rank, s in SETUPS if strategy_for(s.strategy) == strategy_for(own.strategy))
         rows.append((rank, recipe_estimate(recipe, world_size, arch, own)))
     return rows
 
@@ -402,7 +401,7 @@ def longest_sequence(recipe: Recipe, world_size: int, arch: Architecture, setup:
     grows with the length, so a bisection finds it."""
     from dataclasses import replace
 
-    n = sequence_parallel or getattr(recipe, "sequence_parallel", 1)
+    n = sequence_parallel or recipe.sequence_parallel
 
     def fits(tokens: int) -> bool:
         r = replace(recipe, max_seq_len=tokens, sequence_parallel=n)
@@ -424,7 +423,7 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
     sequence_parallel (or, with none, with every power of two up to the GPUs that divides them and
     the heads)."""
     arch = arch or load_architecture(recipe.model)
-    own_sp = getattr(recipe, "sequence_parallel", 1)
+    own_sp = recipe.sequence_parallel
     sizes = [1, own_sp] if own_sp > 1 else [
         n for n in (1, 2, 4, 8, 16, 32, 64) if n <= world_size and world_size % n == 0
         and arch.num_attention_heads % n == 0 and (arch.kv_heads % n == 0 or n % arch.kv_heads == 0)]
@@ -490,12 +489,12 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     what = "full fine-tune"
     if lora:
         what = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
-    if getattr(recipe, "objective", "sft") == "dpo":
+    if recipe.objective == "dpo":
         reference = ("none (reference-free)" if recipe.dpo_loss == "simpo" else "precomputed log-probs"
                      if recipe.precompute_reference else "the base, adapter disabled" if lora else "a frozen copy")
         what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
-    sp = getattr(recipe, "sequence_parallel", 1)
+    sp = recipe.sequence_parallel
     split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
     return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s){split}, "
             f"{_precision(recipe.mixed_precision)}, micro batch {recipe.micro_batch_size} x {recipe.max_seq_len} tokens, "
@@ -554,7 +553,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                          "micro_batch_size or max_seq_len" + (", activation_checkpointing=true"
                                                               if not recipe.activation_checkpointing else "")
                          + (", or LoRA" if not lora else ", or load_in_4bit=true (QLoRA)"
-                            if not getattr(recipe, "load_in_4bit", False) else ""))
+                            if not recipe.load_in_4bit else ""))
         else:
             changes = {k: v for k, v in best.setup.overrides().items() if getattr(recipe, k) != v}
             how = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
@@ -577,7 +576,7 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
         return f"memory per GPU: not estimated: {err}"
     unit, name = (GiB, "GiB") if e.total + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")
     off = f"; offloaded per GPU: {_offloaded(e, unit)} {name}" if e.cpu or e.nvme else ""
-    sp = getattr(recipe, "sequence_parallel", 1)
+    sp = recipe.sequence_parallel
     where = f"{world_size} process(es)" + (f", sequence_parallel={sp}" if sp > 1 else "")
     lines = [f"memory per GPU (planner estimate, {e.setup.label} on {where}): "
              f"params {gib(e.params, unit)}, grads {gib(e.grads, unit)}, optimizer {gib(e.optimizer, unit)}, "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
+from functools import cached_property
 
 from finetune.recipe import Recipe, RecipeError
 from finetune.strategy import Strategy, strategy_for
@@ -37,8 +38,10 @@ class Plan:
     def global_batch_size(self) -> int:
         return self.recipe.micro_batch_size * self.grad_accum * self.data_parallel_size
 
-    @property
+    @cached_property
     def strategy(self) -> Strategy:
+        """The recipe's strategy object, built once per plan (dataclasses.replace makes a new plan, and a
+        new one for its recipe)."""
         return strategy_for(self.recipe.strategy)
 
     @property

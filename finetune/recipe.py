@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.assets import BUILTIN_DATASETS, BUILTIN_MODELS
+from finetune.errors import RecipeError
+from finetune.strategy import NAMES as STRATEGIES, strategy_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RECIPES_DIR = REPO_ROOT / "recipes"
@@ -25,10 +27,6 @@ DATA_EXTENSIONS = (".json", ".jsonl", ".parquet", ".csv")
 BUILTIN_PREFIX = "builtin:"
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-
-
-class RecipeError(ValueError):
-    """A mistake the user can fix by editing the recipe or the command line; printed as one line."""
 
 
 def _opt(default, *, choices=None, min=None, max=None, help=""):
@@ -109,7 +107,7 @@ class Recipe:
                               "the batch and attention a small part of the compute (bench/padding_free.py)")
     train_on_prompt: bool = _opt(False, help="false: loss on the responses only")
     # How
-    strategy: str = _opt("zero3", choices=("ddp", "fsdp", "zero1", "zero2", "zero3"))
+    strategy: str = _opt("zero3", choices=STRATEGIES)
     fsdp_version: int = _opt(2, choices=(1, 2))
     ddp_shard_optimizer: bool = _opt(False, help="ddp only: torch ZeroRedundancyOptimizer")
     offload_optimizer: str = _opt("none", choices=("none", "cpu", "nvme"))
@@ -511,41 +509,22 @@ def validate(recipe: Recipe) -> Recipe:
 
     r = recipe
     _check_optimizer(r)
-    zero = r.strategy.startswith("zero")
-    if r.offload_params != "none" and r.strategy not in ("zero3", "fsdp"):
-        raise RecipeError(
-            f"offload_params={r.offload_params} with strategy={r.strategy}: parameters can only be offloaded "
-            "when they are sharded; use strategy=zero3 (cpu or nvme) or strategy=fsdp (cpu), or offload_params=none"
-        )
-    if r.offload_params == "nvme" and r.strategy == "fsdp":
-        raise RecipeError("offload_params=nvme with strategy=fsdp: FSDP offloads to cpu only; use offload_params=cpu "
-                          "or strategy=zero3")
-    if r.offload_optimizer != "none" and not zero:
-        fix = "offload_params=cpu (FSDP then runs the optimizer on the CPU)" if r.strategy == "fsdp" else "strategy=zero2 or zero3"
-        raise RecipeError(
-            f"offload_optimizer={r.offload_optimizer} with strategy={r.strategy}: optimizer offload is a DeepSpeed "
-            f"feature; use {fix}, or offload_optimizer=none"
-        )
-    if r.offload_optimizer == "nvme" and r.strategy != "zero3":
-        raise RecipeError(f"offload_optimizer=nvme with strategy={r.strategy}: DeepSpeed offloads the optimizer to "
-                          "nvme only under ZeRO-3; use strategy=zero3 or offload_optimizer=cpu")
+    strategy = strategy_for(r.strategy)  # what it cannot take, it says (finetune/strategy)
+    problem = strategy.offload_problem(r)
+    if problem:
+        raise RecipeError(problem)
     if "nvme" in (r.offload_optimizer, r.offload_params) and not r.nvme_path:
         raise RecipeError("offload to nvme needs nvme_path=/a/directory/on/a/local/nvme/disk")
-    if r.ddp_shard_optimizer and r.strategy != "ddp":
-        raise RecipeError(f"ddp_shard_optimizer=true with strategy={r.strategy}: it applies to strategy=ddp only "
-                          "(ZeRO and FSDP shard the optimizer already)")
-    if r.fsdp_version == 1 and r.strategy == "fsdp" and r.offload_params == "nvme":
-        raise RecipeError("fsdp_version=1 cannot offload to nvme; use offload_params=cpu")
+    problem = strategy.option_problem(r)
+    if problem:
+        raise RecipeError(problem)
     if not r.lora:
         for key, default in (("merge_lora", False), ("load_in_4bit", False)):
             if getattr(r, key) != default:
                 raise RecipeError(f"{key}={getattr(r, key)} applies to LoRA runs only; set lora=true or {key}=false")
-    if r.load_in_4bit and r.strategy in ("zero1", "zero2"):
-        raise RecipeError(f"load_in_4bit=true with strategy={r.strategy}: a 4-bit (QLoRA) base is sharded by "
-                          "strategy=fsdp or zero3, or replicated by ddp; use one of those")
-    if r.load_in_4bit and r.strategy == "fsdp" and r.fsdp_version == 1:
-        raise RecipeError("load_in_4bit=true with fsdp_version=1: the 4-bit base is sharded by FSDP2 only; "
-                          "use fsdp_version=2")
+    problem = strategy.quantized_base_problem(r)
+    if problem:
+        raise RecipeError(problem)
     if r.load_in_4bit and r.offload_params != "none":
         raise RecipeError(f"load_in_4bit=true with offload_params={r.offload_params}: offloading a 4-bit base is "
                           "not supported; use offload_params=none (the 4-bit base is a quarter of a 16-bit one; "
@@ -555,10 +534,11 @@ def validate(recipe: Recipe) -> Recipe:
                           f"{r.micro_batch_size}: transformers keeps packed examples apart under flash-attention only "
                           "in a batch of one row (its varlen path), so each row's examples would attend to one "
                           "another; set padding_free=true (one row per micro-batch, varlen) or micro_batch_size=1")
-    if r.compile:
-        _check_compile(r)
-    _check_sequence_parallel(r)
-    _check_objective(r)
+    problem = strategy.compile_problem(r) if r.compile else None
+    if problem:
+        raise RecipeError(problem)
+    _check_sequence_parallel(r, strategy)
+    _check_objective(r, strategy)
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
     trackers = [t for t in r.report_to if t != "none"]
@@ -634,7 +614,7 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 
-def _check_grpo(r: Recipe) -> None:
+def _check_grpo(r: Recipe, strategy) -> None:
     """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
     if r.objective != "grpo":
         changed = [k for k in GRPO_FIELDS if getattr(r, k) != FIELDS[k].default]
@@ -673,14 +653,14 @@ def _check_grpo(r: Recipe) -> None:
     if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
                           f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")
-    if r.beta and r.strategy == "fsdp" and r.fsdp_version == 1 and not r.lora:
-        raise RecipeError("objective=grpo with beta > 0 and fsdp_version=1: the frozen reference is sharded by FSDP2 "
-                          "only; use fsdp_version=2, or beta=0 (no reference held)")
+    problem = strategy.frozen_reference_problem(r) if r.beta and not r.lora else None
+    if problem:
+        raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
 
 
-def _check_objective(r: Recipe) -> None:
+def _check_objective(r: Recipe, strategy) -> None:
     """The objective's own fields only with it, and the combinations a preference run cannot take."""
-    _check_grpo(r)
+    _check_grpo(r, strategy)
     if r.objective == "grpo":
         changed = [k for k in DPO_FIELDS if k != "max_prompt_len" and getattr(r, k) != FIELDS[k].default]
         if changed:
@@ -717,22 +697,21 @@ def _check_objective(r: Recipe) -> None:
             raise RecipeError(f"{key}=true with objective=dpo: a preference pair is scored as its two whole "
                               f"sequences, on the responses only; set {key}=false")
     needs_copy = r.dpo_loss != "simpo" and not r.precompute_reference and not r.lora
-    if needs_copy and r.strategy == "fsdp" and r.fsdp_version == 1:
-        raise RecipeError("objective=dpo with fsdp_version=1: the frozen reference is sharded by FSDP2 only; use "
-                          "fsdp_version=2, or precompute_reference=true (no reference held while training)")
+    problem = strategy.frozen_reference_problem(r) if needs_copy else None
+    if problem:
+        raise RecipeError(f"objective=dpo with {problem}, or precompute_reference=true (no reference held while "
+                          "training)")
     if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
                           f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")
 
 
-def _check_sequence_parallel(r: Recipe) -> None:
+def _check_sequence_parallel(r: Recipe, strategy) -> None:
     """What Ulysses sequence parallelism (finetune/sequence_parallel.py) can take. That N divides the
     processes is plan.make_plan's check, that it divides the heads the loop's, from the model's config."""
-    if r.tiled_mlp and r.strategy not in ("zero3", "fsdp"):
-        raise RecipeError(f"tiled_mlp=true with strategy={r.strategy}: the MLP's backward runs once per slice, "
-                          "which DDP's reducer refuses (a parameter made ready twice) and ZeRO-1/2's per-parameter "
-                          "gradient hooks were not tried with; tiled_mlp is tested under zero3 and fsdp, the "
-                          "strategies for long rows: use one of them, or tiled_mlp=false")
+    problem = strategy.tiled_mlp_problem(r)
+    if problem:
+        raise RecipeError(problem)
     if r.context_parallel > 1:
         raise RecipeError(f"context_parallel={r.context_parallel}: ring-attention context parallelism (torch's "
                           "context_parallel, GPUs only: it has no CPU path) is not available in finetune yet; use "
@@ -755,26 +734,6 @@ def _check_sequence_parallel(r: Recipe) -> None:
     if r.compile:
         raise RecipeError(f"compile=true with sequence_parallel={n}: compiled layers around Ulysses' all-to-all "
                           "were not tried; set compile=false")
-
-
-def _check_compile(r: Recipe) -> None:
-    """compile=true where it was tried and works (finetune/model.py compile_layers): ddp, fsdp (FSDP2),
-    zero1, zero2, with or without activation checkpointing and LoRA, and a 4-bit base under ddp. Measured
-    on the tiny model (CPU, 12 steps, TORCH_LOGS=graph_breaks): zero3 44 graph breaks, a 4-bit base under
-    fsdp 41 (and 43 recompiles, past torch._dynamo's recompile_limit); the others none. FSDP1 needs a GPU
-    and was not tried."""
-    if r.strategy == "zero3":
-        raise RecipeError("compile=true with strategy=zero3: ZeRO-3 gathers every weight in a hook before each "
-                          "Linear and norm, which breaks the compiled layer into pieces at each of them (no fusion, "
-                          "slower than without compile); use strategy=fsdp, which shards like ZeRO-3, or "
-                          "compile=false")
-    if r.load_in_4bit and r.strategy == "fsdp":
-        raise RecipeError("compile=true with load_in_4bit=true and strategy=fsdp: bitsandbytes re-attaches each "
-                          "sharded 4-bit weight's quantization state inside the layer, which breaks the compiled "
-                          "graph at every Linear (slower than without compile); use compile=false, or strategy=ddp")
-    if r.strategy == "fsdp" and r.fsdp_version == 1:
-        raise RecipeError("compile=true with fsdp_version=1: compiled layers are tested under FSDP2 only; use "
-                          "fsdp_version=2 or compile=false")
 
 
 def _check_source(key: str, source: str) -> None:

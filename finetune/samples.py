@@ -4,7 +4,7 @@ that a sample at the end of a run and `finetune chat` on its final/ give the sam
 
 Generation needs whole weights. A sharded model would all-gather every layer at every token if it were
 simply called in a loop (the hour-long ZeRO-3 stalls of huggingface/trl#3858), so the weights are
-gathered once for all of an eval's samples (Strategy.whole_weights in finetune/strategy.py):
+gathered once for all of an eval's samples (Strategy.whole_weights in finetune/strategy/):
 - ZeRO-3: `deepspeed.zero.GatheredParameters` over every parameter, with the engine's per-module
   fetch/release hooks taken off for the duration (TRL's unwrap_model_for_generation does the same);
 - FSDP2: each FSDP module keeps its parameters unsharded after its first forward

@@ -10,7 +10,7 @@ import sys
 import time
 
 from finetune.lock import release_all
-from finetune.strategy import updated_weights
+from finetune.optim import updated_weights
 
 
 class StopRequest:

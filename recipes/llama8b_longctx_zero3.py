@@ -15,33 +15,8 @@ compile stays off: finetune refuses compile=true with sequence_parallel > 1 (com
 Ulysses' all-to-all were not tried).
 """
 
-from finetune.recipe import Recipe
+from dataclasses import replace
 
-recipe = Recipe(
-    model="meta-llama/Llama-3.1-8B-Instruct",
-    dataset="HuggingFaceH4/ultrachat_200k",
-    dataset_split="train_sft",
-    dataset_format="messages",
-    eval_split="test_sft",
-    max_seq_len=32768,
-    packing=False,
-    strategy="zero3",
-    sequence_parallel=8,
-    attn_implementation="sdpa",
-    mixed_precision="bf16",
-    activation_checkpointing=True,
-    micro_batch_size=1,
-    global_batch_size=16,
-    lr=1e-5,
-    lr_scheduler="cosine",
-    warmup_steps=20,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    epochs=1,
-    output_dir="runs/llama8b_longctx_zero3",
-    log_every=1,
-    eval_every=100,
-    eval_max_samples=64,
-    save_every=100,
-    keep_last=2,
-)
+from recipes.llama8b_longctx_fsdp import recipe as fsdp
+
+recipe = replace(fsdp, strategy="zero3", output_dir="runs/llama8b_longctx_zero3")

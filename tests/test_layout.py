@@ -1,6 +1,7 @@
 """The package's layout rules, read from the source with ast (no imports, well under a second):
-no import cycle between finetune's modules, counting imports made inside functions, and no private
-name (`_x`) imported from another finetune module."""
+no import cycle between finetune's modules, counting imports made inside functions, no private
+name (`_x`) imported from another finetune module, and no strategy name compared outside the
+strategy package (finetune/strategy: the rest asks its objects)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,44 @@ def private_imports(trees: dict[str, ast.Module]) -> list[str]:
     return found
 
 
+STRATEGY_NAMES = {"ddp", "fsdp", "zero", "zero1", "zero2", "zero3"}
+STRATEGY_PACKAGE = "finetune.strategy"
+
+
+def _names_a_strategy(node: ast.AST) -> bool:
+    """A strategy name written out ("zero3"), a collection of them, or a `.strategy` attribute (a recipe's
+    or a setup's strategy name)."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str) and node.value in STRATEGY_NAMES
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_a_strategy(e) for e in node.elts)
+    return isinstance(node, ast.Attribute) and node.attr == "strategy"
+
+
+def strategy_name_tests(trees: dict[str, ast.Module]) -> list[str]:
+    """Comparisons of strategy names outside the strategy package: `x == "zero3"`, `x in ("zero2",
+    "zero3")`, `r.strategy != ...`, `r.strategy.startswith("zero")`; a `match` on one."""
+    found = []
+    for name, tree in trees.items():
+        if name == STRATEGY_PACKAGE or name.startswith(STRATEGY_PACKAGE + "."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(map(_names_a_strategy, [node.left, *node.comparators])):
+                found.append((name, node.lineno, "compares a strategy name"))
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("startswith", "endswith") and _names_a_strategy(node.func.value)):
+                found.append((name, node.lineno, f"tests a strategy name with {node.func.attr}"))
+            elif isinstance(node, ast.Match) and _names_a_strategy(node.subject):
+                found.append((name, node.lineno, "matches on a strategy name"))
+    return [f"{name}:{line} {what}" for name, line, what in sorted(found)]
+
+
+def test_no_strategy_name_compared_outside_the_strategy_package():
+    found = strategy_name_tests(modules())
+    assert found == [], ("strategy names compared outside finetune/strategy (ask the strategy object, "
+                         "strategy_for(name) or Plan.strategy, instead): " + "; ".join(found))
+
+
 def test_no_import_cycle_counting_imports_inside_functions():
     found = cycles(graph(modules()))
     assert found == [], f"import cycles between finetune modules: {found}"
@@ -132,3 +171,32 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     assert private_imports(trees) == ["finetune.model:2 imports finetune.export._without_zero3_init",
                                       "finetune.samples:2 uses finetune.export._private"]
     assert graph(trees)["finetune.commands.plan"] == {"finetune.plan", "finetune.model"}
+
+
+def test_the_strategy_name_check_finds_each_form(tmp_path):
+    """Each way a strategy name was once tested outside the package (recipe.validate did all of these)
+    is found; the same tests inside finetune/strategy, and names that are no comparison, are not."""
+    pkg = tmp_path / "finetune"
+    (pkg / "strategy").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "recipe.py").write_text(
+        "def validate(r):\n"
+        "    zero = r.strategy.startswith('zero')\n"
+        "    if r.offload_params != 'none' and r.strategy not in ('zero3', 'fsdp'):\n"
+        "        raise ValueError(f'strategy={r.strategy}')\n"
+        "    if r.load_in_4bit and name == 'zero2':\n"
+        "        pass\n"
+        "    ok = s.strategy == own.strategy\n"
+        "    match r.strategy:\n"
+        "        case 'ddp':\n"
+        "            pass\n"
+        "CHOICES = ('ddp', 'fsdp')\n")
+    (pkg / "strategy" / "__init__.py").write_text("def strategy_for(name):\n    return name == 'ddp'\n")
+    (pkg / "strategy" / "zero.py").write_text("def f(r):\n    return r.strategy in ('zero1', 'zero2')\n")
+    assert strategy_name_tests(modules(pkg)) == [
+        "finetune.recipe:2 tests a strategy name with startswith",
+        "finetune.recipe:3 compares a strategy name",
+        "finetune.recipe:5 compares a strategy name",
+        "finetune.recipe:7 compares a strategy name",
+        "finetune.recipe:8 matches on a strategy name",
+    ]

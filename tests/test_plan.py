@@ -121,10 +121,10 @@ def test_fp16_needs_cuda_and_bf16_runs_on_cpu():
 def test_fsdp2_mixed_precision_is_its_own_policy(precision):
     """bf16 (fp16) parameters for compute, gradients reduced in fp32, and no cast of the units' outputs:
     lm_head's output is the loss, computed in fp32 (strategy.fsdp2_mixed_precision)."""
-    from finetune.strategy import _fsdp_plugin, fsdp2_mixed_precision
+    from finetune.strategy import fsdp2_mixed_precision, fsdp_plugin
 
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    policy = _fsdp_plugin(plan(f"mixed_precision={precision}", "strategy=fsdp", cuda=True),
+    policy = fsdp_plugin(plan(f"mixed_precision={precision}", "strategy=fsdp", cuda=True),
                           ["LlamaDecoderLayer"]).mixed_precision_policy
     assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (dtype, torch.float32, None)
     assert fsdp2_mixed_precision("no") is None

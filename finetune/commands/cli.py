@@ -1,4 +1,4 @@
-"""`finetune`, the one command in front: train, plan, data, export.
+"""`finetune`, the one command in front: train, plan, data, export, chat.
 
 `finetune train RECIPE [key=value ...]` checks the recipe, data, launcher and resume point in this one
 process first, so a mistake is one `error:` line and exit code 2 instead of one line per rank followed
@@ -121,7 +121,7 @@ def launch_command(options: dict, run_args: list[str], processes: int) -> list[s
 
 
 def train(argv: list[str]) -> int:
-    from finetune.commands.train import parse_args, prepare
+    from finetune.commands.train import parse_args, prepare, print_dry_run
     from finetune.recipe import RecipeError
 
     if not argv or argv[0] in ("-h", "--help"):
@@ -156,10 +156,7 @@ def train(argv: list[str]) -> int:
         os.environ.clear()
         os.environ.update(saved)
     if args.dry_run:
-        from finetune.memory import memory_report
-
-        print(plan.describe())
-        print(memory_report(plan.recipe, plan.world_size, args.recipe))
+        print_dry_run(plan, args.recipe)
         return 0
     cmd = launch_command(options, run_args, processes)
     shown = ["accelerate", "launch", *cmd[5:]] if cmd[1:5] == ["-m", "finetune.cli", LAUNCH, "accelerate"] else cmd

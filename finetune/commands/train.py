@@ -192,6 +192,14 @@ def prepare(args, lock: bool = True):
     return plan
 
 
+def print_dry_run(plan, recipe_name: str) -> None:
+    """What --dry-run prints, here and in the `finetune train` front: the plan and its memory estimate."""
+    from finetune.memory import memory_report
+
+    print(plan.describe())
+    print(memory_report(plan.recipe, plan.world_size, recipe_name))
+
+
 def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_before_training)
@@ -206,10 +214,7 @@ def main(argv=None) -> int:
         _say(f"error: {e}")
         return 2
     if args.dry_run:
-        from finetune.memory import memory_report
-
-        print(plan.describe())
-        print(memory_report(plan.recipe, plan.world_size, args.recipe))
+        print_dry_run(plan, args.recipe)
         return 0
     if plan.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn it guessed

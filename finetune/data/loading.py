@@ -46,10 +46,6 @@ def load_source(spec: DataSource, key: str = "dataset", split_key: str = "datase
                         f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
-def _load(source: str, split: str):
-    return load_source(DataSource(path=source, split=split))
-
-
 def cache_fingerprint(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

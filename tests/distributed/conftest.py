@@ -3,6 +3,7 @@ command a CPU user types. The tiny model, tokenizer and data are built once per 
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -172,17 +173,27 @@ def chat_in_process(capsys):
     return call
 
 
+def once(make):
+    """make(...) -> a Run, memoised per arguments (defaults filled in): the fixtures below and in the test
+    modules hand tests a `get` that launches each run the first time a test asks for it, and only then."""
+    cache = {}
+    signature = inspect.signature(make)
+
+    def get(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple(bound.arguments.values())
+        if key not in cache:
+            cache[key] = make(*bound.args, **bound.kwargs)
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def strategy_run(launch):
     """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per session."""
-    cache = {}
-
-    def get(name: str, nprocs: int = 2) -> Run:
-        if (name, nprocs) not in cache:
-            cache[name, nprocs] = launch(nprocs, *STRATEGIES[name], *SAVE)
-        return cache[name, nprocs]
-
-    return get
+    return once(lambda name, nprocs=2: launch(nprocs, *STRATEGIES[name], *SAVE))
 
 
 # The run a person watching it sees (test_run_experience: tracker files, loss plot, summary, quiet logs),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import once
 from safetensors.torch import load_file, save_file
 from suite_runs import SAVE, resume_copy
 
@@ -87,15 +88,11 @@ def resumed_on_one(launch, uninterrupted, tmp_path_factory):
     """resumed_on_one(strategy) -> the 1-process resume of a copy of the 2-process run's step 5, launched
     once: test_two_processes_to_one checks it, and the universal-conversion test starts from the
     conversion its zero2 resume made."""
-    cache = {}
+    def resume(strategy):
+        out = resume_copy(uninterrupted(strategy), 5, tmp_path_factory)
+        return launch(1, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
 
-    def get(strategy):
-        if strategy not in cache:
-            out = resume_copy(uninterrupted(strategy), 5, tmp_path_factory)
-            cache[strategy] = launch(1, f"strategy={strategy}", *SAVE, "--resume", "auto", output_dir=out)
-        return cache[strategy]
-
-    return get
+    return once(resume)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2", "zero3"])

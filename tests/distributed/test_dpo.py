@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import once
 from suite_runs import resume_copy
 
 DPO = ["max_steps=6", "eval_every=3", "eval_max_samples=16", "sample_prompts=0", "save_every=3", "keep_last=3",
@@ -62,15 +63,11 @@ def assert_close(x: dict, y: dict, rtol: float = RTOL):
 
 @pytest.fixture(scope="module")
 def dpo_run(launch):
-    cache = {}
+    def run(name: str, nprocs: int):
+        overrides = ONE_PROCESS[name] if nprocs == 1 else TWO_PROCESSES[name][1]
+        return launch(nprocs, *DPO, *overrides, recipe="tiny_dpo")
 
-    def get(name: str, nprocs: int):
-        if (name, nprocs) not in cache:
-            overrides = ONE_PROCESS[name] if nprocs == 1 else TWO_PROCESSES[name][1]
-            cache[name, nprocs] = launch(nprocs, *DPO, *overrides, recipe="tiny_dpo")
-        return cache[name, nprocs]
-
-    return get
+    return once(run)
 
 
 def curve(run) -> list[dict]:

@@ -23,6 +23,7 @@ import math
 
 import pytest
 import torch
+from conftest import once
 
 import family_assets as FA
 from finetune import data as D
@@ -61,18 +62,12 @@ def families(launch_env):
 
 @pytest.fixture(scope="module")
 def family_run(launch, families):
-    runs = {}
+    def run(name, strategy):
+        built = families[name]
+        return launch(2, f"model={built['model']}", f"dataset={built['train']}", f"eval_dataset={built['eval']}",
+                      f"strategy={strategy}", *RUN, f"max_steps={steps(name)}", *built["family"].recipe)
 
-    def get(name, strategy):
-        if (name, strategy) not in runs:
-            built = families[name]
-            runs[name, strategy] = launch(2, f"model={built['model']}", f"dataset={built['train']}",
-                                          f"eval_dataset={built['eval']}", f"strategy={strategy}", *RUN,
-                                          f"max_steps={steps(name)}",
-                                          *built["family"].recipe)
-        return runs[name, strategy]
-
-    return get
+    return once(run)
 
 
 def reloaded_eval_loss(run, monkeypatch) -> float:

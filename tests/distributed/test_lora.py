@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import once
 from safetensors.torch import load_file
 
 LORA = ["lora=true", "merge_lora=true", "save_every=4", "keep_last=3"]
@@ -17,14 +18,7 @@ LORA = ["lora=true", "merge_lora=true", "save_every=4", "keep_last=3"]
 
 @pytest.fixture(scope="module")
 def lora_runs(launch):
-    cache = {}
-
-    def get(strategy):
-        if strategy not in cache:
-            cache[strategy] = launch(2, f"strategy={strategy}", *LORA)
-        return cache[strategy]
-
-    return get
+    return once(lambda strategy: launch(2, f"strategy={strategy}", *LORA))
 
 
 def _base_dir(run):

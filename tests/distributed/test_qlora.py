@@ -15,6 +15,7 @@ import shutil
 
 import pytest
 import torch
+from conftest import once
 from safetensors.torch import load_file
 
 from tests.distributed.test_lora import saved_model_keys
@@ -25,14 +26,7 @@ QLORA = ["lora=true", "load_in_4bit=true", "merge_lora=true", "max_steps=6", "ev
 
 @pytest.fixture(scope="module")
 def qlora_runs(launch):
-    cache = {}
-
-    def get(strategy):
-        if strategy not in cache:
-            cache[strategy] = launch(2, f"strategy={strategy}", *QLORA)
-        return cache[strategy]
-
-    return get
+    return once(lambda strategy: launch(2, f"strategy={strategy}", *QLORA))
 
 
 def _recipe(run):

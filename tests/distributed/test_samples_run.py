@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, once
 
 SAMPLES = ["max_steps=4", "warmup_steps=1", "sample_max_new_tokens=16"]
 RUNS = {
@@ -28,14 +28,7 @@ TRACKER_DIRS = {"zero3_offload": ["finetune"]}
 
 @pytest.fixture(scope="module")
 def sample_run(launch, watched_run):
-    cache = {"zero3_offload": watched_run}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = launch(2, *RUNS[name], *SAMPLES)
-        return cache[name]
-
-    return get
+    return once(lambda name: watched_run if name == "zero3_offload" else launch(2, *RUNS[name], *SAMPLES))
 
 
 def _samples(run) -> list[dict]:

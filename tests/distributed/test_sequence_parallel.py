@@ -14,6 +14,7 @@ import json
 import math
 
 import pytest
+from conftest import once
 from suite_runs import SAVE, resume_copy
 from test_checkpoint import assert_close_after, assert_same_weights, records
 from test_strategies import final_eval_loss
@@ -26,14 +27,7 @@ SP_RTOL = 1e-5
 
 @pytest.fixture(scope="module")
 def sp_run(launch):
-    cache = {}
-
-    def get(strategy: str):
-        if strategy not in cache:
-            cache[strategy] = launch(2, f"strategy={strategy}", *SP2, *SAVE)
-        return cache[strategy]
-
-    return get
+    return once(lambda strategy: launch(2, f"strategy={strategy}", *SP2, *SAVE))
 
 
 def assert_same_curve(run, reference, rtol=SP_RTOL):

@@ -1,0 +1,259 @@
+"""PyTorch FSDP (FSDP2 by default, FSDP1 on GPUs): parameters, gradients and optimizer states sharded
+per decoder layer; the Accelerate plugin, the mixed-precision policy and the adapter-only checkpoints."""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from finetune.errors import RecipeError
+from finetune.strategy.base import Strategy
+
+
+class Fsdp(Strategy):
+    """PyTorch FSDP (version 2 by default): parameters, gradients and optimizer states sharded per layer."""
+    name = "fsdp"
+    launcher_switch = "ACCELERATE_USE_FSDP"
+    shards_params = shards_grads = shards_optimizer = True
+
+    tiles_mlp = True
+    optimizer_offload_fix = "offload_params=cpu (FSDP then runs the optimizer on the CPU)"
+
+    def offload_problem(self, recipe):
+        if recipe.offload_params == "nvme":
+            return ("offload_params=nvme with strategy=fsdp: FSDP offloads to cpu only; use offload_params=cpu "
+                    "or strategy=zero3")
+        return super().offload_problem(recipe)
+
+    def quantized_base_problem(self, recipe):
+        if recipe.load_in_4bit and recipe.fsdp_version == 1:
+            return ("load_in_4bit=true with fsdp_version=1: the 4-bit base is sharded by FSDP2 only; "
+                    "use fsdp_version=2")
+        return None
+
+    def compile_problem(self, recipe):
+        if recipe.load_in_4bit:
+            return ("compile=true with load_in_4bit=true and strategy=fsdp: bitsandbytes re-attaches each "
+                    "sharded 4-bit weight's quantization state inside the layer, which breaks the compiled "
+                    "graph at every Linear (slower than without compile); use compile=false, or strategy=ddp")
+        if recipe.fsdp_version == 1:
+            return ("compile=true with fsdp_version=1: compiled layers are tested under FSDP2 only; use "
+                    "fsdp_version=2 or compile=false")
+        return None
+
+    def frozen_reference_problem(self, recipe):
+        if recipe.fsdp_version == 1:
+            return "fsdp_version=1: the frozen reference is sharded by FSDP2 only; use fsdp_version=2"
+        return None
+
+    def offload(self, setup, params, grads, optimizer, trained, grad_bytes, world_size):
+        if setup.offload_params == "cpu":
+            return 0.0, 0.0, 0.0, {"cpu": params + grads + optimizer, "nvme": 0.0}
+        return super().offload(setup, params, grads, optimizer, trained, grad_bytes, world_size)
+
+    def buffers(self, arch, setup, trained, grad_bytes, world_size, compute_bytes, sixteen, layer, layer_trained):
+        lp = compute_bytes
+        root = arch.embedding_parameters + arch.lm_head_parameters + arch.hidden_size
+        buffers = (root + 2 * layer) * lp + max(layer_trained, 0) * lp
+        if setup.offload_params == "none":
+            buffers += 4 * trained / world_size  # torch AdamW's foreach temporary (on the CPU when offloaded)
+        return buffers
+
+    def gpu_only_problem(self, recipe):
+        if recipe.fsdp_version == 1:
+            return "fsdp_version=1 needs CUDA GPUs (PyTorch's FSDP1 will not run on CPU); use fsdp_version=2"
+        return None
+
+    def plugins(self, plan, config):
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
+        return {"fsdp_plugin": fsdp_plugin(plan, no_split_modules(config))}
+
+    def start_cpu_group(self):
+        from accelerate import DistributedType, PartialState
+
+        state = PartialState(backend="gloo")
+        # Accelerate enables FSDP only for GPU-like types; FSDP itself runs on CPU tensors.
+        state.distributed_type = DistributedType.MULTI_GPU
+
+    def autocast_handlers(self, recipe):
+        if recipe.fsdp_version == 2 and recipe.mixed_precision != "no":
+            from accelerate.utils import AutocastKwargs
+
+            return [AutocastKwargs(enabled=False)]  # FSDP2's policy casts (fsdp2_mixed_precision)
+        return []
+
+    def reads_weights(self, accelerator):
+        """Only rank 0: the others build a meta-device skeleton and receive their shards when the model
+        is prepared, so no node holds one full copy per process in CPU RAM."""
+        return accelerator.is_main_process
+
+    shares_quantized_layers = True
+
+    def prepare_4bit(self, model, device):
+        """Before FSDP2 shards a 4-bit base: each Linear4bit's weight becomes a plain frozen Parameter
+        holding the packed NF4 bits, and its quantization constants stay on the module (`quant_state`),
+        on the run's device.
+
+        Accelerate treats a model with bitsandbytes' Params4bit as one every rank loaded in full: it would
+        skip the rank-0 load and broadcast and shard what each rank holds, so the meta skeletons of ranks
+        other than 0 would never get weights. As plain parameters they are broadcast and sharded like any
+        other (the packed bits in the training dtype, see model._load_4bit). At each forward, FSDP puts the
+        gathered weight back on the module and bitsandbytes' Linear4bit re-attaches the module's
+        quant_state to it (fix_4bit_weight_quant_state_from_module, which bitsandbytes has for FSDP)."""
+        import bitsandbytes as bnb
+        import torch
+
+        for module in model.modules():
+            if isinstance(module, bnb.nn.Linear4bit):
+                state = module.weight.quant_state if module.weight.quant_state is not None else module.quant_state
+                state.to(device)
+                module.quant_state = state
+                module.weight = torch.nn.Parameter(module.weight.data, requires_grad=False)
+
+    def save_state(self, accelerator, directory, lora):
+        with adapter_only_fsdp(lora):
+            accelerator.save_state(str(directory))
+
+    def load_state(self, accelerator, directory, lora):
+        with adapter_only_fsdp(lora):
+            accelerator.load_state(str(directory))
+
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """FSDP2: each FSDP module keeps its parameters unsharded after its first forward
+        (set_reshard_after_forward(False)) and is resharded at the end. FSDP1: called through its
+        wrapper, which gathers per forward (at every token)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            saved = [[g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups] for m in units]
+            auto = [m._get_fsdp_state()._auto_reshard_after_forward for m in units]
+            model.set_reshard_after_forward(False)
+            try:
+                yield model
+            finally:
+                for m, infos, a in zip(units, saved, auto):
+                    m.reshard()
+                    state = m._get_fsdp_state()
+                    state._auto_reshard_after_forward = a
+                    for g, info in zip(state._fsdp_param_groups, infos):
+                        g.post_forward_mesh_info = info
+            return
+        if type(model).__name__ == "FullyShardedDataParallel":  # FSDP1
+            yield model
+            return
+        yield accelerator.unwrap_model(model)
+
+    def gathered_bytes(self, model):
+        """FSDP2: the whole model in the mixed-precision policy's param_dtype, else the parameters' own."""
+        import torch
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            return 0
+        dtype = model._get_fsdp_state()._mp_policy.param_dtype
+        size = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+        return sum(p.numel() * (size or p.element_size()) for p in model.parameters())
+
+    def after_prepare(self, accelerator, model, optimizer):
+        _point_optimizer_at(optimizer.optimizer, accelerator.unwrap_model(model))
+
+    reference_sharded = True
+
+    def wrap_reference(self, accelerator, model):
+        """FSDP2: fully_shard'ed on the policy's mesh with its units, mixed precision and offload
+        (Accelerate's own fsdp2_prepare_model: rank 0 read the weights and broadcasts the shards); not
+        handed to the Accelerator, so its checkpoints never hold it."""
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_model
+
+        return fsdp2_prepare_model(accelerator, model)
+
+
+def no_split_modules(config) -> list[str]:
+    """The decoder-layer class names, which FSDP wraps as its units."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = list(getattr(skeleton, "_no_split_modules", None) or [])
+    if not names:
+        raise RecipeError(f"model type {config.model_type} does not name its decoder layers (_no_split_modules); "
+                          "FSDP cannot tell what to wrap: use a ZeRO strategy")
+    return names
+
+
+@contextmanager
+def adapter_only_fsdp(enabled: bool):
+    """Accelerate's FSDP save/load with adapter_only=True, so that a LoRA checkpoint holds the adapter
+    (and its optimizer state) but not the frozen base, which every run reloads from the model."""
+    if not enabled:
+        yield
+        return
+    import functools
+
+    import accelerate.accelerator as accelerator_module
+
+    saved = accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model
+    accelerator_module.save_fsdp_model = functools.partial(saved[0], adapter_only=True)
+    accelerator_module.load_fsdp_model = functools.partial(saved[1], adapter_only=True)
+    try:
+        yield
+    finally:
+        accelerator_module.save_fsdp_model, accelerator_module.load_fsdp_model = saved
+
+
+def fsdp2_mixed_precision(mixed_precision: str):
+    """FSDP2's own mixed precision instead of autocast over fp32 weights: each layer's parameters are
+    all-gathered once per forward in bf16 (half the traffic, and no per-op casts of fp32 weights,
+    which were most of the non-matmul GPU time in docs/benchmarks.md section 6); gradients are reduced
+    in fp32 into the fp32 sharded parameters, which stay the optimizer's master weights.
+
+    output_dtype stays unset. Accelerate's default casts every unit's output to bf16, and lm_head's
+    output is our loss (finetune/loss.py computes it inside lm_head's forward, in fp32): the cast
+    would round it to 8 bits of mantissa, and the loss check would refuse the run ("llama changes the
+    logits after its output layer")."""
+    if mixed_precision == "no":
+        return None
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, output_dtype=None)
+
+
+def fsdp_plugin(plan, no_split_modules: list[str]):
+    from accelerate import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy, OffloadPolicy
+
+    r = plan.recipe
+    common = dict(
+        fsdp_version=r.fsdp_version,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=list(no_split_modules),
+        state_dict_type="SHARDED_STATE_DICT",
+        cpu_ram_efficient_loading=True,  # rank 0 reads the weights, the others start on the meta device
+        activation_checkpointing=False,  # done by the model (model.py), the same way for every strategy
+    )
+    if r.fsdp_version == 2:
+        return FullyShardedDataParallelPlugin(
+            reshard_after_forward=True,
+            cpu_offload=CPUOffloadPolicy(pin_memory=plan.device == "cuda") if r.offload_params == "cpu" else OffloadPolicy(),
+            mixed_precision_policy=fsdp2_mixed_precision(r.mixed_precision),
+            **common)
+    return FullyShardedDataParallelPlugin(
+        sharding_strategy="FULL_SHARD", use_orig_params=True, sync_module_states=True,
+        cpu_offload=CPUOffload(offload_params=r.offload_params == "cpu"), **common)
+
+
+def _point_optimizer_at(optimizer, model) -> None:
+    """Re-point the optimizer at the sharded parameters by name.
+
+    Accelerate maps old to new parameters by storage address, and ranks that built the model on the
+    meta device (all but rank 0, see model.load_model) have no addresses to tell parameters apart.
+    The optimizer holds no state yet, so swapping the references is all it takes.
+    """
+    named = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [named[name] for name in group["param_names"]]

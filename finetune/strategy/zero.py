@@ -1,0 +1,237 @@
+"""DeepSpeed ZeRO: Zero for stages 1 (optimizer states sharded) and 2 (+ gradients), Zero3 (+ parameters)
+where stage 3 differs: parameter offload, the buffers, gathering the partitioned weights (samples,
+the adapter at the end), the DPO reference in an engine of its own, a 4-bit base, tiled MLPs.
+
+The DeepSpeed config is built here, complete: nothing left as "auto", so what runs is what is written.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+from finetune.strategy.base import Strategy
+
+
+class Zero(Strategy):
+    """DeepSpeed ZeRO stage 1 (optimizer states sharded) or 2 (+ gradients); Zero3 below adds parameters."""
+    launcher_switch = "ACCELERATE_USE_DEEPSPEED"
+    shards_optimizer = True
+    converts_on_world_size_change = True
+    final_in_training_dtype = True
+    takes_4bit_base = False
+
+    def __init__(self, stage: int):
+        self.zero_stage = stage
+        self.name = f"zero{stage}"
+        self.shards_grads = stage >= 2
+
+    def state_bytes(self, mixed_precision):
+        # 16-bit engine: bf16/fp16 weights and gradients, fp32 master + Adam m, v. In fp32 DeepSpeed
+        # still clones an fp32 master partition (ZeRO-3 means to reuse the partition when the dtypes
+        # agree, but compares a torch.device with a string and never does; seen with deepspeed 0.19).
+        return (2, 2, 12) if mixed_precision != "no" else (4, 4, 12)
+
+    def paper_model_states(self, mixed_precision, params, world_size):
+        """The paper's bytes per parameter, (weights, gradients, optimizer) = (2, 2, 12) in mixed precision,
+        (4, 4, 8) in fp32: those this stage shards count 1/world_size, the others whole."""
+        weights, grads, optimizer = (2, 2, 12) if mixed_precision != "no" else (4, 4, 8)
+        sharded = optimizer + (grads if self.shards_grads else 0) + (weights if self.shards_params else 0)
+        return (weights + grads + optimizer - sharded) * params + sharded * params / world_size
+
+    def offload(self, setup, params, grads, optimizer, trained, grad_bytes, world_size):
+        off = {"cpu": 0.0, "nvme": 0.0}
+        if setup.offload_optimizer != "none" and self.shards_grads:  # counted from stage 2 on
+            off[setup.offload_optimizer] += optimizer
+            # CPU Adam steps on an fp32 gradient partition in (pinned) CPU memory; ZeRO-3 also keeps its
+            # gradient accumulation buffer (gradient dtype) there.
+            off["cpu"] += trained * (4 + (grad_bytes if self.shards_params else 0)) / world_size
+            grads = optimizer = 0.0
+        return params, grads, optimizer, off
+
+    def buffers(self, arch, setup, trained, grad_bytes, world_size, compute_bytes, sixteen, layer, layer_trained):
+        lp = compute_bytes
+        h2 = arch.hidden_size ** 2
+        buffers = 2 * h2 * lp  # the reduce bucket, doubled when communication overlaps
+        if sixteen and setup.offload_optimizer == "none":
+            buffers += 4 * trained / world_size  # fp32 gradient partition for the optimizer step
+        return buffers
+
+    def zero_optimization(self, plan, hidden_size: int) -> dict:
+        """The config's zero_optimization section, offload aside (deepspeed_config adds it)."""
+        h2 = hidden_size * hidden_size
+        return {
+            "stage": self.zero_stage,
+            "overlap_comm": plan.device == "cuda",
+            "contiguous_gradients": True,
+            "reduce_scatter": True,
+            "reduce_bucket_size": h2,
+            "allgather_bucket_size": max(h2, 5 * 10**7),
+        }
+
+    def plugins(self, plan, config):
+        from accelerate import DeepSpeedPlugin
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=deepspeed_config(plan, config.hidden_size))}
+
+    def build_optimizer(self, plan, groups, adam, fused):
+        if plan.recipe.offload_optimizer == "none":
+            return super().build_optimizer(plan, groups, adam, fused)
+        from accelerate.utils import DummyOptim
+
+        return DummyOptim(groups, **adam)  # DeepSpeed builds its CPU Adam from the config
+
+    def save_state(self, accelerator, directory, lora):
+        # universal_checkpoint_info lets ds_to_universal convert it for another world size (models
+        # without tensor parallelism need no patterns); a LoRA run leaves its frozen base out
+        accelerator.save_state(str(directory), exclude_frozen_parameters=lora, client_state={
+            "universal_checkpoint_info": {"universal_checkpoint_version": 0.4}})
+
+    def load_state(self, accelerator, directory, lora):
+        if lora:
+            accelerator.load_state(str(directory), load_module_strict=False)  # the frozen base comes from the model
+        else:
+            accelerator.load_state(str(directory))
+
+
+class Zero3(Zero):
+    """DeepSpeed ZeRO stage 3: parameters, gradients and optimizer states partitioned over the ranks."""
+    shards_params = shards_grads = True
+    takes_4bit_base = True
+    tiles_mlp = True
+    offloads_optimizer_to_nvme = True
+    reference_sharded = True
+
+    def __init__(self):
+        super().__init__(3)
+
+    def compile_problem(self, recipe):
+        return ("compile=true with strategy=zero3: ZeRO-3 gathers every weight in a hook before each "
+                "Linear and norm, which breaks the compiled layer into pieces at each of them (no fusion, "
+                "slower than without compile); use strategy=fsdp, which shards like ZeRO-3, or "
+                "compile=false")
+
+    def offload(self, setup, params, grads, optimizer, trained, grad_bytes, world_size):
+        params, grads, optimizer, off = super().offload(setup, params, grads, optimizer, trained, grad_bytes,
+                                                        world_size)
+        if setup.offload_params != "none":
+            off[setup.offload_params] += params
+            params = 0.0
+        return params, grads, optimizer, off
+
+    def buffers(self, arch, setup, trained, grad_bytes, world_size, compute_bytes, sixteen, layer, layer_trained):
+        lp = compute_bytes
+        h2 = arch.hidden_size ** 2
+        unit = max(layer, arch.embedding_parameters)
+        buffers = 2 * unit * lp + max(layer_trained, 0) * lp + h2 * lp
+        if sixteen and setup.offload_optimizer == "none":
+            buffers += 4 * min(trained / world_size, 10**9)  # fp32 gradient of one optimizer sub-group
+        return buffers
+
+    def zero_optimization(self, plan, hidden_size):
+        h2 = hidden_size * hidden_size
+        section = super().zero_optimization(plan, hidden_size)
+        section["allgather_bucket_size"] = h2
+        section.update({
+            "stage3_prefetch_bucket_size": int(0.9 * h2),
+            "stage3_param_persistence_threshold": 10 * hidden_size,
+            "stage3_max_live_parameters": 10**9,
+            "stage3_max_reuse_distance": 10**9,
+            "stage3_gather_16bit_weights_on_model_save": True,
+        })
+        return section
+
+    @contextmanager
+    def whole_weights(self, accelerator, model):
+        """`deepspeed.zero.GatheredParameters` over every parameter, with the engine's per-module
+        fetch/release hooks taken off for the duration (TRL's unwrap_model_for_generation does the same)."""
+        engine = _deepspeed_engine(model)
+        if engine is None:
+            with super().whole_weights(accelerator, model) as whole:
+                yield whole
+            return
+        import deepspeed
+
+        offload = engine.optimizer.parameter_offload
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            for p in engine.module.parameters():
+                p.ds_active_sub_modules.clear()
+            for hook in offload.forward_hooks + offload.backward_hooks:
+                hook.remove()
+            offload.forward_hooks, offload.backward_hooks = [], []
+            try:
+                yield engine.module
+            finally:
+                offload._register_deepspeed_module(offload.module)
+
+    def gathered_bytes(self, model):
+        """The whole model in its partitions' dtype."""
+        engine = _deepspeed_engine(model)
+        if engine is None:
+            return 0
+        return sum(p.ds_numel * p.ds_tensor.element_size() for p in engine.module.parameters())
+
+    def wrap_reference(self, accelerator, model):
+        """Partitioned as the policy is (from_pretrained read it under zero.Init), in an engine of its own
+        with the policy's ZeRO-3 settings and no optimizer, as TRL's prepare_deepspeed does."""
+        import copy
+
+        import deepspeed
+
+        config = copy.deepcopy(accelerator.state.deepspeed_plugin.deepspeed_config)
+        for key in ("optimizer", "scheduler"):
+            config.pop(key, None)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+
+    def gather_trainable(self, accelerator, named):
+        import deepspeed
+
+        out = {}
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            if accelerator.is_main_process:
+                out = {n: p.detach().to("cpu", copy=True) for n, p in named}
+        return out
+
+
+def _deepspeed_engine(model):
+    return model if hasattr(model, "optimizer") and hasattr(model, "zero_optimization_stage") else None
+
+
+def deepspeed_config(plan, hidden_size: int) -> dict:
+    """A complete DeepSpeed config: nothing left as "auto", so what runs is what is written here."""
+    r = plan.recipe
+    zero = plan.strategy.zero_optimization(plan, hidden_size)
+    pin = plan.device == "cuda"
+    if r.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": r.offload_optimizer, "pin_memory": pin}
+        if r.offload_optimizer == "nvme":
+            zero["offload_optimizer"]["nvme_path"] = r.nvme_path
+    if r.offload_params != "none":
+        zero["offload_param"] = {"device": r.offload_params, "pin_memory": pin}
+        if r.offload_params == "nvme":
+            zero["offload_param"]["nvme_path"] = r.nvme_path
+    config = {
+        "train_micro_batch_size_per_gpu": r.micro_batch_size,
+        "gradient_accumulation_steps": plan.grad_accum,
+        # DeepSpeed counts every rank as data parallel (it is not given the sequence-parallel groups)
+        "train_batch_size": r.micro_batch_size * plan.grad_accum * plan.world_size,
+        "gradient_clipping": r.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": r.mixed_precision == "bf16"},
+        "fp16": {"enabled": r.mixed_precision == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+    if plan.resumes_on_other_world_size:
+        config["checkpoint"] = {"load_universal": True}  # see resume.ensure_universal
+    if r.offload_optimizer != "none":
+        # Offloaded optimizer steps run in DeepSpeed's own CPU Adam; it is built from this section.
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": r.lr, "betas": [r.adam_beta1, r.adam_beta2], "eps": r.adam_eps, "weight_decay": r.weight_decay}}
+    return config
