@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from finetune.checkpoint import HF_DIR, verify
+from finetune.checkpoint import HF_DIR, MANIFEST, verify
 from finetune.export import ExportError, checkpoint_state_dict, lora_keys
 from finetune.model import add_lora, load_model
 from finetune.recipe import FIELDS, Recipe, RecipeError
@@ -95,8 +95,13 @@ def _with_adapter(base: str, recipe: dict, adapter: dict | None, adapter_dir: Pa
 
 
 def _from_checkpoint(ckpt: Path, base: str | None):
-    """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing."""
-    manifest = verify(ckpt)
+    """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing, after the
+    same verification: every file's size and checksum (a shard corrupted at the same size answers from
+    nothing)."""
+    manifest = verify(ckpt, checksums=True)
+    if "checksums" not in manifest:
+        print(f"note: {ckpt} has no checksums (written by an older finetune): only file sizes were checked",
+              file=sys.stderr)
     recipe = json.loads((ckpt / "recipe.json").read_text()) if (ckpt / "recipe.json").is_file() else {}
     # DeepSpeed's ZeRO reader prints to stdout, which holds only the answers
     with contextlib.redirect_stdout(sys.stderr):
@@ -136,10 +141,10 @@ def load(path: Path, base: str | None = None):
         if not base:
             raise RecipeError(f"{path} is a LoRA adapter and names no base model; pass --base PATH_OR_HUB_ID")
         model, tokenizer_dir = _with_adapter(base, recipe, None, path), path
-    elif (path / "config.json").is_file() and any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file():
-        model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), path
-    elif (path / HF_DIR / "config.json").is_file():
+    elif (path / HF_DIR / "config.json").is_file() or (path / MANIFEST).is_file():
         model, tokenizer_dir = _from_checkpoint(path, base), path / HF_DIR
+    elif (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()):
+        model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), path
     else:
         raise RecipeError(f"{path} holds no model: give final/ or final_merged/ of a run, a LoRA adapter folder "
                           "(adapter_config.json), or a checkpoint (checkpoints/step_N)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 import warnings
 from pathlib import Path
@@ -44,6 +45,24 @@ def parse_args(argv):
     return args
 
 
+def load_model_of(path: Path, base: str | None):
+    """finetune.chat.load, with what a file it reads can raise as one line."""
+    try:
+        return load(path, base)
+    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpoint.safe_loading)
+        # torch's message is many lines, advising weights_only=False; its reason is after "WeightsUnpickler error:"
+        reason = str(e).split("WeightsUnpickler error:", 1)[-1]
+        reason = next((line.strip() for line in reason.splitlines() if line.strip()), type(e).__name__)
+        raise RecipeError(f"{path}: a pickle in it cannot be loaded safely ({reason}); it is damaged or not "
+                          "finetune's; nothing in it was run; use a checkpoint from a source you trust") from None
+    except RecipeError:
+        raise
+    except Exception as e:  # a file in it is damaged or not what its name says: whatever the reader raised
+        what = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RecipeError(f"{path} cannot be loaded ({type(e).__name__}: {what}); give final/ or final_merged/ of a "
+                          "run, a LoRA adapter folder or a checkpoint, as finetune wrote them") from None
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # one process; a GPU is used when there is one
     warnings.filterwarnings("ignore", message=r".*torch.distributed is disabled.*")
@@ -52,7 +71,7 @@ def main(argv=None) -> int:
         import torch
 
         setup_logging("warning", 0)
-        model, tokenizer, recipe = load(args.path, args.base)
+        model, tokenizer, recipe = load_model_of(args.path, args.base)
         fmt = prompt_format(args.format, tokenizer, recipe, args.path)
         if torch.cuda.is_available():
             model = model.to("cuda")
