@@ -23,8 +23,11 @@ from finetune.recipe import FIELDS, Recipe, RecipeError
 from finetune.samples import generate, render_prompt, stop_ids
 from finetune.strategy import final_in_training_dtype
 
-# The run's data format -> how chat renders a prompt (finetune.samples.render_prompt)
+# The run's data format -> how chat renders a prompt (finetune.samples.render_prompt). Preference pairs
+# (objective=dpo) by their kind, recorded in recipe.json's data.sources as "pairs": string prompts are
+# tokenized as prompt_completion rows are, conversations with the chat template (finetune.data.preference)
 RUN_FORMATS = {"messages": "chat", "alpaca": "alpaca", "prompt_completion": "prompt_completion"}
+PAIR_FORMATS = {"text": "prompt_completion", "conversational": "chat"}
 
 
 def run_recipe(path: Path) -> dict:
@@ -40,11 +43,14 @@ def run_recipe(path: Path) -> dict:
 
 
 def run_format(recipe: dict) -> str | None:
-    """The prompt format of the run's data, when it has one (a text run has none)."""
-    formats = {s.get("format") for s in (recipe.get("data") or {}).get("sources") or []}
-    if not formats and recipe.get("dataset_format") not in (None, "auto"):
-        formats = {recipe["dataset_format"]}
-    return RUN_FORMATS.get(formats.pop()) if len(formats) == 1 else None
+    """The prompt format of the run's data, when it has one (a text run has none; nor has a preference
+    run whose recipe.json does not say which kind its pairs were)."""
+    sources = (recipe.get("data") or {}).get("sources") or []
+    formats = {PAIR_FORMATS.get(s.get("pairs")) if s.get("format") == "preference" else RUN_FORMATS.get(s.get("format"))
+               for s in sources}
+    if not sources and recipe.get("dataset_format") not in (None, "auto"):
+        formats = {RUN_FORMATS.get(recipe["dataset_format"])}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def _model_recipe(recipe: dict):
@@ -160,7 +166,26 @@ def prompt_format(chosen: str | None, tokenizer, recipe: dict, path: Path) -> st
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise RecipeError(f"--format chat: the tokenizer in {path} has no chat template; pass --format alpaca, "
                           "prompt_completion or raw")
+    pairs = [s for s in (recipe.get("data") or {}).get("sources") or [] if s.get("format") == "preference"]
+    if chosen is None and pairs and not run_format(recipe):
+        print(f"note: the recipe.json of {path} does not say whether the run's preference prompts were strings or "
+              f"conversations; prompts are rendered as {fmt}; pass --format prompt_completion for string prompts",
+              file=sys.stderr)
     return fmt
+
+
+def context_warnings(model, recipe: dict, prompt_tokens: int) -> list[str]:
+    """What a prompt of this many tokens goes beyond: the model's positions, the run's max_seq_len."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None)
+    if context and prompt_tokens >= context:
+        return [f"warning: the prompt is {prompt_tokens} tokens, the model's context is {context} positions "
+                "(max_position_embeddings): the answer comes from past what the model can place; shorten the prompt"]
+    trained = recipe.get("max_seq_len")
+    if isinstance(trained, int) and prompt_tokens >= trained:
+        return [f"warning: the prompt is {prompt_tokens} tokens, the run trained on rows of at most max_seq_len="
+                f"{trained}: the model never saw one this long"]
+    return []
 
 
 def answer(model, tokenizer, text: str, fmt: str, max_new_tokens: int, temperature: float = 0.0,

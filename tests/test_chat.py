@@ -106,3 +106,143 @@ def test_a_flipped_pickle_byte_is_one_line(tmp_path, capsys, checksums):
         # torch's weights-only unpickler refuses it, or fails on what the flip made (a string no longer UTF-8)
         assert line.startswith(f"error: {ckpt}") and "cannot be loaded" in line and "weights_only" not in line
         assert "has no checksums (written by an older finetune)" in err
+
+
+# ---------------------------------------------------------------- prompts rendered as the run trained them
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+PROMPT = "Name a colour.\n"
+TEXT_PAIRS = [{"prompt": PROMPT, "chosen": f"red {i}", "rejected": f"none {i}"} for i in range(8)]
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": PROMPT}], "chosen": [{"role": "assistant", "content": f"red {i}"}],
+               "rejected": [{"role": "assistant", "content": f"none {i}"}]} for i in range(8)]
+
+
+@pytest.mark.parametrize("rows,expected", [(TEXT_PAIRS, "prompt_completion"), (CHAT_PAIRS, "chat")],
+                         ids=["string-prompts", "conversations"])
+def test_chat_renders_a_dpo_runs_prompts_as_the_run_trained_them(tmp_path, capsys, rows, expected):
+    """A DPO run of string prompts tokenizes each side as a prompt_completion row (BOS, prompt, answer);
+    chat rendered its prompts with the chat template, a layout the run never trained. recipe.json's
+    data.sources now says which kind of pairs the run had, and chat's prompt is token for token the
+    prompt the run trained (the prompt eval samples give the model)."""
+    from finetune.assets import resolve_model
+    from finetune.chat import prompt_format
+    from finetune.data import build_datasets
+    from finetune.model import load_tokenizer
+    from finetune.recipe import resolve
+    from finetune.samples import eval_prompts, render_prompt
+
+    data_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    recipe = resolve("tiny_dpo", [f"dataset={data_file}", "eval_fraction=0", f"output_dir={tmp_path / 'out'}"])
+    tokenizer = load_tokenizer(recipe, resolve_model(recipe.model))
+    data = build_datasets(recipe, tokenizer)
+    run = json.loads(json.dumps({"data": {"sources": data.sources}}))  # as recipe.json holds it
+    assert run["data"]["sources"][0]["pairs"] == ("text" if expected == "prompt_completion" else "conversational")
+    assert bool(tokenizer.chat_template)  # the template was there to be chosen wrongly
+    fmt = prompt_format(None, tokenizer, run, tmp_path)
+    assert fmt == expected
+    trained = eval_prompts(data.train, 1, tokenizer)[0].ids
+    assert render_prompt(tokenizer, PROMPT, fmt) == trained
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_a_dpo_run_that_does_not_say_its_kind_of_pairs_is_named(tmp_path, tiny_tokenizer, capsys):
+    """recipe.json of an older finetune: no "pairs"; the chat template is used, and a note says how to
+    choose the other layout."""
+    from finetune.chat import prompt_format
+
+    run = {"data": {"sources": [{"format": "preference", "path": "pairs.jsonl"}]}}
+    assert prompt_format(None, tiny_tokenizer, run, tmp_path) == "chat"
+    assert "pass --format prompt_completion for string prompts" in capsys.readouterr().err
+    assert prompt_format("prompt_completion", tiny_tokenizer, run, tmp_path) == "prompt_completion"
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- what chat is given
+
+
+def garbage(path: Path, kind: str) -> Path:
+    """A directory that looks like a model to a glance at its file names, with files that are not."""
+    import os
+
+    from finetune.assets import tiny_model_dir
+
+    path.mkdir()
+    tiny = tiny_model_dir()
+    if kind == "config-not-json":
+        (path / "config.json").write_text("garbage{")
+        (path / "model.safetensors").write_bytes(os.urandom(5000))
+    elif kind == "weights-not-safetensors":
+        (path / "config.json").write_text((tiny / "config.json").read_text())
+        (path / "model.safetensors").write_bytes(os.urandom(5000))
+    elif kind == "config-without-model-type":
+        (path / "config.json").write_text("{}")
+        (path / "model.safetensors").write_bytes((tiny / "model.safetensors").read_bytes())
+    elif kind == "adapter-config-not-json":
+        (path / "adapter_config.json").write_text("{nope")
+    elif kind == "weights-not-a-torch-archive":
+        (path / "config.json").write_text((tiny / "config.json").read_text())
+        (path / "pytorch_model.bin").write_bytes(os.urandom(5000))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["config-not-json", "weights-not-safetensors", "config-without-model-type",
+                                  "adapter-config-not-json", "weights-not-a-torch-archive"])
+def test_a_garbage_model_directory_is_one_line(tmp_path, capsys, kind):
+    path = garbage(tmp_path / "model", kind)
+    code, out, err = chat(capsys, path, "Say hi", "--max-new-tokens", "2")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    assert line.startswith(f"error: {path}") and "cannot be loaded" in line, line
+
+
+class Unreadable:
+    """Standard input whose reading fails (a descriptor that was closed under it)."""
+
+    closed = False
+
+    def isatty(self):
+        return False
+
+    def __iter__(self):
+        raise OSError(9, "Bad file descriptor")
+
+
+@pytest.mark.parametrize("stdin", [None, Unreadable()], ids=["closed", "unreadable"])
+def test_chat_without_a_prompt_and_no_standard_input_is_one_line(capsys, monkeypatch, stdin):
+    """`finetune chat PATH <&-`: Python sets sys.stdin to None; that was an AttributeError traceback."""
+    from finetune.assets import tiny_model_dir
+
+    monkeypatch.setattr("sys.stdin", stdin)
+    code, out, err = chat(capsys, tiny_model_dir(), "--max-new-tokens", "2")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    assert ("no standard input" if stdin is None else "standard input cannot be read (OSError") in line, line
+
+
+def test_a_prompt_beyond_the_context_is_warned(capsys):
+    """The tiny model places 1,024 positions; a longer prompt is answered, with a warning that says so.
+    Options may come after the prompt, as anywhere else."""
+    from finetune.assets import tiny_model_dir
+
+    code, out, err = chat(capsys, tiny_model_dir(), "word " * 1100, "--max-new-tokens", "2", "--format", "raw")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: the prompt is ")]
+    assert len(warnings) == 1 and "the model's context is 1024 positions" in warnings[0], err
+    code, out, err = chat(capsys, tiny_model_dir(), "word " * 10, "--max-new-tokens", "2", "--format", "raw")
+    assert code == 0 and "warning" not in err, err
+
+
+def test_a_prompt_longer_than_the_runs_rows_is_warned():
+    from types import SimpleNamespace
+
+    from finetune.chat import context_warnings
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024))
+    assert context_warnings(model, {"max_seq_len": 128}, 100) == []
+    assert "max_seq_len=128: the model never saw one this long" in context_warnings(model, {"max_seq_len": 128}, 200)[0]
+    assert "context is 1024 positions" in context_warnings(model, {"max_seq_len": 128}, 1024)[0]
