@@ -16,15 +16,18 @@ import json
 import sys
 from pathlib import Path
 
-from finetune.checkpoint import HF_DIR, verify
+from finetune.checkpoint import HF_DIR, MANIFEST, verify
 from finetune.export import ExportError, checkpoint_state_dict, lora_keys
 from finetune.model import add_lora, load_model
 from finetune.recipe import FIELDS, Recipe, RecipeError
 from finetune.samples import generate, render_prompt, stop_ids
 from finetune.strategy import final_in_training_dtype
 
-# The run's data format -> how chat renders a prompt (finetune.samples.render_prompt)
+# The run's data format -> how chat renders a prompt (finetune.samples.render_prompt). Preference pairs
+# (objective=dpo) by their kind, recorded in recipe.json's data.sources as "pairs": string prompts are
+# tokenized as prompt_completion rows are, conversations with the chat template (finetune.data.preference)
 RUN_FORMATS = {"messages": "chat", "alpaca": "alpaca", "prompt_completion": "prompt_completion"}
+PAIR_FORMATS = {"text": "prompt_completion", "conversational": "chat"}
 
 
 def run_recipe(path: Path) -> dict:
@@ -40,11 +43,14 @@ def run_recipe(path: Path) -> dict:
 
 
 def run_format(recipe: dict) -> str | None:
-    """The prompt format of the run's data, when it has one (a text run has none)."""
-    formats = {s.get("format") for s in (recipe.get("data") or {}).get("sources") or []}
-    if not formats and recipe.get("dataset_format") not in (None, "auto"):
-        formats = {recipe["dataset_format"]}
-    return RUN_FORMATS.get(formats.pop()) if len(formats) == 1 else None
+    """The prompt format of the run's data, when it has one (a text run has none; nor has a preference
+    run whose recipe.json does not say which kind its pairs were)."""
+    sources = (recipe.get("data") or {}).get("sources") or []
+    formats = {PAIR_FORMATS.get(s.get("pairs")) if s.get("format") == "preference" else RUN_FORMATS.get(s.get("format"))
+               for s in sources}
+    if not sources and recipe.get("dataset_format") not in (None, "auto"):
+        formats = {RUN_FORMATS.get(recipe["dataset_format"])}
+    return formats.pop() if len(formats) == 1 else None
 
 
 def _model_recipe(recipe: dict):
@@ -95,8 +101,13 @@ def _with_adapter(base: str, recipe: dict, adapter: dict | None, adapter_dir: Pa
 
 
 def _from_checkpoint(ckpt: Path, base: str | None):
-    """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing."""
-    manifest = verify(ckpt)
+    """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing, after the
+    same verification: every file's size and checksum (a shard corrupted at the same size answers from
+    nothing)."""
+    manifest = verify(ckpt, checksums=True)
+    if "checksums" not in manifest:
+        print(f"note: {ckpt} has no checksums (written by an older finetune): only file sizes were checked",
+              file=sys.stderr)
     recipe = json.loads((ckpt / "recipe.json").read_text()) if (ckpt / "recipe.json").is_file() else {}
     # DeepSpeed's ZeRO reader prints to stdout, which holds only the answers
     with contextlib.redirect_stdout(sys.stderr):
@@ -136,10 +147,10 @@ def load(path: Path, base: str | None = None):
         if not base:
             raise RecipeError(f"{path} is a LoRA adapter and names no base model; pass --base PATH_OR_HUB_ID")
         model, tokenizer_dir = _with_adapter(base, recipe, None, path), path
-    elif (path / "config.json").is_file() and any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file():
-        model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), path
-    elif (path / HF_DIR / "config.json").is_file():
+    elif (path / HF_DIR / "config.json").is_file() or (path / MANIFEST).is_file():
         model, tokenizer_dir = _from_checkpoint(path, base), path / HF_DIR
+    elif (path / "config.json").is_file() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()):
+        model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), path
     else:
         raise RecipeError(f"{path} holds no model: give final/ or final_merged/ of a run, a LoRA adapter folder "
                           "(adapter_config.json), or a checkpoint (checkpoints/step_N)")
@@ -155,7 +166,26 @@ def prompt_format(chosen: str | None, tokenizer, recipe: dict, path: Path) -> st
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise RecipeError(f"--format chat: the tokenizer in {path} has no chat template; pass --format alpaca, "
                           "prompt_completion or raw")
+    pairs = [s for s in (recipe.get("data") or {}).get("sources") or [] if s.get("format") == "preference"]
+    if chosen is None and pairs and not run_format(recipe):
+        print(f"note: the recipe.json of {path} does not say whether the run's preference prompts were strings or "
+              f"conversations; prompts are rendered as {fmt}; pass --format prompt_completion for string prompts",
+              file=sys.stderr)
     return fmt
+
+
+def context_warnings(model, recipe: dict, prompt_tokens: int) -> list[str]:
+    """What a prompt of this many tokens goes beyond: the model's positions, the run's max_seq_len."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    context = getattr(config, "max_position_embeddings", None)
+    if context and prompt_tokens >= context:
+        return [f"warning: the prompt is {prompt_tokens} tokens, the model's context is {context} positions "
+                "(max_position_embeddings): the answer comes from past what the model can place; shorten the prompt"]
+    trained = recipe.get("max_seq_len")
+    if isinstance(trained, int) and prompt_tokens >= trained:
+        return [f"warning: the prompt is {prompt_tokens} tokens, the run trained on rows of at most max_seq_len="
+                f"{trained}: the model never saw one this long"]
+    return []
 
 
 def answer(model, tokenizer, text: str, fmt: str, max_new_tokens: int, temperature: float = 0.0,

@@ -206,9 +206,8 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     sp = parallel.sp
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
     schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
-    if schedule.steps_per_epoch == 0:
-        raise RecipeError(f"the dataset has {len(datasets.train)} training rows, fewer than one global batch of "
-                          f"{schedule.global_batch}; lower micro_batch_size or grad_accum, or add data")
+    if schedule.problem():
+        raise RecipeError(schedule.problem())
     total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
     eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, sp.dp_rank, sp.dp_size, r.eval_max_samples) \
         if datasets.eval is not None else None

@@ -81,3 +81,54 @@ def test_data_command_shows_what_is_trained(capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(rows) >= 2 and all(len(r["input_ids"]) == len(r["labels"]) for r in rows[:2])
     assert all(any(label != -100 for label in r["labels"]) for r in rows[:2])
+
+
+# ---------------------------------------------------------------- found before the launch, not by the ranks
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tiny", "sequence_parallel=3", "--num_processes", "3"],
+     "error: sequence_parallel=3: the model has 4 attention heads, not divisible by 3"),
+    (["tiny", "max_seq_len=16"], "error: builtin:tiny-tasks: no example has a response token left within "
+                                 "max_seq_len=16; raise max_seq_len or set train_on_prompt=true"),
+    (["tiny_dpo", "max_seq_len=8", "strategy=ddp"],
+     "error: builtin:tiny-preferences: no pair has a response token left on both sides within max_seq_len=8"),
+    (["tiny", "global_batch_size=4096", "micro_batch_size=8"],
+     "error: the dataset has 3800 training rows, fewer than one global batch of 4096"),
+], ids=["heads-not-divisible", "no-response-token", "every-pair-dropped", "fewer-rows-than-a-batch"])
+def test_config_and_tokenized_data_are_checked_before_the_launch(args, message, tmp_path, capsys, monkeypatch):
+    """These were found by each launched rank after its start (one error per rank, then the launcher's
+    traceback); the front now reads the model's config and tokenizes the data itself (into the datasets
+    cache the ranks read) and launches nothing."""
+    from finetune.commands import cli
+
+    def launched(cmd, output_dir):
+        raise AssertionError(f"launched {cmd}")
+
+    monkeypatch.setattr(cli, "supervise", launched)
+    capsys.readouterr()
+    code = cli.main(["train", *args, f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and errors[0].startswith(message), err
+    assert "Traceback" not in err and "finetune: " not in err
+    assert not (tmp_path / "out").exists()
+
+
+SIGNAL_FRONT = """
+import os, signal, sys, time
+time.sleep(float(sys.argv[1]))
+os.kill(os.getppid(), signal.SIGTERM)  # the front, while this launcher has no handler of its own yet
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.5], ids=["as-it-starts", "before-its-handlers"])
+def test_a_sigterm_as_the_launch_starts_exits_143(delay, tmp_path):
+    """The front forwards a SIGTERM to the launcher; one that comes before the launcher has its own
+    handlers kills it (a return code of -15), which the front passed on as its exit code: 241, not
+    128 + 15. A signal before the launcher exists is forwarded once it does."""
+    front_code = ("import sys; from pathlib import Path; from finetune.commands.cli import supervise; "
+                  f"sys.exit(supervise([sys.executable, '-c', {SIGNAL_FRONT!r}, '{delay}'], Path({str(tmp_path)!r})))")
+    proc = subprocess.run([sys.executable, "-c", front_code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)

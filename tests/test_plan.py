@@ -288,3 +288,32 @@ def test_schedules_equal_transformers(kind):
     ours = lrs(lambda opt: build_scheduler(recipe, opt, 37))
     theirs = lrs(lambda opt: get_scheduler(kind, opt, num_warmup_steps=7, num_training_steps=37))
     assert ours == theirs
+
+
+@pytest.mark.parametrize("args,reason", [
+    (["--gpus", "3", "sequence_parallel=2"], "sequence_parallel=2 does not divide the 3 process(es)"),
+    (["--gpus", "3", "sequence_parallel=3"], "sequence_parallel=3: the model has 4 attention heads, not divisible by 3"),
+    (["--gpus", "3", "sequence_parallel=2", "--max-seq-len"], "sequence_parallel=2 does not divide the 3 process(es)"),
+])
+def test_the_planner_refuses_what_the_run_refuses(args, reason, capsys):
+    """`finetune plan` called these setups "fits"; the run refuses them (make_plan on the processes, the
+    front and the run on the model's heads). The planner now says so, with the run's reason."""
+    from finetune.commands.plan import main
+
+    capsys.readouterr()
+    assert main(["--recipe", "tiny", "--gpu-mem", "80GB", *args]) == 2
+    captured = capsys.readouterr()
+    assert "fits" not in captured.out + captured.err and "per GPU" not in captured.out  # no table, no verdict
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: the run refuses this setup on 3 GPU(s): {reason}")
+    with pytest.raises(RecipeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        if "does not divide" in reason:
+            plan(*[a for a in args if "=" in a], env={"WORLD_SIZE": "3"})
+        else:  # the run's own check, on the model's config (finetune.loop.setup and the finetune train front)
+            from finetune.model import load_config
+            from finetune.sequence_parallel import config_problem
+
+            r = recipe(*[a for a in args if "=" in a])
+            raise RecipeError(config_problem(r, load_config(r)[1]))
+    assert main(["--recipe", "tiny", "--gpu-mem", "80GB", "--gpus", "4", "sequence_parallel=2"]) == 0
+    assert "the recipe's setup (zero3):" in capsys.readouterr().out

@@ -121,7 +121,7 @@ def launch_command(options: dict, run_args: list[str], processes: int) -> list[s
 
 
 def train(argv: list[str]) -> int:
-    from finetune.commands.train import parse_args, prepare, print_dry_run
+    from finetune.commands.train import check_model_and_data, parse_args, prepare, print_dry_run
     from finetune.recipe import RecipeError
 
     if not argv or argv[0] in ("-h", "--help"):
@@ -149,6 +149,8 @@ def train(argv: list[str]) -> int:
     try:
         args = parse_args(run_args)
         plan = prepare(args, lock=False)
+        if not args.dry_run:
+            check_model_and_data(plan)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -183,29 +185,41 @@ def supervise(cmd: list[str], output_dir: Path) -> int:
     # the launcher's wait for the workers after a signal, before it kills them: long enough for a checkpoint
     env.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     env[FRONT_PID] = str(os.getpid())  # see stopping.stop_with_front
-    child = subprocess.Popen(cmd, env=env, start_new_session=True)
-    launcher = psutil.Process(child.pid)
+    # the handlers are in place before the launcher starts: a signal while it starts is forwarded once it has
+    started = {"child": None, "launcher": None, "forwarded": False}
     received: list[int] = []
 
     def on_signal(signum, frame):
         received.append(signum)
+        child = started["child"]
         if len(received) == 1:
-            try:
-                child.send_signal(signum)
-            except ProcessLookupError:
-                pass
+            if child is not None:
+                started["forwarded"] = True
+                try:
+                    child.send_signal(signum)
+                except ProcessLookupError:
+                    pass
             return
         from finetune.lock import release_for
 
-        release_for(output_dir, _kill_tree(launcher))
+        if started["launcher"] is not None:
+            release_for(output_dir, _kill_tree(started["launcher"]))
         os.write(2, b"error: interrupted twice: stopped at once, without a checkpoint of this step (the newest "
                     b"complete checkpoint is kept; continue from it with --resume auto)\n")
         os._exit(128 + signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    child = subprocess.Popen(cmd, env=env, start_new_session=True)
+    started["launcher"] = psutil.Process(child.pid)  # a zombie until waited for: its pid stays ours
+    started["child"] = child
+    if received and not started["forwarded"]:
+        started["forwarded"] = True
+        child.send_signal(received[0])
     code = child.wait()
-    if received and code in (0, 128 + received[0]):  # stopped as asked, checkpoint saved
+    if code < 0:  # the launcher was killed by the signal (it came before its own handlers): as a shell says it
+        code = 128 - code
+    if received and code in (0, 128 + received[0]):  # stopped as asked
         return 128 + received[0]
     return code
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from finetune.arch import load_architecture
 from finetune.memory import max_seq_len_table, parse_size, plan_table
 from finetune.plan import data_parallel_size, derive_grad_accum
 from finetune.recipe import RecipeError, resolve
@@ -41,6 +42,17 @@ def _parse_planner_args(argv):
     return args
 
 
+def refused(recipe, gpus: int, arch) -> None:
+    """The run's own refusals of this setup on `gpus` processes, raised as the run raises them (a setup
+    the run refuses does not "fit"): sequence_parallel must divide the processes (finetune.plan.make_plan)
+    and the model's attention heads (checked by the run and the `finetune train` front on its config)."""
+    from finetune.sequence_parallel import config_problem, world_problem
+
+    problem = world_problem(recipe, gpus) or config_problem(recipe, arch)
+    if problem:
+        raise RecipeError(f"the run refuses this setup on {gpus} GPU(s): {problem}")
+
+
 def main(argv=None) -> int:
     """`python -m finetune.plan --recipe NAME --gpus N --gpu-mem 80GB [key=value ...]`"""
     try:
@@ -48,11 +60,13 @@ def main(argv=None) -> int:
         budget = parse_size(args.gpu_mem) if args.gpu_mem is not None else None
         recipe = resolve(args.recipe, args.overrides)  # the same loading and checks as finetune/run.py
         accum = derive_grad_accum(recipe, args.gpus)
+        arch = load_architecture(recipe.model)
+        refused(recipe, args.gpus, arch)
         if args.max_seq_len:
-            print(max_seq_len_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe,
+            print(max_seq_len_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe, arch=arch,
                                     budget_text=args.gpu_mem))
             return 0
-        table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe,
+        table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe, arch=arch,
                            budget_text=args.gpu_mem or "")
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -200,6 +200,34 @@ def print_dry_run(plan, recipe_name: str) -> None:
     print(memory_report(plan.recipe, plan.world_size, recipe_name))
 
 
+def check_model_and_data(plan) -> None:
+    """What the launched ranks find only once started (each after its own imports, one error per rank
+    under the launcher's traceback), checked in the `finetune` front before it launches: the model's
+    config against the recipe (sequence_parallel and the attention heads, rows concatenated in a model
+    that carries state along the sequence), and the data as tokenized (a source left with no trained
+    token or pair, fewer rows than one global batch, fewer eval rows than sample_prompts). Config and
+    tokenizer are a few small files. Tokenizing here costs the run nothing: the datasets cache keeps
+    the result under a content fingerprint and the ranks read it from there (as after `finetune data`)."""
+    from finetune import data as D
+    from finetune import sequence_parallel as SP
+    from finetune.model import concatenation_problem, load_config, load_tokenizer
+    from finetune.samples import eval_prompts
+
+    r = plan.recipe
+    model_path, config = load_config(r)
+    problem = concatenation_problem(r, config) or SP.config_problem(r, config)
+    if problem:
+        raise RecipeError(problem)
+    tokenizer = load_tokenizer(r, model_path)
+    datasets = D.build_datasets(r, tokenizer)
+    problem = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum,
+                              plan.data_parallel_size, r.seed).problem()
+    if problem:
+        raise RecipeError(problem)
+    if datasets.eval is not None and r.sample_prompts:
+        eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples)
+
+
 def main(argv=None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _stop_before_training)

@@ -27,6 +27,13 @@ class BatchSchedule:
     def steps_per_epoch(self) -> int:
         return self.num_rows // self.global_batch
 
+    def problem(self) -> str | None:
+        """Why no step can be made: fewer rows than one global batch."""
+        if self.steps_per_epoch:
+            return None
+        return (f"the dataset has {self.num_rows} training rows, fewer than one global batch of {self.global_batch}; "
+                "lower micro_batch_size or grad_accum, or add data")
+
     def permutation(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         return torch.randperm(self.num_rows, generator=g)

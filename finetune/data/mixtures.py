@@ -9,8 +9,8 @@ import numpy as np
 from finetune.data.formats import DataError, detect_format
 from finetune.data.loading import (COUNTS, budget_note, cache_fingerprint, load_source, pack_dataset,
                                    tokenize_dataset)
-from finetune.data.sources import (check_columns, check_objective, eval_source, first_row_of, train_sources,
-                                   with_sharegpt)
+from finetune.data.sources import (check_columns, check_objective, eval_source, first_row_of, map_row,
+                                   train_sources, with_sharegpt)
 from finetune.recipe import DataSource, Recipe
 
 
@@ -73,7 +73,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
 
     sources = train_sources(recipe)
     evaluated = eval_source(recipe)
-    parts, held, formats, raw_rows, drops = [], [], [], [], []
+    parts, held, formats, raw_rows, drops, pairs = [], [], [], [], [], []
     for i, (key, split_key, spec) in enumerate(sources):
         raw = load_source(spec, key, split_key)
         spec = with_sharegpt(spec, raw.column_names, first_row_of(raw))
@@ -88,6 +88,11 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         raw_rows.append(len(raw))
         formats.append(fmt)
         drops.append({})
+        if fmt == "preference":  # how its prompts were rendered, for `finetune chat` (recipe.json's data.sources)
+            first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
+            pairs.append("conversational" if isinstance(first.get("chosen"), list) else "text")
+        else:
+            pairs.append(None)
         parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True,
                                       dropped=drops[-1]))
         if raw_held is not None:
@@ -106,7 +111,8 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
                       "dropped_identical": drops[i]["identical"],
                       "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
-                      "target_tokens": int(rows["n_targets"][pick].sum())})
+                      "target_tokens": int(rows["n_targets"][pick].sum())}
+                     | ({"pairs": pairs[i]} if pairs[i] else {}))
     train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
     offsets = np.cumsum([0] + available[:-1])
     order = np.concatenate([pick + off for pick, off in zip(picks, offsets)])

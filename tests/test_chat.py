@@ -1,0 +1,248 @@
+"""`finetune chat` on what a user may point it at: a checkpoint is verified as export verifies it
+(sizes and checksums: finetune.checkpoint.verify), a damaged or foreign directory is one `error:` line
+and exit 2, and the prompt is rendered the way the run trained its prompts. The checkpoints here are
+the tiny model's real weights written the way a DDP run's save_state writes them (model.safetensors,
+hf/, recipe.json, a sealed manifest); chat on the checkpoints of real launches is in
+tests/distributed/test_samples_run.py."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_checkpoint_files import flip_byte
+
+
+def write_checkpoint(path: Path, weights: str = "safetensors", checksums: bool = True, recipe: dict | None = None):
+    """The tiny model's weights as a checkpoint: model.safetensors (or pytorch_model.bin), hf/ (config,
+    tokenizer), recipe.json and a manifest listing every file with its size (and checksum)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.assets import tiny_model_dir
+    from finetune.checkpoint import HF_DIR, MANIFEST, seal
+
+    tiny = tiny_model_dir()
+    path.mkdir(parents=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if weights == "safetensors":
+        save_file(state, str(path / "model.safetensors"))
+    else:
+        torch.save(state, path / "pytorch_model.bin")
+    model.config.save_pretrained(path / HF_DIR)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(path / HF_DIR)
+    (path / "recipe.json").write_text(json.dumps(recipe or {"model": str(tiny), "mixed_precision": "no",
+                                                            "dataset_format": "alpaca"}))
+    manifest = seal(path, MANIFEST, {"step": 4, "world_size": 1, "global_batch_size": 8,
+                                     "fingerprint": {"strategy": "ddp", "model": str(tiny)}})
+    if not checksums:  # as an older finetune wrote it
+        manifest = {k: v for k, v in manifest.items() if k not in ("checksum", "checksums")}
+        (path / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def chat(capsys, *argv) -> tuple[int, str, str]:
+    from finetune.commands.chat import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def pickle_offset(archive: Path) -> int:
+    """Where the pickle (data.pkl) of a torch.save archive starts: a byte flipped there is in the pickle."""
+    with zipfile.ZipFile(archive) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith("data.pkl"))
+    with open(archive, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    return info.header_offset + 30 + name_len + extra_len
+
+
+def test_chat_verifies_a_checkpoints_checksums_as_export_does(tmp_path, capsys):
+    """A shard corrupted at the same size passes a size check; chat answered from it (exit 0) where
+    export refused. Now both refuse with the same line, before any weight is read."""
+    from finetune.commands.export import main as export_main
+
+    ckpt = write_checkpoint(tmp_path / "step_000000004")
+    code, out, err = chat(capsys, ckpt, "Say hi", "--max-new-tokens", "4")
+    assert code == 0 and out.strip(), err  # the intact checkpoint answers
+    flip_byte(ckpt / "model.safetensors", offset=(ckpt / "model.safetensors").stat().st_size - 1000)  # a weight
+    code, out, err = chat(capsys, ckpt, "Say hi", "--max-new-tokens", "4")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    assert line == (f"error: checkpoint {ckpt} is damaged: model.safetensors does not match the xxh3_128 checksum in "
+                    "its manifest.json; nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+    capsys.readouterr()
+    assert export_main([str(ckpt), str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys.readouterr().err) == line
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_a_flipped_pickle_byte_is_one_line(tmp_path, capsys, checksums):
+    """A checkpoint whose weights are a torch.save archive, one byte of its pickle flipped: with
+    checksums the checksum names the file; without (an older manifest) torch's weights-only unpickler
+    refuses it, in one line rather than a traceback."""
+    ckpt = write_checkpoint(tmp_path / "step_000000004", weights="bin", checksums=checksums)
+    flip_byte(ckpt / "pytorch_model.bin", offset=pickle_offset(ckpt / "pytorch_model.bin") + 40)
+    code, out, err = chat(capsys, ckpt, "Say hi", "--max-new-tokens", "4")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    if checksums:
+        assert line.startswith(f"error: checkpoint {ckpt} is damaged: pytorch_model.bin does not match the xxh3_128")
+    else:
+        # torch's weights-only unpickler refuses it, or fails on what the flip made (a string no longer UTF-8)
+        assert line.startswith(f"error: {ckpt}") and "cannot be loaded" in line and "weights_only" not in line
+        assert "has no checksums (written by an older finetune)" in err
+
+
+# ---------------------------------------------------------------- prompts rendered as the run trained them
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+PROMPT = "Name a colour.\n"
+TEXT_PAIRS = [{"prompt": PROMPT, "chosen": f"red {i}", "rejected": f"none {i}"} for i in range(8)]
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": PROMPT}], "chosen": [{"role": "assistant", "content": f"red {i}"}],
+               "rejected": [{"role": "assistant", "content": f"none {i}"}]} for i in range(8)]
+
+
+@pytest.mark.parametrize("rows,expected", [(TEXT_PAIRS, "prompt_completion"), (CHAT_PAIRS, "chat")],
+                         ids=["string-prompts", "conversations"])
+def test_chat_renders_a_dpo_runs_prompts_as_the_run_trained_them(tmp_path, capsys, rows, expected):
+    """A DPO run of string prompts tokenizes each side as a prompt_completion row (BOS, prompt, answer);
+    chat rendered its prompts with the chat template, a layout the run never trained. recipe.json's
+    data.sources now says which kind of pairs the run had, and chat's prompt is token for token the
+    prompt the run trained (the prompt eval samples give the model)."""
+    from finetune.assets import resolve_model
+    from finetune.chat import prompt_format
+    from finetune.data import build_datasets
+    from finetune.model import load_tokenizer
+    from finetune.recipe import resolve
+    from finetune.samples import eval_prompts, render_prompt
+
+    data_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    recipe = resolve("tiny_dpo", [f"dataset={data_file}", "eval_fraction=0", f"output_dir={tmp_path / 'out'}"])
+    tokenizer = load_tokenizer(recipe, resolve_model(recipe.model))
+    data = build_datasets(recipe, tokenizer)
+    run = json.loads(json.dumps({"data": {"sources": data.sources}}))  # as recipe.json holds it
+    assert run["data"]["sources"][0]["pairs"] == ("text" if expected == "prompt_completion" else "conversational")
+    assert bool(tokenizer.chat_template)  # the template was there to be chosen wrongly
+    fmt = prompt_format(None, tokenizer, run, tmp_path)
+    assert fmt == expected
+    trained = eval_prompts(data.train, 1, tokenizer)[0].ids
+    assert render_prompt(tokenizer, PROMPT, fmt) == trained
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_a_dpo_run_that_does_not_say_its_kind_of_pairs_is_named(tmp_path, tiny_tokenizer, capsys):
+    """recipe.json of an older finetune: no "pairs"; the chat template is used, and a note says how to
+    choose the other layout."""
+    from finetune.chat import prompt_format
+
+    run = {"data": {"sources": [{"format": "preference", "path": "pairs.jsonl"}]}}
+    assert prompt_format(None, tiny_tokenizer, run, tmp_path) == "chat"
+    assert "pass --format prompt_completion for string prompts" in capsys.readouterr().err
+    assert prompt_format("prompt_completion", tiny_tokenizer, run, tmp_path) == "prompt_completion"
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------- what chat is given
+
+
+def garbage(path: Path, kind: str) -> Path:
+    """A directory that looks like a model to a glance at its file names, with files that are not."""
+    import os
+
+    from finetune.assets import tiny_model_dir
+
+    path.mkdir()
+    tiny = tiny_model_dir()
+    if kind == "config-not-json":
+        (path / "config.json").write_text("garbage{")
+        (path / "model.safetensors").write_bytes(os.urandom(5000))
+    elif kind == "weights-not-safetensors":
+        (path / "config.json").write_text((tiny / "config.json").read_text())
+        (path / "model.safetensors").write_bytes(os.urandom(5000))
+    elif kind == "config-without-model-type":
+        (path / "config.json").write_text("{}")
+        (path / "model.safetensors").write_bytes((tiny / "model.safetensors").read_bytes())
+    elif kind == "adapter-config-not-json":
+        (path / "adapter_config.json").write_text("{nope")
+    elif kind == "weights-not-a-torch-archive":
+        (path / "config.json").write_text((tiny / "config.json").read_text())
+        (path / "pytorch_model.bin").write_bytes(os.urandom(5000))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["config-not-json", "weights-not-safetensors", "config-without-model-type",
+                                  "adapter-config-not-json", "weights-not-a-torch-archive"])
+def test_a_garbage_model_directory_is_one_line(tmp_path, capsys, kind):
+    path = garbage(tmp_path / "model", kind)
+    code, out, err = chat(capsys, path, "Say hi", "--max-new-tokens", "2")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    assert line.startswith(f"error: {path}") and "cannot be loaded" in line, line
+
+
+class Unreadable:
+    """Standard input whose reading fails (a descriptor that was closed under it)."""
+
+    closed = False
+
+    def isatty(self):
+        return False
+
+    def __iter__(self):
+        raise OSError(9, "Bad file descriptor")
+
+
+@pytest.mark.parametrize("stdin", [None, Unreadable()], ids=["closed", "unreadable"])
+def test_chat_without_a_prompt_and_no_standard_input_is_one_line(capsys, monkeypatch, stdin):
+    """`finetune chat PATH <&-`: Python sets sys.stdin to None; that was an AttributeError traceback."""
+    from finetune.assets import tiny_model_dir
+
+    monkeypatch.setattr("sys.stdin", stdin)
+    code, out, err = chat(capsys, tiny_model_dir(), "--max-new-tokens", "2")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    assert ("no standard input" if stdin is None else "standard input cannot be read (OSError") in line, line
+
+
+def test_a_prompt_beyond_the_context_is_warned(capsys):
+    """The tiny model places 1,024 positions; a longer prompt is answered, with a warning that says so.
+    Options may come after the prompt, as anywhere else."""
+    from finetune.assets import tiny_model_dir
+
+    code, out, err = chat(capsys, tiny_model_dir(), "word " * 1100, "--max-new-tokens", "2", "--format", "raw")
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning: the prompt is ")]
+    assert len(warnings) == 1 and "the model's context is 1024 positions" in warnings[0], err
+    code, out, err = chat(capsys, tiny_model_dir(), "word " * 10, "--max-new-tokens", "2", "--format", "raw")
+    assert code == 0 and "warning" not in err, err
+
+
+def test_a_prompt_longer_than_the_runs_rows_is_warned():
+    from types import SimpleNamespace
+
+    from finetune.chat import context_warnings
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=1024))
+    assert context_warnings(model, {"max_seq_len": 128}, 100) == []
+    assert "max_seq_len=128: the model never saw one this long" in context_warnings(model, {"max_seq_len": 128}, 200)[0]
+    assert "context is 1024 positions" in context_warnings(model, {"max_seq_len": 128}, 1024)[0]
