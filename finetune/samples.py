@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
+from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.strategy import running_strategy
 
@@ -73,14 +74,22 @@ def stop_ids(tokenizer, model, generation_config=None) -> set[int]:
 
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, stop: set[int], temperature: float = 0.0,
-             generator: torch.Generator | None = None) -> list[int]:
+             generator: torch.Generator | None = None, context: int | None = None,
+             should_stop=None) -> list[int]:
     """New tokens after `prompt`, one sequence, with the model's KV cache: greedy at temperature 0,
     else sampled from softmax(logits / temperature). The same loop at eval and in `finetune chat`, so
-    both give the same tokens for the same weights and prompt. Stops after a stop token (kept)."""
+    both give the same tokens for the same weights and prompt. Stops after a stop token (kept), where
+    prompt and answer fill `context` positions (the model's: finetune.model.context_length), or when
+    should_stop() says so (a stop request: read before each token, so that no generation outlives a
+    scheduler's grace period)."""
+    if context is not None:
+        max_new_tokens = min(max_new_tokens, max(context - len(prompt), 0))
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
     past, out = None, []
     for _ in range(max_new_tokens):
+        if should_stop is not None and should_stop():
+            break
         result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
         past = result.past_key_values
         logits = result.logits[0, -1].float()
@@ -165,15 +174,18 @@ def samples_fit(accelerator, model) -> str | None:
 
 
 def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int,
-                generation_config=None) -> list[dict]:
+                generation_config=None, stop=None) -> list[dict] | None:
     """Greedy answers to the prompts, weights gathered once; every rank gets the same list. Each sample
     also says how many tokens it generated and in how many seconds (the gather not included). Empty when
-    the gathered model would not fit the GPU (samples_fit: said as a warning)."""
+    the gathered model would not fit the GPU (samples_fit: said as a warning). None when a stop request
+    (stop: finetune.stopping.StopRequest) came on any rank: each rank stops generating at its next token
+    (generation holds no collective), then all agree."""
     problem = samples_fit(accelerator, model)
     if problem:
         if accelerator.is_main_process:
             log.warning(problem)
         return []
+    requested = (lambda: bool(stop.requested)) if stop is not None else None
     was_training = model.training
     model.eval()
     answers, seconds = [], []
@@ -181,15 +193,28 @@ def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_to
         # compile=true layers run eagerly here: a token at a time with a growing cache would recompile
         # them (about a minute each on CPU), for a few forwards
         with torch.compiler.set_stance("force_eager"), running_strategy(accelerator).whole_weights(accelerator, model) as whole:
-            stop = stop_ids(tokenizer, whole, generation_config)
+            ends = stop_ids(tokenizer, whole, generation_config)
+            context = context_length(whole.config)
             for p in prompts:
+                if requested is not None and requested():
+                    break
                 t0 = time.perf_counter()
-                answers.append(generate(whole, p.ids, max_new_tokens, stop))
+                answers.append(generate(whole, p.ids, max_new_tokens, ends, context=context, should_stop=requested))
                 seconds.append(time.perf_counter() - t0)
     finally:
         model.train(was_training)
+    if stop is not None and stop_agreed(accelerator, stop):
+        return None
     return [{"prompt": p.text, "reference": p.reference, "generated": tokenizer.decode(a, skip_special_tokens=True),
              "tokens": len(a), "seconds": round(t, 4)} for p, a, t in zip(prompts, answers, seconds)]
+
+
+def stop_agreed(accelerator, stop) -> bool:
+    """Whether any rank was asked to stop (a collective: every rank calls it at the same place)."""
+    flag = torch.tensor([float(bool(stop.requested))], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, reduction="sum")
+    return flag.item() > 0
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -237,10 +262,13 @@ class SampleWriter:
 
 
 def sample_at_eval(accelerator, model, prompts, tokenizer, max_new_tokens: int, writer: SampleWriter,
-                   step: int, generation_config=None) -> str:
-    """One eval's samples, written; returns the progress line ('' when there are none)."""
+                   step: int, generation_config=None, stop=None) -> str | None:
+    """One eval's samples, written; returns the progress line ('' when there are none; None when a stop
+    request cut them short: nothing is written)."""
     if not prompts:
         return ""
     t0 = time.perf_counter()
-    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, generation_config)
+    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, generation_config, stop)
+    if samples is None:
+        return None
     return writer.write(step, samples, time.perf_counter() - t0)

@@ -209,3 +209,75 @@ def test_samples_are_skipped_when_the_gathered_model_would_not_fit_the_gpu():
     assert problem == ("samples skipped: gathering the whole model for generation needs 140.0 GiB per GPU and 40.0 GiB "
                        "is free; set sample_prompts=0 (or generate from final/ with finetune chat)")
     assert gather_problem(37 * gib, 40 * gib) is not None  # within the 10% headroom
+
+
+# ---------------------------------------------------------------- bounds and stop requests (issue 34)
+
+
+def test_generation_stops_where_prompt_and_answer_fill_the_context():
+    model = _tiny_llama()  # 128 positions
+    prompt = [1 + i % 90 for i in range(120)]
+    answer = generate(model, prompt, 10_000_000, stop=set(), context=128)
+    assert len(answer) == 8  # 120 + 8 = 128
+    assert generate(model, prompt + prompt[:8], 5, stop=set(), context=128) == []  # no room at all
+    assert generate(model, prompt[:5], 3, stop=set(), context=128) == generate(model, prompt[:5], 3, stop=set())
+
+
+def test_generation_reads_a_stop_request_before_each_token():
+    model = _tiny_llama()
+    asked = iter([False, False, True])
+    assert len(generate(model, [1, 2, 3], 50, stop=set(), should_stop=lambda: next(asked))) == 2
+
+
+def test_sample_max_new_tokens_that_never_fits_is_refused_before_the_model_loads():
+    from transformers import GPT2Config
+
+    from finetune.model import context_length, load_config, sample_length_problem
+    from finetune.recipe import Recipe
+
+    recipe = Recipe(model="builtin:tiny-llama", sample_max_new_tokens=10_000_000)
+    _, config = load_config(recipe)  # the config only, as setup reads it before the model
+    assert context_length(config) == 1024
+    message = sample_length_problem(recipe, config)
+    assert message.startswith("sample_max_new_tokens=10000000 can never fit: the model has 1024 positions"), message
+    assert "at most 1023 new tokens" in message
+    from dataclasses import replace
+
+    assert sample_length_problem(replace(recipe, sample_max_new_tokens=1023), config) is None
+    assert sample_length_problem(replace(recipe, sample_prompts=0), config) is None  # no samples: unused
+    assert context_length(GPT2Config(n_positions=64)) == 64
+
+
+class _StopAfter:
+    """A stop request that comes after `reads` reads of it (as a signal between two batches does)."""
+
+    def __init__(self, reads: int):
+        self.reads = reads
+
+    @property
+    def requested(self):
+        self.reads -= 1
+        return self.reads < 0
+
+
+def test_eval_reads_stop_requests_between_batches():
+    import datasets
+
+    from finetune.loop import evaluate
+    from finetune.objectives import objective_for
+    from finetune.recipe import Recipe
+
+    model = _tiny_llama()
+    rows = [list(range(1 + i, 17 + i)) for i in range(8)]
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    args = (model, ds, batches, 0, False, torch.device("cpu"), lambda t: t, objective_for(Recipe()))
+    loss, _ = evaluate(*args)
+    assert len(forwards) == 4
+    forwards.clear()
+    assert evaluate(*args, stop=_StopAfter(4)) == (loss, {})  # never asked: the same eval
+    forwards.clear()
+    assert evaluate(*args, stop=_StopAfter(2)) is None and len(forwards) == 2  # asked after the second batch
+    assert model.training  # left as training expects it

@@ -262,3 +262,28 @@ def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_onc
     assert stderr.rstrip().splitlines()[-1].startswith("error: interrupted twice: stopped at once"), stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}", f"step_{stop2:09d}"]
     assert not (out / LOCK_NAME).exists()
+
+
+def test_sigterm_during_a_long_eval_and_its_samples_stops_there_with_a_checkpoint(launch_env, fast_overrides,
+                                                                                  tmp_path):
+    """SIGTERM to `finetune train` while the workers evaluate (every eval row, one a micro-batch) and
+    then generate long samples (1,000 tokens each, the tiny model's context less the prompt): the eval
+    or the samples end at the next batch or token, the step's checkpoint is saved, the front exits 143.
+    Before, stop requests were read only between optimizer steps: the eval and all its samples ran to
+    their end, then one more step."""
+    out = tmp_path / "run"
+    front = start_front(launch_env, fast_overrides, free_port(), out, "eval_every=2", "eval_max_samples=0",
+                        "micro_batch_size=1", "sample_max_new_tokens=1000")
+    returncode, stderr = signal_the_front(front, out, 2, signal.SIGTERM)  # step 2's record comes before its eval
+    assert returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    lines = worker_lines(stderr, -1)
+    assert stopped_at(lines) == [2], stderr[-3000:]
+    cut = [line for line in lines if line.startswith("step 2: ") and "stopped by a stop request" in line]
+    assert len(cut) == 1, stderr[-3000:]  # the eval ("not recorded") or its samples ("not written")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002"]
+    assert not (out / "samples.jsonl").exists() or all(
+        json.loads(line)["step"] != 2 for line in (out / "samples.jsonl").read_text().splitlines())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if "loss" in r) == 2  # no step after the signal
+    assert not (out / LOCK_NAME).exists() and not (out / "final").exists()
