@@ -1,6 +1,8 @@
 """The prompt a sample or `finetune chat` gives the model is the prompt training rendered before the
-answer (real tokenizers: Mistral v1/v3 sentencepiece, tekken byte-level BPE, the tiny one); the greedy
-loop gives transformers' greedy generate's tokens; bad input to `finetune chat` is one line, exit 2."""
+answer (real tokenizers: Mistral v1/v3 sentencepiece, tekken byte-level BPE, the tiny one); bad input
+to `finetune chat` is one line, exit 2; a sample length that can never fit the model is one line before
+the model loads; an eval reads stop requests between batches. The generation itself:
+tests/test_generation.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 import family_assets as FA
 from finetune import data as D
 from finetune.recipe import RecipeError
-from finetune.samples import eval_prompts, generate, render_prompt
+from finetune.generation import render_prompt
+from finetune.samples import eval_prompts
 
 QUESTION = "What is 2+2?"
 ROWS = {
@@ -101,25 +104,6 @@ def _tiny_llama(vocab_size: int = 96):
     return LlamaForCausalLM(config).eval()
 
 
-def test_greedy_loop_gives_transformers_greedy_tokens():
-    model = _tiny_llama()
-    model.generation_config.eos_token_id = None
-    prompt = [1, 5, 9, 14, 3]
-    ours = generate(model, prompt, 12, stop=set())
-    with torch.no_grad():
-        peer = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert ours == peer[0, len(prompt):].tolist() and len(ours) == 12
-    stop = {ours[3]}
-    assert generate(model, prompt, 12, stop=stop) == ours[:ours.index(ours[3]) + 1]  # ends at, with, a stop token
-
-
-def test_sampling_follows_its_seed():
-    model = _tiny_llama()
-    first = generate(model, [1, 2, 3], 8, set(), temperature=1.0, generator=torch.Generator().manual_seed(1))
-    again = generate(model, [1, 2, 3], 8, set(), temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert first == again
-
-
 # ---------------------------------------------------------------- finetune chat
 
 
@@ -145,14 +129,17 @@ def _chat(capsys, *argv):
     return code, captured.out, captured.err
 
 
-def test_chat_answers_with_the_greedy_loop(plain_model, capsys):
+def test_chat_answers_with_greedy_tokens(plain_model, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     code, out, err = _chat(capsys, plain_model, "abc", "--format", "prompt_completion", "--max-new-tokens", "6")
     assert code == 0, err
     tok = AutoTokenizer.from_pretrained(plain_model)
     model = AutoModelForCausalLM.from_pretrained(plain_model).eval()
-    ids = generate(model, D.bos_ids(tok) + D.text_ids(tok, "abc"), 6, {tok.eos_token_id})
+    prompt = D.bos_ids(tok) + D.text_ids(tok, "abc")
+    with torch.no_grad():  # transformers' own greedy generate, ended by the EOS as chat ends it
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.eos_token_id)[0, len(prompt):]
     assert out == tok.decode(ids, skip_special_tokens=True) + "\n"
 
 
@@ -212,21 +199,6 @@ def test_samples_are_skipped_when_the_gathered_model_would_not_fit_the_gpu():
 
 
 # ---------------------------------------------------------------- bounds and stop requests (issue 34)
-
-
-def test_generation_stops_where_prompt_and_answer_fill_the_context():
-    model = _tiny_llama()  # 128 positions
-    prompt = [1 + i % 90 for i in range(120)]
-    answer = generate(model, prompt, 10_000_000, stop=set(), context=128)
-    assert len(answer) == 8  # 120 + 8 = 128
-    assert generate(model, prompt + prompt[:8], 5, stop=set(), context=128) == []  # no room at all
-    assert generate(model, prompt[:5], 3, stop=set(), context=128) == generate(model, prompt[:5], 3, stop=set())
-
-
-def test_generation_reads_a_stop_request_before_each_token():
-    model = _tiny_llama()
-    asked = iter([False, False, True])
-    assert len(generate(model, [1, 2, 3], 50, stop=set(), should_stop=lambda: next(asked))) == 2
 
 
 def test_sample_max_new_tokens_that_never_fits_is_refused_before_the_model_loads():

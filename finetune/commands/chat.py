@@ -11,7 +11,7 @@ from pathlib import Path
 from finetune.chat import answer, load, prompt_format
 from finetune.metrics import setup_logging
 from finetune.recipe import RecipeError
-from finetune.samples import PROMPT_FORMATS
+from finetune.generation import PROMPT_FORMATS
 
 
 class _Parser(argparse.ArgumentParser):
