@@ -266,11 +266,12 @@ def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_onc
 
 def test_sigterm_during_a_long_eval_and_its_samples_stops_there_with_a_checkpoint(launch_env, fast_overrides,
                                                                                   tmp_path):
-    """SIGTERM to `finetune train` while the workers evaluate (every eval row, one a micro-batch) and
-    then generate long samples (1,000 tokens each, the tiny model's context less the prompt): the eval
-    or the samples end at the next batch or token, the step's checkpoint is saved, the front exits 143.
-    Before, stop requests were read only between optimizer steps: the eval and all its samples ran to
-    their end, then one more step."""
+    """SIGTERM to `finetune train` as the workers start step 2's eval (every eval row, one a micro-batch:
+    100 forwards a rank; then samples of up to 1,000 tokens, which by step 2 end early on EOS): the
+    eval (or its samples) ends before the next batch (token), step 2's checkpoint is saved, the front
+    exits 143. At f685e70, where stop requests were read only between optimizer steps, the eval and
+    its samples ran to their end and the run stopped after step 3 (this test failed there: [3] == [2]).
+    A stop within a generation: tests/test_generation.py."""
     out = tmp_path / "run"
     front = start_front(launch_env, fast_overrides, free_port(), out, "eval_every=2", "eval_max_samples=0",
                         "micro_batch_size=1", "sample_max_new_tokens=1000")
