@@ -24,10 +24,10 @@ for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "_all_
 run_samples = samples.run_samples
 
 
-def measured(accelerator, model, prompts, tokenizer, max_new_tokens):
+def measured(accelerator, model, prompts, tokenizer, max_new_tokens, *args, **kwargs):
     calls["n"] = 0
     t0 = time.perf_counter()
-    out = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens)
+    out = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, *args, **kwargs) or []
     print(f"[rank{dist.get_rank()}] samples: {len(out)} prompts, {sum(s['tokens'] for s in out)} tokens, "
           f"{calls['n']} gather calls, {time.perf_counter() - t0:.3f}s", file=sys.stderr, flush=True)
     return out

@@ -23,7 +23,8 @@ from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
 from finetune.metrics import (PAIR_METRICS, LossPlot, MetricsFile, Progress, Throughput, format_summary, log,
                               peak_memory_bytes, setup_logging, start_trackers)
-from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer
+from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
+                            sample_length_problem)
 from finetune.objectives import objective_for
 from finetune.parallel import Parallel
 from finetune.plan import Plan
@@ -62,15 +63,21 @@ def main_first(accelerator, fn):
 
 
 def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, objective,
-             padding_free: bool = False, shard=SP.Layout().shard) -> tuple[float, dict]:
+             padding_free: bool = False, shard=SP.Layout().shard, stop=None) -> tuple[float, dict] | None:
     """The mean loss per counted unit (the objective's: target tokens, pairs) over the whole eval set,
     exact across ranks, and the objective's metrics (their means) over it. shard: this rank's part of a
-    batch (its slice of every row under sequence parallelism)."""
+    batch (its slice of every row under sequence parallelism). stop (finetune.stopping.StopRequest):
+    read before each batch, agreed by the ranks (one small all-reduce a batch, as each batch's forward
+    is collective under ZeRO-3 and FSDP); a request ends the eval there and returns None."""
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     objective.take_metrics()
     with torch.no_grad():
         for rows in batches:
+            if stop is not None and reduce(torch.tensor([float(bool(stop.requested))], device=device)).item() > 0:
+                objective.take_metrics()
+                model.train()
+                return None
             batch = to_device(shard(D.fetch(ds, rows, pad_id, packed, padding_free)), device)
             total[0] += objective.loss(model, batch).double()
             total[1] += objective.eval_count(batch)
@@ -192,7 +199,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
     model_path, config = load_config(r)
-    problem = concatenation_problem(r, config) or SP.config_problem(r, config)
+    problem = concatenation_problem(r, config) or SP.config_problem(r, config) or sample_length_problem(r, config)
     if problem:
         raise RecipeError(problem)
     accelerator = build_accelerator(plan, config)
@@ -395,18 +402,25 @@ class Reporter:
         return self.plot.final()
 
 
-def run_eval(run: Run, step: int, meter: Throughput) -> tuple[float, dict, str]:
-    """The eval loss, the objective's eval metrics and the samples' progress line; paused out of the
-    training speed."""
+def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple[float | None, dict, str, bool]:
+    """The eval loss, the objective's eval metrics, the samples' progress line, and whether a stop
+    request (agreed by the ranks) came during them; paused out of the training speed. An eval a stop
+    request ends before its last batch has no loss (None: nothing recorded); samples it cuts short are
+    not written (the finished eval is)."""
     r = run.recipe
     with meter.paused("eval"):
-        loss, metrics = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
-                                 run.accelerator.device, run.reduce_sum, run.objective, r.padding_free,
-                                 shard=run.parallel.sp.shard)
+        result = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
+                          run.accelerator.device, run.reduce_sum, run.objective, r.padding_free,
+                          shard=run.parallel.sp.shard, stop=stop)
+        if result is None:
+            run.reporter.note(f"step {step}: eval stopped by a stop request before its end; not recorded")
+            return None, {}, "", True
         with SP.whole_sequences():
             shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer,
-                                   r.sample_max_new_tokens, run.samples, step, run.generation_config)
-    return loss, metrics, shown
+                                   r.sample_max_new_tokens, run.samples, step, run.generation_config, stop)
+    if shown is None:
+        run.reporter.note(f"step {step}: samples stopped by a stop request; not written")
+    return *result, shown or "", shown is None
 
 
 def train(plan: Plan) -> dict:
@@ -419,8 +433,11 @@ def train(plan: Plan) -> dict:
                        steps=run.total_steps - state.step, first_step=state.step)
     last_eval, last_metrics = None, {}
     if run.eval_rows is not None and r.eval_at_start and state.step == 0:
-        last_eval, last_metrics, shown = run_eval(run, 0, meter)
-        reporter.eval(0, last_eval, last_metrics, shown, plot=False)
+        last_eval, last_metrics, shown, stopped = run_eval(run, 0, meter, stop)
+        if last_eval is not None:
+            reporter.eval(0, last_eval, last_metrics, shown, plot=False)
+        if stopped:  # before the first step: nothing to save
+            return finish(run, state, meter, last_eval, last_metrics, stopped=True)
     run.model.train()
     stopping = False
     while state.step < run.total_steps:
@@ -429,9 +446,12 @@ def train(plan: Plan) -> dict:
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
         end = state.step == run.total_steps
         if run.eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
-            last_eval, last_metrics, shown = run_eval(run, state.step, meter)
-            state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
-            reporter.eval(state.step, last_eval, last_metrics, shown)
+            loss, metrics, shown, stopped = run_eval(run, state.step, meter, stop)
+            stopping = stopping or stopped
+            if loss is not None:
+                last_eval, last_metrics = loss, metrics
+                state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
+                reporter.eval(state.step, last_eval, last_metrics, shown)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
                 path = run.checkpoints.save(state)
@@ -449,7 +469,8 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
     reporter.close()
     if stopped:
         reporter.final_plot()
-        log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto")
+        log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto"
+                    if state.step else "stopped by signal before the first training step; nothing to save")
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
     final = save_final_model(accelerator, run.model, run.tokenizer, out / FINAL,

@@ -52,6 +52,33 @@ def concatenation_problem(recipe: Recipe, config) -> str | None:
             "padding_free=false (padded rows, one example each)")
 
 
+# Where a config states how many positions the model has (GPT-2's n_positions and n_ctx, others'
+# max_sequence_length or seq_length); a multimodal config states it in its text config.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx")
+
+
+def context_length(config) -> int | None:
+    """How many positions the model has, prompt and answer together; None where its config says not."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    for key in CONTEXT_KEYS:
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def sample_length_problem(recipe: Recipe, config) -> str | None:
+    """sample_max_new_tokens that no prompt can leave room for: even a one-token prompt and that many
+    new tokens exceed the model's positions. (Each sample is also cut where its prompt and answer
+    fill the context: finetune/generation.py.)"""
+    context = context_length(config)
+    if not recipe.sample_prompts or context is None or recipe.sample_max_new_tokens < context:
+        return None
+    return (f"sample_max_new_tokens={recipe.sample_max_new_tokens} can never fit: the model has {context} positions "
+            f"(its config's context), the prompt included, so at most {context - 1} new tokens follow even a "
+            f"one-token prompt; lower sample_max_new_tokens (or sample_prompts=0: no samples)")
+
+
 def load_tokenizer(recipe: Recipe, model_path: str):
     """The model's tokenizer, or the recipe's `tokenizer`; the recipe's `chat_template` replaces the
     one it ships (and is saved with the checkpoints and final/, so the model keeps the template it

@@ -1,6 +1,6 @@
 """What the model answers: greedy generations from the first eval prompts at each eval (samples.jsonl),
-and the one generation function and prompt rendering that `finetune chat` (finetune/chat.py) shares, so
-that a sample at the end of a run and `finetune chat` on its final/ give the same tokens.
+by the generation `finetune chat` (finetune/chat.py) also uses (finetune/generation.py), so that a
+sample at the end of a run and `finetune chat` on its final/ give the same tokens.
 
 Generation needs whole weights. A sharded model would all-gather every layer at every token if it were
 simply called in a loop (the hour-long ZeRO-3 stalls of huggingface/trl#3858), so the weights are
@@ -28,73 +28,12 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
+from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.strategy import running_strategy
 
 log = logging.getLogger("finetune")
-
-# How a prompt typed by a user becomes the tokens the model continues (render_prompt): the chat
-# template with its generation prompt, a run's alpaca or prompt_completion prompt, or the text as is.
-PROMPT_FORMATS = ("chat", "alpaca", "prompt_completion", "raw")
-
-
-def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
-    """The prompt's token ids exactly as training rendered the same prompt before its answer
-    (finetune.data.encode_row): tests/test_samples.py checks this against encode_row's prompt part on
-    real tokenizers. fmt=raw: `text` is the whole prompt as the model sees it (template markers
-    included), tokenized with its special tokens and the tokenizer's BOS once. input: alpaca's input
-    field (the text is its instruction)."""
-    if fmt == "chat":
-        if not getattr(tokenizer, "chat_template", None):
-            raise RecipeError("the tokenizer has no chat template; pass --format alpaca, prompt_completion or raw")
-        text = D.render_chat(tokenizer, [{"role": "user", "content": text}], generation_prompt=True)
-        fmt = "raw"
-    if fmt == "raw":
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-        bos = D.bos_ids(tokenizer)
-        return (bos if ids[:len(bos)] != bos else []) + ids
-    if fmt == "alpaca":
-        text = (D.ALPACA_PROMPT_WITH_INPUT if input else D.ALPACA_PROMPT).format(instruction=text, input=input)
-    elif fmt != "prompt_completion":
-        raise RecipeError(f"prompt format {fmt!r}; allowed: {', '.join(PROMPT_FORMATS)}")
-    return D.bos_ids(tokenizer) + D.text_ids(tokenizer, text)
-
-
-def stop_ids(tokenizer, model, generation_config=None) -> set[int]:
-    """Where an answer ends: the tokenizer's EOS and the generation config's (a chat model's end of turn).
-    generation_config: the one the run writes into final/ (finetune/end_of_turn.py), so that samples at
-    eval stop where `finetune chat` on final/ stops; else the model's own."""
-    ids = set() if tokenizer.eos_token_id is None else {tokenizer.eos_token_id}
-    config = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-    config_eos = getattr(config, "eos_token_id", None)
-    ids |= set(config_eos if isinstance(config_eos, (list, tuple)) else [] if config_eos is None else [config_eos])
-    return ids
-
-
-@torch.no_grad()
-def generate(model, prompt: list[int], max_new_tokens: int, stop: set[int], temperature: float = 0.0,
-             generator: torch.Generator | None = None) -> list[int]:
-    """New tokens after `prompt`, one sequence, with the model's KV cache: greedy at temperature 0,
-    else sampled from softmax(logits / temperature). The same loop at eval and in `finetune chat`, so
-    both give the same tokens for the same weights and prompt. Stops after a stop token (kept)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt], device=device)
-    past, out = None, []
-    for _ in range(max_new_tokens):
-        result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1)
-        past = result.past_key_values
-        logits = result.logits[0, -1].float()
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            token = int(torch.multinomial(probs.cpu(), 1, generator=generator))
-        else:
-            token = int(logits.argmax())
-        out.append(token)
-        if token in stop:
-            break
-        ids = torch.tensor([[token]], device=device)
-    return out
-
 
 # ---------------------------------------------------------------- samples at eval
 
@@ -165,31 +104,42 @@ def samples_fit(accelerator, model) -> str | None:
 
 
 def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_tokens: int,
-                generation_config=None) -> list[dict]:
-    """Greedy answers to the prompts, weights gathered once; every rank gets the same list. Each sample
-    also says how many tokens it generated and in how many seconds (the gather not included). Empty when
-    the gathered model would not fit the GPU (samples_fit: said as a warning)."""
+                generation_config=None, stop=None) -> list[dict] | None:
+    """Greedy answers to the prompts, generated as one batch with the weights gathered once; every rank
+    gets the same list. Each sample also says how many tokens it generated and the seconds from the
+    batch's start until its answer ended (the gather not included). Empty when
+    the gathered model would not fit the GPU (samples_fit: said as a warning). None when a stop request
+    (stop: finetune.stopping.StopRequest) came on any rank: each rank stops generating before its next
+    token (generation holds no collective), then all agree."""
     problem = samples_fit(accelerator, model)
     if problem:
         if accelerator.is_main_process:
             log.warning(problem)
         return []
+    requested = (lambda: bool(stop.requested)) if stop is not None else None
     was_training = model.training
     model.eval()
-    answers, seconds = [], []
     try:
         # compile=true layers run eagerly here: a token at a time with a growing cache would recompile
         # them (about a minute each on CPU), for a few forwards
         with torch.compiler.set_stance("force_eager"), running_strategy(accelerator).whole_weights(accelerator, model) as whole:
-            stop = stop_ids(tokenizer, whole, generation_config)
-            for p in prompts:
-                t0 = time.perf_counter()
-                answers.append(generate(whole, p.ids, max_new_tokens, stop))
-                seconds.append(time.perf_counter() - t0)
+            answers = generate(whole, [p.ids for p in prompts], Sampling(max_new_tokens),
+                               stop_ids=stop_ids(tokenizer, whole, generation_config), pad_id=pad_id_for(tokenizer),
+                               context=context_length(whole.config), should_stop=requested)
     finally:
         model.train(was_training)
-    return [{"prompt": p.text, "reference": p.reference, "generated": tokenizer.decode(a, skip_special_tokens=True),
-             "tokens": len(a), "seconds": round(t, 4)} for p, a, t in zip(prompts, answers, seconds)]
+    if stop is not None and stop_agreed(accelerator, stop):
+        return None
+    return [{"prompt": p.text, "reference": p.reference, "generated": tokenizer.decode(a.tokens, skip_special_tokens=True),
+             "tokens": len(a.tokens), "seconds": round(a.seconds, 4)} for p, a in zip(prompts, answers)]
+
+
+def stop_agreed(accelerator, stop) -> bool:
+    """Whether any rank was asked to stop (a collective: every rank calls it at the same place)."""
+    flag = torch.tensor([float(bool(stop.requested))], device=accelerator.device)
+    if accelerator.num_processes > 1:
+        flag = accelerator.reduce(flag, reduction="sum")
+    return flag.item() > 0
 
 
 def _short(text: str, width: int = 60) -> str:
@@ -237,10 +187,13 @@ class SampleWriter:
 
 
 def sample_at_eval(accelerator, model, prompts, tokenizer, max_new_tokens: int, writer: SampleWriter,
-                   step: int, generation_config=None) -> str:
-    """One eval's samples, written; returns the progress line ('' when there are none)."""
+                   step: int, generation_config=None, stop=None) -> str | None:
+    """One eval's samples, written; returns the progress line ('' when there are none; None when a stop
+    request cut them short: nothing is written)."""
     if not prompts:
         return ""
     t0 = time.perf_counter()
-    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, generation_config)
+    samples = run_samples(accelerator, model, prompts, tokenizer, max_new_tokens, generation_config, stop)
+    if samples is None:
+        return None
     return writer.write(step, samples, time.perf_counter() - t0)

@@ -134,7 +134,8 @@ def test_chat_renders_a_dpo_runs_prompts_as_the_run_trained_them(tmp_path, capsy
     from finetune.data import build_datasets
     from finetune.model import load_tokenizer
     from finetune.recipe import resolve
-    from finetune.samples import eval_prompts, render_prompt
+    from finetune.generation import render_prompt
+    from finetune.samples import eval_prompts
 
     data_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
     recipe = resolve("tiny_dpo", [f"dataset={data_file}", "eval_fraction=0", f"output_dir={tmp_path / 'out'}"])

@@ -1,6 +1,8 @@
 """The prompt a sample or `finetune chat` gives the model is the prompt training rendered before the
-answer (real tokenizers: Mistral v1/v3 sentencepiece, tekken byte-level BPE, the tiny one); the greedy
-loop gives transformers' greedy generate's tokens; bad input to `finetune chat` is one line, exit 2."""
+answer (real tokenizers: Mistral v1/v3 sentencepiece, tekken byte-level BPE, the tiny one); bad input
+to `finetune chat` is one line, exit 2; a sample length that can never fit the model is one line before
+the model loads; an eval reads stop requests between batches. The generation itself:
+tests/test_generation.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import torch
 import family_assets as FA
 from finetune import data as D
 from finetune.recipe import RecipeError
-from finetune.samples import eval_prompts, generate, render_prompt
+from finetune.generation import render_prompt
+from finetune.samples import eval_prompts
 
 QUESTION = "What is 2+2?"
 ROWS = {
@@ -101,25 +104,6 @@ def _tiny_llama(vocab_size: int = 96):
     return LlamaForCausalLM(config).eval()
 
 
-def test_greedy_loop_gives_transformers_greedy_tokens():
-    model = _tiny_llama()
-    model.generation_config.eos_token_id = None
-    prompt = [1, 5, 9, 14, 3]
-    ours = generate(model, prompt, 12, stop=set())
-    with torch.no_grad():
-        peer = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert ours == peer[0, len(prompt):].tolist() and len(ours) == 12
-    stop = {ours[3]}
-    assert generate(model, prompt, 12, stop=stop) == ours[:ours.index(ours[3]) + 1]  # ends at, with, a stop token
-
-
-def test_sampling_follows_its_seed():
-    model = _tiny_llama()
-    first = generate(model, [1, 2, 3], 8, set(), temperature=1.0, generator=torch.Generator().manual_seed(1))
-    again = generate(model, [1, 2, 3], 8, set(), temperature=1.0, generator=torch.Generator().manual_seed(1))
-    assert first == again
-
-
 # ---------------------------------------------------------------- finetune chat
 
 
@@ -145,14 +129,17 @@ def _chat(capsys, *argv):
     return code, captured.out, captured.err
 
 
-def test_chat_answers_with_the_greedy_loop(plain_model, capsys):
+def test_chat_answers_with_greedy_tokens(plain_model, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     code, out, err = _chat(capsys, plain_model, "abc", "--format", "prompt_completion", "--max-new-tokens", "6")
     assert code == 0, err
     tok = AutoTokenizer.from_pretrained(plain_model)
     model = AutoModelForCausalLM.from_pretrained(plain_model).eval()
-    ids = generate(model, D.bos_ids(tok) + D.text_ids(tok, "abc"), 6, {tok.eos_token_id})
+    prompt = D.bos_ids(tok) + D.text_ids(tok, "abc")
+    with torch.no_grad():  # transformers' own greedy generate, ended by the EOS as chat ends it
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                             pad_token_id=tok.eos_token_id)[0, len(prompt):]
     assert out == tok.decode(ids, skip_special_tokens=True) + "\n"
 
 
@@ -209,3 +196,60 @@ def test_samples_are_skipped_when_the_gathered_model_would_not_fit_the_gpu():
     assert problem == ("samples skipped: gathering the whole model for generation needs 140.0 GiB per GPU and 40.0 GiB "
                        "is free; set sample_prompts=0 (or generate from final/ with finetune chat)")
     assert gather_problem(37 * gib, 40 * gib) is not None  # within the 10% headroom
+
+
+# ---------------------------------------------------------------- bounds and stop requests (issue 34)
+
+
+def test_sample_max_new_tokens_that_never_fits_is_refused_before_the_model_loads():
+    from transformers import GPT2Config
+
+    from finetune.model import context_length, load_config, sample_length_problem
+    from finetune.recipe import Recipe
+
+    recipe = Recipe(model="builtin:tiny-llama", sample_max_new_tokens=10_000_000)
+    _, config = load_config(recipe)  # the config only, as setup reads it before the model
+    assert context_length(config) == 1024
+    message = sample_length_problem(recipe, config)
+    assert message.startswith("sample_max_new_tokens=10000000 can never fit: the model has 1024 positions"), message
+    assert "at most 1023 new tokens" in message
+    from dataclasses import replace
+
+    assert sample_length_problem(replace(recipe, sample_max_new_tokens=1023), config) is None
+    assert sample_length_problem(replace(recipe, sample_prompts=0), config) is None  # no samples: unused
+    assert context_length(GPT2Config(n_positions=64)) == 64
+
+
+class _StopAfter:
+    """A stop request that comes after `reads` reads of it (as a signal between two batches does)."""
+
+    def __init__(self, reads: int):
+        self.reads = reads
+
+    @property
+    def requested(self):
+        self.reads -= 1
+        return self.reads < 0
+
+
+def test_eval_reads_stop_requests_between_batches():
+    import datasets
+
+    from finetune.loop import evaluate
+    from finetune.objectives import objective_for
+    from finetune.recipe import Recipe
+
+    model = _tiny_llama()
+    rows = [list(range(1 + i, 17 + i)) for i in range(8)]
+    ds = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    batches = [[0, 1], [2, 3], [4, 5], [6, 7]]
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    args = (model, ds, batches, 0, False, torch.device("cpu"), lambda t: t, objective_for(Recipe()))
+    loss, _ = evaluate(*args)
+    assert len(forwards) == 4
+    forwards.clear()
+    assert evaluate(*args, stop=_StopAfter(4)) == (loss, {})  # never asked: the same eval
+    forwards.clear()
+    assert evaluate(*args, stop=_StopAfter(2)) is None and len(forwards) == 2  # asked after the second batch
+    assert model.training  # left as training expects it

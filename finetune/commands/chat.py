@@ -12,7 +12,7 @@ from pathlib import Path
 from finetune.chat import answer, context_warnings, load, prompt_format
 from finetune.metrics import setup_logging
 from finetune.recipe import RecipeError
-from finetune.samples import PROMPT_FORMATS, render_prompt
+from finetune.generation import PROMPT_FORMATS, render_prompt
 
 
 class _Parser(argparse.ArgumentParser):

@@ -144,8 +144,20 @@ class Zero3(Zero):
 
     @contextmanager
     def whole_weights(self, accelerator, model):
-        """`deepspeed.zero.GatheredParameters` over every parameter, with the engine's per-module
-        fetch/release hooks taken off for the duration (TRL's unwrap_model_for_generation does the same)."""
+        """`deepspeed.zero.GatheredParameters` over every parameter, with all of the engine's
+        parameter hooks taken off for the duration: the per-module fetch/release hooks (as TRL's
+        unwrap_model_for_generation does) and the start-of-forward hook that resets the fetch trace.
+
+        The parameters an eval prefetched are released first (engine.empty_partition_cache). An eval's
+        forward follows the training trace (forward and backward), so at its end it has prefetched the
+        parameters of a backward that never comes. Left in flight, the start-of-forward hook of the
+        first generated token released them inside the gather; the next read of such a parameter then
+        gathered it again through DeepSpeed's external-parameter discovery, which registers it on the
+        innermost module in DeepSpeed's process-global forward stack: with no hooked module running,
+        that is the root of the last engine built, a DPO run's frozen reference. The reference's next
+        forward then fetched 6 of the policy's parameters its trace did not hold ("tracing error at
+        step 0 ... expected the next 6 parameters in the parameter fetch queue": the tiny_dpo recipe
+        at the first step after its second round of samples)."""
         engine = _deepspeed_engine(model)
         if engine is None:
             with super().whole_weights(accelerator, model) as whole:
@@ -154,16 +166,22 @@ class Zero3(Zero):
         import deepspeed
 
         offload = engine.optimizer.parameter_offload
-        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
-            for p in engine.module.parameters():
+        engine.empty_partition_cache()  # every fetched or in-flight parameter released
+        module = offload.module
+        start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            for p in module.parameters():
                 p.ds_active_sub_modules.clear()
-            for hook in offload.forward_hooks + offload.backward_hooks:
+            for hook in offload.forward_hooks + offload.backward_hooks + [offload.fwd_pre_hook]:
                 hook.remove()
             offload.forward_hooks, offload.backward_hooks = [], []
             try:
-                yield engine.module
+                yield module
             finally:
-                offload._register_deepspeed_module(offload.module)
+                # the same hooks in the same order as the engine registered them; re-registering
+                # invalidates the fetch trace, so the next forward records it again
+                offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward)
+                offload._register_deepspeed_module(module)
 
     def gathered_bytes(self, model):
         """The whole model in its partitions' dtype."""

@@ -236,14 +236,22 @@ def test_sigkill_and_exact_resume_zero3(dpo_run, launch, tmp_path_factory):
 
 
 def test_tiny_dpo_recipe_learns(launch, tmp_path_factory):
-    """The recipe as a user runs it (2 processes, its hyper-parameters and data), shortened to 20 steps
-    (its cosine schedule with them): the eval's reward accuracy climbs well above chance."""
+    """The recipe as a user runs it (2 processes, ZeRO-3 with its frozen reference, its hyper-parameters,
+    data and samples at every eval), shortened to 20 steps (its cosine schedule with them) with an eval
+    at step 10 as well: samples at the start and mid-run, then training goes on, the pattern of the
+    recipe's 60 steps (samples at 0, 20, 40). It crashed at the first step after the mid-run samples
+    (DeepSpeed's "tracing error at step 0" in the reference's forward: Zero.whole_weights). The eval's
+    reward accuracy climbs well above chance."""
     out = tmp_path_factory.mktemp("tiny-dpo")
-    run = launch(2, "max_steps=20", "eval_every=20", "eval_max_samples=64", "log_every=10", "warmup_steps=5",
-                 "global_batch_size=32", "micro_batch_size=8", "loss_chunk_tokens=0", "sample_prompts=0",
-                 output_dir=out, recipe="tiny_dpo")
+    run = launch(2, "max_steps=20", "eval_every=10", "eval_max_samples=64", "log_every=10", "warmup_steps=5",
+                 "global_batch_size=32", "micro_batch_size=8", "loss_chunk_tokens=0", output_dir=out,
+                 recipe="tiny_dpo")
+    assert "reference: a frozen copy" in run.stderr and "zero3 on 2" in run.stderr
     evals = run.eval_records
-    assert [r["step"] for r in evals] == [0, 20]
+    assert [r["step"] for r in evals] == [0, 10, 20]
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 3 + [10] * 3 + [20] * 3  # the recipe's sample_prompts=3
+    assert all(s["tokens"] >= 1 for s in samples)
     assert evals[0]["eval_rewards/accuracies"] == 0.0  # the policy is the reference at step 0
     assert evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
     assert evals[-1]["eval_loss"] < math.log(2) - 0.1, evals

@@ -262,3 +262,29 @@ def test_the_front_passes_sigterm_and_ctrl_c_on_and_a_second_signal_stops_at_onc
     assert stderr.rstrip().splitlines()[-1].startswith("error: interrupted twice: stopped at once"), stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [f"step_{stop:09d}", f"step_{stop2:09d}"]
     assert not (out / LOCK_NAME).exists()
+
+
+def test_sigterm_during_a_long_eval_and_its_samples_stops_there_with_a_checkpoint(launch_env, fast_overrides,
+                                                                                  tmp_path):
+    """SIGTERM to `finetune train` as the workers start step 2's eval (every eval row, one a micro-batch:
+    100 forwards a rank; then samples of up to 1,000 tokens, which by step 2 end early on EOS): the
+    eval (or its samples) ends before the next batch (token), step 2's checkpoint is saved, the front
+    exits 143. At f685e70, where stop requests were read only between optimizer steps, the eval and
+    its samples ran to their end and the run stopped after step 3 (this test failed there: [3] == [2]).
+    A stop within a generation: tests/test_generation.py."""
+    out = tmp_path / "run"
+    front = start_front(launch_env, fast_overrides, free_port(), out, "eval_every=2", "eval_max_samples=0",
+                        "micro_batch_size=1", "sample_max_new_tokens=1000")
+    returncode, stderr = signal_the_front(front, out, 2, signal.SIGTERM)  # step 2's record comes before its eval
+    assert returncode == 143, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr
+    lines = worker_lines(stderr, -1)
+    assert stopped_at(lines) == [2], stderr[-3000:]
+    cut = [line for line in lines if line.startswith("step 2: ") and "stopped by a stop request" in line]
+    assert len(cut) == 1, stderr[-3000:]  # the eval ("not recorded") or its samples ("not written")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002"]
+    assert not (out / "samples.jsonl").exists() or all(
+        json.loads(line)["step"] != 2 for line in (out / "samples.jsonl").read_text().splitlines())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records if "loss" in r) == 2  # no step after the signal
+    assert not (out / LOCK_NAME).exists() and not (out / "final").exists()
