@@ -223,7 +223,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
               datasets=datasets, schedule=schedule, total_steps=total_steps, eval_rows=eval_rows, prompts=prompts,
               generation_config=generation_config, stops=stops, model=model, optimizer=optimizer, scheduler=scheduler,
               objective=objective, checkpoints=checkpoints, reporter=reporter, samples=samples, wall_t0=wall_t0, sp=sp)
-    return run, resume(run)
+    return run, start_state(run)
 
 
 def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout) -> tuple:
@@ -301,7 +301,7 @@ def write_resolved_recipe(plan: Plan, accelerator, model_path: str, datasets, re
     (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
 
 
-def resume(run: Run) -> LoopState:
+def start_state(run: Run) -> LoopState:
     """The loop state to start from: a fresh one, or the resumed checkpoint's (its record written)."""
     plan, world = run.plan, run.accelerator.num_processes
     if plan.resume is None:

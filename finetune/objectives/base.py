@@ -25,7 +25,7 @@ summary show beside the loss, with their short labels."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -48,6 +48,7 @@ class Context:
         return self.plan.recipe
 
 
+@runtime_checkable
 class Objective(Protocol):
     name: str
     metrics: tuple[str, ...]
