@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,21 +22,22 @@ from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, a
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
 from finetune.memory import padding_free_scores
-from finetune.metrics import (PAIR_METRICS, LossPlot, MetricsFile, Progress, Throughput, format_summary, log,
-                              peak_memory_bytes, setup_logging, start_trackers)
+from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
+                              setup_logging, start_trackers)
 from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
                             sample_length_problem)
-from finetune.objectives import objective_for
+from finetune.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.identity import model_identity
-from finetune.reference import (attach, build_reference, check_precomputed, precompute, precompute_key,
-                                precomputed_path, read_precomputed)
-from finetune.resume import reference_record
 from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.stopping import StopRequest, fault_point
 from finetune.distributed import accumulate, build_accelerator, prepare
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+    from transformers import GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 
 def main_first(accelerator, fn):
@@ -88,11 +90,12 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, obje
 
 def mean_metrics(objective, reduce, count) -> dict:
     """The objective's metrics since it was last asked, as means over the global batch (or eval set):
-    their sums reduced over ranks, divided by the global count. A collective: every rank calls it."""
+    their sums reduced over ranks, made values by the objective (divided by the global count for SFT and
+    DPO: Objective.means). A collective: every rank calls it."""
     sums = objective.take_metrics()
     if sums is None:
         return {}
-    return dict(zip(objective.metrics, (reduce(sums) / count).tolist()))
+    return dict(zip(objective.metrics, objective.means(reduce(sums), count)))
 
 
 class NonFiniteError(RecipeError):
@@ -159,24 +162,23 @@ class Run:
     """The run's parts, built from the plan by setup()."""
     plan: Plan
     out: Path
-    accelerator: object
+    accelerator: Accelerator
     model_path: str
-    config: object
-    tokenizer: object
-    datasets: object
+    config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    datasets: D.Datasets
     schedule: D.BatchSchedule
     total_steps: int
-    eval_rows: list | None
-    prompts: list
-    generation_config: object
-    stops: str
-    model: object
-    optimizer: object
-    scheduler: object
-    objective: object
-    reference: object  # a DPO run's reference (finetune/reference.py), else None
+    eval_rows: list[list[int]] | None  # this rank's eval micro-batches (row indices); None: no eval set
+    prompts: list  # the eval prompts samples.jsonl follows (samples.Prompt)
+    generation_config: GenerationConfig
+    stops: str  # the stop tokens final/ names, in words
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    objective: Objective  # it holds what it set up beside the policy (DPO: the reference)
     checkpoints: Checkpointer
-    reporter: "Reporter"
+    reporter: Reporter
     samples: SampleWriter
     wall_t0: float
     parallel: Parallel  # the strategy, and this rank's place under sequence parallelism
@@ -191,26 +193,53 @@ class Run:
 
 def setup(plan: Plan) -> tuple[Run, LoopState]:
     """Everything a run needs, in the order it must be built: the process group before the model (so
-    that ZeRO-3 partitions and FSDP ranks other than 0 skip the weights as they load), the data before
-    the model (a data error costs no model load), the checkpoint's state last. Returns the run and the
+    that ZeRO-3 partitions and FSDP ranks other than 0 skip the weights as they load), the data and the
+    objective's checks before the model (a data error costs no model load), what the objective holds
+    beside the policy once the policy is prepared, the checkpoint's state last. Returns the run and the
     loop state it starts from."""
     wall_t0 = time.perf_counter()
     r = plan.recipe
-    out = Path(r.output_dir)
     setup_logging(r.log_level, int(os.environ.get("RANK", "0")))
     model_path, config = load_config(r)
     problem = concatenation_problem(r, config) or SP.config_problem(r, config) or sample_length_problem(r, config)
     if problem:
         raise RecipeError(problem)
     accelerator = build_accelerator(plan, config)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    is_main = accelerator.is_main_process
     log.info(plan.describe())
     torch.manual_seed(r.seed)
 
     tokenizer = load_tokenizer(r, model_path)
-    parallel = Parallel.of(plan, rank, world, tokenizer.pad_token_id)
+    parallel = Parallel.of(plan, accelerator.process_index, accelerator.num_processes, tokenizer.pad_token_id)
     sp = parallel.sp
+    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp)
+    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
+    objective = objective_for(r)
+    context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
+                      identity=weights_identity(r, objective, accelerator, model_path),
+                      weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device)
+    objective.before_model(context)
+
+    model, optimizer, scheduler = load_and_prepare(plan, accelerator, model_path, config, total_steps)
+    identity = {"model_identity": context.identity} if context.identity else {}
+    records = identity | objective.after_prepare(context, model)  # what checkpoints and recipe.json record
+    write_resolved_recipe(plan, accelerator, model_path, datasets, records)
+    out = Path(r.output_dir)
+    reporter = Reporter(accelerator, r, out, total_steps, objective)
+    samples = SampleWriter(out / "samples.jsonl", accelerator.is_main_process, accelerator)
+    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config,
+                               records=records)
+    run = Run(plan=plan, out=out, accelerator=accelerator, model_path=model_path, config=config, tokenizer=tokenizer,
+              datasets=datasets, schedule=schedule, total_steps=total_steps, eval_rows=eval_rows, prompts=prompts,
+              generation_config=generation_config, stops=stops, model=model, optimizer=optimizer, scheduler=scheduler,
+              objective=objective, checkpoints=checkpoints, reporter=reporter, samples=samples, wall_t0=wall_t0,
+              parallel=parallel)
+    return run, start_state(run)
+
+
+def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout) -> tuple:
+    """The datasets (built on each machine's main process first), the batch schedule, the number of
+    steps, this rank's eval batches and the eval prompts samples.jsonl follows; said in the log."""
+    r = plan.recipe
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
     schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
     if schedule.problem():
@@ -225,74 +254,75 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
         if datasets.eval is not None and r.sample_prompts else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
-    # what final/ and every checkpoint's hf/ name as stop tokens: a chat run's end-of-turn token too
-    generation_config, turn = with_end_of_turn(base_generation_config(model_path, config), tokenizer,
-                                               trains_chats(s["format"] for s in datasets.sources))
-    stops = describe(turn, generation_config)
-    if turn is not None and is_main:
-        (log.info if turn.ids else log.warning)(f"end of turn: {stops}")
-    if padding_free_scores(r) and r.packing and r.micro_batch_size > 1 and is_main:
+    if padding_free_scores(r) and r.packing and r.micro_batch_size > 1 and accelerator.is_main_process:
         log.warning(f"padding_free=true with packing and attn_implementation={r.attn_implementation}: the attention "
                     "covers each micro-batch's whole row under one mask, micro_batch_size times a packed row's "
                     "(measured on CPU: 0.65x packing's tokens/s, docs/benchmarks.md section 3b); it pays with "
                     "flash_attention_2, else set padding_free=false")
+    return datasets, schedule, total_steps, eval_rows, prompts
 
-    # the weights' identity (finetune/identity.py), for the runs whose resume reads the model again (LoRA's
-    # base, DPO's frozen reference: resume.check_identity) and whose precomputed log-probs are keyed by it
-    # (DPO); hashed once, on rank 0, and shared. A full fine-tune's checkpoint holds every weight it needs.
-    identity = [model_identity(model_path) if is_main and (r.lora or r.objective == "dpo") else None]
+
+def stop_tokens(accelerator, model_path: str, config, tokenizer, datasets) -> tuple:
+    """The generation config final/ and every checkpoint's hf/ save, whose stop tokens include a chat
+    run's end-of-turn token, and those stop tokens in words."""
+    generation_config, turn = with_end_of_turn(base_generation_config(model_path, config), tokenizer,
+                                               trains_chats(s["format"] for s in datasets.sources))
+    stops = describe(turn, generation_config)
+    if turn is not None and accelerator.is_main_process:
+        (log.info if turn.ids else log.warning)(f"end of turn: {stops}")
+    return generation_config, stops
+
+
+def weights_identity(r, objective: Objective, accelerator, model_path: str) -> dict | None:
+    """The weights' identity (finetune/identity.py) for the runs whose resume reads the model again
+    (LoRA's base; the objective's, as DPO's frozen reference: resume.check_identity) or whose objective
+    keys a file by it (DPO's precomputed log-probs): Objective.identifies_model. Hashed once, on rank 0,
+    and shared. A full fine-tune's checkpoint holds every weight it needs."""
+    wanted = accelerator.is_main_process and (r.lora or objective.identifies_model)
+    identity = [model_identity(model_path) if wanted else None]
     torch.distributed.broadcast_object_list(identity, src=0)
-    identity = identity[0]
-    precomputed = None
-    if r.objective == "dpo" and r.precompute_reference:
-        key = precompute_key(r, datasets, identity, tokenizer)
-        precomputed = precomputed_path(r, datasets, key)
-        found, sha256 = check_precomputed(r, precomputed, reference_record(plan.resume))
+    return identity[0]
 
-    records = {"model_identity": identity} if identity else {}  # what checkpoints and recipe.json record
-    model = load_model(r, model_path, config, weights_on_this_rank=parallel.strategy.reads_weights(accelerator))
+
+def load_and_prepare(plan: Plan, accelerator, model_path: str, config, total_steps: int) -> tuple:
+    """The model loaded (on the ranks the strategy has read the weights), sequence parallelism's and
+    tiled MLPs' patches, then prepared by the strategy with its optimizer and LR schedule."""
+    r = plan.recipe
+    model = load_model(r, model_path, config, weights_on_this_rank=plan.strategy.reads_weights(accelerator))
     SP.start(r, model)
     if r.tiled_mlp:
         log.info(f"tiled_mlp: {SP.tile_mlps(model)} MLPs compute a slice of the sequence at a time")
     model, optimizer, scheduler = prepare(accelerator, plan, model, total_steps)
     KEEP_UNTIL_EXIT.append((accelerator, model, optimizer))
-    reference = build_reference(plan, accelerator, model_path, config, parallel.strategy.reads_weights(accelerator))
-    if reference is not None and is_main:
-        log.info(f"reference: {reference.kind}")
-    if precomputed is not None:
-        if found is None:  # the policy has not trained yet: it is the reference
-            t0 = time.perf_counter()
-            found = precompute(accelerator, model, datasets, r, tokenizer.pad_token_id, precomputed, to_device, key)
-            if is_main:
-                log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
-        values, sha256 = read_precomputed(found, key, sha256)
-        datasets = attach(datasets, found, values)
-        records["reference_logps"] = {"path": str(found), "sha256": sha256}
+    return model, optimizer, scheduler
 
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        resolved = r.to_dict() | {"model": model_path, "world_size": world, "grad_accum": plan.grad_accum,
-                                  "global_batch_size": plan.global_batch_size,
-                                  "data": {"sources": datasets.sources, "summary": datasets.summary}, **records}
-        (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
-    objective = objective_for(r, reference)
-    reporter = Reporter(accelerator, r, out, total_steps, objective.metrics)
-    samples = SampleWriter(out / "samples.jsonl", is_main, accelerator)
-    checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config,
-                               records=records)
-    run = Run(plan, out, accelerator, model_path, config, tokenizer, datasets, schedule, total_steps, eval_rows,
-              prompts, generation_config, stops, model, optimizer, scheduler, objective, reference,
-              checkpoints, reporter, samples, wall_t0, parallel)
-    state = LoopState()
-    if plan.resume is not None:
-        t0 = time.perf_counter()
-        state = checkpoints.load(plan.resume)
-        seconds = time.perf_counter() - t0
-        log.info(f"resumed from {plan.resume.path} at step {state.step} "
-                 f"({plan.resume.world_size} -> {world} processes) in {seconds:.2f}s")
-        reporter.resumed({"step": state.step, "resumed_from": str(plan.resume.path), "world_size": world,
+
+def write_resolved_recipe(plan: Plan, accelerator, model_path: str, datasets, records: dict) -> None:
+    """recipe.json in output_dir (on the main process): the recipe as run, with what was resolved (the
+    model's path, the world size, the batch, the data) and the records."""
+    if not accelerator.is_main_process:
+        return
+    r, out = plan.recipe, Path(plan.recipe.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = r.to_dict() | {"model": model_path, "world_size": accelerator.num_processes,
+                              "grad_accum": plan.grad_accum, "global_batch_size": plan.global_batch_size,
+                              "data": {"sources": datasets.sources, "summary": datasets.summary}, **records}
+    (out / "recipe.json").write_text(json.dumps(resolved, indent=2) + "\n")
+
+
+def start_state(run: Run) -> LoopState:
+    """The loop state to start from: a fresh one, or the resumed checkpoint's (its record written)."""
+    plan, world = run.plan, run.accelerator.num_processes
+    if plan.resume is None:
+        return LoopState()
+    t0 = time.perf_counter()
+    state = run.checkpoints.load(plan.resume)
+    seconds = time.perf_counter() - t0
+    log.info(f"resumed from {plan.resume.path} at step {state.step} "
+             f"({plan.resume.world_size} -> {world} processes) in {seconds:.2f}s")
+    run.reporter.resumed({"step": state.step, "resumed_from": str(plan.resume.path), "world_size": world,
                           "resume_seconds": round(seconds, 3)})
-    return run, state
+    return state
 
 
 @dataclass
@@ -306,14 +336,17 @@ class StepResult:
 
 
 def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Throughput) -> StepResult:
-    """One optimizer step over the global batch of step state.step: forward and backward of this rank's
-    micro-batches, the update unless the loss or gradient norm is not finite, and the state advanced."""
+    """One optimizer step over the global batch of step state.step: the objective's rollout (if it has
+    one), forward and backward of this rank's micro-batches, the update unless the loss or gradient
+    norm is not finite, and the state advanced."""
     r, accelerator, model, objective = run.recipe, run.accelerator, run.model, run.objective
     device, world = accelerator.device, accelerator.num_processes
     pad_id = run.tokenizer.pad_token_id
     sp = run.parallel.sp
-    micro_batches = [sp.shard(D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free))
-                     for rows in run.schedule.rows(state.step, sp.dp_rank)]
+    fetched = [D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
+               for rows in run.schedule.rows(state.step, sp.dp_rank)]
+    # an objective that generates before its step (a rollout) makes the step's batches from these
+    micro_batches = [sp.shard(b) for b in objective.rollout(run, state.step, fetched)]
     # The global batch's counts, summed on the device and not read back here: the host queues the
     # forward without waiting for the previous step to finish (see one_sync_per_step)
     counts = run.reduce_sum(to_device(objective.counts(micro_batches), device))
@@ -344,9 +377,9 @@ class Reporter:
     recipe's trackers and loss.png. The loop calls it once per step (`step`) and once per eval
     (`eval`), on every rank: a step's record gathers the ranks' peak memory."""
 
-    def __init__(self, accelerator, recipe, out: Path, total_steps: int, metric_names=()):
+    def __init__(self, accelerator, recipe, out: Path, total_steps: int, objective: Objective):
         self.accelerator, self.recipe, self.total_steps = accelerator, recipe, total_steps
-        self.metric_names = metric_names
+        self.objective = objective  # its metrics' names, values (means) and which of them are shown
         self.metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process, accelerator)
         start_trackers(accelerator, recipe, out)
         self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
@@ -358,7 +391,7 @@ class Reporter:
 
     def begin(self, step: int) -> None:
         """The progress bar (or log lines), from the step the run starts at."""
-        self.progress = Progress(self.total_steps, step, self.accelerator.is_main_process)
+        self.progress = Progress(self.total_steps, step, self.accelerator.is_main_process, self.objective.shown)
 
     def step(self, state: LoopState, result: StepResult, scheduler, meter: Throughput, epoch: int) -> None:
         """After each optimizer step: a record every log_every steps and at the last."""
@@ -373,7 +406,7 @@ class Reporter:
                       "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
             if result.metrics is not None:
                 sums = accelerator.reduce(result.metrics, reduction="sum")
-                record.update(zip(self.metric_names, (sums / result.count).tolist()))
+                record.update(zip(self.objective.metrics, self.objective.means(sums, result.count)))
             if result.aux:
                 record["aux_loss"] = float(accelerator.reduce(torch.stack(result.aux).mean(), reduction="sum")
                                            / accelerator.num_processes)
@@ -385,7 +418,7 @@ class Reporter:
         (redrawn at most every so often)."""
         self.metrics.write({"step": step, "eval_loss": eval_loss} | {f"eval_{k}": v for k, v in metrics.items()})
         self.progress.note(f"step {step}: eval_loss {eval_loss:.4f}" + "".join(
-            f" {k} {v:.4f}" for k, v in metrics.items() if k in PAIR_METRICS))
+            f" {k} {v:.4f}" for k, v in metrics.items() if k in self.objective.shown))
         if shown:
             self.progress.note(shown)
         if plot:
@@ -495,7 +528,7 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
     if is_main:
         summary["loss_plot"] = str(reporter.final_plot() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.info(format_summary(summary))
+        log.info(format_summary(summary, run.objective.shown))
     finish_together(accelerator)
     return summary
 

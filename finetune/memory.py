@@ -88,7 +88,7 @@ import re
 from dataclasses import dataclass
 
 from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
-from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local
+from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local, reference_kind
 from finetune.strategy import strategy_for
 
 GiB = 2**30
@@ -354,8 +354,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
 
 def holds_reference(recipe: Recipe) -> bool:
     """Whether a run holds a reference model beside the policy (finetune/reference.py build_reference)."""
-    return (recipe.objective == "dpo" and recipe.dpo_loss != "simpo"
-            and not recipe.precompute_reference and not recipe_lora(recipe)[0])
+    return reference_kind(recipe) == "frozen"
 
 
 def padding_free_scores(recipe: Recipe) -> bool:
@@ -490,8 +489,8 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     if lora:
         what = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
     if recipe.objective == "dpo":
-        reference = ("none (reference-free)" if recipe.dpo_loss == "simpo" else "precomputed log-probs"
-                     if recipe.precompute_reference else "the base, adapter disabled" if lora else "a frozen copy")
+        reference = {None: "none (reference-free)", "precomputed": "precomputed log-probs",
+                     "adapter": "the base, adapter disabled", "frozen": "a frozen copy"}[reference_kind(recipe)]
         what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
     sp = recipe.sequence_parallel

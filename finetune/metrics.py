@@ -85,14 +85,12 @@ def run_history(records: list[dict]) -> list[dict]:
     return history
 
 
-PAIR_METRICS = {"rewards/accuracies": "acc", "rewards/margins": "margin"}  # a preference run's, shown beside the loss
-
-
 class Progress:
-    """A tqdm bar on a terminal; otherwise one compact line per logged step (CI, SLURM logs)."""
+    """A tqdm bar on a terminal; otherwise one compact line per logged step (CI, SLURM logs). shown: the
+    objective's metrics it shows beside the loss, with their short labels (Objective.shown)."""
 
-    def __init__(self, total: int, start: int, enabled: bool):
-        self.enabled, self.total = enabled, total
+    def __init__(self, total: int, start: int, enabled: bool, shown: dict[str, str] | None = None):
+        self.enabled, self.total, self.shown = enabled, total, shown or {}
         self.bar = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -106,14 +104,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if record:
-                extra = {short: f"{record[name]:.3f}" for name, short in PAIR_METRICS.items() if name in record}
+                extra = {short: f"{record[name]:.3f}" for name, short in self.shown.items() if name in record}
                 self.bar.set_postfix(loss=f"{record['loss']:.4f}", **extra, lr=f"{record['lr']:.2e}",
                                      tok_s=f"{record['tokens_per_s']:.0f}", refresh=False)
         elif record:
             done = step - self.start
             eta = (time.perf_counter() - self.t0) / max(done, 1) * (self.total - step)
-            pairs = "".join(f" {short} {record[name]:.3f}" for name, short in PAIR_METRICS.items() if name in record)
-            log.info(f"step {step}/{self.total} loss {record['loss']:.4f}{pairs} lr {record['lr']:.2e} "
+            shown = "".join(f" {short} {record[name]:.3f}" for name, short in self.shown.items() if name in record)
+            log.info(f"step {step}/{self.total} loss {record['loss']:.4f}{shown} lr {record['lr']:.2e} "
                      f"grad_norm {record['grad_norm']:.3f} tok/s {record['tokens_per_s']:.0f} eta {eta:.0f}s")
 
     def note(self, text: str) -> None:
@@ -369,8 +367,12 @@ def speed_line(summary: dict) -> str:
     return f"{steady:,.0f} tokens/s steady (steps {steps[0]}-{steps[1]}), {overall} (warm-up included)"
 
 
-def format_summary(summary: dict) -> str:
+def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
+    """The run summary's lines; shown: the objective's metrics it gives beside the eval loss (their final
+    values), with their labels (Objective.shown)."""
     gib = 2**30
+    final = [f"{label} {summary[f'final_eval_{name}']:.4f}" for name, label in (shown or {}).items()
+             if summary.get(f"final_eval_{name}") is not None]
     peaks = summary.get("peak_memory_per_rank") or []
     kind = summary.get("peak_memory_kind", "")
     rows = [
@@ -380,9 +382,7 @@ def format_summary(summary: dict) -> str:
         ("tokens", f"{summary['tokens']:,} target tokens, " + speed_line(summary)),
         ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
          f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
-        *([("eval rewards", f"accuracy {summary['final_eval_rewards/accuracies']:.4f}, margin "
-                            f"{summary['final_eval_rewards/margins']:.4f} (final)")]
-          if "final_eval_rewards/accuracies" in summary else []),
+        *([("eval metrics", ", ".join(final) + " (final)")] if final else []),
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),

@@ -595,6 +595,20 @@ def _check_optimizer(r: Recipe) -> None:
 
 
 DPO_FIELDS = ("dpo_loss", "dpo_beta", "dpo_label_smoothing", "simpo_gamma", "precompute_reference", "max_prompt_len")
+
+
+def reference_kind(r: Recipe) -> str | None:
+    """Which reference a run holds beside the policy, decided here for everything that asks (the DPO
+    objective's set-up, reference.build_reference, the planner, resume, the rules below): None (SFT;
+    SimPO, reference-free), "precomputed" (log-probs of every pair computed before training, carried by
+    the pairs), "adapter" (LoRA: the policy with its adapter disabled) or "frozen" (a frozen copy of the
+    starting weights, placed by the strategy)."""
+    if r.objective != "dpo" or r.dpo_loss == "simpo":
+        return None
+    if r.precompute_reference:
+        return "precomputed"
+    return "adapter" if r.lora else "frozen"
+
 # The ranges where every DPO loss and its gradient stay finite in float32 (the log-probs are float32 in
 # bf16 runs too). beta multiplies the margin z of summed (or averaged) log-probs, and is cast to float32
 # doing so: past 3.4e38 it is inf, and the first step (z = 0, the policy equal to its reference) gives
@@ -696,8 +710,7 @@ def _check_objective(r: Recipe, strategy) -> None:
         if getattr(r, key):
             raise RecipeError(f"{key}=true with objective=dpo: a preference pair is scored as its two whole "
                               f"sequences, on the responses only; set {key}=false")
-    needs_copy = r.dpo_loss != "simpo" and not r.precompute_reference and not r.lora
-    problem = strategy.frozen_reference_problem(r) if needs_copy else None
+    problem = strategy.frozen_reference_problem(r) if reference_kind(r) == "frozen" else None
     if problem:
         raise RecipeError(f"objective=dpo with {problem}, or precompute_reference=true (no reference held while "
                           "training)")

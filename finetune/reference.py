@@ -1,5 +1,6 @@
 """The reference a preference loss (finetune/objectives/dpo.py) compares the policy with: the model as
-training started. Three ways to have it, chosen by the recipe (build_reference):
+training started. Three ways to have it, chosen by the recipe (recipe.reference_kind), set up by the
+DPO objective (its before_model and after_prepare):
 
 - LoRA / QLoRA: the policy itself with its adapter switched off (the frozen base): no second copy.
 - full fine-tune: a frozen copy of the starting weights, placed by the strategy (Strategy.wrap_reference:
@@ -26,7 +27,7 @@ import torch
 from finetune import data as D
 from finetune.data.loading import cache_fingerprint, tokenizer_fingerprint
 from finetune.loss import sequence_logps
-from finetune.recipe import RecipeError
+from finetune.recipe import RecipeError, reference_kind
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 FORMAT = "finetune reference log-probs 2"
@@ -82,11 +83,12 @@ def build_reference(plan, accelerator, model_path: str, config, weights_on_this_
     from finetune.model import load_model
 
     r = plan.recipe
-    if r.objective != "dpo" or r.dpo_loss == "simpo":
+    kind = reference_kind(r)
+    if kind is None:
         return None
-    if r.precompute_reference:
+    if kind == "precomputed":
         return Precomputed()
-    if r.lora:
+    if kind == "adapter":
         return AdapterDisabled(r)
     plain = dataclasses.replace(r, activation_checkpointing=False, compile=False)
     model = load_model(plain, model_path, config, weights_on_this_rank, dtype=compute_dtype(r))

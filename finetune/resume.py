@@ -28,7 +28,7 @@ from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManif
 from finetune.files import publish
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
-from finetune.recipe import Recipe, RecipeError
+from finetune.recipe import Recipe, RecipeError, reference_kind
 from finetune.strategy import strategy_for
 
 
@@ -240,7 +240,7 @@ def reads_model_again(recipe: Recipe) -> str | None:
     every weight it trains with)."""
     if recipe.lora:
         return "a LoRA run's base weights"
-    if recipe.objective == "dpo" and recipe.dpo_loss != "simpo" and not recipe.precompute_reference:
+    if reference_kind(recipe) == "frozen":
         return "the DPO reference (a frozen copy of the model as training started)"
     return None
 

@@ -15,9 +15,17 @@ The metrics are TRL's: rewards/chosen = beta (pc - rc) on summed log-probs (also
 beta pc, averaged), rewards/rejected, rewards/accuracies (chosen's reward strictly above rejected's: 0
 at the first step, where policy and reference agree), rewards/margins, logps/chosen, logps/rejected
 (summed; SimPO's averaged). Label smoothing is conservative DPO's (Mitchell 2023), as TRL's sigmoid had
-it before 1.0."""
+it before 1.0.
+
+The reference (finetune/reference.py; which one: recipe.reference_kind) is the objective's to set up:
+a precompute_reference run's file is looked for before the model loads (a resume's must be the very
+file its run started with: refused then, not after the load), and after the strategy has prepared the
+policy the reference is built, or the log-probs are computed with the policy (where no file was
+found), read, checked and attached to the pairs."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +33,12 @@ import torch.nn.functional as F
 from finetune import data as D
 from finetune.data import IGNORE
 from finetune.loss import sequence_logps
+from finetune.metrics import log
+from finetune.objectives.base import Basic, Context
+from finetune.recipe import reference_kind
+from finetune.reference import (attach, build_reference, check_precomputed, precompute, precompute_key,
+                                precomputed_path, read_precomputed)
+from finetune.resume import reference_record
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -52,9 +66,11 @@ def pair_losses(kind: str, beta: float, policy: torch.Tensor, reference: torch.T
     return -F.logsigmoid(beta * z) * (1 - label_smoothing) - F.logsigmoid(-beta * z) * label_smoothing
 
 
-class DPO:
+class DPO(Basic):
     name = "dpo"
     metrics = METRICS
+    shown = {"rewards/accuracies": "acc", "rewards/margins": "margin"}
+    identifies_model = True  # the precomputed log-probs are keyed by it; a resume reads the frozen reference again
 
     def __init__(self, recipe, reference=None):
         """reference: what gives the reference's log-probs of a batch (finetune/reference.py); None for
@@ -63,8 +79,41 @@ class DPO:
         self.label_smoothing, self.gamma = recipe.dpo_label_smoothing, recipe.simpo_gamma
         self.per_token = recipe.dpo_loss in ("ipo", "simpo")
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
-        self.reference = reference
+        self.recipe, self.reference = recipe, reference
+        self.precomputed = None  # precompute_reference: (key, the places the file may be, the one found, its sha256)
         self.sums = None
+
+    def before_model(self, context: Context) -> None:
+        """precompute_reference: the file that holds the log-probs, if one does (and, on resume, the one
+        its checkpoint names, or a one-line refusal)."""
+        if reference_kind(self.recipe) != "precomputed":
+            return
+        r = context.recipe
+        key = precompute_key(r, context.datasets, context.identity, context.tokenizer)
+        paths = precomputed_path(r, context.datasets, key)
+        self.precomputed = (key, paths, *check_precomputed(r, paths, reference_record(context.plan.resume)))
+
+    def after_prepare(self, context: Context, model) -> dict:
+        """The reference (finetune/reference.py); precompute_reference: the pairs with their reference
+        log-probs, computed now with the policy (which has not trained yet: it is the reference) where
+        no file was found. Returns what recipe.json and the checkpoints record: the file and its sha256."""
+        accelerator, r = context.accelerator, context.recipe
+        self.reference = build_reference(context.plan, accelerator, context.model_path, context.config,
+                                         context.weights_on_this_rank)
+        if self.reference is not None and accelerator.is_main_process:
+            log.info(f"reference: {self.reference.kind}")
+        if self.precomputed is None:
+            return {}
+        key, paths, found, sha256 = self.precomputed
+        if found is None:
+            t0 = time.perf_counter()
+            found = precompute(accelerator, model, context.datasets, r, context.tokenizer.pad_token_id, paths,
+                               context.to_device, key)
+            if accelerator.is_main_process:
+                log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
+        values, sha256 = read_precomputed(found, key, sha256)
+        attach(context.datasets, found, values)
+        return {"reference_logps": {"path": str(found), "sha256": sha256}}
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch's pairs; its metrics' sums are kept for take_metrics."""
@@ -98,8 +147,3 @@ class DPO:
 
     def eval_count(self, batch: dict) -> int:
         return int(real_pairs(batch).sum())
-
-    def take_metrics(self) -> torch.Tensor | None:
-        """The metrics' sums over the pairs seen since the last call (a step's, or an eval's), or None."""
-        sums, self.sums = self.sums, None
-        return sums

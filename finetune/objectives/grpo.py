@@ -24,7 +24,8 @@ come to the same when every micro-batch holds as many completions):
 so `loss` returns a micro-batch's sum of those terms and `counts` says what it is averaged over
 (completions, or completion tokens for dapo), as SFT and DPO do.
 
-What the rollout phase gives the loop, per micro-batch (`rollout_batch` builds it):
+What the rollout phase (the objective's `rollout`, objectives/base.py) gives the loop, per micro-batch
+(`rollout_batch` builds it):
     input_ids, attention_mask   [rows, length]: prompt then completion, right-padded
     labels                      [rows, length]: the completion's tokens where they count in the loss,
                                 IGNORE elsewhere (prompt, padding, a truncated completion when
@@ -49,6 +50,7 @@ import torch
 from finetune import data as D
 from finetune.data import IGNORE
 from finetune.loss import token_logps
+from finetune.objectives.base import Basic
 from finetune.rewards import weighted_rewards
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
@@ -175,7 +177,7 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stoppe
             "real": torch.tensor([True] * len(rows) if real is None else real, dtype=torch.bool)}
 
 
-class GRPO:
+class GRPO(Basic):
     name = "grpo"
 
     def __init__(self, recipe):
@@ -219,8 +221,8 @@ class GRPO:
         sums, self.sums = self.sums, None
         return sums
 
-    def means(self, sums: torch.Tensor) -> list[float]:
+    def means(self, sums: torch.Tensor, count: torch.Tensor | None = None) -> list[float]:
         """The metrics' values (in `metrics` order) from take_metrics' sums reduced over ranks: means
-        over the completion tokens."""
+        over the completion tokens they count themselves (not over the global batch's count)."""
         values = (sums[:4] / sums[4].clamp(min=1)).tolist()
         return values if self.beta != 0.0 else values[1:]

@@ -8,11 +8,13 @@ import torch
 
 from finetune import data as D
 from finetune.model import loss_sum
+from finetune.objectives.base import Basic
 
 
-class SFT:
+class SFT(Basic):
+    """No set-up, no rollout, no metrics of its own beyond the loss (a mixture of experts' router loss
+    goes by `aux`)."""
     name = "sft"
-    metrics = ()
 
     def __init__(self, recipe):
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens
@@ -30,7 +32,3 @@ class SFT:
     def eval_count(self, batch: dict) -> int:
         """What an eval batch's summed loss is averaged over."""
         return D.target_tokens(batch)
-
-    def take_metrics(self):
-        """SFT has no metrics of its own beyond the loss (a mixture of experts' aux loss goes by `aux`)."""
-        return None

@@ -1,0 +1,98 @@
+"""What the loop asks of an objective (the `Objective` protocol), and `Basic`, the defaults an objective
+without set-up, rollout or metrics of its own takes.
+
+An objective's life in a run, in the loop's order:
+
+    before_model(context)         after the data, before the model loads: cheap checks that would
+                                  otherwise fail after it (DPO: is the precomputed log-probs file there,
+                                  and the one a resumed run needs)
+    after_prepare(context, model) once the strategy has prepared the model: what it holds beside the
+                                  policy (DPO: its reference, or the pairs' precomputed log-probs); gives
+                                  what recipe.json and every checkpoint record of it
+    rollout(run, step, batches)   each step, before its micro-batches' forward: the batches the step
+                                  trains on, made from the schedule's rows (an objective that generates
+                                  before its step: GRPO's completions, rewards and advantages); as given
+                                  for SFT and DPO
+    counts, loss, take_metrics    each step: how the global batch is counted, each micro-batch's summed
+                                  loss, the metrics' sums since last asked
+    means(sums, count)            the metrics' values from their sums reduced over ranks (a step's or an
+                                  eval's) and the global count; SFT and DPO: sums / count
+    eval_count                    what an eval batch's summed loss is averaged over
+
+`metrics` names the values take_metrics sums (in order), `shown` those the progress line and the run
+summary show beside the loss, with their short labels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class Context:
+    """The run's parts an objective's set-up reads, as they stand before the model loads."""
+    plan: object  # finetune.plan.Plan
+    accelerator: object  # accelerate.Accelerator
+    model_path: str
+    config: object  # the model's transformers PretrainedConfig
+    tokenizer: object
+    datasets: object  # finetune.data.Datasets (after_prepare may add columns to its splits)
+    identity: dict | None  # the weights' identity (finetune/identity.py), where the run records one
+    weights_on_this_rank: bool  # whether a model loaded now reads its weights on this rank (strategy.reads_weights)
+    to_device: Callable  # a batch onto the training device (loop.to_device)
+
+    @property
+    def recipe(self):
+        return self.plan.recipe
+
+
+@runtime_checkable
+class Objective(Protocol):
+    name: str
+    metrics: tuple[str, ...]
+    shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
+    identifies_model: bool  # the run records the model's identity: it keys a file by it, or a resume reads the model
+
+    def before_model(self, context: Context) -> None: ...
+
+    def after_prepare(self, context: Context, model) -> dict: ...
+
+    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]: ...
+
+    def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor: ...
+
+    def counts(self, micro_batches: list[dict]) -> torch.Tensor: ...
+
+    def eval_count(self, batch: dict) -> int: ...
+
+    def take_metrics(self) -> torch.Tensor | None: ...
+
+    def means(self, sums: torch.Tensor, count: torch.Tensor) -> list[float]: ...
+
+
+class Basic:
+    """The defaults: no set-up, no rollout, metrics averaged over the global batch's count. An objective
+    with metrics adds their sums to self.sums in loss()."""
+    metrics: tuple[str, ...] = ()
+    shown: dict[str, str] = {}
+    identifies_model = False
+    sums: torch.Tensor | None = None
+
+    def before_model(self, context: Context) -> None:
+        return None
+
+    def after_prepare(self, context: Context, model) -> dict:
+        return {}
+
+    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
+        return micro_batches
+
+    def take_metrics(self) -> torch.Tensor | None:
+        """The metrics' sums since the last call (a step's, or an eval's), or None where none were kept."""
+        sums, self.sums = self.sums, None
+        return sums
+
+    def means(self, sums: torch.Tensor, count: torch.Tensor) -> list[float]:
+        return (sums / count).tolist()
