@@ -243,7 +243,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     if precomputed is not None:
         if found is None:  # the policy has not trained yet: it is the reference
             t0 = time.perf_counter()
-            found = precompute(accelerator, model, datasets, r, tokenizer.pad_token_id, precomputed, to_device)
+            found = precompute(accelerator, model, datasets, r, tokenizer.pad_token_id, precomputed, to_device, sp)
             if is_main:
                 log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
         datasets = attach(datasets, found)

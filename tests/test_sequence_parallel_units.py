@@ -124,7 +124,6 @@ def test_the_tiny_models_heads_take_sp2(tiny_tokenizer):
     (["attn_implementation=eager"], "attn_implementation=eager: Ulysses attention needs"),
     (["packing=true"], "packing=true with sequence_parallel=2"),
     (["padding_free=true"], "padding_free=true with sequence_parallel=2"),
-    (["objective=dpo", "dataset_format=preference"], "objective=dpo with sequence_parallel=2: not yet"),
     (["compile=true", "strategy=fsdp"], "compile=true with sequence_parallel=2"),
 ])
 def test_what_sp_cannot_take_is_one_line(overrides, words):
