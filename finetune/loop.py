@@ -216,7 +216,8 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     objective = objective_for(r)
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
-                      weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device)
+                      weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device,
+                      sp=sp)
     objective.before_model(context)
 
     model, optimizer, scheduler = load_and_prepare(plan, accelerator, model_path, config, total_steps)

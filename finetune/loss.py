@@ -255,14 +255,20 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
     """Each row's summed log-probability of its target tokens (the next token wherever the labels are
     set), and its number of target tokens: what preference losses score a sequence by. As loss_sum,
     computed inside the output layer a chunk of tokens at a time (linear_token_logps), so that no
-    [tokens, vocab] logits exist at once; impl=full computes them from the full logits."""
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
-    labels = batch["labels"]
-    rows = labels.shape[0]
+    [tokens, vocab] logits exist at once; impl=full computes them from the full logits. Of a
+    sequence-parallel shard: its own tokens' sums and counts (sequence_parallel.row_logps sums them over
+    the shards)."""
+    if "shift_labels" in batch:  # a shard: the model gets no attention_mask (see model_inputs)
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
+        targets = batch["shift_labels"]
+    else:
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+        targets = shifted_labels(batch["labels"])
+    rows = targets.shape[0]
     if impl != "full":
         head = OutputHeadLoss(model, impl, chunk, per_token=True)
         if head.supported:
-            with head.computing_loss(shifted_labels(labels)):
+            with head.computing_loss(targets):
                 out = model(**inputs)
             logps = head.check(out.logits)
             where = head.rows.to(logps.device)
@@ -271,7 +277,7 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
                 0, where, torch.ones_like(where))
             return sums, counts
     out = model(**inputs)
-    targets = shifted_labels(labels).to(out.logits.device)
+    targets = targets.to(out.logits.device)
     mask = targets != IGNORE
     logps = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
     return (logps * mask).sum(-1), mask.sum(-1)

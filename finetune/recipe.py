@@ -741,9 +741,6 @@ def _check_sequence_parallel(r: Recipe, strategy) -> None:
             raise RecipeError(f"{key}=true with sequence_parallel={n}: Ulysses attention is causal over the whole "
                               "gathered row and drops the mask that keeps a row's examples apart, so they would "
                               f"attend to one another; set {key}=false (padded rows, one example each)")
-    if r.objective != "sft":
-        raise RecipeError(f"objective={r.objective} with sequence_parallel={n}: not yet (a preference pair's "
-                          "log-probs would be summed across ranks); use sequence_parallel=1")
     if r.compile:
         raise RecipeError(f"compile=true with sequence_parallel={n}: compiled layers around Ulysses' all-to-all "
                           "were not tried; set compile=false")

@@ -13,7 +13,8 @@ DPO objective (its before_model and after_prepare):
   training holds no reference. Any later run on the same model and data reads the file; a resume reads
   the very file its run started with, named with its sha256 in every checkpoint's manifest (and in
   recipe.json). Every read checks the file: whole, of these pairs, of this model (or of that sha256).
-SimPO needs none."""
+SimPO needs none. Under sequence parallelism each runs on the rank's slice of the pairs and its
+log-probs are summed over the SP group (sequence_parallel.row_logps), as the policy's are."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from finetune import data as D
+from finetune import sequence_parallel as SP
 from finetune.data.loading import cache_fingerprint, tokenizer_fingerprint
 from finetune.loss import sequence_logps
 from finetune.recipe import RecipeError, reference_kind
@@ -49,7 +51,7 @@ class AdapterDisabled:
 
     def logps(self, model, batch: dict) -> torch.Tensor:
         with torch.no_grad(), _peft_model(model).disable_adapter():
-            return sequence_logps(model, batch, self.impl, self.chunk)[0]
+            return SP.row_logps(model, batch, self.impl, self.chunk)[0]
 
 
 class Frozen:
@@ -62,7 +64,7 @@ class Frozen:
 
     def logps(self, policy, batch: dict) -> torch.Tensor:
         with torch.no_grad(), self.accelerator.autocast():
-            return sequence_logps(self.model, batch, self.impl, self.chunk)[0]
+            return SP.row_logps(self.model, batch, self.impl, self.chunk)[0]
 
 
 class Precomputed:
@@ -151,10 +153,12 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Path], to_device, key: dict) -> Path:
+def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Path], to_device, key: dict,
+               layout: SP.Layout) -> Path:
     """One pass over the train and eval pairs with the policy as it starts (adapter off under LoRA):
-    each rank scores its share, rank 0 writes them all (atomically), every rank waits for the file."""
-    rank, world = accelerator.process_index, accelerator.num_processes
+    each data-parallel rank scores its share (under sequence parallelism each rank of its group a slice
+    of every pair, summed over the group), rank 0 writes them all (atomically), every rank waits for
+    the file."""
     reference = AdapterDisabled(recipe) if recipe.lora else None
     values = {}
     model.eval()
@@ -162,19 +166,19 @@ def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Pa
         if ds is None:
             continue
         mine = {}
-        for rows in D.eval_batches(ds, recipe.micro_batch_size, rank, world):
-            batch = to_device(D.fetch(ds, rows, pad_id, False), accelerator.device)
+        for rows in D.eval_batches(ds, recipe.micro_batch_size, layout.dp_rank, layout.dp_size):
+            batch = to_device(layout.shard(D.fetch(ds, rows, pad_id, False)), accelerator.device)
             if reference is not None:
                 sums = reference.logps(model, batch)
             else:
                 with torch.no_grad():
-                    sums = sequence_logps(model, batch, recipe.loss_impl, recipe.loss_chunk_tokens or None)[0]
+                    sums = SP.row_logps(model, batch, recipe.loss_impl, recipe.loss_chunk_tokens or None)[0]
             sums = sums.float().cpu().tolist()
-            n = len(rows)
+            n = len(sums) // 2  # chosen first (a sequence-parallel shard's sides are padded to micro_batch_size)
             for j, row in enumerate(rows):
                 if row >= 0:
                     mine[row] = (sums[j], sums[n + j])
-        gathered = [None] * world
+        gathered = [None] * accelerator.num_processes
         torch.distributed.all_gather_object(gathered, mine)
         merged = {k: v for part in gathered for k, v in part.items()}
         values[split] = [merged[i] for i in range(len(ds))]

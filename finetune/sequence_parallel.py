@@ -30,13 +30,36 @@ sequences to fp32 round-off):
   gradients is the gradient of the sum over all shards: the update is the gradient of (sum over
   target tokens) / (global count), as without SP.
 
+Preference pairs (objective=dpo: DPO, IPO, SimPO) are scored by each sequence's summed log-probability
+of its response tokens, which the pair's loss (nonlinear in it) needs whole: each shard sums its own
+tokens' log-probs and counts (loss.sequence_logps) and `row_logps` sums them over the SP group with an
+all-reduce whose backward is the all-reduce of the gradients (`sum_over_sequence`), so every rank of
+the group holds the whole row's values and the gradient of its local sum is the pair loss's gradient
+with respect to the whole sum. Every rank of the group then computes the same pair losses and
+metrics; only the group's first rank counts them (`counts_pairs`): its loss is the pair losses, the
+others' is 0 times them (they still run the backward through the all-reduce, whose sum gives each
+rank's shard the first rank's gradient), and the pairs of a global batch are counted once. A pair
+micro-batch is 2 x micro_batch_size rows (every chosen sequence, then every rejected one), padded
+per side with placeholder pairs (no targets), and shard() carries the pairs' whole-row facts
+(real_pairs, precomputed ref_logps) unsliced. The reference (a frozen copy, the adapter-disabled
+policy) runs on the same shards and is summed over the group too; precompute_reference scores the
+pairs so before training.
+
 The attention mask is dropped (Ulysses runs causal attention over the gathered sequence), which is
 why packed rows (several examples per row, kept apart only by a mask) are refused with SP, and eager
 attention (DeepSpeed refuses it: it needs a 4D mask).
+
+A mixture of experts' router (load-balancing) loss is refused under SP (config_problem): the model
+computes it inside its forward from the router logits of the tokens it sees, as num_experts x sum over
+experts of (fraction of tokens routed to e) x (mean router probability of e), a product of means over
+the whole batch, and it drops padding by the attention mask, which Ulysses never sees. Per shard it is
+another number (and counts the shards' padding); the whole row's would need the family's own formula
+re-done on router statistics summed over the group, per model family.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -72,6 +95,11 @@ def config_problem(recipe, config) -> str | None:
     if kv % n and n % kv:
         return (f"sequence_parallel={n}: the model has {kv} key/value heads; Ulysses needs them divisible by {n} "
                 f"(or {n} divisible by them); use a sequence_parallel that divides {kv}")
+    if getattr(text, "output_router_logits", False) and (getattr(text, "router_aux_loss_coef", 0.0) or 0.0):
+        return (f"sequence_parallel={n}: the model ({getattr(config, 'model_type', '?')}) trains a mixture of experts' "
+                "router loss (output_router_logits=true), which it computes per shard, over the shard's tokens and "
+                "padding, not over the whole row; set output_router_logits=false in the model's config (no router "
+                "loss) or sequence_parallel=1")
     return None
 
 
@@ -83,27 +111,39 @@ class Layout:
     rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
-    rows: int = 1  # micro_batch_size: Ulysses' wrapper is registered for this many rows
+    rows: int = 1  # micro_batch_size: Ulysses' wrapper is registered for this many rows (pairs: twice)
     pad_id: int = 0
+    pairs: bool = False  # micro-batches of preference pairs (objective=dpo)
 
     @classmethod
     def of(cls, recipe, rank: int, world_size: int, pad_id: int = 0) -> "Layout":
         n = recipe.sequence_parallel
-        return cls(n, rank % n, rank // n, world_size // n, recipe.micro_batch_size, pad_id)
+        return cls(n, rank % n, rank // n, world_size // n, recipe.micro_batch_size, pad_id,
+                   recipe.objective == "dpo")
 
     def shard(self, batch: dict) -> dict:
         """This rank's contiguous 1/size of every row of a collated micro-batch; unchanged without SP."""
         if self.size == 1:
             return batch
-        return shard(batch, self.size, self.rank, self.rows, self.pad_id)
+        return shard(batch, self.size, self.rank, self.rows, self.pad_id, self.pairs)
 
 
-def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int) -> dict:
+def forward_rows(recipe) -> int:
+    """Rows per forward: micro_batch_size, or twice that for pairs (chosen and rejected in one forward)."""
+    return recipe.micro_batch_size * (2 if recipe.objective == "dpo" else 1)
+
+
+def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool = False) -> dict:
     """A padded micro-batch (input_ids, labels, attention_mask) as rank `rank` of `size` keeps it: rows
     padded to `rows` and to a length divisible by `size` (pad tokens, IGNORE labels, mask 0), global
     position ids, labels shifted over the whole row before slicing (shift_labels), then the slice
     [rank * length / size, (rank + 1) * length / size). The slice keeps its attention_mask so that its
-    real tokens can be counted (finetune/loss.py does not give it to the model)."""
+    real tokens can be counted (finetune/loss.py does not give it to the model).
+
+    pairs: a micro-batch of preference pairs (finetune/data/batches.py collate_pairs: every chosen
+    sequence, then every rejected one); each side is padded to `rows` with placeholder pairs, and the
+    shard carries, whole, which pairs are real (real_pairs, [rows]: a pair whose chosen sequence has a
+    target token) and the precomputed reference log-probs where the pairs have them (ref_logps, [2 rows])."""
     import torch
     import torch.nn.functional as F
 
@@ -111,15 +151,82 @@ def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int) -> dict:
     mask = batch.get("attention_mask")
     b, s = ids.shape
     width = -(-s // size) * size
-    grow = (0, width - s, 0, max(rows - b, 0))
-    ids = F.pad(ids, grow, value=pad_id)
-    labels = F.pad(labels, grow, value=IGNORE)
-    mask = F.pad(mask if mask is not None else torch.ones(b, s, dtype=torch.long), grow, value=0)
+    if mask is None:
+        mask = torch.ones(b, s, dtype=torch.long)
+
+    def grow(t, value):
+        if not pairs:
+            return F.pad(t, (0, width - s, 0, max(rows - b, 0)), value=value)
+        n = t.shape[0] // 2
+        return torch.cat([F.pad(half, (0, width - s, 0, max(rows - n, 0)), value=value) for half in (t[:n], t[n:])])
+
+    ids, labels, mask = grow(ids, pad_id), grow(labels, IGNORE), grow(mask, 0)
     positions = torch.arange(width, dtype=torch.long).expand(ids.shape[0], width)
     targets = F.pad(labels, (0, 1), value=IGNORE)[:, 1:]  # each position's target: the next token
     part = slice(rank * width // size, (rank + 1) * width // size)
-    return {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous(),
-            "shift_labels": targets[:, part].contiguous(), "attention_mask": mask[:, part].contiguous()}
+    out = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous(),
+           "shift_labels": targets[:, part].contiguous(), "attention_mask": mask[:, part].contiguous()}
+    if pairs:
+        n = ids.shape[0] // 2
+        out["real_pairs"] = (targets[:n] != IGNORE).any(-1)
+        if "ref_logps" in batch:
+            ref = batch["ref_logps"]
+            k = ref.shape[0] // 2
+            out["ref_logps"] = torch.cat([F.pad(half, (0, max(n - k, 0))) for half in (ref[:k], ref[k:])])
+    return out
+
+
+_GROUP: dict = {}  # "group": this rank's SP process group (DeepSpeed's, the one Ulysses attention uses), "rank"
+
+
+@functools.cache
+def _sum_function():
+    """The autograd function, built once (torch is imported inside functions here: the planner imports
+    this module)."""
+    import torch
+
+    class SumOverSequence(torch.autograd.Function):
+        """All-reduce (sum) over the SP group; backward: the all-reduce of the incoming gradients, the
+        gradient of the sum over the group's ranks of what each computed from the total."""
+
+        @staticmethod
+        def forward(ctx, t, group):
+            ctx.group = group
+            t = t.clone()
+            torch.distributed.all_reduce(t, group=group)
+            return t
+
+        @staticmethod
+        def backward(ctx, grad):
+            grad = grad.contiguous().clone()
+            torch.distributed.all_reduce(grad, group=ctx.group)
+            return grad, None
+
+    return SumOverSequence
+
+
+def sum_over_sequence(t):
+    """A per-shard tensor summed over this rank's SP group (differentiably); itself without SP."""
+    group = _GROUP.get("group")
+    if group is None:
+        return t
+    return _sum_function().apply(t, group)
+
+
+def counts_pairs() -> bool:
+    """Whether this rank counts what is computed once per row (a pair's loss, metrics and count): the
+    first rank of each SP group (every rank without SP)."""
+    return _GROUP.get("rank", 0) == 0
+
+
+def row_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None):
+    """loss.sequence_logps of whole rows: of a shard, its sums and counts summed over the SP group."""
+    from finetune.loss import sequence_logps
+
+    sums, counts = sequence_logps(model, batch, impl, chunk)
+    if "shift_labels" not in batch:
+        return sums, counts
+    return sum_over_sequence(sums), sum_over_sequence(counts)
 
 
 _ATTENTION: dict = {}  # the implementation's name -> (its own function, the Ulysses wrapper)
@@ -146,8 +253,12 @@ def start(recipe, model) -> None:
     own = ALL_ATTENTION_FUNCTIONS[impl]
     UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=hf_model(model), core_attn_implementation=impl, sequence_parallel_size=n,
-        micro_batch_size=recipe.micro_batch_size, seq_length_is_variable=True, disable_in_eval=False)
+        micro_batch_size=forward_rows(recipe), seq_length_is_variable=True, disable_in_eval=False)
     _ATTENTION[impl] = (own, ALL_ATTENTION_FUNCTIONS[impl])
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    group = parallel_state_sp.get_sequence_parallel_group()
+    _GROUP.update(group=group, rank=torch.distributed.get_rank(group=group))
 
 
 @contextmanager

@@ -75,6 +75,56 @@ def test_a_shard_gives_the_model_no_mask_and_the_loss_its_shifted_targets():
     assert set(inputs) == {"input_ids", "attention_mask"} and torch.equal(targets, shifted_labels(whole["labels"]))
 
 
+def pairs(lengths, placeholders=0, seed=0):
+    """A micro-batch of preference pairs as D.fetch makes it (every chosen sequence, then every rejected
+    one), with precomputed reference log-probs; the last `placeholders` pairs carry no targets."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for k, (c, r) in enumerate(lengths):
+        row = {}
+        for side, n in (("chosen", c), ("rejected", r)):
+            ids = torch.randint(5, 100, (n,), generator=g).tolist()
+            real = k < len(lengths) - placeholders
+            row[f"{side}_input_ids"], row[f"{side}_labels"] = ids, [IGNORE] * 4 + (ids[4:] if real else [IGNORE] * (n - 4))
+        row["ref_chosen_logps"], row["ref_rejected_logps"] = -1.0 - k, -2.0 - k
+        rows.append(row)
+    return D.collate_pairs(rows, pad_id=0)
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_pair_shards_pad_each_side_with_placeholder_pairs_and_carry_whole_row_facts(size):
+    """2 pairs (one a placeholder) in a micro-batch of 3: each side padded to 3 rows, chosen rows first;
+    which pairs are real and their reference log-probs are carried whole, not sliced."""
+    whole = pairs([(9, 6), (7, 11)], placeholders=1)
+    shards = [SP.shard(whole, size, rank, 3, pad_id=0, pairs=True) for rank in range(size)]
+    for s in shards:
+        assert s["input_ids"].shape[0] == 6
+        assert s["real_pairs"].tolist() == [True, False, False]
+        assert s["ref_logps"].tolist() == [-1.0, -2.0, 0.0, -2.0, -3.0, 0.0]
+    cat = torch.cat([s["shift_labels"] for s in shards], dim=1)
+    n = whole["input_ids"].shape[1]
+    want = shifted_labels(whole["labels"])
+    assert torch.equal(cat[0, :n], want[0]) and torch.equal(cat[3, :n], want[2])  # the first pair, both sides
+    assert (cat[[1, 2, 4, 5]] == IGNORE).all()  # the placeholder pair and the padding pair: no targets
+    # which pairs are real is read from the whole rows: a shard may hold no target of a real pair
+    from finetune.objectives.dpo import real_pairs
+
+    assert real_pairs(whole).tolist() == [True, False]
+    assert sum(D.target_tokens(s) for s in shards) == D.target_tokens(whole)
+
+
+def test_a_mixture_of_experts_router_loss_is_refused_under_sp():
+    moe = config(4, 2, "mixtral")
+    text = moe.get_text_config()
+    text.output_router_logits, text.router_aux_loss_coef = True, 0.02
+    problem = SP.config_problem(recipe("sequence_parallel=2"), moe)
+    assert "router loss (output_router_logits=true)" in problem and "\n" not in problem
+    text.output_router_logits = False  # no router loss: nothing is computed per shard
+    assert SP.config_problem(recipe("sequence_parallel=2"), moe) is None
+    text.output_router_logits = True
+    assert SP.config_problem(recipe(), moe) is None
+
+
 def test_layout_puts_consecutive_ranks_in_one_sp_group():
     # DeepSpeed's parallel_state_sp: SP groups [0, 1], [2, 3]; data parallel over rank // N
     r = recipe("sequence_parallel=2", "micro_batch_size=3")
@@ -124,7 +174,6 @@ def test_the_tiny_models_heads_take_sp2(tiny_tokenizer):
     (["attn_implementation=eager"], "attn_implementation=eager: Ulysses attention needs"),
     (["packing=true"], "packing=true with sequence_parallel=2"),
     (["padding_free=true"], "padding_free=true with sequence_parallel=2"),
-    (["objective=dpo", "dataset_format=preference"], "objective=dpo with sequence_parallel=2: not yet"),
     (["compile=true", "strategy=fsdp"], "compile=true with sequence_parallel=2"),
 ])
 def test_what_sp_cannot_take_is_one_line(overrides, words):

@@ -42,6 +42,7 @@ class Context:
     identity: dict | None  # the weights' identity (finetune/identity.py), where the run records one
     weights_on_this_rank: bool  # whether a model loaded now reads its weights on this rank (strategy.reads_weights)
     to_device: Callable  # a batch onto the training device (loop.to_device)
+    sp: object  # this rank's sequence-parallel layout (finetune.sequence_parallel.Layout)
 
     @property
     def recipe(self):

@@ -21,7 +21,11 @@ The reference (finetune/reference.py; which one: recipe.reference_kind) is the o
 a precompute_reference run's file is looked for before the model loads (a resume's must be the very
 file its run started with: refused then, not after the load), and after the strategy has prepared the
 policy the reference is built, or the log-probs are computed with the policy (where no file was
-found), read, checked and attached to the pairs."""
+found), read, checked and attached to the pairs.
+
+Under sequence parallelism (finetune/sequence_parallel.py) each rank holds a slice of every sequence:
+the log-probs are the whole rows' (SP.row_logps sums the shards' over the SP group, with a backward),
+and the first rank of each group counts the pairs' losses, metrics and number (SP.counts_pairs)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import data as D
+from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import sequence_logps
 from finetune.metrics import log
@@ -46,7 +51,9 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
 
 def real_pairs(batch: dict) -> torch.Tensor:
     """Which pairs of a micro-batch are real: a placeholder pair (keeping ranks in lock-step) carries
-    no target token."""
+    no target token. A sequence-parallel shard carries them, computed on the whole rows."""
+    if "real_pairs" in batch:
+        return batch["real_pairs"]
     n = batch["input_ids"].shape[0] // 2
     return (batch["labels"][:n, 1:] != IGNORE).any(-1)
 
@@ -108,7 +115,7 @@ class DPO(Basic):
         if found is None:
             t0 = time.perf_counter()
             found = precompute(accelerator, model, context.datasets, r, context.tokenizer.pad_token_id, paths,
-                               context.to_device, key)
+                               context.to_device, key, context.sp)
             if accelerator.is_main_process:
                 log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
         values, sha256 = read_precomputed(found, key, sha256)
@@ -118,7 +125,7 @@ class DPO(Basic):
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch's pairs; its metrics' sums are kept for take_metrics."""
         reference = self.reference.logps(model, batch) if self.reference is not None else None
-        sums, counts = sequence_logps(model, batch, self.loss_impl, self.chunk)
+        sums, counts = SP.row_logps(model, batch, self.loss_impl, self.chunk)
         tokens = counts.clamp(min=1)
         if reference is not None:
             reference = reference.to(sums.device)
@@ -129,7 +136,7 @@ class DPO(Basic):
             losses = pair_losses(self.kind, self.beta, sums, reference, label_smoothing=self.label_smoothing)
         logps = (sums / tokens if self.kind == "simpo" else sums).detach()
         rewards = self.beta * (logps if reference is None else logps - reference)
-        real = real_pairs(batch).to(losses.device)
+        real = real_pairs(batch).to(losses.device) & SP.counts_pairs()
         n = real.shape[0]
         chosen, rejected = rewards[:n], rewards[n:]
         values = torch.stack([chosen, rejected, (chosen > rejected).to(chosen.dtype), chosen - rejected,
@@ -141,9 +148,10 @@ class DPO(Basic):
     def counts(self, micro_batches: list[dict]) -> torch.Tensor:
         """This rank's part of the global batch as [pairs, response tokens, input tokens], float64;
         summed over ranks."""
-        return torch.tensor([sum(int(real_pairs(b).sum()) for b in micro_batches),
+        return torch.tensor([sum(self.eval_count(b) for b in micro_batches),
                              sum(D.target_tokens(b) for b in micro_batches),
                              sum(D.input_tokens(b) for b in micro_batches)], dtype=torch.float64)
 
     def eval_count(self, batch: dict) -> int:
-        return int(real_pairs(batch).sum())
+        """The real pairs of a batch (counted by one rank of each sequence-parallel group)."""
+        return int(real_pairs(batch).sum()) if SP.counts_pairs() else 0

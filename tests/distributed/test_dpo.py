@@ -3,7 +3,13 @@
 of reference: a frozen copy sharded by FSDP2 or partitioned by ZeRO-3, the adapter-disabled policy (LoRA,
 QLoRA), precomputed log-probs (zero2, reused by a resume on 1 process), none (SimPO under ddp). A SIGKILLed
 zero3 run resumes bit for bit (its reference rebuilt from the model); final/ loads with transformers (peft
-for adapters); the tiny_dpo recipe learns (eval reward accuracy well above 0.5)."""
+for adapters); the tiny_dpo recipe learns (eval reward accuracy well above 0.5).
+
+Under sequence parallelism (each pair's sequences split across 2 ranks, their log-probs summed over the
+SP group): 2 processes with SP 2 under fsdp (a frozen reference sharded by FSDP2), under zero2 with the
+reference precomputed under SP (equal to the whole pairs' file), QLoRA under zero3 (the adapter-disabled
+reference), and 4 processes as SP 2 x data parallel 2 under zero3 (the frozen reference partitioned),
+each equal to 1 process on whole pairs; a SIGKILLed SP run resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -34,7 +40,13 @@ TWO_PROCESSES = {  # name: (its 1-process curve, overrides)
     "qlora_fsdp": ("qlora", ["strategy=fsdp", *LORA, "load_in_4bit=true"]),
     "precompute_zero2": ("full", ["strategy=zero2", "precompute_reference=true"]),
     "simpo_ddp": ("simpo", ["strategy=ddp", "dpo_loss=simpo", "dpo_beta=2.0"]),
+    "sp2_fsdp": ("full", ["strategy=fsdp", "sequence_parallel=2"]),
+    "sp2_precompute_zero2": ("full", ["strategy=zero2", "sequence_parallel=2", "precompute_reference=true"]),
+    "sp2_qlora_zero3": ("qlora", ["strategy=zero3", "sequence_parallel=2", *LORA, "load_in_4bit=true"]),
 }
+# Runs that precompute the reference in a datasets cache of their own: the file is keyed by the model and
+# data, not by how the processes split the pairs, so a run in the shared cache would read another's.
+OWN_CACHE = ("sp2_precompute_zero2",)
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
 # fp32. The loss is held to 1e-6 (measured: up to 7.9e-7 between 2 processes and 1). The rewards and logps are
@@ -62,12 +74,22 @@ def assert_close(x: dict, y: dict, rtol: float = RTOL):
 
 
 @pytest.fixture(scope="module")
-def dpo_run(launch):
+def dpo_run(launch, tmp_path_factory):
     def run(name: str, nprocs: int):
         overrides = ONE_PROCESS[name] if nprocs == 1 else TWO_PROCESSES[name][1]
-        return launch(nprocs, *DPO, *overrides, recipe="tiny_dpo")
+        env = {"HF_DATASETS_CACHE": str(tmp_path_factory.mktemp("datasets"))} if name in OWN_CACHE else None
+        return launch(nprocs, *DPO, *overrides, recipe="tiny_dpo", extra_env=env)
 
     return once(run)
+
+
+def reference_kind(overrides: list[str]) -> str | None:
+    """What the run's log names its reference: build_reference's kinds."""
+    if "precompute_reference=true" in overrides:
+        return "precomputed"
+    if "lora=true" in overrides:
+        return "the policy with its adapter disabled"
+    return None if "dpo_loss=simpo" in overrides else "a frozen copy"
 
 
 def curve(run) -> list[dict]:
@@ -84,23 +106,29 @@ def assert_same_curve(got, want):
 
 @pytest.mark.parametrize("name", list(TWO_PROCESSES))
 def test_two_processes_equal_one(name, dpo_run):
-    one, _ = TWO_PROCESSES[name]
+    one, overrides = TWO_PROCESSES[name]
     got, want = dpo_run(name, 2), dpo_run(one, 1)
+    assert_equal_to_one_process(got, want, overrides)
+
+
+def assert_equal_to_one_process(got, want, overrides):
     records = got.train_records
     assert [r["step"] for r in records] == list(range(1, 7))
     assert all(set(METRICS) <= set(r) for r in records), records[0]
-    if not name.startswith("simpo"):  # step 1: the policy is the reference
+    kind = reference_kind(overrides)
+    if kind is not None:  # step 1: the policy is the reference
         first = records[0]
         assert abs(first["rewards/chosen"]) < 1e-5 and abs(first["rewards/rejected"]) < 1e-5, first
-        if not name.startswith("precompute"):  # computed in the same forward: equal, so never strictly ahead
+        if kind != "precomputed":  # computed in the same forward: equal, so never strictly ahead
             assert first["rewards/accuracies"] == 0.0, first
     assert_same_curve(got, want)
-    reference = {"fsdp": "a frozen copy", "zero3": "a frozen copy", "lora_fsdp": "the policy with its adapter disabled",
-                 "qlora_fsdp": "the policy with its adapter disabled", "precompute_zero2": "precomputed"}
-    if name in reference:
-        assert f"reference: {reference[name]}" in got.stderr
+    if kind is not None:
+        assert f"reference: {kind}" in got.stderr
     else:
         assert "reference:" not in got.stderr  # SimPO holds none
+    resolved = json.loads((got.output_dir / "recipe.json").read_text())
+    sp = int(next((o.split("=")[1] for o in overrides if o.startswith("sequence_parallel=")), 1))
+    assert (resolved["sequence_parallel"], resolved["global_batch_size"]) == (sp, 16)
 
 
 def test_eval_and_summary_carry_the_metrics(dpo_run):
@@ -255,3 +283,49 @@ def test_tiny_dpo_recipe_learns(launch, tmp_path_factory):
     assert evals[0]["eval_rewards/accuracies"] == 0.0  # the policy is the reference at step 0
     assert evals[-1]["eval_rewards/accuracies"] >= 0.8, evals
     assert evals[-1]["eval_loss"] < math.log(2) - 0.1, evals
+
+
+# ---------------------------------------------------------------- sequence parallelism
+
+
+def test_reference_precomputed_under_sp_equals_the_whole_pairs_one(dpo_run):
+    """The SP run computed its own file (its own datasets cache) and it holds the whole pairs' log-probs
+    of every train and eval pair, as the file 2 processes without SP wrote."""
+    sp, whole = dpo_run("sp2_precompute_zero2", 2), dpo_run("precompute_zero2", 2)
+    files = []
+    for run in (sp, whole):
+        line = next(x for x in run.stderr.splitlines() if "reference log-probs of every pair computed in" in x)
+        files.append(json.loads(open(line.rsplit(": ", 1)[1]).read()))
+    assert files[0].keys() == files[1].keys() == {"train", "eval"}
+    for split in ("train", "eval"):
+        got, want = torch.tensor(files[0][split]), torch.tensor(files[1][split])
+        assert got.shape == want.shape and got.shape[0] > 100
+        tolerance = SUM_EPSILONS * torch.finfo(torch.float32).eps * want.abs()
+        assert ((got - want).abs() <= tolerance).all(), (split, (got - want).abs().max())
+
+
+def test_sp2_by_dp2_on_four_processes_equals_one(dpo_run, launch):
+    """4 processes: SP groups [0, 1] and [2, 3], 2 data-parallel ranks reading their own pairs, the
+    frozen reference partitioned by ZeRO-3 over the 4 (about 2 minutes on 2 loaded cores)."""
+    overrides = ["strategy=zero3", "sequence_parallel=2"]
+    run = launch(4, *DPO, *overrides, recipe="tiny_dpo")
+    resolved = json.loads((run.output_dir / "recipe.json").read_text())
+    assert (resolved["world_size"], resolved["grad_accum"]) == (4, 2)
+    assert_equal_to_one_process(run, dpo_run("full", 1), overrides)
+
+
+def test_sigkill_and_exact_resume_under_sp(dpo_run, launch, tmp_path_factory):
+    reference = dpo_run("sp2_fsdp", 2)
+    overrides = TWO_PROCESSES["sp2_fsdp"][1]
+    out = tmp_path_factory.mktemp("dpo-sp-fault")
+    first = launch(2, *DPO, *overrides, output_dir=out, check=False, recipe="tiny_dpo",
+                   extra_env={"FINETUNE_FAULT": "after_step:1:5"})
+    assert first.returncode != 0, "a killed rank must fail the launch"
+    second = launch(2, *DPO, *overrides, "--resume", "auto", output_dir=out, recipe="tiny_dpo")
+    assert f"resumed from {out / 'checkpoints' / 'step_000000003'} at step 3" in second.stderr
+    assert curve(second) == curve(reference), "the resumed SP run logs exactly what the uninterrupted one did"
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(out / "final" / "model.safetensors")), load_file(
+        str(reference.output_dir / "final" / "model.safetensors"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

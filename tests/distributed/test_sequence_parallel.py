@@ -3,7 +3,8 @@ sequence_parallel=2 (each row split in two, DeepSpeed's all-to-all attention, da
 train the same global batches as 1 process on whole rows and log the same losses to fp32 round-off,
 under zero3 and fsdp, and so do 4 processes as SP 2 x data parallel 2; a SIGKILLed SP run resumes
 bit for bit; an SP checkpoint continues without SP on 1 process; final/ and an export load with plain
-transformers and give the logged eval loss.
+transformers and give the logged eval loss; LoRA under SP 2 trains the 1-process LoRA curve (DPO and
+QLoRA under SP: tests/distributed/test_dpo.py).
 
 One launch per strategy serves the curve, final/ and export asserts; the 1-process runs are the
 suite's shared ones (strategy_run(name, nprocs=1), test_strategies and test_checkpoint use them too)."""
@@ -106,3 +107,15 @@ def test_tiled_mlp_under_zero3_equals_untiled(launch, strategy_run):
     run = launch(2, "strategy=zero3", "tiled_mlp=true", *SAVE)
     assert json.loads((run.output_dir / "recipe.json").read_text())["tiled_mlp"] is True
     assert_same_curve(run, strategy_run("zero3"), rtol=1e-6)
+
+
+def test_lora_under_sp2_equals_one_process(launch):
+    """LoRA SFT (no dropout: its draws follow the tensors' shapes, a shard's are not the whole row's)
+    with SP 2 under fsdp trains the 1-process curve, and final/ is an adapter peft loads."""
+    from peft import PeftConfig
+
+    lora = ["lora=true", "lora_dropout=0", "lr=1e-2"]
+    run, reference = launch(2, "strategy=fsdp", *SP2, *lora), launch(1, "strategy=ddp", *lora)
+    assert_same_curve(run, reference)
+    assert run.losses[-1] < run.losses[0] - 0.1, run.losses
+    assert PeftConfig.from_pretrained(run.output_dir / "final").r == 16
