@@ -214,7 +214,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
-        if datasets.eval is not None and r.sample_prompts else []
+        if datasets.eval is not None and r.sample_prompts and r.objective != "reward" else []  # a reward model scores
     for line in D.summary_lines(datasets, r):
         log.info(line)
     # what final/ and every checkpoint's hf/ name as stop tokens: a chat run's end-of-turn token too

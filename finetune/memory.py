@@ -348,8 +348,9 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
                     quantized_base=lora and bool(getattr(recipe, "load_in_4bit", False)),
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
-                    one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0,
-                    reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") == "dpo",
+                    one_row=padding_free_scores(recipe),
+                    samples=getattr(recipe, "sample_prompts", 0) > 0 and getattr(recipe, "objective", "sft") != "reward",
+                    reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") in ("dpo", "reward"),
                     sequence_parallel=getattr(recipe, "sequence_parallel", 1))
 
 

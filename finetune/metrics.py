@@ -85,7 +85,8 @@ def run_history(records: list[dict]) -> list[dict]:
     return history
 
 
-PAIR_METRICS = {"rewards/accuracies": "acc", "rewards/margins": "margin"}  # a preference run's, shown beside the loss
+# a preference run's (DPO's; a reward model's), shown beside the loss
+PAIR_METRICS = {"rewards/accuracies": "acc", "rewards/margins": "margin", "accuracy": "acc", "margin": "margin"}
 
 
 class Progress:
