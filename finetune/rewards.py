@@ -237,12 +237,33 @@ def math_answer(completions, answer, **kwargs):
     return out
 
 
+def side_ids(tokenizer, prompt, completion) -> list[int]:
+    """prompt + completion tokenized as a preference pair's side is for training (finetune/data/preference.py
+    encode_sides; not imported from there: finetune.data imports the recipe, which imports this module;
+    tests/test_reward_objective.py holds the two equal). A text prompt: the tokenizer's own BOS (what it
+    adds by itself, if anything), prompt + completion as one text (a completion ending in the EOS string
+    loses it), the EOS id. A conversational prompt: prompt + the completion as the assistant's message,
+    rendered by the chat template and tokenized without added special tokens."""
+    text = completion_text(completion)
+    if not isinstance(prompt, str):
+        messages = list(prompt) + [{"role": "assistant", "content": text}]
+        return list(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids)
+    eos = tokenizer.eos_token
+    if eos and text.endswith(eos):
+        text = text[:-len(eos)]
+    plain, full = tokenizer("a", add_special_tokens=False).input_ids, tokenizer("a").input_ids
+    bos = next((full[:k] for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain),
+               full[:1] if full and full[0] == tokenizer.bos_token_id else [])
+    ids = list(bos) + list(tokenizer(prompt + text, add_special_tokens=False).input_ids)
+    return ids + ([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
+
+
 @dataclass
 class RewardModel:
     """A sequence-classification model directory (AutoModelForSequenceClassification with one label, its
     tokenizer beside it: final/ of an objective=reward run, or any such model) as a reward function: the
     score of prompt + completion. Each is tokenized as that run tokenized a pair's side
-    (finetune/data/preference.py encode_sides): a text prompt and completion as one text between the
+    (side_ids): a text prompt and completion as one text between the
     tokenizer's BOS and EOS; a conversational prompt (a list of messages) with the completion as the
     assistant's answer, rendered by the tokenizer's chat template. Rows are right-padded with the
     model's pad id and scored at their last token that is not it (transformers' rule, and the run's).
@@ -273,16 +294,9 @@ class RewardModel:
         return self._model, self._tokenizer
 
     def encode(self, prompts, completions) -> list[list[int]]:
-        """Each prompt + completion's token ids, as an objective=reward run's pair side."""
-        from finetune.data.preference import encode_sides
-
+        """Each prompt + completion's token ids, as an objective=reward run's pair side (side_ids)."""
         _, tokenizer = self.load()
-        rows = []
-        for prompt, completion in zip(prompts, completions):
-            text = completion_text(completion)
-            side = text if isinstance(prompt, str) else [{"role": "assistant", "content": text}]
-            rows.append({"prompt": prompt, "chosen": side, "rejected": side})
-        ids = [chosen[0] for chosen, _ in encode_sides(rows, tokenizer)]
+        ids = [side_ids(tokenizer, p, c) for p, c in zip(prompts, completions)]
         return [x[:self.max_length] for x in ids] if self.max_length else ids
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:

@@ -161,15 +161,22 @@ def test_preference_rows_train_a_reward_model(tmp_path):
 
 
 def test_reward_model_encodes_as_the_run(tmp_path, tiny_tokenizer):
-    """RewardModel's tokens for prompt + completion are the run's tokens of that pair side."""
+    """RewardModel's tokens for prompt + completion are the run's tokens of that pair side (text prompts, a
+    completion ending in the EOS string, conversations through the chat template)."""
     from finetune.rewards import RewardModel
 
-    rows = [{"prompt": "Copy: abc\nAnswer: ", "chosen": "abc", "rejected": "ABC"},
-            {"prompt": "Reverse: ich\nAnswer: ", "chosen": "hci", "rejected": "xrw"}]
+    eos = tiny_tokenizer.eos_token
+    rows = [{"prompt": "Copy: abc\nAnswer: ", "chosen": "abc", "rejected": "ABC" + eos},
+            {"prompt": "Reverse: ich\nAnswer: ", "chosen": "hci", "rejected": "xrw"},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Copy: abc"}],
+             "chosen": [{"role": "assistant", "content": "abc"}], "rejected": [{"role": "assistant", "content": "cba"}]}]
+    assert tiny_tokenizer.chat_template
     prepared = D.encode_pairs(rows, tiny_tokenizer, 128)
     model = RewardModel(str(tmp_path))
     model._tokenizer, model._model = tiny_tokenizer, object()  # loaded: only its tokenizer is used here
     prompts = [r["prompt"] for r in rows] * 2
-    ids = model.encode(prompts, [r["chosen"] for r in rows] + [r["rejected"] for r in rows])
+    ids = model.encode(prompts, [r["chosen"] for r in rows] + [r["rejected"][0]["content"] if isinstance(
+        r["rejected"], list) else r["rejected"] for r in rows])
     assert ids == prepared["chosen_input_ids"] + prepared["rejected_input_ids"]
     assert ids[0][0] == tiny_tokenizer.bos_token_id and ids[0][-1] == tiny_tokenizer.eos_token_id
+    assert ids[3].count(tiny_tokenizer.eos_token_id) == 1
