@@ -24,7 +24,7 @@ from finetune.checkpoint import (HF_DIR, checkpoints_dir, complete_checkpoints, 
                                  safe_loading, verify)
 from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
 from finetune.files import publish, why_not_creatable  # noqa: E402
-from finetune.model import add_lora, without_zero3_init  # noqa: E402
+from finetune.model import add_lora, model_class, without_zero3_init  # noqa: E402
 from finetune.recipe import Recipe, RecipeError  # noqa: E402
 from finetune.stopping import fault_point  # noqa: E402
 from finetune.strategy import final_in_training_dtype, running_strategy  # noqa: E402
@@ -139,8 +139,17 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    adapter = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
     with without_zero3_init():
-        base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
+        if adapter.get("task_type") == "SEQ_CLS":  # a reward model's (objective=reward): its base with a score head
+            from transformers import AutoConfig, AutoModelForSequenceClassification
+
+            config = AutoConfig.from_pretrained(base_path, num_labels=1,
+                                                pad_token_id=AutoTokenizer.from_pretrained(adapter_dir).pad_token_id)
+            base = AutoModelForSequenceClassification.from_pretrained(base_path, config=config,
+                                                                      dtype=getattr(torch, dtype_name))
+        else:
+            base = AutoModelForCausalLM.from_pretrained(base_path, dtype=getattr(torch, dtype_name))
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     if (Path(adapter_dir) / "generation_config.json").is_file():
         merged.generation_config = GenerationConfig.from_pretrained(adapter_dir)
@@ -246,8 +255,9 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
         raise ExportError(f"{'--merge' if merge else '--base'} applies to LoRA checkpoints; {ckpt} is a full "
                           "fine-tune, whose export is a plain model already")
     config = AutoConfig.from_pretrained(hf)
+    auto = model_class(config)  # a causal LM, or a reward model's sequence-classification class
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto.from_config(config, dtype=torch.float32)
     template = model.state_dict()
     state_dict = checkpoint_state_dict(ckpt, template)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
@@ -264,7 +274,8 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(hf)
-    model.generation_config = checkpoint_generation_config(hf, model.generation_config, recipe, tokenizer)
+    if getattr(model, "generation_config", None) is not None:  # a reward model generates nothing
+        model.generation_config = checkpoint_generation_config(hf, model.generation_config, recipe, tokenizer)
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -272,7 +283,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     tokenizer.save_pretrained(tmp)
     _plain_architecture(tmp / "config.json")
 
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype).eval()
+    reloaded = auto.from_pretrained(tmp, dtype=model.dtype).eval()
     probe = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, got = model(probe).logits, reloaded(probe).logits
@@ -292,7 +303,9 @@ def lora_keys(state_dict: dict) -> dict:
     name in the key (`lora_A.default.weight`), peft's saved form (and FSDP's adapter_only save) has none."""
     import re
 
-    return {re.sub(r"\.(lora_[A-Za-z_]+)\.default(?=\.|$)", r".\1", k): v for k, v in state_dict.items()}
+    keys = {re.sub(r"\.(lora_[A-Za-z_]+)\.default(?=\.|$)", r".\1", k): v for k, v in state_dict.items()}
+    # a reward model's score head (peft's modules_to_save): saved under the module's own name
+    return {k.replace(".modules_to_save.default.", "."): v for k, v in keys.items()}
 
 
 def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: bool, base: str | None,
@@ -309,15 +322,22 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base_path = base or manifest["fingerprint"]["model"]
+    reward = recipe.get("objective") == "reward"  # the base with its score head, config as the run's (hf/)
     try:
         with without_zero3_init():
-            base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+            if reward:
+                from transformers import AutoConfig, AutoModelForSequenceClassification
+
+                base_model = AutoModelForSequenceClassification.from_pretrained(
+                    base_path, config=AutoConfig.from_pretrained(ckpt / HF_DIR), dtype=torch.float32)
+            else:
+                base_model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ExportError(f"{ckpt} holds a LoRA adapter, not a whole model, and its base {base_path} cannot be "
                           f"loaded ({str(e).strip().splitlines()[0]}); pass --base PATH_OR_HUB_ID of the model it "
                           "was trained on") from None
     adapter = lora_keys(checkpoint_state_dict(ckpt, None))
-    not_lora = [k for k in adapter if "lora_" not in k]
+    not_lora = [k for k in adapter if "lora_" not in k and not (reward and ".score." in f".{k}")]
     if not adapter or not_lora:
         raise ExportError(f"{ckpt} is marked lora=true but holds {not_lora[:3] or 'no tensors'} besides/instead of "
                           "LoRA weights; is it damaged?")
@@ -336,7 +356,8 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
                           f"unexpected {list(result.unexpected_keys)[:3]}")
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(ckpt / HF_DIR)
-    generation_config = checkpoint_generation_config(ckpt / HF_DIR, base_model.generation_config, recipe, tokenizer)
+    generation_config = checkpoint_generation_config(ckpt / HF_DIR, getattr(base_model, "generation_config", None),
+                                                     recipe, tokenizer)
     probe = torch.randint(0, base_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(input_ids=probe).logits
@@ -373,7 +394,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     with torch.no_grad():
         merged_logits = merged(input_ids=probe).logits
         del merged
-        again = AutoModelForCausalLM.from_pretrained(tmp, dtype=merged_logits.dtype).eval()
+        again = model_class(base_model.config).from_pretrained(tmp, dtype=merged_logits.dtype).eval()
         reread = again(input_ids=probe).logits
     deviation = float((merged_logits.float() - want).abs().max())
     tolerance = 1e-4 if merged_logits.dtype == torch.float32 else 0.1  # W + BA is not W x + B(A x) bit for bit

@@ -211,9 +211,10 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     tokenizer = load_tokenizer(r, model_path)
     parallel = Parallel.of(plan, accelerator.process_index, accelerator.num_processes, tokenizer.pad_token_id)
     sp = parallel.sp
-    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp)
-    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
     objective = objective_for(r)
+    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp,
+                                                                    objective.generates)
+    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
                       weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device,
@@ -237,9 +238,10 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     return run, start_state(run)
 
 
-def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout) -> tuple:
+def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout, generates: bool) -> tuple:
     """The datasets (built on each machine's main process first), the batch schedule, the number of
-    steps, this rank's eval batches and the eval prompts samples.jsonl follows; said in the log."""
+    steps, this rank's eval batches and the eval prompts samples.jsonl follows (none for a model that
+    does not generate); said in the log."""
     r = plan.recipe
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
     schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
@@ -252,7 +254,7 @@ def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout) -> tuple:
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
-        if datasets.eval is not None and r.sample_prompts else []
+        if datasets.eval is not None and r.sample_prompts and generates else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
     if padding_free_scores(r) and r.packing and r.micro_batch_size > 1 and accelerator.is_main_process:

@@ -347,8 +347,9 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     lora_params=lora_parameters(arch, r, targets) if lora else 0,
                     quantized_base=lora and recipe.load_in_4bit,
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
-                    one_row=padding_free_scores(recipe), samples=recipe.sample_prompts > 0,
-                    reference=holds_reference(recipe), pairs=recipe.objective == "dpo",
+                    one_row=padding_free_scores(recipe),
+                    samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
+                    reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
                     sequence_parallel=recipe.sequence_parallel)
 
 

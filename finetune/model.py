@@ -25,7 +25,75 @@ def load_config(recipe: Recipe):
     except OSError as e:
         raise RecipeError(f"model={recipe.model}: cannot read its config ({str(e).splitlines()[0]}); "
                           "offline? set HF_HUB_OFFLINE=0 or give a local directory") from None
+    if recipe.objective == "reward":
+        config = reward_config(config, load_tokenizer(recipe, path).pad_token_id, recipe.model)
     return path, config
+
+
+def reward_config(config, pad_token_id: int, name: str = ""):
+    """objective=reward: the model's config as its sequence-classification model's (transformers'
+    AutoModelForSequenceClassification): one label (the reward), the class in `architectures` (what
+    every checkpoint's hf/ and final/ record, and what export rebuilds), and the tokenizer's pad id,
+    which the model needs to find each row's last real token (the one it scores); TRL's RewardTrainer
+    sets the same. A copy: the causal LM's config is not changed."""
+    import copy
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    cls = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type)
+    if cls is None:
+        raise RecipeError(f"objective=reward with model={name or config.model_type}: model type {config.model_type} "
+                          "has no sequence-classification class in transformers (AutoModelForSequenceClassification); "
+                          "use a model that has one (Llama, Qwen, Mistral, Gemma, ...)")
+    config = copy.deepcopy(config)
+    config.num_labels = 1
+    config.architectures = [cls]
+    config.pad_token_id = pad_token_id
+    text = config.get_text_config()
+    if text is not config:
+        text.pad_token_id = pad_token_id
+    return config
+
+
+def is_reward_config(config) -> bool:
+    """Whether a config is a reward model's (reward_config): a sequence-classification class, one label."""
+    return any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or []) \
+        and getattr(config, "num_labels", None) == 1
+
+
+def model_class(config):
+    """The transformers Auto class a model of this config is built with: a reward model's or a causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification if is_reward_config(config) else AutoModelForCausalLM
+
+
+def init_score_head(model, seed: int) -> None:
+    """A reward model's score head drawn from its own generator seeded by the run's seed, with the
+    distribution transformers gives it (normal, std initializer_range, as _init_weights): the same
+    starting head on any number of processes and under any strategy (from_pretrained would draw it from
+    the global generator, where a ZeRO-3 or meta-device load draws differently). Every rank computes
+    the same values; a ZeRO-3 partitioned head is gathered, set and partitioned again. A meta-device
+    skeleton (FSDP ranks other than 0) is skipped: those ranks receive rank 0's."""
+    head = hf_model(model).score
+    weight = head.weight
+    if weight.is_meta:
+        return
+    std = getattr(model.config.get_text_config(), "initializer_range", None) or 0.02
+    shape = tuple(getattr(weight, "ds_shape", weight.shape))
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32) * std
+    if hasattr(weight, "ds_id"):  # ZeRO-3: partitioned
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+            with torch.no_grad():
+                weight.copy_(values.to(weight.dtype))
+    else:
+        with torch.no_grad():
+            weight.copy_(values.to(weight.dtype))
+    if getattr(head, "bias", None) is not None and not head.bias.is_meta and not hasattr(head.bias, "ds_id"):
+        with torch.no_grad():
+            head.bias.zero_()
 
 
 # Model types (transformers 5.x) whose layers carry state along the sequence (state-space, recurrent,
@@ -117,17 +185,19 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
     of base_dtype (a DPO reference is held in the compute dtype).
     """
     from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
 
+    reward = is_reward_config(config)  # objective=reward: a sequence-classification model (reward_config)
+    auto = model_class(config)
     try:
         if recipe.load_in_4bit:
             model = _load_4bit(recipe, model_path, config, weights_on_this_rank)
         elif weights_on_this_rank:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_path, dtype=dtype or base_dtype(recipe), attn_implementation=recipe.attn_implementation)
+            model = auto.from_pretrained(model_path, dtype=dtype or base_dtype(recipe),
+                                         attn_implementation=recipe.attn_implementation,
+                                         **({"config": config} if reward else {}))
         else:
             with init_empty_weights(include_buffers=False):
-                model = AutoModelForCausalLM.from_config(
+                model = auto.from_config(
                     config, dtype=dtype or base_dtype(recipe), attn_implementation=recipe.attn_implementation)
             # init_empty_weights re-creates every parameter on the meta device, which unties tied
             # embeddings (Qwen2.5, Llama 3.2, Gemma); FSDP then finds an lm_head rank 0 does not have.
@@ -138,6 +208,8 @@ def load_model(recipe: Recipe, model_path: str, config, weights_on_this_rank: bo
         raise RecipeError(f"attn_implementation={recipe.attn_implementation}: model type {config.model_type} does "
                           "not support it in this transformers version; set attn_implementation=eager") from None
     model.config.use_cache = False
+    if reward:
+        init_score_head(model, recipe.seed)
     if recipe.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if recipe.lora:
@@ -351,9 +423,18 @@ def add_lora(model, recipe: Recipe):
     if missing:
         raise RecipeError(f"lora_target_modules: {', '.join(missing)} not found in {type(model).__name__}; "
                           f"it has for example {', '.join(sorted(present - {''})[:8])}")
+    # a reward model (objective=reward) trains its new score head whole beside the adapters (peft's
+    # modules_to_save: a trainable copy, saved with the adapter), as TRL advises for reward models
+    reward = is_reward_config(model.config)
     config = LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                        target_modules=targets, task_type="CAUSAL_LM", bias="none")
-    return get_peft_model(model, config, autocast_adapter_dtype=True)  # adapters in fp32 on a 16-bit base
+                        target_modules=targets, task_type="SEQ_CLS" if reward else "CAUSAL_LM", bias="none",
+                        modules_to_save=["score"] if reward else None)
+    model = get_peft_model(model, config, autocast_adapter_dtype=True)  # adapters in fp32 on a 16-bit base
+    if reward:  # the head's trainable copy has the base's dtype: its master weights in fp32, as the adapters'
+        for name, param in model.named_parameters():
+            if param.requires_grad and param.dtype != torch.float32:
+                param.data = param.data.float()
+    return model
 
 
 def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int = 0, aux: list | None = None) -> torch.Tensor:

@@ -136,8 +136,10 @@ class Recipe:
                           "logits at once (finetune/loss.py)")
     loss_chunk_tokens: int = _opt(0, min=0, help="tokens per chunk of loss_impl=chunked; 0: as many as keep one "
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
-    # What to optimize: sft (next-token loss on the responses) or dpo (preference pairs: finetune/objectives/dpo.py)
-    objective: str = _opt("sft", choices=("sft", "dpo", "grpo"))
+    # What to optimize: sft (next-token loss on the responses), dpo (preference pairs: finetune/objectives/dpo.py),
+    # grpo (rewarded completions: finetune/objectives/grpo.py) or reward (a reward model trained on preference
+    # pairs, Bradley-Terry: finetune/objectives/reward.py)
+    objective: str = _opt("sft", choices=("sft", "dpo", "grpo", "reward"))
     dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
                          help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
                          "(length-normalised log-probs and a margin simpo_gamma): loads no reference model")
@@ -148,7 +150,10 @@ class Recipe:
     simpo_gamma: float = _opt(0.5, min=0.0, help="simpo only: the target reward margin over beta (gamma/beta)")
     precompute_reference: bool = _opt(False, help="dpo: the reference's log-probs of every pair in one pass before "
                                       "training, cached beside the prepared data; training then holds no reference")
-    max_prompt_len: int = _opt(0, min=0, help="dpo: the most tokens a pair's prompt keeps (its start is cut); "
+    center_rewards_coefficient: float = _opt(0.0, min=0.0, help="reward: adds this x mean((r_chosen + r_rejected)^2) "
+                                             "to the loss, keeping the rewards centred on 0 (TRL's; 0: off, "
+                                             "Eisenstein et al. use 0.01)")
+    max_prompt_len: int = _opt(0, min=0, help="dpo, reward: the most tokens a pair's prompt keeps (its start is cut); "
                                "grpo: the most tokens a prompt may have (its start is cut); 0: no limit but "
                                "max_seq_len")
     # GRPO (finetune/objectives/grpo.py, TRL's GRPOConfig names and defaults): each prompt gets num_generations
@@ -672,9 +677,37 @@ def _check_grpo(r: Recipe, strategy) -> None:
         raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
 
 
+def _check_reward(r: Recipe) -> None:
+    """A reward model's field only with it; with it, none of DPO's but max_prompt_len, whole unpacked pairs,
+    and no samples (a sequence-classification model does not generate)."""
+    if r.objective != "reward":
+        if r.center_rewards_coefficient != FIELDS["center_rewards_coefficient"].default:
+            raise RecipeError(f"center_rewards_coefficient={r.center_rewards_coefficient} applies to objective=reward "
+                              "only; set objective=reward, or leave center_rewards_coefficient out")
+        return
+    changed = [k for k in DPO_FIELDS if k != "max_prompt_len" and getattr(r, k) != FIELDS[k].default]
+    if changed:
+        key = changed[0]
+        raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
+                          f"{key} out")
+    for key in ("packing", "padding_free", "train_on_prompt"):
+        if getattr(r, key):
+            raise RecipeError(f"{key}=true with objective=reward: a preference pair is scored as its two whole "
+                              f"sequences, one reward each; set {key}=false")
+    if r.load_in_4bit:
+        raise RecipeError("load_in_4bit=true with objective=reward: the score head of a 4-bit base was not tried; "
+                          "set load_in_4bit=false (lora=true keeps the base frozen)")
+    if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
+        raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
+                          f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")
+
+
 def _check_objective(r: Recipe, strategy) -> None:
     """The objective's own fields only with it, and the combinations a preference run cannot take."""
     _check_grpo(r, strategy)
+    _check_reward(r)
+    if r.objective == "reward":
+        return
     if r.objective == "grpo":
         changed = [k for k in DPO_FIELDS if k != "max_prompt_len" and getattr(r, k) != FIELDS[k].default]
         if changed:

@@ -237,16 +237,43 @@ def math_answer(completions, answer, **kwargs):
     return out
 
 
+def side_ids(tokenizer, prompt, completion) -> list[int]:
+    """prompt + completion tokenized as a preference pair's side is for training (finetune/data/preference.py
+    encode_sides; not imported from there: finetune.data imports the recipe, which imports this module;
+    tests/test_reward_objective.py holds the two equal). A text prompt: the tokenizer's own BOS (what it
+    adds by itself, if anything), prompt + completion as one text (a completion ending in the EOS string
+    loses it), the EOS id. A conversational prompt: prompt + the completion as the assistant's message,
+    rendered by the chat template and tokenized without added special tokens."""
+    text = completion_text(completion)
+    if not isinstance(prompt, str):
+        messages = list(prompt) + [{"role": "assistant", "content": text}]
+        return list(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids)
+    eos = tokenizer.eos_token
+    if eos and text.endswith(eos):
+        text = text[:-len(eos)]
+    plain, full = tokenizer("a", add_special_tokens=False).input_ids, tokenizer("a").input_ids
+    bos = next((full[:k] for k in range(len(full) - len(plain) + 1) if full[k:k + len(plain)] == plain),
+               full[:1] if full and full[0] == tokenizer.bos_token_id else [])
+    ids = list(bos) + list(tokenizer(prompt + text, add_special_tokens=False).input_ids)
+    return ids + ([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
+
+
 @dataclass
 class RewardModel:
-    """A sequence-classification model directory (AutoModelForSequenceClassification, its tokenizer beside
-    it) as a reward function: the first logit of prompt + completion, rendered with the tokenizer's chat
-    template for a conversational prompt. Loaded on first use, on the CPU unless `device` says otherwise;
-    scores batch_size texts at a time."""
+    """A sequence-classification model directory (AutoModelForSequenceClassification with one label, its
+    tokenizer beside it: final/ of an objective=reward run, or any such model) as a reward function: the
+    score of prompt + completion. Each is tokenized as that run tokenized a pair's side
+    (side_ids): a text prompt and completion as one text between the
+    tokenizer's BOS and EOS; a conversational prompt (a list of messages) with the completion as the
+    assistant's answer, rendered by the tokenizer's chat template. Rows are right-padded with the
+    model's pad id and scored at their last token that is not it (transformers' rule, and the run's).
+    Loaded on first use, on the CPU unless `device` says otherwise; scores batch_size texts at a time;
+    max_length > 0 cuts each sequence to that many tokens (as the run cut a side at max_seq_len)."""
     path: str
     device: str = "cpu"
     batch_size: int = 8
     name: str = ""
+    max_length: int = 0
 
     def __post_init__(self):
         self.name = self.name or f"reward_model({self.path})"
@@ -266,24 +293,22 @@ class RewardModel:
             self._model.config.pad_token_id = self._tokenizer.pad_token_id
         return self._model, self._tokenizer
 
-    def texts(self, prompts, completions) -> list[str]:
+    def encode(self, prompts, completions) -> list[list[int]]:
+        """Each prompt + completion's token ids, as an objective=reward run's pair side (side_ids)."""
         _, tokenizer = self.load()
-        out = []
-        for prompt, completion in zip(prompts, completions):
-            if isinstance(prompt, str):
-                out.append(prompt + completion_text(completion))
-            else:
-                messages = list(prompt) + [{"role": "assistant", "content": completion_text(completion)}]
-                out.append(tokenizer.apply_chat_template(messages, tokenize=False))
-        return out
+        ids = [side_ids(tokenizer, p, c) for p, c in zip(prompts, completions)]
+        return [x[:self.max_length] for x in ids] if self.max_length else ids
 
     def __call__(self, prompts, completions, **kwargs) -> list[float]:
         model, tokenizer = self.load()
-        texts = self.texts(prompts, completions)
+        ids = self.encode(prompts, completions)
+        pad = tokenizer.pad_token_id
         scores = []
         with torch.inference_mode():
-            for start in range(0, len(texts), self.batch_size):
-                inputs = tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                   padding_side="right", add_special_tokens=False).to(self.device)
-                scores += model(**inputs).logits[:, 0].float().tolist()
+            for start in range(0, len(ids), self.batch_size):
+                rows = ids[start:start + self.batch_size]
+                width = max(len(r) for r in rows)
+                input_ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=self.device)
+                mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
+                scores += model(input_ids=input_ids, attention_mask=mask).logits[:, 0].float().tolist()
         return scores

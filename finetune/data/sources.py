@@ -256,16 +256,17 @@ def prevalidate_recipe(recipe: Recipe) -> None:
 
 
 def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
-    """objective=dpo trains on preference rows only, and preference rows train with objective=dpo only
+    """objective=dpo and reward train on preference rows only, and preference rows train with those only
     (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
     key = key.removesuffix(".path")
-    if recipe.objective == "dpo" and fmt not in ("auto", "preference"):
-        raise DataError(f"objective=dpo needs preference rows (prompt, chosen, rejected); {key}={path} has {fmt} "
-                        "rows: use a preference dataset (or map its fields with columns={'chosen': ..., 'rejected': "
-                        "...}), or set objective=sft")
-    if recipe.objective != "dpo" and fmt == "preference":
+    if recipe.objective in ("dpo", "reward") and fmt not in ("auto", "preference"):
+        raise DataError(f"objective={recipe.objective} needs preference rows (prompt, chosen, rejected); {key}={path} "
+                        f"has {fmt} rows: use a preference dataset (or map its fields with columns={{'chosen': ..., "
+                        "'rejected': ...}), or set objective=sft")
+    if recipe.objective not in ("dpo", "reward") and fmt == "preference":
         raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
-                        f"objective=dpo, or use a dataset of SFT rows (objective={recipe.objective})")
+                        f"objective=dpo (objective=reward: a reward model), or use a dataset of SFT rows (objective="
+                        f"{recipe.objective})")
     if recipe.objective == "grpo" and fmt not in ("auto", "prompt"):
         raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
                         f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "

@@ -54,6 +54,7 @@ class Objective(Protocol):
     name: str
     metrics: tuple[str, ...]
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
+    generates: bool  # the trained model generates text (eval samples); a reward model only scores
     identifies_model: bool  # the run records the model's identity: it keys a file by it, or a resume reads the model
 
     def before_model(self, context: Context) -> None: ...
@@ -78,6 +79,7 @@ class Basic:
     with metrics adds their sums to self.sums in loss()."""
     metrics: tuple[str, ...] = ()
     shown: dict[str, str] = {}
+    generates = True
     identifies_model = False
     sums: torch.Tensor | None = None
 
