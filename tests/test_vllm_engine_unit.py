@@ -25,7 +25,7 @@ def test_no_vllm_is_one_line_naming_the_install(monkeypatch):
     with pytest.raises(vllm_engine.VLLMUnavailable) as e:
         vllm_engine.VLLMEngine("/nonexistent", dtype="float32")
     message = str(e.value)
-    assert "\n" not in message and "pip install 'finetune[vllm]'" in message and "scripts/test_vllm.sh" in message
+    assert "\n" not in message and "docs/vllm.md" in message and "scripts/test_vllm.sh" in message
 
 
 def test_a_bad_dtype_is_named_before_anything_loads():
