@@ -51,7 +51,7 @@ except ImportError:  # the same fields, until finetune/generation.py is on this 
         seconds: float = 0.0  # from the call's start until this sequence ended
 
 
-# Set before vLLM is imported (setdefault: a user's own value wins).
+# Set before the engine is built (setdefault: a user's own value wins; vLLM reads them when it builds).
 ENVIRONMENT = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process, not a spawned one
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU (whole GiB; 1 the least)
@@ -107,32 +107,36 @@ class VLLMEngine:
 
     dtype: the engine's weights and arithmetic ("float32", "bfloat16", "float16"); max_model_len: the
     longest prompt plus completion; seed: vLLM's own seed (each sampled sequence also gets its seed);
-    kv_cache_gib: CPU KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE); gpu_memory_utilization: the share
+    kv_cache_gib: CPU KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE; None: that variable, else 1);
+    gpu_memory_utilization: the share
     of a GPU's memory vLLM may take (weights and KV cache), on GPU machines only."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
-                 seed: int = 0, kv_cache_gib: int = 1, gpu_memory_utilization: float = 0.3):
+                 seed: int = 0, kv_cache_gib: int | None = None, gpu_memory_utilization: float = 0.3):
         if dtype not in DTYPES:
             raise ValueError(f"VLLMEngine dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
         if problem := vllm_problem():
             raise VLLMUnavailable(problem)
+        if kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
         for key, value in ENVIRONMENT.items():
             os.environ.setdefault(key, value)
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
         from vllm import LLM
 
         self.dtype = DTYPES[dtype]
         self.max_model_len = max_model_len
         start = time.perf_counter()
-        set_num_threads = torch.set_num_threads
-        with kept_random_state():
-            self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                           enforce_eager=True, skip_tokenizer_init=True, generation_config="vllm",
-                           gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
         # vLLM's CPU worker replaces torch.set_num_threads by a no-op for the whole process once it has
         # bound its threads; the training code's own calls work again (a later change of the count
         # leaves vLLM's threads unbound: slower generation, the same tokens).
-        torch.set_num_threads = set_num_threads
+        set_num_threads = torch.set_num_threads
+        try:
+            with kept_random_state():
+                self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                               enforce_eager=True, skip_tokenizer_init=True, generation_config="vllm",
+                               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+        finally:
+            torch.set_num_threads = set_num_threads
         self.build_seconds = time.perf_counter() - start
         self.pushes = 0
 
