@@ -28,27 +28,11 @@ import os
 import random
 import time
 from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-try:  # the types of finetune.generation, the batched KV-cache backend, where it is present
-    from finetune.generation import Completion, Sampling
-except ImportError:  # the same fields, until finetune/generation.py is on this branch
-
-    @dataclass(frozen=True)
-    class Sampling:
-        max_new_tokens: int
-        temperature: float = 0.0  # 0: greedy (argmax); > 0: sample from softmax(logits / temperature)
-        top_p: float = 1.0  # nucleus: the smallest set of tokens whose probability reaches top_p; 1: all
-        top_k: int = 0  # the k most likely tokens; 0: all
-
-    @dataclass
-    class Completion:
-        tokens: list[int]  # the generated ids, without the prompt; ends with the stop id when one was hit
-        stopped: bool  # True: ended on a stop id; False: cut at max_new_tokens or at the context
-        seconds: float = 0.0  # from the call's start until this sequence ended
+from finetune.generation import Completion, Sampling
 
 
 # Set before the engine is built (setdefault: a user's own value wins; vLLM reads them when it builds).
