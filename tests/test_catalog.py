@@ -21,6 +21,7 @@ RECIPES = available_recipes()
 PLANNED = re.compile(r"python -m finetune\.plan --recipe (\S+) --gpus (\d+) --gpu-mem (\S+?)\)")
 TOTAL = re.compile(r"= total ([0-9.]+) GiB")
 OFFLOADED = re.compile(r"offloaded to CPU ([0-9.]+) GiB")
+ROLLOUT = re.compile(r"= rollout peak ([0-9.]+) GiB")
 
 
 def docstring(name: str) -> str:
@@ -89,6 +90,8 @@ def test_header_launch_command_and_estimate_are_current(name):
     assert stated == pytest.approx(e.total / M.GiB, abs=0.006), f"{name}: header says {stated}, planner {e.total / M.GiB:.2f}"
     off = OFFLOADED.search(doc)
     assert (float(off.group(1)) if off else 0.0) == pytest.approx((e.cpu + e.nvme) / M.GiB, abs=0.006)
+    rollout = ROLLOUT.search(doc)  # GRPO: the generation phase's peak, stated beside the step's
+    assert (float(rollout.group(1)) if rollout else 0.0) == pytest.approx(e.rollout_peak / M.GiB, abs=0.006), name
     assert e.fits(M.parse_size(mem)), f"{name} does not fit the {mem} GPUs its header names"
     for word in ("accelerate_configs/",):
         for path in re.findall(rf"{word}\S+\.yaml", doc):
