@@ -16,8 +16,12 @@ compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather ho
 and norm breaks a compiled layer into pieces).
 """
 
+import re
+
 from finetune.recipe import DataSource, Recipe
-from finetune.rewards import math_answer, regex_reward
+from finetune.rewards import completion_text, math_answer
+
+BOXED = re.compile(r"\\boxed\{[^{}]+\}")
 
 
 def gsm8k_answer(completions, answer, **kwargs):
@@ -25,7 +29,10 @@ def gsm8k_answer(completions, answer, **kwargs):
     return math_answer(completions, [str(a).rsplit("####", 1)[-1].strip() for a in answer])
 
 
-boxed_format = regex_reward(r".*\\boxed\{[^{}]+\}.*", name="boxed_format")
+def boxed_format(completions, **kwargs):
+    """1.0 where the completion gives its answer in \\boxed{...}, else 0.0."""
+    return [1.0 if BOXED.search(completion_text(c)) else 0.0 for c in completions]
+
 
 GSM8K = dict(path="openai/gsm8k", config="main", format="prompt", columns={"prompt": "question"})
 

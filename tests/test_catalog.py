@@ -160,3 +160,25 @@ def test_slurm_script_is_valid_bash_and_resumes():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     assert "--resume auto" in text and "--machine_rank" in text and "#SBATCH --requeue" in text
+
+
+def test_grpo_recipes_score_gsm8k(monkeypatch):
+    """The 8B GRPO recipes' reward functions: the math check gets GSM8K's final answer (after '####'),
+    the format reward a \\boxed{} answer; each is named as recipe.json writes it and resolves back from it."""
+    import importlib
+
+    from finetune import rewards
+
+    module = importlib.import_module("recipes.llama8b_grpo_zero3")
+    seen = []
+    monkeypatch.setattr(module, "math_answer", lambda completions, answer: seen.append(answer) or [1.0] * len(answer))
+    assert module.gsm8k_answer(["a", "b"], ["Natalia sold 48/2 = 24 clips.\n#### 72", "#### 1,000"]) == [1.0, 1.0]
+    assert seen == [["72", "1,000"]]
+    assert module.boxed_format(["so $\\boxed{72}$", "72", "\\boxed{}"]) == [1.0, 0.0, 0.0]
+    for name in ("llama8b_grpo_zero3", "llama8b_grpo_lora_fsdp"):
+        recipe = resolve(name, [])
+        assert recipe.objective == "grpo" and recipe.num_generations == 8 and recipe.beta == 0.0
+        assert recipe.max_completion_len == 512 and recipe.datasets[0].columns == {"prompt": "question"}
+        specs = [rewards.spec_name(f) for f in recipe.reward_funcs]
+        assert specs == ["recipes.llama8b_grpo_zero3:gsm8k_answer", "recipes.llama8b_grpo_zero3:boxed_format"]
+        assert rewards.resolve_all(specs)  # a resumed run's recipe.json names them importably
