@@ -71,6 +71,25 @@ Estimate (no model loaded, no GPU needed)
    ddp and fsdp add the one fp32 temporary that torch's foreach AdamW makes the size of the states
    it steps (4 bytes per trained parameter, / N where the optimizer is sharded).
 
+5. GRPO's rollout phase (objective=grpo), before each step's forwards: the run generates every
+   completion of its prompts on this rank in one batched KV-cache loop (finetune/generation.py), with
+   the whole model gathered once for the phase (zero3, fsdp: Strategy.gathered_bytes, the whole model
+   in the compute dtype; ddp, zero1 and zero2 hold it whole already). With R = the rank's completions
+   (its prompts x num_generations: global_batch_size / data-parallel ranks x num_generations, or
+   micro_batch_size x grad_accum without a global batch), P = the prompt tokens (max_prompt_len, else
+   max_seq_len - max_completion_len) and S = P + max_completion_len (at most max_seq_len):
+
+       KV cache:    R * S * 2 * L * kv_heads * head_dim * (2 in 16-bit, 4 in fp32)
+       prefill:     34 * R * P * h (one layer's transients of the prompts' forward, no gradient kept;
+                    the Korthikanti layer term without the scores, which sdpa does not keep)
+       log-probs:   R * S * 4 per kept copy: the rollout's old log-probs (num_iterations > 1) and the
+                    reference's (beta > 0), fp32, held from the rollout through the step's updates
+
+   The rollout's peak is model states + reference + gathered weights + KV cache + prefill + log-probs
+   (the step's activations and buffers are freed then); the step's total adds the log-probs too. A setup
+   fits when both do. beta > 0 holds the reference as DPO does (recipe.reference_kind): a frozen copy
+   under a full fine-tune, the adapter disabled under LoRA.
+
 The total is the plain sum of the columns. That is conservative: activations are freed before the
 optimizer step's temporaries appear. Everything not counted (CUDA context, allocator fragmentation,
 NCCL buffers) is what the headroom (10% by default) is for.
@@ -248,6 +267,10 @@ class Estimate:
     nvme: int = 0  # bytes per rank moved to NVMe
     samples: int = 0  # the whole model gathered on each GPU while it generates samples at eval (zero3, fsdp)
     reference: int = 0  # a DPO full fine-tune's frozen reference, in the compute dtype (finetune/reference.py)
+    rollout_weights: int = 0  # GRPO: the whole model gathered on each GPU for the rollout phase (zero3, fsdp)
+    kv_cache: int = 0  # GRPO: the KV cache of every completion this rank generates, in one batch
+    prefill: int = 0  # GRPO: one layer's transients of the prompts' forward (no gradient)
+    logps: int = 0  # GRPO: old (num_iterations > 1) and reference (beta > 0) log-probs, fp32, kept through the step
 
     @property
     def model_states(self) -> int:
@@ -255,8 +278,21 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        """The training step's peak: what a setup must fit."""
-        return self.model_states + self.reference + self.activations + self.buffers
+        """The training step's peak."""
+        return self.model_states + self.reference + self.logps + self.activations + self.buffers
+
+    @property
+    def rollout_peak(self) -> int:
+        """GRPO's rollout phase (0 for other objectives): the weights gathered for generation, the KV
+        cache of every completion of the rank and the prompts' prefill, beside the model states, the
+        reference and the kept log-probs; the step's activations and buffers are freed then."""
+        rollout = self.rollout_weights + self.kv_cache + self.prefill
+        return self.model_states + self.reference + self.logps + rollout if rollout else 0
+
+    @property
+    def peak(self) -> int:
+        """What a setup must fit: the larger of the step and the rollout phase."""
+        return max(self.total, self.rollout_peak)
 
     @property
     def samples_peak(self) -> int:
@@ -266,14 +302,14 @@ class Estimate:
         return self.model_states + self.reference + self.samples
 
     def fits(self, budget: int, headroom: float = HEADROOM) -> bool:
-        return self.total <= budget * (1 - headroom)
+        return self.peak <= budget * (1 - headroom)
 
 
 def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precision: str = "bf16",
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
-             pairs: bool = False, sequence_parallel: int = 1) -> Estimate:
+             pairs: bool = False, sequence_parallel: int = 1, rollout: "Rollout | None" = None) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -287,7 +323,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     pairs: a preference run, whose micro-batch is micro_batch_size pairs, 2 x micro_batch_size sequences
     in one forward. reference: it also holds a frozen reference (a full fine-tune without
     precompute_reference or SimPO), in the compute dtype: sharded by fsdp and zero3 (and offloaded with
-    the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded)."""
+    the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded).
+    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5)."""
     n = world_size
     strategy = strategy_for(setup.strategy)
     base = arch.num_parameters()
@@ -307,7 +344,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     quantized = arch.decoder_linear_weights() if quantized_base and lora_params else 0
     frozen -= quantized * (frozen_pb - QUANT_PACKED)
     params = (trained * pb + frozen) / (n if shard_params else 1)
-    gathered = (trained * min(pb, lp) + frozen) if samples and shard_params else 0
+    whole = (trained * min(pb, lp) + frozen) if shard_params else 0  # Strategy.gathered_bytes
+    gathered = whole if samples else 0
     if quantized:
         params += quantized * QUANT_CONSTANTS + arch.decoder_linears() * QUANT_TABLES
     grads = trained * gb / (n if shard_grads else 1)
@@ -333,10 +371,49 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     buffers += dequantized
     acts = activation_bytes(arch, micro_batch_size * (2 if pairs else 1), seq_len, mixed_precision,
                             activation_checkpointing, loss_impl, loss_chunk_tokens, one_row, sequence_parallel)
+    phase = {}
+    if rollout is not None:
+        phase = dict(rollout_weights=round(whole), kv_cache=rollout.kv_cache(arch, lp),
+                     prefill=34 * rollout.rows * rollout.prompt_tokens * arch.hidden_size * (1 if sixteen else 2),
+                     logps=rollout.rows * rollout.tokens * 4 * rollout.logp_copies)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
-                    reference=round(held))
+                    reference=round(held), **phase)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A GRPO rank's rollout phase: rows completions generated in one batch, each up to prompt_tokens +
+    completion_tokens = tokens long, and how many fp32 log-prob copies of them the step keeps."""
+    rows: int
+    prompt_tokens: int
+    tokens: int
+    logp_copies: int
+
+    def kv_cache(self, arch: Architecture, compute_bytes: int) -> int:
+        """Keys and values of every layer for every token of every row, in the compute dtype."""
+        per_token = 2 * arch.num_hidden_layers * arch.kv_heads * arch.head_size * compute_bytes
+        return self.rows * self.tokens * per_token
+
+    @classmethod
+    def of(cls, recipe: Recipe, world_size: int) -> "Rollout | None":
+        """None unless objective=grpo. The rank's completions: its share of the global batch's prompts
+        (rounded up) x num_generations, or micro_batch_size x grad_accum without a global batch."""
+        if recipe.objective != "grpo":
+            return None
+        from finetune.plan import data_parallel_size
+
+        dp = data_parallel_size(recipe, world_size)
+        if recipe.global_batch_size:
+            rows = -(-recipe.global_batch_size // dp) * recipe.num_generations
+        else:
+            rows = recipe.micro_batch_size * recipe.grad_accum
+        completion = recipe.max_completion_len
+        prompt = recipe.max_prompt_len or max(0, recipe.max_seq_len - completion)
+        tokens = min(recipe.max_seq_len, prompt + completion)
+        copies = (recipe.num_iterations > 1) + (recipe.beta > 0)
+        return cls(rows=rows, prompt_tokens=min(prompt, tokens), tokens=tokens, logp_copies=copies)
 
 
 def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None) -> Estimate:
@@ -350,7 +427,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     one_row=padding_free_scores(recipe),
                     samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
                     reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
-                    sequence_parallel=recipe.sequence_parallel)
+                    sequence_parallel=recipe.sequence_parallel, rollout=Rollout.of(recipe, world_size))
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -493,6 +570,13 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
         reference = {None: "none (reference-free)", "precomputed": "precomputed log-probs",
                      "adapter": "the base, adapter disabled", "frozen": "a frozen copy"}[reference_kind(recipe)]
         what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
+    rollout = Rollout.of(recipe, world_size)
+    if rollout is not None:
+        reference = {None: "none (beta=0)", "adapter": "the base, adapter disabled",
+                     "frozen": "a frozen copy"}[reference_kind(recipe)]
+        what += (f"; GRPO {recipe.loss_type}: {rollout.rows} completions per GPU each rollout "
+                 f"(num_generations={recipe.num_generations}), up to {rollout.prompt_tokens} prompt + "
+                 f"{recipe.max_completion_len} completion tokens, reference: {reference}")
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
     sp = recipe.sequence_parallel
     split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
@@ -516,17 +600,20 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         given = f" ({budget_text})" if budget_text else ""
         lines.append(f"GPU memory{given}: {gib(budget)} GiB; usable with {headroom:.0%} headroom: "
                      f"{gib(budget * (1 - headroom))} GiB")
-    unit, unit_name = (GiB, "GiB") if max(e.total + e.cpu + e.nvme for _, e in rows) >= GiB else (2**20, "MiB")
+    unit, unit_name = (GiB, "GiB") if max(e.peak + e.cpu + e.nvme for _, e in rows) >= GiB else (2**20, "MiB")
     with_reference = any(e.reference for _, e in rows) or holds_reference(recipe)
-    header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (["reference"] if with_reference else []) + [
-        "activations", "buffers", "total", "offloaded"]
+    with_rollout = recipe.objective == "grpo"
+    header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (["reference"] if with_reference else []) + (
+        ["log-probs"] if with_rollout else []) + ["activations", "buffers", "total"] + (
+        ["gathered", "kv cache", "prefill", "rollout"] if with_rollout else []) + ["offloaded"]
     if budget:
         header.append("fits")
     table = [header]
     for _, e in rows:
         mark = "* " if e.setup == own else "  "
         values = (e.params, e.grads, e.optimizer) + ((e.reference,) if with_reference else ()) + (
-            e.activations, e.buffers, e.total)
+            (e.logps,) if with_rollout else ()) + (e.activations, e.buffers, e.total) + (
+            (e.rollout_weights, e.kv_cache, e.prefill, e.rollout_peak) if with_rollout else ())
         row = [mark + e.setup.label] + [gib(x, unit) for x in values] + [_offloaded(e, unit)]
         if budget:
             row.append("yes" if e.fits(budget, headroom) else "no")
@@ -538,15 +625,20 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         if i == 0:
             lines.append("-" * len(lines[-1]))
     lines.append(f"* the recipe's own setup; offloaded: {unit_name} per GPU kept in CPU memory or on NVMe")
+    if with_rollout:
+        lines.append("GRPO: total is the step's peak, rollout the generation phase's (model states, reference, "
+                     "log-probs, the weights gathered for generation under zero3/fsdp, the KV cache of every "
+                     "completion of the GPU, one layer's prefill); fits: both do")
     if with_reference:
-        lines.append("reference: the DPO reference model, a frozen copy in the compute dtype: sharded under fsdp and "
-                     "zero3, whole on each GPU under ddp, zero1 and zero2 (none with LoRA, dpo_loss=simpo or "
-                     "precompute_reference=true)")
+        lines.append("reference: the " + ("GRPO KL penalty's (beta > 0)" if with_rollout else "DPO") + " reference model, "
+                     "a frozen copy in the compute dtype: sharded under fsdp and zero3, whole on each GPU under ddp, "
+                     "zero1 and zero2 (none with LoRA, " + ("beta=0" if with_rollout else
+                                                            "dpo_loss=simpo or precompute_reference=true") + ")")
     if budget:
         best = cheapest_fit(rows, budget, headroom, prefer=recipe.strategy)
         mine = next(e for _, e in rows if e.setup == own)
         verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
-        lines.append(f"the recipe's setup ({own.label}): {gib(mine.total, unit)} {unit_name} per GPU, {verdict}")
+        lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak, unit)} {unit_name} per GPU, {verdict}")
         if best is None:
             lora = recipe_lora(recipe)[0]
             lines.append(f"nothing fits in {gib(budget * (1 - headroom))} GiB per GPU: use more GPUs, a smaller "
@@ -559,7 +651,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
             how = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
             note = " (and nvme_path=...)" if "nvme" in (best.setup.offload_optimizer, best.setup.offload_params) \
                 and not recipe.nvme_path else ""
-            lines.append(f"cheapest that fits: {best.setup.label} ({gib(best.total, unit)} {unit_name} per GPU)"
+            lines.append(f"cheapest that fits: {best.setup.label} ({gib(best.peak, unit)} {unit_name} per GPU)"
                          + (f"; override with {how}{note}" if how else "; the recipe's own"))
     lines.append("estimates: ZeRO paper model states + Korthikanti et al. activations; see finetune/memory.py")
     return "\n".join(lines)
@@ -574,16 +666,24 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
         e = recipe_estimate(recipe, world_size, arch)
     except EstimateError as err:
         return f"memory per GPU: not estimated: {err}"
-    unit, name = (GiB, "GiB") if e.total + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")
+    unit, name = (GiB, "GiB") if e.peak + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")
     off = f"; offloaded per GPU: {_offloaded(e, unit)} {name}" if e.cpu or e.nvme else ""
     sp = recipe.sequence_parallel
     where = f"{world_size} process(es)" + (f", sequence_parallel={sp}" if sp > 1 else "")
     lines = [f"memory per GPU (planner estimate, {e.setup.label} on {where}): "
              f"params {gib(e.params, unit)}, grads {gib(e.grads, unit)}, optimizer {gib(e.optimizer, unit)}, "
              + (f"reference {gib(e.reference, unit)}, " if e.reference else "")
+             + (f"log-probs {gib(e.logps, unit)}, " if e.logps else "")
              + f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
+    rollout = Rollout.of(recipe, world_size)
+    if rollout is not None:
+        lines.insert(1, f"GRPO rollout per GPU ({rollout.rows} completions of up to {rollout.tokens} tokens generated "
+                        f"in one batch): gathered weights {gib(e.rollout_weights, unit)}, KV cache "
+                        f"{gib(e.kv_cache, unit)}, prefill {gib(e.prefill, unit)}; a peak of "
+                        f"{gib(e.rollout_peak, unit)} {name} per GPU (with the model states"
+                        + (", reference" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
     if e.samples:
         lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
                         f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
@@ -598,7 +698,7 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
                          else "that the model's weights are in the cache (offline)")
     gpu = _gpu_memory()
     if gpu is None:
-        unchecked.append(f"whether {gib(e.total, unit)} {name} fits the GPUs (no GPU here; python -m finetune.plan "
+        unchecked.append(f"whether {gib(e.peak, unit)} {name} fits the GPUs (no GPU here; python -m finetune.plan "
                          f"--recipe {recipe_name or 'NAME'} --gpus {world_size} --gpu-mem 80GB checks a budget)")
     else:
         verdict = "fits" if e.fits(gpu) else "does NOT fit"

@@ -241,7 +241,7 @@ def reads_model_again(recipe: Recipe) -> str | None:
     if recipe.lora:
         return "a LoRA run's base weights"
     if reference_kind(recipe) == "frozen":
-        return "the DPO reference (a frozen copy of the model as training started)"
+        return f"the {recipe.objective.upper()} reference (a frozen copy of the model as training started)"
     return None
 
 

@@ -21,6 +21,7 @@ RECIPES = available_recipes()
 PLANNED = re.compile(r"python -m finetune\.plan --recipe (\S+) --gpus (\d+) --gpu-mem (\S+?)\)")
 TOTAL = re.compile(r"= total ([0-9.]+) GiB")
 OFFLOADED = re.compile(r"offloaded to CPU ([0-9.]+) GiB")
+ROLLOUT = re.compile(r"= rollout peak ([0-9.]+) GiB")
 
 
 def docstring(name: str) -> str:
@@ -89,6 +90,8 @@ def test_header_launch_command_and_estimate_are_current(name):
     assert stated == pytest.approx(e.total / M.GiB, abs=0.006), f"{name}: header says {stated}, planner {e.total / M.GiB:.2f}"
     off = OFFLOADED.search(doc)
     assert (float(off.group(1)) if off else 0.0) == pytest.approx((e.cpu + e.nvme) / M.GiB, abs=0.006)
+    rollout = ROLLOUT.search(doc)  # GRPO: the generation phase's peak, stated beside the step's
+    assert (float(rollout.group(1)) if rollout else 0.0) == pytest.approx(e.rollout_peak / M.GiB, abs=0.006), name
     assert e.fits(M.parse_size(mem)), f"{name} does not fit the {mem} GPUs its header names"
     for word in ("accelerate_configs/",):
         for path in re.findall(rf"{word}\S+\.yaml", doc):
@@ -157,3 +160,25 @@ def test_slurm_script_is_valid_bash_and_resumes():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     assert "--resume auto" in text and "--machine_rank" in text and "#SBATCH --requeue" in text
+
+
+def test_grpo_recipes_score_gsm8k(monkeypatch):
+    """The 8B GRPO recipes' reward functions: the math check gets GSM8K's final answer (after '####'),
+    the format reward a \\boxed{} answer; each is named as recipe.json writes it and resolves back from it."""
+    import importlib
+
+    from finetune import rewards
+
+    module = importlib.import_module("recipes.llama8b_grpo_zero3")
+    seen = []
+    monkeypatch.setattr(module, "math_answer", lambda completions, answer: seen.append(answer) or [1.0] * len(answer))
+    assert module.gsm8k_answer(["a", "b"], ["Natalia sold 48/2 = 24 clips.\n#### 72", "#### 1,000"]) == [1.0, 1.0]
+    assert seen == [["72", "1,000"]]
+    assert module.boxed_format(["so $\\boxed{72}$", "72", "\\boxed{}"]) == [1.0, 0.0, 0.0]
+    for name in ("llama8b_grpo_zero3", "llama8b_grpo_lora_fsdp"):
+        recipe = resolve(name, [])
+        assert recipe.objective == "grpo" and recipe.num_generations == 8 and recipe.beta == 0.0
+        assert recipe.max_completion_len == 512 and recipe.datasets[0].columns == {"prompt": "question"}
+        specs = [rewards.spec_name(f) for f in recipe.reward_funcs]
+        assert specs == ["recipes.llama8b_grpo_zero3:gsm8k_answer", "recipes.llama8b_grpo_zero3:boxed_format"]
+        assert rewards.resolve_all(specs)  # a resumed run's recipe.json names them importably

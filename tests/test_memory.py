@@ -520,3 +520,91 @@ def test_the_chunked_loss_holds_one_chunk_of_logits():
     full = M.activation_bytes(a, 4, 4096, "bf16", True, "full")
     chunked = M.activation_bytes(a, 4, 4096, "bf16", True, "chunked")
     assert full - chunked == (4 * 4096 - 523) * a.vocab_size * 10  # about 19.4 GiB an 8B run no longer needs
+
+
+# ---------------------------------------------------------------- GRPO's rollout phase
+
+
+def _grpo(**change):
+    r = resolve("llama8b_grpo_zero3", [])
+    return replace(r, **change)
+
+
+def test_grpo_rollout_terms_by_hand():
+    """Llama-3.1-8B (32 layers, 8 kv heads of 128, h=4096), 8 GPUs, 64 prompts x 8 completions: 64 rows of
+    up to 512 + 512 tokens on each GPU; bf16 KV cache 2 x 32 x 8 x 128 x 2 bytes = 128 KiB a token."""
+    r = _grpo()
+    a = arch(r.model)
+    rollout = M.Rollout.of(r, 8)
+    assert rollout == M.Rollout(rows=64, prompt_tokens=512, tokens=1024, logp_copies=0)
+    e = M.recipe_estimate(r, 8, a)
+    assert e.kv_cache == 64 * 1024 * 128 * 2**10 == 8 * GIB
+    assert e.prefill == 34 * 64 * 512 * 4096
+    assert e.logps == 0 and e.reference == 0  # beta=0, num_iterations=1: nothing kept, no reference
+    # zero3 gathers the whole model (bf16) for the rollout, as Strategy.gathered_bytes says
+    assert e.rollout_weights == a.num_parameters() * 2
+    assert e.rollout_peak == e.model_states + e.rollout_weights + e.kv_cache + e.prefill
+    assert e.peak == max(e.total, e.rollout_peak) == e.rollout_peak
+    # no global batch: the rank's completions are micro_batch_size x grad_accum
+    assert M.Rollout.of(replace(r, global_batch_size=0, grad_accum=2), 8).rows == 16
+    # a prompt budget of max_seq_len - max_completion_len when max_prompt_len is 0
+    assert M.Rollout.of(replace(r, max_prompt_len=0, max_seq_len=2048), 8).prompt_tokens == 1536
+    # other objectives have no rollout phase
+    assert M.Rollout.of(resolve("llama8b_dpo_zero3", []), 8) is None
+    assert M.recipe_estimate(resolve("llama8b_dpo_zero3", []), 8, a).rollout_peak == 0
+
+
+@pytest.mark.parametrize("strategy,gathers", [("ddp", False), ("zero1", False), ("zero2", False), ("zero3", True),
+                                              ("fsdp", True)])
+def test_grpo_rollout_gathers_only_sharded_weights(strategy, gathers):
+    r = _grpo()
+    e = M.recipe_estimate(r, 8, arch(r.model), M.Setup(strategy))
+    assert (e.rollout_weights > 0) == gathers
+    assert e.kv_cache == 8 * GIB  # the cache is per GPU whatever the strategy
+
+
+def test_grpo_log_probs_and_reference():
+    """num_iterations > 1 keeps the rollout's old log-probs, beta > 0 the reference's (fp32, a row's every
+    token); beta > 0 holds a frozen reference under a full fine-tune, the adapter disabled under LoRA."""
+    r = _grpo(num_iterations=2, beta=0.04)
+    a = arch(r.model)
+    e = M.recipe_estimate(r, 8, a)
+    assert e.logps == 2 * 64 * 1024 * 4
+    assert e.reference == a.num_parameters() * 2 // 8  # bf16, sharded by zero3
+    assert e.total == e.model_states + e.reference + e.logps + e.activations + e.buffers
+    assert M.reference_kind(r) == "frozen" and M.holds_reference(r)
+    from finetune.resume import reads_model_again
+
+    assert reads_model_again(r) == "the GRPO reference (a frozen copy of the model as training started)"
+    lora = replace(r, lora=True, strategy="fsdp")
+    assert M.reference_kind(lora) == "adapter" and M.recipe_estimate(lora, 8, a).reference == 0
+    assert M.reference_kind(replace(r, beta=0.0)) is None
+    ddp = M.recipe_estimate(r, 8, a, M.Setup("ddp"))
+    assert ddp.reference == a.num_parameters() * 2  # whole on each GPU
+
+
+def test_grpo_fits_needs_the_rollout_too():
+    """A budget between the step's total and the rollout's peak does not fit: the rollout is no option."""
+    r = _grpo()
+    e = M.recipe_estimate(r, 8, arch(r.model))
+    assert e.total < e.rollout_peak
+    between = int((e.total + e.rollout_peak) / 2 / (1 - M.HEADROOM))
+    assert not e.fits(between) and e.fits(int(e.rollout_peak / (1 - M.HEADROOM)) + 1)
+
+
+def test_grpo_plan_table_and_dry_run_report():
+    r = _grpo()
+    table = M.plan_table(r, 8, M.parse_size("80GB"), name="llama8b_grpo_zero3")
+    assert "GRPO dapo: 64 completions per GPU each rollout (num_generations=8), up to 512 prompt + 512 completion " \
+           "tokens, reference: none (beta=0)" in table
+    header = next(line for line in table.splitlines() if line.startswith("per GPU"))
+    for column in ("log-probs", "total", "gathered", "kv cache", "prefill", "rollout"):
+        assert column in header
+    zero3 = next(line for line in table.splitlines() if line.startswith("* zero3"))
+    assert zero3.split()[-6:-2] == ["14.96", "8.00", "4.25", "42.17"]  # gathered, kv cache, prefill, rollout
+    assert "the recipe's setup (zero3): 42.17 GiB per GPU, fits" in table
+    report = M.memory_report(r, 8, "llama8b_grpo_zero3")
+    assert ("GRPO rollout per GPU (64 completions of up to 1024 tokens generated in one batch): gathered weights "
+            "14.96, KV cache 8.00, prefill 4.25; a peak of 42.17 GiB per GPU (with the model states)") in report
+    sft = M.plan_table(resolve("llama7b_zero3", []), 8, name="llama7b_zero3")
+    assert "rollout" not in sft and "kv cache" not in sft

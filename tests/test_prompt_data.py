@@ -82,3 +82,72 @@ def test_objective_and_rows_must_agree():
     with pytest.raises(D.DataError, match="has prompt rows .* which train with objective=grpo"):
         D.sources.check_objective(Recipe(), "prompt", "dataset", "d.jsonl")
     D.sources.check_objective(Recipe(**GRPO), "prompt", "dataset", "d.jsonl")
+
+
+# ---------------------------------------------------------------- finetune data --show
+
+
+def test_show_prompt_renders_the_prompt_and_lists_the_reward_columns(mistral):
+    text = {"prompt": "What is 12 + 30?", "answer": "42", "level": 1, "tags": ["sum"],
+            "prompt_input_ids": mistral("What is 12 + 30?").input_ids, "n_tokens": 9}
+    assert D.prompt_columns(text) == ["answer", "level", "tags"]
+    decoded = mistral.decode(text["prompt_input_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert decoded.startswith("<s>") and decoded.endswith("What is 12 + 30?")  # the BOS, then the text
+    shown = D.show_prompt(mistral, text).splitlines()
+    assert shown == ["prompt:   " + decoded, "answer:   42", "level:    1", 'tags:     ["sum"]']
+    ids = D.encode_prompts([{"prompt": CHAT}], mistral)["prompt_input_ids"][0]
+    chat = D.show_prompt(mistral, {"prompt": CHAT, "answer": "42", "prompt_input_ids": ids, "n_tokens": len(ids)})
+    # the conversation as the chat template renders it (ChatML), its assistant turn opened, then the columns
+    rendered = mistral.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert chat == "prompt:   " + rendered + "\nanswer:   42"
+    assert rendered.rstrip().endswith("<|im_start|>assistant") and "What is 12 + 30?" in rendered
+    assert "\x1b[" in D.show_prompt(mistral, text, colour=True) and "\x1b[" not in "\n".join(shown)
+
+
+def test_data_command_shows_prompt_rows(mistral, tmp_path, capsys):
+    """`finetune data --show` on a prompt set with a mapped column: each row's prompt and the columns the
+    reward functions get; --json gives the rows' columns."""
+    from finetune.commands import data as data_command
+
+    tok_dir = tmp_path / "tok"
+    mistral.save_pretrained(tok_dir)
+    rows = [{"question": f"What is {i} + 1?", "answer": str(i + 1), "level": i % 3} for i in range(6)]
+    path = tmp_path / "math.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "grpo.py"
+    recipe.write_text(f'''from finetune.recipe import DataSource, Recipe
+
+recipe = Recipe(
+    tokenizer={str(tok_dir)!r},
+    datasets=[DataSource(path={str(path)!r}, format="prompt", columns={{"prompt": "question"}})],
+    objective="grpo",
+    reward_funcs=("finetune.rewards:exact_match",),
+    num_generations=2,
+    micro_batch_size=2,
+    max_seq_len=64,
+    max_completion_len=16,
+    mixed_precision="no",
+    eval_fraction=0.0,
+    num_proc=1,
+    output_dir={str(tmp_path / "out")!r},
+)
+''')
+    assert data_command.main(["--recipe", str(recipe), "--show", "3", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    blocks = out.split("--- row ")[1:]
+    assert len(blocks) == 3
+    for position, block in enumerate(blocks):
+        header, body = block.split("\n", 1)
+        assert f"(prompt {'first' if position == 0 else f'#{position + 1}'} of the run): " in header
+        assert header.endswith("the reward functions get prompts, completions, completion_ids, answer, level")
+        lines = body.splitlines()
+        assert lines[0].startswith("prompt:   ") and "What is " in lines[0] and "[[" not in lines[0]
+        i = int(lines[0].split("What is ")[1].split(" ")[0])
+        assert lines[1] == f"answer:   {i + 1}" and lines[2] == f"level:    {i % 3}"
+    assert "trained tokens in" not in out and "(prompt, split train)" in out
+    assert data_command.main(["--recipe", str(recipe), "--show", "2", "--json"]) == 0
+    shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(shown) == 2
+    for r in shown:
+        assert r["prompt"].startswith("What is ") and {"answer", "level", "prompt_input_ids"} <= set(r)
+        assert r["prompt_input_ids"] == mistral(r["prompt"]).input_ids

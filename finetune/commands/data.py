@@ -9,8 +9,8 @@ import os
 import sys
 
 from finetune.assets import resolve_model
-from finetune.data import (GREEN, RESET, BatchSchedule, build_datasets, prevalidate_recipe, show_pair, show_row,
-                           summary_lines, trained)
+from finetune.data import (GREEN, RESET, BatchSchedule, build_datasets, prevalidate_recipe, prompt_columns,
+                           show_pair, show_prompt, show_row, summary_lines, trained)
 from finetune.model import load_tokenizer
 from finetune.recipe import RecipeError, chat_template_text, resolve
 
@@ -23,12 +23,13 @@ def main(argv=None) -> int:
 
     parser = Parser(prog="python -m finetune.data",
                     description="Prepare the recipe's data as training would (same cache) and show the first rows "
-                    "the run trains on, with the trained tokens marked, and a summary per source.")
+                    "the run trains on, with the trained tokens marked (prompt rows, objective=grpo: the prompt as "
+                    "generation continues it and the columns the reward functions get), and a summary per source.")
     parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
     parser.add_argument("--show", type=int, default=3, metavar="N", help="rows to print (default 3)")
     parser.add_argument("--json", action="store_true", help="one JSON object per row (input_ids, labels; a "
-                        "preference pair's chosen_ and rejected_ input_ids and labels) on stdout; the summary goes to "
-                        "stderr")
+                        "preference pair's chosen_ and rejected_ input_ids and labels; a prompt row's prompt, "
+                        "prompt_input_ids and other columns) on stdout; the summary goes to stderr")
     parser.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -58,6 +59,13 @@ def main(argv=None) -> int:
             continue
         what = f" from {source}" if source and len(data.sources) > 1 else ""
         header = f"--- row {index}{what} (trained {'first' if position == 0 else f'#{position + 1}'}): "
+        if "prompt_input_ids" in row:  # a prompt row (objective=grpo): generated from, nothing trained
+            others = prompt_columns(row)
+            order = "first" if position == 0 else f"#{position + 1}"
+            print(f"--- row {index}{what} (prompt {order} of the run): {len(row['prompt_input_ids'])} tokens; the "
+                  f"reward functions get {', '.join(['prompts', 'completions', 'completion_ids'] + others)}")
+            print(show_prompt(tokenizer, row, colour))
+            continue
         if "chosen_input_ids" in row:  # a preference pair
             print(header + "; ".join(f"{side} {len(row[f'{side}_input_ids'])} tokens, {trained(row[f'{side}_labels'])} "
                                      "trained" for side in ("chosen", "rejected")))
@@ -68,7 +76,8 @@ def main(argv=None) -> int:
     summary = summary_lines(data, recipe)
     if not args.json:
         print("---")
-        print("trained tokens in " + (f"{GREEN}green{RESET}" if colour else "[[brackets]]"))
+        if "prompt_input_ids" not in data.train.column_names:
+            print("trained tokens in " + (f"{GREEN}green{RESET}" if colour else "[[brackets]]"))
     for line in summary:
         print(line.removeprefix("data "), file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -34,4 +34,4 @@ from finetune.data.batches import (BatchSchedule, PAIR_SIDES, REFERENCE_COLUMNS,
 from finetune.data.preference import (PAIR_COLUMNS, PREFERENCE_VERSION, encode_pair, encode_pairs, prompt_length,
                                       trained)
 from finetune.data.prompts import PROMPT_COLUMNS, PROMPT_VERSION, encode_prompts, fit_prompt
-from finetune.data.inspector import (GREEN, RESET, show_pair, show_row)
+from finetune.data.inspector import (GREEN, RESET, prompt_columns, show_pair, show_prompt, show_row)

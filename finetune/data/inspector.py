@@ -1,9 +1,13 @@
-"""What a run trains on, shown: a prepared row (or preference pair) with its trained tokens marked
+"""What a run trains on, shown: a prepared row (or preference pair) with its trained tokens marked, or a
+prompt row (objective=grpo) as generation continues it, with the columns its reward functions get
 (python -m finetune.data)."""
 
 from __future__ import annotations
 
+import json
+
 from finetune.data.formats import IGNORE
+from finetune.data.prompts import PROMPT_COLUMNS
 
 
 GREEN, RESET = "\x1b[1;32m", "\x1b[0m"
@@ -52,4 +56,24 @@ def show_pair(tokenizer, row: dict, colour: bool = False) -> str:
     lines = ["prompt:   " + _marked(tokenizer, *sides[0], 0, 0, shared, colour)]
     for side, (ids, labels) in zip(("chosen", "rejected"), sides):
         lines.append(f"{side + ':':<10}" + _marked(tokenizer, ids, labels, 0, shared, len(ids), colour))
+    return "\n".join(lines)
+
+
+def prompt_columns(row: dict) -> list[str]:
+    """A prompt row's columns handed to the reward functions: all but the prompt and its tokens."""
+    return [k for k in row if k != "prompt" and k not in PROMPT_COLUMNS]
+
+
+def show_prompt(tokenizer, row: dict, colour: bool = False) -> str:
+    """A prepared prompt row: its tokens as the model continues them (a conversation rendered by the chat
+    template with its generation prompt, a text prompt after the BOS), then each other column, which
+    the reward functions get as a keyword argument. Nothing in it is trained: its completions are
+    generated at each step."""
+    text = tokenizer.decode(row["prompt_input_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    lines = ["prompt:   " + text]
+    for key in prompt_columns(row):
+        value = row[key]
+        shown = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+        name = f"{GREEN}{key}:{RESET}" if colour else f"{key}:"
+        lines.append(f"{name}{' ' * max(1, 10 - len(key) - 1)}{shown}")
     return "\n".join(lines)
