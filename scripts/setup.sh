@@ -38,6 +38,9 @@ if [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   if DS_ACCELERATOR=cpu timeout 1200 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
     echo "DeepSpeed async_io op (NVMe offload) ready ($(( $(date +%s) - start )) s)"
   else
+    # a build cut off by the timeout leaves its lock, and every later build (and finetune's validation) would
+    # wait on it: no other build of ours is running, so remove it
+    find "$ext_root" -maxdepth 3 -path '*async_io/lock' -delete 2>/dev/null || true
     echo "NVMe offload will be unavailable: building DeepSpeed's async_io op failed (run python -c \"from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=True)\" to see why)"
   fi
 fi
