@@ -42,7 +42,7 @@ PHASES = {
                  ("accelerate/scheduler.py:.*(step)", "step"),
                  ("finetune/data/batches.py:.*(fetch)", "own"), ("finetune/loop.py:.*(reduce_sum|one_sync_per_step)", "own"),
                  ("finetune/loop.py:.*(skip_nonfinite)", "own"), ("finetune/metrics.py:.*(write|update|step|window)", "own"),
-                 ("finetune/stopping.py:.*(fault_point)", "own"), ("finetune/distributed.py:.*(accumulate)", "own"),
+                 ("finetune/faults.py:.*(fault_point)", "own"), ("finetune/distributed.py:.*(accumulate)", "own"),
                  ("accelerate/accelerator.py:.*(gather)", "own")],
     "trainer": [("transformers/trainer.py:.*(compute_loss)", "forward"),
                 ("accelerate/accelerator.py:.*(backward)", "backward"),

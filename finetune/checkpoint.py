@@ -27,7 +27,7 @@ from pathlib import Path
 
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
-from finetune.stopping import fault_point
+from finetune.faults import fault_point
 from finetune.optim import nonfinite_count
 
 PREFIX = "step_"

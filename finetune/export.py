@@ -26,7 +26,7 @@ from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
 from finetune.files import publish, why_not_creatable  # noqa: E402
 from finetune.model import add_lora, model_class, without_zero3_init  # noqa: E402
 from finetune.recipe import Recipe, RecipeError  # noqa: E402
-from finetune.stopping import fault_point  # noqa: E402
+from finetune.faults import fault_point  # noqa: E402
 from finetune.strategy import final_in_training_dtype, running_strategy  # noqa: E402
 
 

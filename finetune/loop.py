@@ -21,7 +21,7 @@ from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, a
                                  saved_names)
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.export import merge_adapter, save_final_model
-from finetune.memory import padding_free_scores
+from finetune.recipe import padding_free_scores
 from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
 from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
@@ -32,7 +32,8 @@ from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.identity import model_identity
 from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
-from finetune.stopping import StopRequest, fault_point
+from finetune.faults import fault_point
+from finetune.stopping import StopRequest
 from finetune.distributed import accumulate, build_accelerator, prepare
 
 if TYPE_CHECKING:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE
+from finetune.unwrap import hf_model
 
 IMPLS = ("chunked", "liger", "full")
 
@@ -116,19 +117,6 @@ def router_aux_loss(model, outputs, labels: torch.Tensor, record: list | None = 
         record.append(aux.detach().float())
     coef = getattr(getattr(inner, "config", None), "router_aux_loss_coef", 0.0) or 0.0
     return coef * aux.float() * (labels != IGNORE).sum()
-
-
-def hf_model(model):
-    """The Hugging Face model under DDP / DeepSpeed / FSDP1 wrappers, torch.compile and peft."""
-    while True:
-        if isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, DeepSpeedEngine, FSDP1
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile
-            model = model._orig_mod
-        else:
-            break
-    get_base = getattr(model, "get_base_model", None)  # peft
-    return get_base() if callable(get_base) else model
 
 
 _WARNED: set[str] = set()

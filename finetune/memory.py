@@ -107,7 +107,7 @@ import re
 from dataclasses import dataclass
 
 from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
-from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local, reference_kind
+from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local, padding_free_scores, reference_kind
 from finetune.strategy import strategy_for
 
 GiB = 2**30
@@ -433,13 +433,6 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
 def holds_reference(recipe: Recipe) -> bool:
     """Whether a run holds a reference model beside the policy (finetune/reference.py build_reference)."""
     return reference_kind(recipe) == "frozen"
-
-
-def padding_free_scores(recipe: Recipe) -> bool:
-    """padding_free=true under sdpa/eager: one row of the micro-batch's tokens under a block-diagonal
-    mask over the whole row (activation_bytes one_row). flash_attention_2 attends per example (varlen):
-    the sum of its examples' squared lengths is at most B*T^2, the padded bound, which then holds."""
-    return recipe.padding_free and recipe.attn_implementation != "flash_attention_2"
 
 
 def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[tuple[int, Estimate]]:

@@ -10,9 +10,9 @@ import torch
 from finetune import loss
 from finetune.arch import is_default_lora_target
 from finetune.assets import resolve_model
-from finetune.loss import hf_model
 from finetune.recipe import Recipe, RecipeError, chat_template_text
 from finetune.strategy import strategy_for
+from finetune.unwrap import hf_model
 
 
 def load_config(recipe: Recipe):

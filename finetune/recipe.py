@@ -617,6 +617,16 @@ def reference_kind(r: Recipe) -> str | None:
         return "precomputed"
     return "adapter" if r.lora else "frozen"
 
+
+def padding_free_scores(recipe: Recipe) -> bool:
+    """Whether the attention scores cover one row of all the micro-batch's tokens: padding_free=true
+    under sdpa/eager, a block-diagonal mask over the whole row (the planner's one_row,
+    memory.activation_bytes; the loop warns where that costs more than padding). flash_attention_2
+    attends per example (varlen): the sum of its examples' squared lengths is at most B*T^2, the padded
+    bound, which then holds."""
+    return recipe.padding_free and recipe.attn_implementation != "flash_attention_2"
+
+
 # The ranges where every DPO loss and its gradient stay finite in float32 (the log-probs are float32 in
 # bf16 runs too). beta multiplies the margin z of summed (or averaged) log-probs, and is cast to float32
 # doing so: past 3.4e38 it is inf, and the first step (z = 0, the policy equal to its reference) gives

@@ -245,7 +245,7 @@ def start(recipe, model) -> None:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from finetune.loss import hf_model
+    from finetune.unwrap import hf_model
 
     # deepspeed.comm over the existing group (ZeRO's Accelerator has made it already; fsdp and ddp not)
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())

@@ -1,6 +1,6 @@
 """How a run is asked to stop: the signals a scheduler or a terminal sends (StopRequest, which the
-loop checks between steps), and the faults the crash tests inject at exact places (fault_point).
-Apart from storage: checkpoint.py only calls fault_point where a save can be cut short."""
+loop checks between steps), and the front's death (stop_with_front). The faults the crash tests
+inject at exact places are finetune/faults.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import sys
 import time
 
 from finetune.lock import release_all
-from finetune.optim import updated_weights
 
 
 class StopRequest:
@@ -73,31 +72,3 @@ def _say(line: str) -> None:
     the signal interrupted)."""
     if os.environ.get("RANK", "0") == "0":
         os.write(2, (line + "\n").encode())
-
-
-
-def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
-    """Fault injection for the crash tests, real signals at exact places:
-    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
-    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank), ENOSPC the OSError of
-    a full disk; NAN writes a NaN
-    into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
-    spec = os.environ.get("FINETUNE_FAULT")
-    if not spec:
-        return
-    parts = spec.split(":")
-    if parts[:3] == [where, str(rank), str(step)]:
-        how = parts[3] if len(parts) > 3 else "SIGKILL"
-        if how == "RAISE":
-            raise RuntimeError(f"injected fault ({spec})")
-        if how == "ENOSPC":  # a disk that fills up there
-            import errno
-
-            raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec})")
-        if how == "NAN" and optimizer is not None:
-            import torch
-
-            with torch.no_grad():
-                next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")
-            return
-        os.kill(os.getpid(), getattr(signal, how))

@@ -76,7 +76,7 @@ def make_batch(seed: int = 1) -> dict:
 
 def run(model, batch, impl: str, chunk: int | None = None):
     """Loss, the gradient of the hidden states lm_head reads, and every parameter's gradient."""
-    from finetune.loss import hf_model
+    from finetune.unwrap import hf_model
 
     model.zero_grad(set_to_none=True)
     hidden = {}

@@ -24,7 +24,7 @@ from suite_runs import SAVE, resume_copy
 REPO = Path(__file__).resolve().parents[2]
 
 # Where each strategy is interrupted, and how (FINETUNE_FAULT=where:rank:step[:signal], see
-# finetune.stopping.fault_point), and the checkpoint the resumed run must continue from. The runs
+# finetune.faults.fault_point), and the checkpoint the resumed run must continue from. The runs
 # save every 5 steps (suite_runs.SAVE).
 FAULTS = {
     "fsdp": ("after_step:1:7", 5),          # SIGKILL of one rank mid-training

@@ -1,0 +1,37 @@
+"""The faults the crash tests inject at exact places (tests/distributed/test_checkpoint.py and others):
+a signal, an exception, a full disk or a NaN in the weights, on one rank at one step. The loop calls
+fault_point after each step, checkpoint.py where a save can be cut short, export.py in the final write."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from finetune.optim import updated_weights
+
+
+def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
+    """Fault injection for the crash tests, real signals at exact places:
+    FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
+    SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank), ENOSPC the OSError of
+    a full disk; NAN writes a NaN
+    into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
+    spec = os.environ.get("FINETUNE_FAULT")
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[:3] == [where, str(rank), str(step)]:
+        how = parts[3] if len(parts) > 3 else "SIGKILL"
+        if how == "RAISE":
+            raise RuntimeError(f"injected fault ({spec})")
+        if how == "ENOSPC":  # a disk that fills up there
+            import errno
+
+            raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec})")
+        if how == "NAN" and optimizer is not None:
+            import torch
+
+            with torch.no_grad():
+                next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")
+            return
+        os.kill(os.getpid(), getattr(signal, how))
