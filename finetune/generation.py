@@ -109,6 +109,16 @@ def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
 
 
 @torch.no_grad()
+def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int] | None) -> bool:
+    """A generation backend's checks of its arguments; whether it samples (temperature > 0)."""
+    if any(not p for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    sampled = sampling.temperature > 0
+    if sampled and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("generate: sampling (temperature > 0) needs one seed per prompt")
+    return sampled
+
+
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[Completion]:
@@ -120,11 +130,7 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     ends every sequence where it is."""
     if not prompts:
         return []
-    if any(not p for p in prompts):
-        raise ValueError("generate: every prompt needs at least one token")
-    sampled = sampling.temperature > 0
-    if sampled and (seeds is None or len(seeds) != len(prompts)):
-        raise ValueError("generate: sampling (temperature > 0) needs one seed per prompt")
+    sampled = check_request(prompts, sampling, seeds)
     generators = [torch.Generator().manual_seed(s) for s in seeds] if sampled else []
     n, lengths = len(prompts), [len(p) for p in prompts]
     budget = [sampling.max_new_tokens if context is None else min(sampling.max_new_tokens, max(context - k, 0))

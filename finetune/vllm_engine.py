@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.generation import Completion, Sampling
+from finetune.generation import Completion, Sampling, check_request
 
 
 # Set before the engine is built (setdefault: a user's own value wins; vLLM reads them when it builds).
@@ -148,11 +148,7 @@ class VLLMEngine:
 
         if not prompts:
             return []
-        if any(not p for p in prompts):
-            raise ValueError("generate: every prompt needs at least one token")
-        sampled = sampling.temperature > 0
-        if sampled and (seeds is None or len(seeds) != len(prompts)):
-            raise ValueError("generate: sampling (temperature > 0) needs one seed per prompt")
+        sampled = check_request(prompts, sampling, seeds)
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
         budgets = [min(sampling.max_new_tokens, max(limit - len(p), 0)) for p in prompts]
         asked = [i for i, b in enumerate(budgets) if b > 0]

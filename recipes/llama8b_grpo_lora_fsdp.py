@@ -18,27 +18,13 @@ compile stays off: LoRA with a rollout phase (generation through the gathered, a
 measured compiled on a GPU.
 """
 
-from finetune.recipe import DataSource, Recipe
-from recipes.llama8b_grpo_zero3 import GSM8K, boxed_format, gsm8k_answer
+from dataclasses import replace
 
-recipe = Recipe(
-    model="meta-llama/Llama-3.1-8B-Instruct",
-    datasets=(DataSource(split="train", **GSM8K),),
-    eval_dataset=DataSource(split="test", **GSM8K),
-    eval_max_samples=256,
-    objective="grpo",
-    reward_funcs=(gsm8k_answer, boxed_format),
-    reward_weights=(1.0, 0.2),
-    num_generations=8,
-    max_completion_len=512,
-    max_prompt_len=512,
-    max_seq_len=1024,
-    temperature=1.0,
-    loss_type="dapo",
-    beta=0.0,
+from recipes.llama8b_grpo_zero3 import recipe as full
+
+recipe = replace(
+    full,
     strategy="fsdp",
-    mixed_precision="bf16",
-    activation_checkpointing=True,
     lora=True,
     lora_r=16,
     lora_alpha=32,
@@ -46,14 +32,5 @@ recipe = Recipe(
     micro_batch_size=4,
     global_batch_size=16,
     lr=1e-5,
-    lr_scheduler="constant",
-    warmup_steps=0,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    epochs=1,
     output_dir="runs/llama8b_grpo_lora_fsdp",
-    log_every=1,
-    eval_every=50,
-    save_every=50,
-    keep_last=2,
 )
