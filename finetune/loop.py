@@ -24,6 +24,7 @@ from finetune.memory import padding_free_scores
 from finetune.metrics import (PAIR_METRICS, LossPlot, MetricsFile, Progress, Throughput, format_summary, log,
                               peak_memory_bytes, setup_logging, start_trackers)
 from finetune.model import concatenation_problem, load_config, load_model, load_tokenizer
+from finetune.offload import activation_offload
 from finetune.objectives import objective_for
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
@@ -313,7 +314,8 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     aux = []
     for index, batch in enumerate(to_device(b, device) for b in micro_batches):
         with accumulate(accelerator, model, index):
-            loss = objective.loss(model, batch, aux)
+            with activation_offload(r.activation_offload):
+                loss = objective.loss(model, batch, aux)
             accelerator.backward(loss * scale)
         step_loss += loss.detach().double()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
