@@ -213,25 +213,74 @@ def loss_rows(vocab_size: int, tokens: int, loss_impl: str = "full", chunk_token
     return min(tokens, chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * vocab_size)))
 
 
+def layer_bytes_per_token(arch: Architecture, mixed_precision: str) -> int:
+    """Bytes one Llama-style decoder layer keeps for its backward per token, as transformers' layer saves
+    them (counted with saved-tensor hooks, bench/activation_memory.py): each RMSNorm its input in fp32
+    (the norm upcasts), the normalised input and its output (the next Linear's input) in the compute
+    dtype; attention q, k, v and its output, and the kernel's fp32 log-sum-exp per head (sdpa and
+    flash keep no scores: the eager scores are attention_scores_bytes); the gated MLP its gate and up
+    outputs, the activation and their product (4 x intermediate). Rotary embeddings keep only the
+    cos/sin tables (the weights are saved by reference, as parameters)."""
+    p = 2 if mixed_precision != "no" else 4
+    h, i, a = arch.hidden_size, arch.intermediate_size, arch.num_attention_heads
+    q, kv = a * arch.head_size, arch.kv_heads * arch.head_size
+    norms = 2 * (4 + 2 * p) * h
+    attention = p * (2 * q + 2 * kv) + 4 * a
+    return norms + attention + 4 * p * i
+
+
 def activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
                      activation_checkpointing: bool, loss_impl: str = "full", loss_chunk_tokens: int = 0,
-                     one_row: bool = False, sequence_parallel: int = 1) -> int:
-    """Activations per GPU; the formula is in this module's docstring (Korthikanti et al. 2022). The
-    logits term counts the rows the loss holds at once (loss_rows). one_row: the micro-batch is one
-    row of up to B*T tokens attended under a full-row mask (padding_free=true with sdpa/eager), whose
-    scores term is a*(B*T)^2, B times a padded batch's; the B*T terms are unchanged (the row holds at
-    most B*T tokens). sequence_parallel=N (Ulysses, finetune/sequence_parallel.py): a rank holds T/N
-    tokens of each row for every B*T term, and attends over the whole T for a/N heads, so the scores
-    term is B*(a/N)*T^2: every term is divided by N (the loss's rows too, up to a chunk)."""
-    b, t, h, a, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_attention_heads, arch.num_hidden_layers
+                     one_row: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
+                     activation_offload: bool = False, trained_head: bool = True) -> int:
+    """The step's activation peak per GPU (this module's docstring, 3): what the forward keeps for the
+    backward, plus the larger of the loss's working set (at the end of the forward) and one layer's
+    backward (its recomputed activations with checkpointing, and the gradients it makes).
+
+    t = B*T/N tokens per rank (sequence_parallel=N splits every row; Ulysses attends over the whole T
+    with a/N heads, so every term is divided by N). attn_implementation: eager keeps each layer's
+    softmax scores, a/N * B*T^2 (one_row: (B*T)^2, padding_free) in fp32 plus their compute-dtype copy,
+    and a float causal mask; sdpa and flash_attention_2 keep no scores (a memory-efficient kernel:
+    measured on CPU, the Ulysses-gathered heads take SDPA's flash kernel), only a bool mask under
+    one_row. activation_offload (with checkpointing): the layer inputs and the final norm's tensors
+    live in CPU memory (finetune/offload.py), the GPU keeps one layer's recompute."""
+    b, t_row, h, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_hidden_layers
     n = sequence_parallel
-    scale = 1 if mixed_precision != "no" else 2
-    one_layer = 34 * b * t * h + 5 * a * (b * t) ** 2 if one_row else 34 * b * t * h + 5 * b * a * t * t
-    body = layers * 2 * b * t * h + one_layer if activation_checkpointing else layers * one_layer
-    body = body // n
-    rows = loss_rows(arch.vocab_size, -(-b * t // n), loss_impl, loss_chunk_tokens)
-    logits = rows * arch.vocab_size * ((2 if mixed_precision != "no" else 4) + 8)
-    return body * scale + logits
+    sixteen = mixed_precision != "no"
+    p = 2 if sixteen else 4
+    t = -(-b * t_row // n)  # tokens per rank
+    per_layer = layer_bytes_per_token(arch, mixed_precision) * t
+    square = (b * t_row) ** 2 if one_row else b * t_row * t_row
+    scores = mask = 0
+    if attn_implementation == "eager":
+        scores = arch.num_attention_heads * square // n * (4 + (2 if sixteen else 0))
+        mask = square * p
+    elif one_row:
+        mask = square  # the block-diagonal mask as bools
+    final_norm = (4 + 2 * p) * h * t
+    recompute = per_layer + scores + mask if activation_checkpointing else 0
+    if activation_checkpointing:
+        kept = 0 if activation_offload else layers * p * h * t + final_norm
+    else:
+        kept = layers * (per_layer + scores) + mask + final_norm
+    grad_hidden = p * h * t  # the loss's gradient of the last hidden states, held into the backward
+    layer_backward = recompute + p * t * (3 * arch.intermediate_size + 2 * h) + scores + grad_hidden
+    rows = loss_rows(arch.vocab_size, t, loss_impl, loss_chunk_tokens)
+    if loss_impl == "full":
+        loss = rows * arch.vocab_size * (p + 8)  # the logits, their fp32 log-softmax, its gradient
+    else:  # one chunk's fp32 logits (and their 16-bit matmul output), and the head's fp32 gradient
+        loss = rows * arch.vocab_size * (6 if sixteen else 4) + grad_hidden + (
+            4 * arch.vocab_size * h if trained_head else 0)
+    return kept + max(loss, layer_backward)
+
+
+def offloaded_activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
+                               sequence_parallel: int = 1) -> int:
+    """What activation_offload keeps in CPU memory per rank: each layer's checkpointed input and the
+    final norm's tensors (the part activation_bytes leaves out)."""
+    p = 2 if mixed_precision != "no" else 4
+    t = -(-micro_batch_size * seq_len // sequence_parallel)
+    return arch.num_hidden_layers * p * arch.hidden_size * t + (4 + 2 * p) * arch.hidden_size * t
 
 
 @dataclass(frozen=True)
@@ -274,7 +323,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
-             pairs: bool = False, sequence_parallel: int = 1) -> Estimate:
+             pairs: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
+             activation_offload: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -332,8 +382,12 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         layer_trained = layer
     buffers = strategy.buffers(arch, setup, trained, gb, n, lp, sixteen, layer, layer_trained)
     buffers += dequantized
-    acts = activation_bytes(arch, micro_batch_size * (2 if pairs else 1), seq_len, mixed_precision,
-                            activation_checkpointing, loss_impl, loss_chunk_tokens, one_row, sequence_parallel)
+    rows = micro_batch_size * (2 if pairs else 1)
+    acts = activation_bytes(arch, rows, seq_len, mixed_precision, activation_checkpointing, loss_impl,
+                            loss_chunk_tokens, one_row, sequence_parallel, attn_implementation,
+                            activation_offload and activation_checkpointing, trained_head=not lora_params)
+    if activation_offload and activation_checkpointing:
+        off["cpu"] += offloaded_activation_bytes(arch, rows, seq_len, mixed_precision, sequence_parallel)
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
@@ -350,7 +404,9 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
                     one_row=padding_free_scores(recipe), samples=getattr(recipe, "sample_prompts", 0) > 0,
                     reference=holds_reference(recipe), pairs=getattr(recipe, "objective", "sft") == "dpo",
-                    sequence_parallel=getattr(recipe, "sequence_parallel", 1))
+                    sequence_parallel=getattr(recipe, "sequence_parallel", 1),
+                    attn_implementation=recipe.attn_implementation,
+                    activation_offload=recipe.activation_offload)
 
 
 def holds_reference(recipe: Recipe) -> bool:
