@@ -39,26 +39,39 @@ Estimate (no model loaded, no GPU needed)
    parameter partition; FSDP with `offload_params=cpu` keeps parameters, gradients and optimizer on
    the CPU.
 
-3. Activations, per GPU (not sharded by any strategy), from Korthikanti et al., "Reducing Activation
-   Recomputation in Large Transformer Models" (arXiv:2205.05198, section 4.1): one transformer layer
-   keeps  34*B*T*h + 5*B*a*T^2  bytes with 16-bit activations (B micro batch, T sequence length,
-   h hidden size, a attention heads; the T^2 term is the attention scores, softmax and dropout mask,
-   which fused SDPA/flash kernels do not keep, so it is an upper bound for them). Then
+3. Activations, per GPU (not sharded by any strategy; divided by sequence_parallel=N, which splits
+   every row), counted tensor by tensor on transformers' Llama decoder layer rather than taken from
+   Korthikanti et al.'s GPT formula (arXiv:2205.05198: 34*B*T*h + 5*B*a*T^2 bytes per layer in
+   16-bit, for a 4h GeLU MLP and dropout). With t = B*T/N tokens per rank and p bytes per element
+   of the compute dtype (2 in bf16/fp16, 4 in fp32):
 
-       without activation checkpointing:  L * (34*B*T*h + 5*B*a*T^2)
-       with activation checkpointing:     L * 2*B*T*h   (each layer's input)  +  (34*B*T*h + 5*B*a*T^2)
-                                          (one layer recomputed during its backward)
-       plus the logits:                   R*V * (2 + 4 + 4)   (16-bit logits, the fp32 log-softmax
-                                          that the loss keeps, its gradient; 4 + 4 + 4 in fp32)
+       one layer keeps  t * (2*(4 + 2p)*h  +  p*(2*q + 2*kv) + 4*a  +  4*p*i)      (layer_bytes_per_token)
+                        its two RMSNorms (the fp32 upcast, the normalised input, the output), q, k, v
+                        and the attention output with the kernel's fp32 log-sum-exp, the SwiGLU MLP's
+                        gate, up, activation and product (q = a*head_dim, kv = kv_heads*head_dim,
+                        i = intermediate size)
+       attention scores: none under sdpa and flash_attention_2 (memory-efficient kernels allocate no
+                        T^2 matrix; measured on CPU, the Ulysses-gathered heads take SDPA's flash kernel);
+                        eager keeps each layer's softmax, (a/N)*B*T^2 * (4 + 2 in 16-bit) bytes, and a
+                        float causal mask B*T^2*p
 
-   all doubled for fp32 activations (`mixed_precision=no`). T is max_seq_len: packed rows are that
-   long, padded batches at most that long. R is the token rows whose logits the loss holds at once:
-   B*T with loss_impl=full; with the default chunked loss (finetune/loss.py) one chunk,
-   loss_chunk_tokens or as many rows as fit 256 MiB of fp32 logits (523 for a 128k vocabulary), so
-   the term no longer grows with B*T (measured: docs/benchmarks.md section 7). padding_free=true makes
-   the micro-batch one row of at most B*T tokens (no padding), so every B*T term holds as it is; its
-   attention is one mask over the whole row under sdpa/eager, so the scores term becomes 5*a*(B*T)^2
-   (B times larger); under flash_attention_2 it is per example (varlen) and the B*a*T^2 bound holds.
+       kept for the backward:  without checkpointing  L * one layer + the final norm's tensors
+                               with checkpointing     L * p*h*t (each layer's input) + the final norm's
+                               with activation_offload those live in CPU memory (the cpu column)
+       plus the larger of      the loss's working set at the end of the forward: one chunk of fp32
+                               logits (loss_rows; plus their 16-bit matmul output in 16-bit: 6 bytes
+                               per logit), the fp32 gradient of lm_head (V*h*4, not with LoRA) and the
+                               last hidden states' gradient; with loss_impl=full all B*T rows' logits,
+                               their fp32 log-softmax and its gradient (p + 8 bytes per logit)
+                       and     one layer's backward: its recomputed activations with checkpointing,
+                               the gradients it makes (3 of [t, i] and 2 of [t, h]) and the eager scores'
+
+   Measured against torch's own count of the bytes a step allocates (bench/activation_memory.py,
+   docs/benchmarks.md section 11: a 20M Llama on CPU, fp32, 2K-16K tokens, SP 1 and 2, checkpointing
+   off and with offload); not yet against a GPU. padding_free=true makes the micro-batch one row of at
+   most B*T tokens, so every t term holds; its mask covers the whole row: (B*T)^2 instead of B*T^2
+   (eager scores; a bool mask under sdpa), per example (varlen) under flash_attention_2. tiled_mlp's
+   saving is not counted.
 
 4. Buffers: what a strategy allocates beyond the model states (rough, stated so that it can be
    checked): ddp, a second copy of every gradient in DDP's reduction buckets (Accelerate leaves
@@ -501,9 +514,11 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
         lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]).rstrip())
         if i == 0:
             lines.append("-" * len(lines[-1]))
-    lines.append("* the recipe's own setup; tokens per row; 0: not even the model states fit. The attention term is "
-                 "the Korthikanti et al. bound (scores kept), which fused kernels (sdpa, flash) do not hold: an upper "
-                 "bound on memory, so these lengths are on the safe side")
+    scores = ("attn_implementation=eager keeps each layer's attention scores (a T^2 term)" if recipe.attn_implementation
+              == "eager" else f"attn_implementation={recipe.attn_implementation} keeps no attention scores (no T^2 term)")
+    lines.append(f"* the recipe's own setup; tokens per row; 0: not even the model states fit. {scores}; activations "
+                 "as measured on CPU (docs/benchmarks.md section 11), not yet on a GPU"
+                 + ("; activation_offload: the layer inputs in CPU memory" if recipe.activation_offload else ""))
     return "\n".join(lines)
 
 
@@ -618,7 +633,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                 and not recipe.nvme_path else ""
             lines.append(f"cheapest that fits: {best.setup.label} ({gib(best.total, unit)} {unit_name} per GPU)"
                          + (f"; override with {how}{note}" if how else "; the recipe's own"))
-    lines.append("estimates: ZeRO paper model states + Korthikanti et al. activations; see finetune/memory.py")
+    lines.append("estimates: ZeRO paper model states + activations counted per tensor of a Llama layer; see finetune/memory.py")
     return "\n".join(lines)
 
 
