@@ -570,7 +570,9 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
     return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s){split}, "
             f"{_precision(recipe.mixed_precision)}, micro batch {recipe.micro_batch_size} x {recipe.max_seq_len} tokens, "
-            f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
+            f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}"
+            + (", the layer inputs offloaded to CPU memory" if recipe.activation_offload else "")
+            + f", attention {recipe.attn_implementation}")
 
 
 def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headroom: float = HEADROOM,
