@@ -145,7 +145,12 @@ def worker(args) -> None:
     dist.all_gather_object(results, result)
     if rank == 0:
         Path(args.out).write_text(json.dumps(results) + "\n")
-    dist.destroy_process_group()
+    dist.barrier()
+    # measured and written: leave without the gloo and DeepSpeed teardown, which now and then aborts a rank
+    # at exit ("terminate called without an active exception") after the work is done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def gpu_worker(args) -> None:
@@ -204,8 +209,15 @@ def planner_bytes(arch, seq_len: int, sp: int, mode: str, mixed_precision: str =
                             attn_implementation="sdpa", activation_offload=offload)
 
 
-def measure(work: Path, model: Path | None, seq_len: int, sp: int, mode: str, spec: str | None = None) -> dict:
+def measure(work: Path, model: Path | None, seq_len: int, sp: int, mode: str, spec: str | None = None,
+            reuse: bool = False) -> dict:
     out = work / f"sp{sp}-{mode}-{seq_len}{'-' + spec if spec else ''}.json"
+    if reuse and out.is_file():
+        ranks = json.loads(out.read_text())
+        return {"seq_len": seq_len, "sp": sp, "mode": mode, "peak": max(r["peak"] for r in ranks),
+                "saved": max(r["saved"] for r in ranks), "ops": sorted({o for r in ranks for o in r["ops"]}),
+                "seconds": max(r["seconds"] for r in ranks), "device": ranks[0].get("device", "cpu"),
+                "command": (work / f"{out.stem}.log").read_text().splitlines()[0].removeprefix("$ ")}
     where = ["--device", "cuda", "--spec", spec] if spec else ["--model", str(model)]
     cmd = [PY, "-m", "torch.distributed.run", "--nproc_per_node", str(sp), "--master_port", str(free_port()),
            str(Path(__file__).resolve()), "--worker", *where, "--seq-len", str(seq_len),
@@ -233,6 +245,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--work", default=f"/tmp/bench-act-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--doc", help="also write the result into docs/benchmarks.md's section 11")
+    parser.add_argument("--reuse", action="store_true", help="keep the measurements already in --work (a run cut off)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -250,7 +263,7 @@ def main(argv: list[str]) -> int:
     for mode in modes:
         for seq_len in lengths:
             for sp in (1,) if gpu else (1, 2):
-                r = measure(work, model, seq_len, sp, mode, args.spec if gpu else None)
+                r = measure(work, model, seq_len, sp, mode, args.spec if gpu else None, args.reuse)
                 r["planner"] = planner_bytes(arch, seq_len, sp, mode, "bf16" if gpu else "no")
                 results.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "command"}), flush=True)
