@@ -17,7 +17,9 @@ column). What is measured, per rank (the larger of the two under SP 2):
   operator's outputs, keys them by storage and drops them when the storage is freed): the step's
   activations, temporaries and gradient buffers, exactly, in bytes (RSS, sections 7 and 11, is
   coarse: the allocator keeps freed pages);
-- saved: the bytes autograd keeps for the backward (saved-tensor hooks, one count per storage);
+- saved: the bytes autograd keeps for the backward (saved-tensor hooks, one count per storage); with
+  activation_offload, the bytes it copied to CPU memory, which the peak leaves out (host memory on a
+  GPU; each tensor's way back is counted as the device copy a GPU makes);
 - the attention operators the step called (which SDPA kernel the Ulysses-gathered heads take).
 
 The planner's figure is finetune.memory.activation_bytes for the same recipe (it runs no model).
@@ -61,8 +63,12 @@ def live_bytes_mode():
             super().__init__()
             self.live, self.now, self.peak, self.ops, self.at = {}, 0, 0, set(), ""
 
+        paused = False  # allocations made meanwhile are not counted (what offload keeps in CPU memory)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if self.paused:
+                return out
             name = str(func.overloadpacket)
             if "attention" in name or "softmax" in name or "bmm" in name:
                 self.ops.add(name.replace("aten.", ""))
@@ -81,6 +87,26 @@ def live_bytes_mode():
             return out
 
     return LiveBytes()
+
+
+def offload_counted_as_on_a_gpu(base, live):
+    """finetune's ActivationOffload, with its CPU copies left out of the count (on a GPU they are host
+    memory) and each tensor's way back counted as the device copy a GPU makes (on CPU `.to` returns the
+    copy itself)."""
+
+    class Counted(base):
+        def pack(self, tensor):
+            live.paused = True
+            try:
+                return super().pack(tensor)
+            finally:
+                live.paused = False
+
+        def unpack(self, packed):
+            back = base.unpack(packed)
+            return back.clone() if isinstance(packed, tuple) else back
+
+    return Counted()
 
 
 def saved_bytes_hooks(counter: dict):
@@ -132,7 +158,7 @@ def worker(args) -> None:
     counter = {"saved": 0}
     t0 = time.perf_counter()
     with live_bytes_mode() as live:
-        hooks = ActivationOffload() if offload else saved_bytes_hooks(counter)
+        hooks = offload_counted_as_on_a_gpu(ActivationOffload, live) if offload else saved_bytes_hooks(counter)
         with hooks:
             loss = loss_sum(model, batch)
         loss.backward()

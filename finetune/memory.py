@@ -64,7 +64,8 @@ Estimate (no model loaded, no GPU needed)
                                last hidden states' gradient; with loss_impl=full all B*T rows' logits,
                                their fp32 log-softmax and its gradient (p + 8 bytes per logit)
                        and     one layer's backward: its recomputed activations with checkpointing,
-                               the gradients it makes (3 of [t, i] and 2 of [t, h]) and the eager scores'
+                               the first gradients it makes (one [t, i], one [t, h]; each saved tensor
+                               is freed as its node runs) and the eager scores'
 
    Measured against torch's own count of the bytes a step allocates (bench/activation_memory.py,
    docs/benchmarks.md section 11: a 20M Llama on CPU, fp32, 2K-16K tokens, SP 1 and 2, checkpointing
@@ -277,7 +278,7 @@ def activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mi
     else:
         kept = layers * (per_layer + scores) + mask + final_norm
     grad_hidden = p * h * t  # the loss's gradient of the last hidden states, held into the backward
-    layer_backward = recompute + p * t * (3 * arch.intermediate_size + 2 * h) + scores + grad_hidden
+    layer_backward = recompute + p * t * (arch.intermediate_size + h) + scores + grad_hidden
     rows = loss_rows(arch.vocab_size, t, loss_impl, loss_chunk_tokens)
     if loss_impl == "full":
         loss = rows * arch.vocab_size * (p + 8)  # the logits, their fp32 log-softmax, its gradient

@@ -5,7 +5,7 @@
 Sized for 8 x 80 GB GPUs (A100/H100 80GB). FSDP keeps fp32 shards (4 + 4 + 8 bytes per parameter / 8) and
 casts each gathered layer to bf16.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama7b_fsdp --gpus 8 --gpu-mem 80GB):
-    params 3.14 + grads 3.14 + optimizer 6.28 + activations 4.36 + buffers 4.76 = total 21.67 GiB
+    params 3.14 + grads 3.14 + optimizer 6.28 + activations 3.97 + buffers 4.76 = total 21.27 GiB
 """
 
 from dataclasses import replace

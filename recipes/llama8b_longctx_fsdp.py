@@ -10,7 +10,7 @@ tokens fit too, with 8x the activations per GPU.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_longctx_fsdp --gpus 8 --gpu-mem 80GB):
     params 3.74 + grads 3.74 + optimizer 7.48 + activations 3.49 + buffers 6.92 = total 25.36 GiB
 The longest row that fits (python -m finetune.plan --recipe llama8b_longctx_fsdp --gpus 8 --gpu-mem 80GB --max-seq-len):
-    640,096 tokens with sequence_parallel=8, 80,012 without (sdpa keeps no T^2 scores; activations as
+    717,664 tokens with sequence_parallel=8, 89,708 without (sdpa keeps no T^2 scores; activations as
     measured on CPU, docs/benchmarks.md section 11, not yet on a GPU)
 """
 

@@ -10,7 +10,7 @@ tokens fit too, with 8x the activations per GPU.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_longctx_zero3 --gpus 8 --gpu-mem 80GB):
     params 1.87 + grads 1.87 + optimizer 11.22 + activations 3.49 + buffers 6.12 = total 24.57 GiB
 The longest row that fits (python -m finetune.plan --recipe llama8b_longctx_zero3 --gpus 8 --gpu-mem 80GB --max-seq-len):
-    651,360 tokens with sequence_parallel=8, 81,420 without (sdpa keeps no T^2 scores; activations as
+    730,296 tokens with sequence_parallel=8, 91,287 without (sdpa keeps no T^2 scores; activations as
     measured on CPU, docs/benchmarks.md section 11, not yet on a GPU)
 """
 

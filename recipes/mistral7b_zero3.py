@@ -4,7 +4,7 @@
 
 Sized for 8 x 40 GB GPUs (A100 40GB); on 80 GB GPUs raise micro_batch_size.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe mistral7b_zero3 --gpus 8 --gpu-mem 40GB):
-    params 1.69 + grads 1.69 + optimizer 10.12 + activations 4.63 + buffers 4.62 = total 22.74 GiB
+    params 1.69 + grads 1.69 + optimizer 10.12 + activations 4.13 + buffers 4.62 = total 22.24 GiB
 """
 
 from finetune.recipe import Recipe

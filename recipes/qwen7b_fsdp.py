@@ -5,7 +5,7 @@
 Sized for 8 x 80 GB GPUs (A100/H100 80GB). Qwen2.5's 152k vocabulary makes the logits the largest
 activation.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe qwen7b_fsdp --gpus 8 --gpu-mem 80GB):
-    params 3.55 + grads 3.55 + optimizer 7.09 + activations 4.50 + buffers 6.88 = total 25.56 GiB
+    params 3.55 + grads 3.55 + optimizer 7.09 + activations 4.21 + buffers 6.88 = total 25.27 GiB
 """
 
 from finetune.recipe import Recipe
