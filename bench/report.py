@@ -51,7 +51,7 @@ STEP_TITLE = "## 9. What a step costs beyond the model, against the Trainer"
 SAMPLES_BEGIN, SAMPLES_END = "<!-- samples:begin -->", "<!-- samples:end -->"
 SAMPLES_TITLE = "## 10. Samples at eval: seconds per sample under ddp, zero3 and fsdp"
 SP_BEGIN, SP_END = "<!-- sp-memory:begin -->", "<!-- sp-memory:end -->"
-SP_TITLE = "## 11. Sequence parallelism: peak memory per rank (bench/sp_memory.py)"
+SP_TITLE = "## 11. Sequence parallelism and activations: memory per rank (bench/activation_memory.py)"
 DPO_BEGIN, DPO_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
 DPO_TITLE = "## 12. DPO against TRL's DPOTrainer"
 # Sections measured by other benches, kept as they are and in this order by the report:

@@ -28,6 +28,7 @@ from finetune.model import (concatenation_problem, context_length, load_config, 
                             sample_length_problem)
 from finetune.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
+from finetune.offload import activation_offload
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.identity import model_identity
@@ -359,7 +360,8 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     aux = []
     for index, batch in enumerate(to_device(b, device) for b in micro_batches):
         with accumulate(accelerator, model, index):
-            loss = objective.loss(model, batch, aux)
+            with activation_offload(r.activation_offload):
+                loss = objective.loss(model, batch, aux)
             accelerator.backward(loss * scale)
         step_loss += loss.detach().double()
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))

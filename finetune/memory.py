@@ -39,26 +39,40 @@ Estimate (no model loaded, no GPU needed)
    parameter partition; FSDP with `offload_params=cpu` keeps parameters, gradients and optimizer on
    the CPU.
 
-3. Activations, per GPU (not sharded by any strategy), from Korthikanti et al., "Reducing Activation
-   Recomputation in Large Transformer Models" (arXiv:2205.05198, section 4.1): one transformer layer
-   keeps  34*B*T*h + 5*B*a*T^2  bytes with 16-bit activations (B micro batch, T sequence length,
-   h hidden size, a attention heads; the T^2 term is the attention scores, softmax and dropout mask,
-   which fused SDPA/flash kernels do not keep, so it is an upper bound for them). Then
+3. Activations, per GPU (not sharded by any strategy; divided by sequence_parallel=N, which splits
+   every row), counted tensor by tensor on transformers' Llama decoder layer rather than taken from
+   Korthikanti et al.'s GPT formula (arXiv:2205.05198: 34*B*T*h + 5*B*a*T^2 bytes per layer in
+   16-bit, for a 4h GeLU MLP and dropout). With t = B*T/N tokens per rank and p bytes per element
+   of the compute dtype (2 in bf16/fp16, 4 in fp32):
 
-       without activation checkpointing:  L * (34*B*T*h + 5*B*a*T^2)
-       with activation checkpointing:     L * 2*B*T*h   (each layer's input)  +  (34*B*T*h + 5*B*a*T^2)
-                                          (one layer recomputed during its backward)
-       plus the logits:                   R*V * (2 + 4 + 4)   (16-bit logits, the fp32 log-softmax
-                                          that the loss keeps, its gradient; 4 + 4 + 4 in fp32)
+       one layer keeps  t * (2*(4 + 2p)*h  +  p*(2*q + 2*kv) + 4*a  +  4*p*i)      (layer_bytes_per_token)
+                        its two RMSNorms (the fp32 upcast, the normalised input, the output), q, k, v
+                        and the attention output with the kernel's fp32 log-sum-exp, the SwiGLU MLP's
+                        gate, up, activation and product (q = a*head_dim, kv = kv_heads*head_dim,
+                        i = intermediate size)
+       attention scores: none under sdpa and flash_attention_2 (memory-efficient kernels allocate no
+                        T^2 matrix; measured on CPU, the Ulysses-gathered heads take SDPA's flash kernel);
+                        eager keeps each layer's softmax, (a/N)*B*T^2 * (4 + 2 in 16-bit) bytes, and a
+                        float causal mask B*T^2*p
 
-   all doubled for fp32 activations (`mixed_precision=no`). T is max_seq_len: packed rows are that
-   long, padded batches at most that long. R is the token rows whose logits the loss holds at once:
-   B*T with loss_impl=full; with the default chunked loss (finetune/loss.py) one chunk,
-   loss_chunk_tokens or as many rows as fit 256 MiB of fp32 logits (523 for a 128k vocabulary), so
-   the term no longer grows with B*T (measured: docs/benchmarks.md section 7). padding_free=true makes
-   the micro-batch one row of at most B*T tokens (no padding), so every B*T term holds as it is; its
-   attention is one mask over the whole row under sdpa/eager, so the scores term becomes 5*a*(B*T)^2
-   (B times larger); under flash_attention_2 it is per example (varlen) and the B*a*T^2 bound holds.
+       kept for the backward:  without checkpointing  L * one layer + the final norm's tensors
+                               with checkpointing     L * p*h*t (each layer's input) + the final norm's
+                               with activation_offload those live in CPU memory (the cpu column)
+       plus the larger of      the loss's working set at the end of the forward: one chunk of fp32
+                               logits (loss_rows; plus their 16-bit matmul output in 16-bit: 6 bytes
+                               per logit), the fp32 gradient of lm_head (V*h*4, not with LoRA) and the
+                               last hidden states' gradient; with loss_impl=full all B*T rows' logits,
+                               their fp32 log-softmax and its gradient (p + 8 bytes per logit)
+                       and     one layer's backward: its recomputed activations with checkpointing,
+                               the first gradients it makes (one [t, i], one [t, h]; each saved tensor
+                               is freed as its node runs) and the eager scores'
+
+   Measured against torch's own count of the bytes a step allocates (bench/activation_memory.py,
+   docs/benchmarks.md section 11: a 20M Llama on CPU, fp32, 2K-16K tokens, SP 1 and 2, checkpointing
+   off and with offload); not yet against a GPU. padding_free=true makes the micro-batch one row of at
+   most B*T tokens, so every t term holds; its mask covers the whole row: (B*T)^2 instead of B*T^2
+   (eager scores; a bool mask under sdpa), per example (varlen) under flash_attention_2. tiled_mlp's
+   saving is not counted.
 
 4. Buffers: what a strategy allocates beyond the model states (rough, stated so that it can be
    checked): ddp, a second copy of every gradient in DDP's reduction buckets (Accelerate leaves
@@ -231,25 +245,74 @@ def loss_rows(vocab_size: int, tokens: int, loss_impl: str = "full", chunk_token
     return min(tokens, chunk_tokens or max(1, LOSS_CHUNK_BYTES // (4 * vocab_size)))
 
 
+def layer_bytes_per_token(arch: Architecture, mixed_precision: str) -> int:
+    """Bytes one Llama-style decoder layer keeps for its backward per token, as transformers' layer saves
+    them (counted with saved-tensor hooks, bench/activation_memory.py): each RMSNorm its input in fp32
+    (the norm upcasts), the normalised input and its output (the next Linear's input) in the compute
+    dtype; attention q, k, v and its output, and the kernel's fp32 log-sum-exp per head (sdpa and
+    flash keep no scores: the eager scores are attention_scores_bytes); the gated MLP its gate and up
+    outputs, the activation and their product (4 x intermediate). Rotary embeddings keep only the
+    cos/sin tables (the weights are saved by reference, as parameters)."""
+    p = 2 if mixed_precision != "no" else 4
+    h, i, a = arch.hidden_size, arch.intermediate_size, arch.num_attention_heads
+    q, kv = a * arch.head_size, arch.kv_heads * arch.head_size
+    norms = 2 * (4 + 2 * p) * h
+    attention = p * (2 * q + 2 * kv) + 4 * a
+    return norms + attention + 4 * p * i
+
+
 def activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
                      activation_checkpointing: bool, loss_impl: str = "full", loss_chunk_tokens: int = 0,
-                     one_row: bool = False, sequence_parallel: int = 1) -> int:
-    """Activations per GPU; the formula is in this module's docstring (Korthikanti et al. 2022). The
-    logits term counts the rows the loss holds at once (loss_rows). one_row: the micro-batch is one
-    row of up to B*T tokens attended under a full-row mask (padding_free=true with sdpa/eager), whose
-    scores term is a*(B*T)^2, B times a padded batch's; the B*T terms are unchanged (the row holds at
-    most B*T tokens). sequence_parallel=N (Ulysses, finetune/sequence_parallel.py): a rank holds T/N
-    tokens of each row for every B*T term, and attends over the whole T for a/N heads, so the scores
-    term is B*(a/N)*T^2: every term is divided by N (the loss's rows too, up to a chunk)."""
-    b, t, h, a, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_attention_heads, arch.num_hidden_layers
+                     one_row: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
+                     activation_offload: bool = False, trained_head: bool = True) -> int:
+    """The step's activation peak per GPU (this module's docstring, 3): what the forward keeps for the
+    backward, plus the larger of the loss's working set (at the end of the forward) and one layer's
+    backward (its recomputed activations with checkpointing, and the gradients it makes).
+
+    t = B*T/N tokens per rank (sequence_parallel=N splits every row; Ulysses attends over the whole T
+    with a/N heads, so every term is divided by N). attn_implementation: eager keeps each layer's
+    softmax scores, a/N * B*T^2 (one_row: (B*T)^2, padding_free) in fp32 plus their compute-dtype copy,
+    and a float causal mask; sdpa and flash_attention_2 keep no scores (a memory-efficient kernel:
+    measured on CPU, the Ulysses-gathered heads take SDPA's flash kernel), only a bool mask under
+    one_row. activation_offload (with checkpointing): the layer inputs and the final norm's tensors
+    live in CPU memory (finetune/offload.py), the GPU keeps one layer's recompute."""
+    b, t_row, h, layers = micro_batch_size, seq_len, arch.hidden_size, arch.num_hidden_layers
     n = sequence_parallel
-    scale = 1 if mixed_precision != "no" else 2
-    one_layer = 34 * b * t * h + 5 * a * (b * t) ** 2 if one_row else 34 * b * t * h + 5 * b * a * t * t
-    body = layers * 2 * b * t * h + one_layer if activation_checkpointing else layers * one_layer
-    body = body // n
-    rows = loss_rows(arch.vocab_size, -(-b * t // n), loss_impl, loss_chunk_tokens)
-    logits = rows * arch.vocab_size * ((2 if mixed_precision != "no" else 4) + 8)
-    return body * scale + logits
+    sixteen = mixed_precision != "no"
+    p = 2 if sixteen else 4
+    t = -(-b * t_row // n)  # tokens per rank
+    per_layer = layer_bytes_per_token(arch, mixed_precision) * t
+    square = (b * t_row) ** 2 if one_row else b * t_row * t_row
+    scores = mask = 0
+    if attn_implementation == "eager":
+        scores = arch.num_attention_heads * square // n * (4 + (2 if sixteen else 0))
+        mask = square * p
+    elif one_row:
+        mask = square  # the block-diagonal mask as bools
+    final_norm = (4 + 2 * p) * h * t
+    recompute = per_layer + scores + mask if activation_checkpointing else 0
+    if activation_checkpointing:
+        kept = 0 if activation_offload else layers * p * h * t + final_norm
+    else:
+        kept = layers * (per_layer + scores) + mask + final_norm
+    grad_hidden = p * h * t  # the loss's gradient of the last hidden states, held into the backward
+    layer_backward = recompute + p * t * (arch.intermediate_size + h) + scores + grad_hidden
+    rows = loss_rows(arch.vocab_size, t, loss_impl, loss_chunk_tokens)
+    if loss_impl == "full":
+        loss = rows * arch.vocab_size * (p + 8)  # the logits, their fp32 log-softmax, its gradient
+    else:  # one chunk's fp32 logits (and their 16-bit matmul output), and the head's fp32 gradient
+        loss = rows * arch.vocab_size * (6 if sixteen else 4) + grad_hidden + (
+            4 * arch.vocab_size * h if trained_head else 0)
+    return kept + max(loss, layer_backward)
+
+
+def offloaded_activation_bytes(arch: Architecture, micro_batch_size: int, seq_len: int, mixed_precision: str,
+                               sequence_parallel: int = 1) -> int:
+    """What activation_offload keeps in CPU memory per rank: each layer's checkpointed input and the
+    final norm's tensors (the part activation_bytes leaves out)."""
+    p = 2 if mixed_precision != "no" else 4
+    t = -(-micro_batch_size * seq_len // sequence_parallel)
+    return arch.num_hidden_layers * p * arch.hidden_size * t + (4 + 2 * p) * arch.hidden_size * t
 
 
 @dataclass(frozen=True)
@@ -309,7 +372,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              micro_batch_size: int = 1, seq_len: int = 2048, activation_checkpointing: bool = False,
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
-             pairs: bool = False, sequence_parallel: int = 1, rollout: "Rollout | None" = None) -> Estimate:
+             pairs: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
+             activation_offload: bool = False, rollout: "Rollout | None" = None) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -369,8 +433,12 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         layer_trained = layer
     buffers = strategy.buffers(arch, setup, trained, gb, n, lp, sixteen, layer, layer_trained)
     buffers += dequantized
-    acts = activation_bytes(arch, micro_batch_size * (2 if pairs else 1), seq_len, mixed_precision,
-                            activation_checkpointing, loss_impl, loss_chunk_tokens, one_row, sequence_parallel)
+    rows = micro_batch_size * (2 if pairs else 1)
+    acts = activation_bytes(arch, rows, seq_len, mixed_precision, activation_checkpointing, loss_impl,
+                            loss_chunk_tokens, one_row, sequence_parallel, attn_implementation,
+                            activation_offload and activation_checkpointing, trained_head=not lora_params)
+    if activation_offload and activation_checkpointing:
+        off["cpu"] += offloaded_activation_bytes(arch, rows, seq_len, mixed_precision, sequence_parallel)
     phase = {}
     if rollout is not None:
         phase = dict(rollout_weights=round(whole), kv_cache=rollout.kv_cache(arch, lp),
@@ -427,7 +495,8 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     one_row=padding_free_scores(recipe),
                     samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
                     reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
-                    sequence_parallel=recipe.sequence_parallel, rollout=Rollout.of(recipe, world_size))
+                    sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
+                    activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size))
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -514,9 +583,11 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
         lines.append("  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]).rstrip())
         if i == 0:
             lines.append("-" * len(lines[-1]))
-    lines.append("* the recipe's own setup; tokens per row; 0: not even the model states fit. The attention term is "
-                 "the Korthikanti et al. bound (scores kept), which fused kernels (sdpa, flash) do not hold: an upper "
-                 "bound on memory, so these lengths are on the safe side")
+    scores = ("attn_implementation=eager keeps each layer's attention scores (a T^2 term)" if recipe.attn_implementation
+              == "eager" else f"attn_implementation={recipe.attn_implementation} keeps no attention scores (no T^2 term)")
+    lines.append(f"* the recipe's own setup; tokens per row; 0: not even the model states fit. {scores}; activations "
+                 "as measured on CPU (docs/benchmarks.md section 11), not yet on a GPU"
+                 + ("; activation_offload: the layer inputs in CPU memory" if recipe.activation_offload else ""))
     return "\n".join(lines)
 
 
@@ -575,7 +646,9 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
     return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s){split}, "
             f"{_precision(recipe.mixed_precision)}, micro batch {recipe.micro_batch_size} x {recipe.max_seq_len} tokens, "
-            f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}")
+            f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}"
+            + (", the layer inputs offloaded to CPU memory" if recipe.activation_offload else "")
+            + f", attention {recipe.attn_implementation}")
 
 
 def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headroom: float = HEADROOM,
@@ -646,7 +719,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                 and not recipe.nvme_path else ""
             lines.append(f"cheapest that fits: {best.setup.label} ({gib(best.peak, unit)} {unit_name} per GPU)"
                          + (f"; override with {how}{note}" if how else "; the recipe's own"))
-    lines.append("estimates: ZeRO paper model states + Korthikanti et al. activations; see finetune/memory.py")
+    lines.append("estimates: ZeRO paper model states + activations counted per tensor of a Llama layer; see finetune/memory.py")
     return "\n".join(lines)
 
 

@@ -125,6 +125,11 @@ class Recipe:
                                  "available yet; use sequence_parallel")
     mixed_precision: str = _opt("bf16", choices=("no", "bf16", "fp16"))
     activation_checkpointing: bool = _opt(False)
+    activation_offload: bool = _opt(False, help="with activation_checkpointing: each decoder layer's checkpointed "
+                                    "input kept in CPU memory from the forward to the backward instead of on the "
+                                    "GPU (torch saved-tensor hooks, every strategy): the planner's L x tokens x "
+                                    "hidden term leaves the GPU, at the cost of a copy each way per layer "
+                                    "(finetune/offload.py)")
     compile: bool = _opt(False, help="torch.compile each decoder layer (fuses the element-wise ops: norms, rotary, "
                          "activations) for faster steps; costs compile time at the start on every rank (about 50 s "
                          "for the 2-layer tiny model on one CPU core; more for more kinds of layer, not more "
@@ -542,6 +547,13 @@ def validate(recipe: Recipe) -> Recipe:
     problem = strategy.compile_problem(r) if r.compile else None
     if problem:
         raise RecipeError(problem)
+    if r.activation_offload and not r.activation_checkpointing:
+        raise RecipeError("activation_offload=true without activation_checkpointing: what is offloaded is each "
+                          "layer's checkpointed input (without checkpointing every tensor each layer keeps would "
+                          "cross to the CPU and back); set activation_checkpointing=true or activation_offload=false")
+    if r.activation_offload and r.compile:
+        raise RecipeError("activation_offload=true with compile=true: compiled layers under saved-tensor hooks were "
+                          "not tried; set compile=false or activation_offload=false")
     _check_sequence_parallel(r, strategy)
     _check_objective(r, strategy)
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:

@@ -8,7 +8,7 @@ Sized for 2 x 48 GB GPUs (RTX 6000 Ada, A6000, L40S). The reference is the 4-bit
 disabled (no second copy); FSDP shards the base as in llama70b_qlora_fsdp. Each micro batch is 1 pair:
 2 sequences of up to 1024 tokens in one forward.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama70b_dpo_qlora_fsdp --gpus 2 --gpu-mem 48GB):
-    params 19.29 + grads 0.39 + optimizer 0.77 + activations 4.28 + buffers 5.54 = total 30.27 GiB
+    params 19.29 + grads 0.39 + optimizer 0.77 + activations 3.56 + buffers 5.54 = total 29.55 GiB
 compile stays off: finetune refuses compile=true for a 4-bit base under fsdp (bitsandbytes re-attaches
 each sharded weight's quantization state inside the layer, a graph break at every Linear).
 """

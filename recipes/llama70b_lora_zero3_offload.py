@@ -7,7 +7,7 @@ Sized for 8 x 24 GB GPUs (A10G, L4, RTX 4090) and a host with at least 256 GB of
 base (141 GB) lives in CPU memory, partitioned across the 8 ranks, and each layer is gathered onto the
 GPUs as it runs. On 8 x 40 GB or larger, offload_params=none fits too and is much faster.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama70b_lora_zero3_offload --gpus 8 --gpu-mem 24GB):
-    params 0.00 + grads 0.00 + optimizer 0.00 + activations 4.91 + buffers 4.04 = total 8.95 GiB;
+    params 0.00 + grads 0.00 + optimizer 0.00 + activations 3.56 + buffers 4.04 = total 7.60 GiB;
     offloaded to CPU 16.91 GiB
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces: no fusion, slower than eager); strategy=fsdp shards the

@@ -13,8 +13,8 @@ unquantized embedding and lm_head (2.1 GB each in bf16), the activations and the
 the rest; the planner says so (below), and offloading a 4-bit base is not supported here.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama70b_qlora_fsdp --gpus 2 --gpu-mem 48GB):
     params 19.29 (4-bit base shard 15.95 + quantization constants 1.01 + bf16 embedding and lm_head
-    shards 1.96 + adapters 0.39) + grads 0.39 + optimizer 0.77 + activations 4.91 + buffers 5.54
-    = total 30.90 GiB: fits 48 GB; with --gpu-mem 24GB it says "does NOT fit" (and so does every setup).
+    shards 1.96 + adapters 0.39) + grads 0.39 + optimizer 0.77 + activations 3.56 + buffers 5.54
+    = total 29.55 GiB: fits 48 GB; with --gpu-mem 24GB it says "does NOT fit" (and so does every setup).
 compile stays off: finetune refuses compile=true for a 4-bit base under fsdp (bitsandbytes re-attaches
 each sharded weight's quantization state inside the layer, a graph break at every Linear).
 """

@@ -9,7 +9,7 @@ Llama in bf16 (bench/run.py --gpu), compiled fsdp ran 1.34x the tokens/s of eage
 52,130) and 1.11x the Trainer's torch_compile=True. That run had activation checkpointing off; compiled
 layers with checkpointing, as here, are tested on CPU (tests/distributed/test_compile_run.py).
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama7b_fsdp --gpus 8 --gpu-mem 80GB):
-    params 3.14 + grads 3.14 + optimizer 6.28 + activations 6.19 + buffers 4.76 = total 23.50 GiB
+    params 3.14 + grads 3.14 + optimizer 6.28 + activations 3.97 + buffers 4.76 = total 21.27 GiB
 """
 
 from dataclasses import replace

@@ -8,7 +8,7 @@ GPU, plus one full fp32 copy of the model on rank 0 while loading). Without offl
 25 GiB of states per GPU and does not fit. If DeepSpeed is available, the planner ranks ZeRO-3 with only the
 optimizer offloaded (strategy=zero3 offload_optimizer=cpu offload_params=none, 12.30 GiB) cheaper.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama7b_fsdp_offload --gpus 4 --gpu-mem 24GB):
-    params 0.00 + grads 0.00 + optimizer 0.00 + activations 6.19 + buffers 1.62 = total 7.81 GiB;
+    params 0.00 + grads 0.00 + optimizer 0.00 + activations 3.97 + buffers 1.62 = total 5.59 GiB;
     offloaded to CPU 25.10 GiB
 compile stays off (llama7b_fsdp has it on): compiled layers with FSDP2's CPU offload were not tried, and the
 step here is bound by the CPU optimizer and the host copies, not by what compile fuses.

@@ -5,7 +5,7 @@
 Sized for 8 x 80 GB GPUs (A100/H100 80GB); it would also fit 8 x 40 GB.
 Model states: 16 bytes x 6.7e9 params / 8 GPUs = 13.5 GB per GPU, plus activations (checkpointed).
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama7b_zero3 --gpus 8 --gpu-mem 80GB):
-    params 1.57 + grads 1.57 + optimizer 9.41 + activations 6.19 + buffers 4.30 = total 23.04 GiB
+    params 1.57 + grads 1.57 + optimizer 9.41 + activations 3.97 + buffers 4.30 = total 20.82 GiB
 Point `model` at a local directory if the node has no hub access.
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces: no fusion, slower than eager); strategy=fsdp shards the

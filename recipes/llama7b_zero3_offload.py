@@ -7,7 +7,7 @@ Sized for 1 x 24 GB GPU (RTX 4090, A10G, L4) and a host with at least 192 GB of 
 weights, gradients and Adam states (about 20 bytes per parameter, 126 GiB). Expect each step to be many
 times slower than on GPUs that hold the states (CPU Adam; see ../shared/reference/figures.md).
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama7b_zero3_offload --gpus 1 --gpu-mem 24GB):
-    params 0.00 + grads 0.00 + optimizer 0.00 + activations 6.19 + buffers 1.16 = total 7.35 GiB;
+    params 0.00 + grads 0.00 + optimizer 0.00 + activations 3.97 + buffers 1.16 = total 5.13 GiB;
     offloaded to CPU 125.51 GiB
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces: no fusion, slower than eager); strategy=fsdp shards the

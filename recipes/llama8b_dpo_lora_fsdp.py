@@ -6,7 +6,7 @@ bf16, on 4 x 24 GB GPUs, on UltraFeedback's binarized preference pairs.
 Sized for 4 x 24 GB GPUs (RTX 4090, A10G, L4). The reference is the policy with its adapter disabled:
 the frozen base it started from, no second copy. Each micro batch is 1 pair: 2 sequences in one forward.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_dpo_lora_fsdp --gpus 4 --gpu-mem 24GB):
-    params 3.78 + grads 0.04 + optimizer 0.08 + activations 3.41 + buffers 2.81 = total 10.11 GiB
+    params 3.78 + grads 0.04 + optimizer 0.08 + activations 2.06 + buffers 2.81 = total 8.77 GiB
 compile stays off: finetune accepts compile=true with LoRA, and the adapted layers compile without
 graph breaks on CPU, but neither LoRA nor a DPO step (the policy's and the adapter-disabled
 reference's forward through the same layers) was measured compiled on a GPU.

@@ -8,7 +8,7 @@ partitioned by ZeRO-3 like the policy (2 bytes per parameter / 8 per GPU); preco
 scores every pair once before training and holds none. Each micro batch is 2 pairs: 4 sequences in one
 forward.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_dpo_zero3 --gpus 8 --gpu-mem 80GB):
-    params 1.87 + grads 1.87 + optimizer 11.22 + reference 1.87 + activations 6.19 + buffers 6.12 = total 29.13 GiB
+    params 1.87 + grads 1.87 + optimizer 11.22 + reference 1.87 + activations 4.64 + buffers 6.12 = total 27.59 GiB
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces: no fusion, slower than eager); strategy=fsdp shards the
 same way and compiles.

@@ -5,12 +5,13 @@ parallelism 8 under PyTorch FSDP2, bf16, activation checkpointing, on one node o
 
 Sized for 8 x 80 GB GPUs (A100/H100 80GB). Each 32,768-token row is split across the 8 GPUs (4,096
 tokens each; Llama 3.1 8B's 32 attention and 8 key/value heads take sequence_parallel=8), which read the
-same rows: one data-parallel rank, the global batch is micro x accum. Without sequence parallelism the
-planner finds no room for 32K tokens on these GPUs.
+same rows: one data-parallel rank, the global batch is micro x accum. Without sequence parallelism 32K
+tokens fit too, with 8x the activations per GPU.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_longctx_fsdp --gpus 8 --gpu-mem 80GB):
-    params 3.74 + grads 3.74 + optimizer 7.48 + activations 22.16 + buffers 6.92 = total 44.03 GiB
+    params 3.74 + grads 3.74 + optimizer 7.48 + activations 3.49 + buffers 6.92 = total 25.36 GiB
 The longest row that fits (python -m finetune.plan --recipe llama8b_longctx_fsdp --gpus 8 --gpu-mem 80GB --max-seq-len):
-    47,664 tokens with sequence_parallel=8, 16,083 without (the attention term is an upper bound)
+    717,664 tokens with sequence_parallel=8, 89,708 without (sdpa keeps no T^2 scores; activations as
+    measured on CPU, docs/benchmarks.md section 11, not yet on a GPU)
 compile stays off: finetune refuses compile=true with sequence_parallel > 1 (compiled layers around
 Ulysses' all-to-all were not tried).
 """

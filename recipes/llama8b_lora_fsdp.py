@@ -7,7 +7,7 @@ Sized for 4 x 24 GB GPUs (RTX 4090, A10G, L4). The frozen base is sharded by FSD
 (41,943,040 parameters) have gradients and Adam states. Llama 3's 128k vocabulary makes the logits the
 largest activation: raise micro_batch_size only with more memory.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_lora_fsdp --gpus 4 --gpu-mem 24GB):
-    params 3.78 + grads 0.04 + optimizer 0.08 + activations 3.41 + buffers 2.81 = total 10.11 GiB
+    params 3.78 + grads 0.04 + optimizer 0.08 + activations 2.06 + buffers 2.81 = total 8.77 GiB
 compile stays off: finetune accepts compile=true with LoRA, and the adapted layers compile without
 graph breaks on CPU, but LoRA was not measured compiled on a GPU (only full fine-tunes were); try
 compile=true and compare the steady tokens/s (summary.json's tokens_per_s_steady).

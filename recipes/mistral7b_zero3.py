@@ -4,7 +4,7 @@
 
 Sized for 8 x 40 GB GPUs (A100 40GB); on 80 GB GPUs raise micro_batch_size.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe mistral7b_zero3 --gpus 8 --gpu-mem 40GB):
-    params 1.69 + grads 1.69 + optimizer 10.12 + activations 6.19 + buffers 4.62 = total 24.30 GiB
+    params 1.69 + grads 1.69 + optimizer 10.12 + activations 4.13 + buffers 4.62 = total 22.24 GiB
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces: no fusion, slower than eager); strategy=fsdp shards the
 same way and compiles.

@@ -10,7 +10,7 @@ Llama in bf16 (bench/run.py --gpu), compiled fsdp ran 1.34x the tokens/s of eage
 off; a Qwen2 layer compiles without graph breaks on CPU, and compiled layers with checkpointing are
 tested there (tests/distributed/test_compile_run.py).
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe qwen7b_fsdp --gpus 8 --gpu-mem 80GB):
-    params 3.55 + grads 3.55 + optimizer 7.09 + activations 5.27 + buffers 6.88 = total 26.34 GiB
+    params 3.55 + grads 3.55 + optimizer 7.09 + activations 4.21 + buffers 6.88 = total 25.27 GiB
 """
 
 from finetune.recipe import Recipe

@@ -100,12 +100,17 @@ def test_sp2_checkpoint_continues_on_one_process_without_sp(sp_run, launch, tmp_
     assert_close_after(resumed, reference, 5)
 
 
-def test_tiled_mlp_under_zero3_equals_untiled(launch, strategy_run):
+def test_tiled_mlp_checkpointing_and_offload_under_zero3_equal_plain(launch, strategy_run):
     """tiled_mlp=true (DeepSpeed's TiledMLP on each MLP, ceil(tokens / hidden) slices: 2 on the tiny
-    model's micro-batches of up to 128 tokens, hidden 64) trains the suite's zero3 curve: ZeRO-3 gathers
-    the MLP's weights again for each slice's recomputed forward in the backward."""
-    run = launch(2, "strategy=zero3", "tiled_mlp=true", *SAVE)
-    assert json.loads((run.output_dir / "recipe.json").read_text())["tiled_mlp"] is True
+    model's micro-batches of up to 128 tokens, hidden 64) with activation checkpointing and
+    activation_offload (each layer's checkpointed input copied to CPU memory and back,
+    finetune/offload.py) trains the suite's zero3 curve: ZeRO-3 gathers the MLP's weights again for
+    each slice's recomputed forward in the backward, and every tensor comes back as it was saved."""
+    run = launch(2, "strategy=zero3", "tiled_mlp=true", "activation_checkpointing=true", "activation_offload=true",
+                 *SAVE)
+    resolved = json.loads((run.output_dir / "recipe.json").read_text())
+    assert (resolved["tiled_mlp"], resolved["activation_checkpointing"], resolved["activation_offload"]) == \
+        (True, True, True)
     assert_same_curve(run, strategy_run("zero3"), rtol=1e-6)
 
 

@@ -1,0 +1,52 @@
+"""Llama-3.1-8B-Instruct DPO on long preference pairs (up to 65,536 tokens per sequence) with Ulysses
+sequence parallelism 8 under DeepSpeed ZeRO-3, bf16, activation checkpointing, on one node of 8 x 80 GB GPUs.
+
+    accelerate launch --config_file accelerate_configs/multi_gpu_8.yaml finetune/run.py --recipe llama8b_longctx_dpo
+
+Each pair's chosen and rejected sequences (one forward of 2 rows) are split across the 8 GPUs (8,192
+tokens of each row per GPU at 65,536; Llama 3.1 8B's 32 attention and 8 key/value heads take
+sequence_parallel=8), and the frozen reference is partitioned by ZeRO-3 like the policy. The 8 GPUs
+read the same pairs: one data-parallel rank, the global batch is micro x accum pairs. Replace the
+dataset with your long pairs (UltraFeedback's are short; it is here as the format's example).
+Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_longctx_dpo --gpus 8 --gpu-mem 80GB):
+    params 1.87 + grads 1.87 + optimizer 11.22 + reference 1.87 + activations 8.25 + buffers 6.12
+    = total 31.20 GiB (computed with finetune.memory.recipe_estimate: plan refuses the recipe until then)
+The longest sequence that fits (... --max-seq-len): 350,296 tokens with sequence_parallel=8, 43,787
+without; with activation_offload=true 770,440 and 96,305. Activations as measured on CPU at 2K-16K
+tokens (docs/benchmarks.md section 11), not yet on a GPU.
+Needs objective=dpo under sequence_parallel (issue 32): until that lands recipe validation refuses it.
+"""
+
+from finetune.recipe import Recipe
+
+recipe = Recipe(
+    model="meta-llama/Llama-3.1-8B-Instruct",
+    dataset="HuggingFaceH4/ultrafeedback_binarized",
+    dataset_split="train_prefs",
+    dataset_format="preference",
+    eval_dataset="HuggingFaceH4/ultrafeedback_binarized",
+    eval_split="test_prefs",
+    eval_max_samples=256,
+    objective="dpo",
+    dpo_loss="sigmoid",
+    dpo_beta=0.1,
+    max_seq_len=65536,
+    strategy="zero3",
+    sequence_parallel=8,
+    attn_implementation="sdpa",
+    mixed_precision="bf16",
+    activation_checkpointing=True,
+    micro_batch_size=1,
+    global_batch_size=16,
+    lr=5e-7,
+    lr_scheduler="cosine",
+    warmup_steps=10,
+    weight_decay=0.0,
+    max_grad_norm=1.0,
+    epochs=1,
+    output_dir="runs/llama8b_longctx_dpo",
+    log_every=1,
+    eval_every=100,
+    save_every=100,
+    keep_last=2,
+)
