@@ -10,7 +10,7 @@ them (math-verify against the number after GSM8K's "####", and a \\boxed{} forma
 reference held (with beta > 0 the reference is the base with the adapter disabled: no second copy).
 Needs the math-verify package (pip install math-verify).
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_grpo_lora_fsdp --gpus 4 --gpu-mem 48GB):
-    params 3.78 + grads 0.04 + optimizer 0.08 + activations 2.78 + buffers 2.81 = total 9.49 GiB
+    params 3.78 + grads 0.04 + optimizer 0.08 + activations 2.06 + buffers 2.81 = total 8.77 GiB
     rollout: model states 3.90 + gathered weights 15.04 + KV cache 4.00 + prefill 2.12 = rollout peak 25.06 GiB
 (the planner's cheapest fit here is strategy=ddp, 21.71 GiB: the bf16 base whole on each GPU is no more
 than the gathered one; fsdp is the setup whose model states shrink with more GPUs)

@@ -10,7 +10,7 @@ format reward for a \\boxed{} answer (Llama 3.1's habit on math). beta=0: no ref
 `question` column is mapped onto `prompt` (a text prompt, the model's BOS then the question); its
 `answer` column goes to the reward functions. Needs the math-verify package (pip install math-verify).
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_grpo_zero3 --gpus 8 --gpu-mem 80GB):
-    params 1.87 + grads 1.87 + optimizer 11.22 + activations 4.94 + buffers 6.12 = total 26.01 GiB
+    params 1.87 + grads 1.87 + optimizer 11.22 + activations 4.64 + buffers 6.12 = total 25.72 GiB
     rollout: model states 14.96 + gathered weights 14.96 + KV cache 8.00 + prefill 4.25 = rollout peak 42.17 GiB
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces).
