@@ -27,6 +27,7 @@ from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, forma
 from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
                             sample_length_problem)
 from finetune.objectives import Context, Objective, objective_for
+from finetune.objectives.grpo import prompt_schedule
 from finetune.parallel import Parallel
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
@@ -241,17 +242,23 @@ def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout) -> tuple:
     steps, this rank's eval batches and the eval prompts samples.jsonl follows; said in the log."""
     r = plan.recipe
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
-    schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
+    if r.objective == "grpo":  # the schedule of prompts: a step's global batch counted in prompts
+        schedule = prompt_schedule(len(datasets.train), plan.global_batch_size // r.num_generations, r.seed)
+    else:
+        schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
     if schedule.problem():
         raise RecipeError(schedule.problem())
-    total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
+    total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch * r.num_iterations
     eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, sp.dp_rank, sp.dp_size, r.eval_max_samples) \
-        if datasets.eval is not None else None
+        if datasets.eval is not None and r.objective != "grpo" else None
+    if datasets.eval is not None and r.objective == "grpo":
+        log.warning("objective=grpo: the eval split is not evaluated (eval reward is not implemented yet); set "
+                    "eval_fraction=0 to leave none out of training")
     layout = (", packed" if r.packing else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
-        if datasets.eval is not None and r.sample_prompts else []
+        if eval_rows is not None and r.sample_prompts else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
     if padding_free_scores(r) and r.packing and r.micro_batch_size > 1 and accelerator.is_main_process:
@@ -343,8 +350,8 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     device, world = accelerator.device, accelerator.num_processes
     pad_id = run.tokenizer.pad_token_id
     sp = run.parallel.sp
-    fetched = [D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
-               for rows in run.schedule.rows(state.step, sp.dp_rank)]
+    fetched = [] if objective.generates else [D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
+                                              for rows in run.schedule.rows(state.step, sp.dp_rank)]
     # an objective that generates before its step (a rollout) makes the step's batches from these
     micro_batches = [sp.shard(b) for b in objective.rollout(run, state.step, fetched)]
     # The global batch's counts, summed on the device and not read back here: the host queues the

@@ -602,7 +602,10 @@ def reference_kind(r: Recipe) -> str | None:
     objective's set-up, reference.build_reference, the planner, resume, the rules below): None (SFT;
     SimPO, reference-free), "precomputed" (log-probs of every pair computed before training, carried by
     the pairs), "adapter" (LoRA: the policy with its adapter disabled) or "frozen" (a frozen copy of the
-    starting weights, placed by the strategy)."""
+    starting weights, placed by the strategy). GRPO holds one only with beta > 0 (its KL term): the
+    adapter disabled under LoRA, else a frozen copy."""
+    if r.objective == "grpo":
+        return None if not r.beta else ("adapter" if r.lora else "frozen")
     if r.objective != "dpo" or r.dpo_loss == "simpo":
         return None
     if r.precompute_reference:

@@ -26,7 +26,7 @@ import torch
 
 from finetune import data as D
 from finetune.data.loading import cache_fingerprint, tokenizer_fingerprint
-from finetune.loss import sequence_logps
+from finetune.loss import sequence_logps, token_logps
 from finetune.recipe import RecipeError, reference_kind
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -51,6 +51,11 @@ class AdapterDisabled:
         with torch.no_grad(), _peft_model(model).disable_adapter():
             return sequence_logps(model, batch, self.impl, self.chunk)[0]
 
+    def token_logps(self, model, batch: dict) -> torch.Tensor:
+        """Per target token, laid out as the labels (GRPO's KL term: loss.token_logps)."""
+        with torch.no_grad(), _peft_model(model).disable_adapter():
+            return token_logps(model, batch, self.impl, self.chunk)
+
 
 class Frozen:
     """A frozen copy of the starting weights under the run's strategy."""
@@ -63,6 +68,11 @@ class Frozen:
     def logps(self, policy, batch: dict) -> torch.Tensor:
         with torch.no_grad(), self.accelerator.autocast():
             return sequence_logps(self.model, batch, self.impl, self.chunk)[0]
+
+    def token_logps(self, policy, batch: dict) -> torch.Tensor:
+        """Per target token, laid out as the labels (GRPO's KL term: loss.token_logps)."""
+        with torch.no_grad(), self.accelerator.autocast():
+            return token_logps(self.model, batch, self.impl, self.chunk)
 
 
 class Precomputed:

@@ -40,8 +40,11 @@ def mixture_indices(available: list[int], counts: list[int], seed: int) -> list[
 
 
 def _row_counts(ds) -> dict:
-    cols = ds.select_columns(COUNTS).with_format("numpy")[:]
-    return {k: np.asarray(cols[k], dtype=np.int64) for k in COUNTS}
+    """Each row's counts; prompt rows (objective=grpo) have no targets (their completions are generated)."""
+    present = [k for k in COUNTS if k in ds.column_names]
+    cols = ds.select_columns(present).with_format("numpy")[:]
+    return {k: np.asarray(cols[k], dtype=np.int64) if k in present else np.zeros(len(ds), dtype=np.int64)
+            for k in COUNTS}
 
 
 def _longest(ds, n_tokens: np.ndarray) -> np.ndarray:
@@ -107,8 +110,8 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         rows = _row_counts(part)
         stats.append({"source": key.removesuffix(".path"), "path": spec.path, "format": formats[i],
                       "split": spec.split, "weight": spec.weight, "rows_wanted": spec.rows, "rows": raw_rows[i],
-                      "kept": available[i], "dropped_no_target": drops[i]["no_target"],
-                      "dropped_identical": drops[i]["identical"],
+                      "kept": available[i], "dropped_no_target": drops[i].get("no_target", 0),
+                      "dropped_identical": drops[i].get("identical", 0),
                       "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())}
@@ -128,7 +131,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
                     "packing_efficiency": summary["tokens"] / (len(train) * recipe.max_seq_len)}
         row_sources = None
     else:
-        train = train.remove_columns(COUNTS)
+        train = train.remove_columns([c for c in COUNTS if c in train.column_names])
 
     fmt = formats[0] if len(set(formats)) == 1 else "mixed"
     evals = None
@@ -150,7 +153,8 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         rows = _row_counts(evals)
         summary["eval"] = {"rows": len(evals), "tokens": int(rows["n_tokens"].sum()),
                            "target_tokens": int(rows["n_targets"].sum())}
-        evals = pack_dataset(evals, tokenizer, recipe, "eval") if recipe.packing else evals.remove_columns(COUNTS)
+        evals = pack_dataset(evals, tokenizer, recipe, "eval") if recipe.packing else evals.remove_columns(
+            [c for c in COUNTS if c in evals.column_names])
     return Datasets(train=train, eval=evals, format=fmt, sources=stats, summary=summary, row_sources=row_sources)
 
 

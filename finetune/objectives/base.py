@@ -78,6 +78,7 @@ class Basic:
     metrics: tuple[str, ...] = ()
     shown: dict[str, str] = {}
     identifies_model = False
+    generates = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows
     sums: torch.Tensor | None = None
 
     def before_model(self, context: Context) -> None:
