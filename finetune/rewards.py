@@ -216,6 +216,17 @@ def char_match(completions, answer, **kwargs):
     return out
 
 
+def answer_chars(completions, answer, **kwargs):
+    """The share of the completion's characters (stripped) that occur in the answer, 0.0 for an empty
+    one: the densest of the answer rewards, which an untrained model moves first (right letters, then
+    in the right places: char_match, then the whole answer: exact_match)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = completion_text(c).strip()
+        out.append(sum(ch in str(a) for ch in text) / len(text) if text else 0.0)
+    return out
+
+
 def regex_reward(pattern: str, *, name: str = "regex_format", reward: float = 1.0):
     """`reward` where the whole completion matches the regular expression (re.DOTALL: . spans lines), else 0.0."""
     compiled = re.compile(pattern, re.DOTALL)

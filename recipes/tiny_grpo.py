@@ -10,14 +10,14 @@ rollouts.jsonl in output_dir has every step's prompts, completions, rewards and 
 """
 
 from finetune.recipe import Recipe
-from finetune.rewards import char_match, exact_match
+from finetune.rewards import answer_chars, char_match, exact_match
 
 recipe = Recipe(
     model="builtin:tiny-llama",
     dataset="builtin:tiny-prompts",
     dataset_format="prompt",
     objective="grpo",
-    reward_funcs=(exact_match, char_match),
+    reward_funcs=(exact_match, char_match, answer_chars),
     num_generations=8,
     temperature=1.0,
     max_completion_len=8,
@@ -28,7 +28,7 @@ recipe = Recipe(
     mixed_precision="no",
     micro_batch_size=16,
     global_batch_size=8,
-    lr=3e-3,
+    lr=1e-2,
     lr_scheduler="constant",
     warmup_steps=0,
     weight_decay=0.0,
