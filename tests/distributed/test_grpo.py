@@ -95,8 +95,9 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_fa
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, run.stderr[-3000:]
-    assert errors[0].startswith("error: step 3: reward function broken raised ZeroDivisionError: division by zero "
+    # num_iterations=2: the function's third call is at step 5's rollout
+    assert errors[0].startswith("error: step 5: reward function broken raised ZeroDivisionError: division by zero "
                                 "(prompt: '"), errors[0]
     assert "its last checkpoint is intact" in errors[0]
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002"]
-    assert [r["step"] for r in rollouts(run)] == [1] * 16
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002", "step_000000004"]
+    assert [r["step"] for r in rollouts(run)] == [1] * 16 + [3] * 16
