@@ -27,7 +27,6 @@ from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, forma
 from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
                             sample_length_problem)
 from finetune.objectives import Context, Objective, objective_for
-from finetune.objectives.grpo import prompt_schedule
 from finetune.parallel import Parallel
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
@@ -212,9 +211,9 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     tokenizer = load_tokenizer(r, model_path)
     parallel = Parallel.of(plan, accelerator.process_index, accelerator.num_processes, tokenizer.pad_token_id)
     sp = parallel.sp
-    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp)
-    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
     objective = objective_for(r)
+    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp, objective)
+    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
                       weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device)
@@ -237,23 +236,17 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     return run, start_state(run)
 
 
-def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout) -> tuple:
+def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout, objective: Objective) -> tuple:
     """The datasets (built on each machine's main process first), the batch schedule, the number of
     steps, this rank's eval batches and the eval prompts samples.jsonl follows; said in the log."""
     r = plan.recipe
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
-    if r.objective == "grpo":  # the schedule of prompts: a step's global batch counted in prompts
-        schedule = prompt_schedule(len(datasets.train), plan.global_batch_size // r.num_generations, r.seed)
-    else:
-        schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
+    schedule = objective.schedule(plan, len(datasets.train), sp.dp_size)
     if schedule.problem():
         raise RecipeError(schedule.problem())
     total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch * r.num_iterations
     eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, sp.dp_rank, sp.dp_size, r.eval_max_samples) \
-        if datasets.eval is not None and r.objective != "grpo" else None
-    if datasets.eval is not None and r.objective == "grpo":
-        log.warning("objective=grpo: the eval split is not evaluated (eval reward is not implemented yet); set "
-                    "eval_fraction=0 to leave none out of training")
+        if datasets.eval is not None and objective.evaluates else None
     layout = (", packed" if r.packing else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")

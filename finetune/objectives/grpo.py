@@ -52,6 +52,7 @@ from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+from finetune.metrics import log
 from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
@@ -183,6 +184,7 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stoppe
 class GRPO(Basic):
     name = "grpo"
     generates = True  # the loop hands rollout() no fetched rows: it reads the step's prompts itself
+    evaluates = False  # an eval split's mean reward is not computed yet
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -201,6 +203,16 @@ class GRPO(Basic):
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
+
+    def schedule(self, plan, num_rows: int, ranks: int):
+        """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
+        list and takes its share: rank_prompts)."""
+        return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
+
+    def before_model(self, context) -> None:
+        if context.datasets.eval is not None and context.accelerator.is_main_process:
+            log.warning("objective=grpo: the eval split is not evaluated (an eval reward is not implemented yet); "
+                        "set eval_fraction=0 to leave none out of training")
 
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
