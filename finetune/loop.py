@@ -385,6 +385,7 @@ class Reporter:
         self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
                              enabled=accelerator.is_main_process and recipe.plot_loss)
         self.progress = None
+        self.last: dict = {}  # the last step's record: the summary keeps the objective's shown metrics of it
 
     def resumed(self, record: dict) -> None:
         self.metrics.write(record)
@@ -411,6 +412,7 @@ class Reporter:
                 record["aux_loss"] = float(accelerator.reduce(torch.stack(result.aux).mean(), reduction="sum")
                                            / accelerator.num_processes)
             self.metrics.write(record)
+            self.last = record
         self.progress.update(state.step, record)
 
     def eval(self, step: int, eval_loss: float, metrics: dict, shown: str, plot: bool = True) -> None:
@@ -524,7 +526,8 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
                else "process resident",
                "final_model": str(final), "end_of_turn": run.stops,
                "checkpoints": f"{checkpoints_dir(out)} ({', '.join(saved)})" if saved else "",
-               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary()}
+               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary(),
+               **{f"last_step_{k}": reporter.last[k] for k in run.objective.shown if k in reporter.last}}
     if is_main:
         summary["loss_plot"] = str(reporter.final_plot() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
