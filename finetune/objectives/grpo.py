@@ -221,6 +221,8 @@ class GRPO(Basic):
         accelerator = context.accelerator
         self.reference = build_reference(context.plan, accelerator, context.model_path, context.config,
                                          context.weights_on_this_rank)
+        if self.reference is not None and accelerator.is_main_process:
+            log.info(f"reference: {self.reference.kind}")
         if accelerator.is_main_process:
             from pathlib import Path
 
