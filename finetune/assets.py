@@ -26,8 +26,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 BUILTIN_MODELS = {"tiny-llama": "tiny-llama"}
-BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-3.jsonl"}
-BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference"}  # what prevalidation knows of them
+BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-3.jsonl",
+                    "tiny-prompts": "tiny-prompts-1.jsonl"}
+BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference", "tiny-prompts": "prompt"}  # what prevalidation knows of them
 
 
 def cache_root() -> Path:
@@ -162,6 +163,30 @@ def tiny_preferences_file(n: int = 4000) -> Path:
     return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS["tiny-preferences"])
 
 
+def _prompt(rng: random.Random) -> dict:
+    """A prompt whose answer a program checks: copy a short word of letters a-m, or write it in capitals."""
+    word = "".join(rng.choice(WORD_LETTERS) for _ in range(rng.randint(2, 4)))
+    if rng.random() < 0.5:
+        return {"prompt": f"Copy: {word}\nAnswer: ", "answer": word}
+    return {"prompt": f"Capitals: {word}\nAnswer: ", "answer": word.upper()}
+
+
+def tiny_prompts_file(n: int = 4000) -> Path:
+    """Prompt rows for objective=grpo (recipes/tiny_grpo.py): a `prompt` and its `answer` (copy a word
+    of 2-4 letters a-m, or write it in capitals), scored by exact match and by the share of the
+    answer's characters in place (finetune.rewards:char_match)."""
+
+    def build(tmp: Path) -> Path:
+        rng = random.Random(2718)
+        out = tmp / "tiny-prompts.jsonl"
+        with out.open("w") as f:
+            for _ in range(n):
+                f.write(json.dumps(_prompt(rng)) + "\n")
+        return out
+
+    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS["tiny-prompts"])
+
+
 def resolve_model(name: str) -> str:
     """builtin:NAME -> a local directory made on first use; anything else unchanged."""
     if name.startswith("builtin:"):
@@ -172,6 +197,7 @@ def resolve_model(name: str) -> str:
 
 def resolve_dataset(name: str) -> str:
     if name.startswith("builtin:"):
-        files = {"tiny-tasks": tiny_tasks_file, "tiny-preferences": tiny_preferences_file}
+        files = {"tiny-tasks": tiny_tasks_file, "tiny-preferences": tiny_preferences_file,
+                 "tiny-prompts": tiny_prompts_file}
         return str(files[name[len("builtin:"):]]())
     return name

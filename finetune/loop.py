@@ -214,8 +214,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     parallel = Parallel.of(plan, accelerator.process_index, accelerator.num_processes, tokenizer.pad_token_id)
     sp = parallel.sp
     objective = objective_for(r)
-    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp,
-                                                                    objective.generates)
+    datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp, objective)
     generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
@@ -240,23 +239,23 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     return run, start_state(run)
 
 
-def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout, generates: bool) -> tuple:
+def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout, objective: Objective) -> tuple:
     """The datasets (built on each machine's main process first), the batch schedule, the number of
     steps, this rank's eval batches and the eval prompts samples.jsonl follows (none for a model that
     does not generate); said in the log."""
     r = plan.recipe
     datasets = main_first(accelerator, lambda: D.build_datasets(r, tokenizer))
-    schedule = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum, sp.dp_size, r.seed)
+    schedule = objective.schedule(plan, len(datasets.train), sp.dp_size)
     if schedule.problem():
         raise RecipeError(schedule.problem())
-    total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch
+    total_steps = r.max_steps or r.epochs * schedule.steps_per_epoch * r.num_iterations
     eval_rows = D.eval_batches(datasets.eval, r.micro_batch_size, sp.dp_rank, sp.dp_size, r.eval_max_samples) \
-        if datasets.eval is not None else None
+        if datasets.eval is not None and objective.evaluates else None
     layout = (", packed" if r.packing else "") + (", padding-free: one row per micro-batch" if r.padding_free else "")
     log.info(f"{len(datasets.train)} training rows ({datasets.format}{layout}), "
              f"{schedule.steps_per_epoch} steps per epoch, {total_steps} steps")
     prompts = eval_prompts(datasets.eval, r.sample_prompts, tokenizer, r.eval_max_samples) \
-        if datasets.eval is not None and r.sample_prompts and generates else []
+        if eval_rows is not None and r.sample_prompts and objective.generates else []
     for line in D.summary_lines(datasets, r):
         log.info(line)
     if padding_free_scores(r) and r.packing and r.micro_batch_size > 1 and accelerator.is_main_process:
@@ -348,8 +347,9 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
     device, world = accelerator.device, accelerator.num_processes
     pad_id = run.tokenizer.pad_token_id
     sp = run.parallel.sp
-    fetched = [D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
-               for rows in run.schedule.rows(state.step, sp.dp_rank)]
+    fetched = [] if objective.makes_batches else [
+        D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
+        for rows in run.schedule.rows(state.step, sp.dp_rank)]
     # an objective that generates before its step (a rollout) makes the step's batches from these
     micro_batches = [sp.shard(b) for b in objective.rollout(run, state.step, fetched)]
     # The global batch's counts, summed on the device and not read back here: the host queues the
@@ -391,6 +391,7 @@ class Reporter:
         self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
                              enabled=accelerator.is_main_process and recipe.plot_loss)
         self.progress = None
+        self.last: dict = {}  # the last step's record: the summary keeps the objective's shown metrics of it
 
     def resumed(self, record: dict) -> None:
         self.metrics.write(record)
@@ -417,6 +418,7 @@ class Reporter:
                 record["aux_loss"] = float(accelerator.reduce(torch.stack(result.aux).mean(), reduction="sum")
                                            / accelerator.num_processes)
             self.metrics.write(record)
+            self.last = record
         self.progress.update(state.step, record)
 
     def eval(self, step: int, eval_loss: float, metrics: dict, shown: str, plot: bool = True) -> None:
@@ -530,7 +532,8 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
                else "process resident",
                "final_model": str(final), "end_of_turn": run.stops,
                "checkpoints": f"{checkpoints_dir(out)} ({', '.join(saved)})" if saved else "",
-               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary()}
+               "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary(),
+               **{f"last_step_{k}": reporter.last[k] for k in run.objective.shown if k in reporter.last}}
     if is_main:
         summary["loss_plot"] = str(reporter.final_plot() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

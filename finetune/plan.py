@@ -84,6 +84,8 @@ def derive_grad_accum(recipe: Recipe, world_size: int) -> int:
         return recipe.grad_accum
     dp = data_parallel_size(recipe, world_size)
     per_step = recipe.micro_batch_size * dp
+    if recipe.objective == "grpo":  # global_batch_size counts prompts; each rank holds whole groups
+        return grpo_grad_accum(recipe, dp)
     if recipe.global_batch_size % per_step:
         below = recipe.global_batch_size // per_step * per_step
         nearest = " or ".join(str(v) for v in (below, below + per_step) if v > 0)
@@ -94,6 +96,19 @@ def derive_grad_accum(recipe: Recipe, world_size: int) -> int:
             "or a micro_batch_size that divides it"
         )
     return recipe.global_batch_size // per_step
+
+
+def grpo_grad_accum(recipe: Recipe, dp: int) -> int:
+    """GRPO: the global batch is global_batch_size prompts x num_generations completions, each rank
+    holding global_batch_size / dp prompts' whole groups, in micro-batches of micro_batch_size completions."""
+    prompts, g, m = recipe.global_batch_size, recipe.num_generations, recipe.micro_batch_size
+    if prompts % dp or (prompts // dp * g) % m:
+        raise RecipeError(
+            f"global_batch_size={prompts} prompts do not split into whole groups on {dp} processes in micro-batches "
+            f"of micro_batch_size={m} completions (each process holds global_batch_size / {dp} prompts x "
+            f"num_generations={g} completions); use a global_batch_size that is a multiple of {dp} and a "
+            "micro_batch_size that divides each process's completions")
+    return prompts // dp * g // m
 
 
 def check_launcher(recipe: Recipe, env=os.environ) -> None:

@@ -28,7 +28,7 @@ import torch
 from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data.loading import cache_fingerprint, tokenizer_fingerprint
-from finetune.loss import sequence_logps
+from finetune.loss import sequence_logps, token_logps
 from finetune.recipe import RecipeError, reference_kind
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -53,6 +53,11 @@ class AdapterDisabled:
         with torch.no_grad(), _peft_model(model).disable_adapter():
             return SP.row_logps(model, batch, self.impl, self.chunk)[0]
 
+    def token_logps(self, model, batch: dict) -> torch.Tensor:
+        """Per target token, laid out as the labels (GRPO's KL term: loss.token_logps)."""
+        with torch.no_grad(), _peft_model(model).disable_adapter():
+            return token_logps(model, batch, self.impl, self.chunk)
+
 
 class Frozen:
     """A frozen copy of the starting weights under the run's strategy."""
@@ -65,6 +70,11 @@ class Frozen:
     def logps(self, policy, batch: dict) -> torch.Tensor:
         with torch.no_grad(), self.accelerator.autocast():
             return SP.row_logps(self.model, batch, self.impl, self.chunk)[0]
+
+    def token_logps(self, policy, batch: dict) -> torch.Tensor:
+        """Per target token, laid out as the labels (GRPO's KL term: loss.token_logps)."""
+        with torch.no_grad(), self.accelerator.autocast():
+            return token_logps(self.model, batch, self.impl, self.chunk)
 
 
 class Precomputed:

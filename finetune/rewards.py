@@ -204,6 +204,29 @@ def exact_match_on(column: str):
 exact_match = exact_match_on("answer")
 
 
+def char_match(completions, answer, **kwargs):
+    """The share of positions where the completion (stripped) has the answer's character, over the longer
+    of the two: 1.0 for the exact answer, partial credit on the way there (a dense signal a small model
+    can climb before it gets whole answers right)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text, a = completion_text(c).strip(), str(a).strip()
+        longest = max(len(text), len(a), 1)
+        out.append(sum(x == y for x, y in zip(text, a)) / longest)
+    return out
+
+
+def answer_chars(completions, answer, **kwargs):
+    """The share of the completion's characters (stripped) that occur in the answer, 0.0 for an empty
+    one: the densest of the answer rewards, which an untrained model moves first (right letters, then
+    in the right places: char_match, then the whole answer: exact_match)."""
+    out = []
+    for c, a in zip(completions, answer):
+        text = completion_text(c).strip()
+        out.append(sum(ch in str(a) for ch in text) / len(text) if text else 0.0)
+    return out
+
+
 def regex_reward(pattern: str, *, name: str = "regex_format", reward: float = 1.0):
     """`reward` where the whole completion matches the regular expression (re.DOTALL: . spans lines), else 0.0."""
     compiled = re.compile(pattern, re.DOTALL)

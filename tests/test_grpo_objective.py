@@ -10,6 +10,7 @@ lines 2756-2790 and 2807 (sum_then_normalize advantages); trl/trainer/utils.py n
 Branches for settings this toolkit does not offer (vLLM, entropy masks, off-policy masks, sequence-level
 importance sampling, delta, bias-corrected KL, other loss types) are left out; nothing else is changed."""
 
+import json
 import types
 
 import pytest
@@ -200,7 +201,7 @@ def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta):
                            max_completion_len=max_len)[1] for p in micro)
     objective = GRPO(Recipe(objective="grpo", loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
                             max_completion_len=max_len, **REWARD))
-    ours = dict(zip(objective.metrics, objective.means(sums)))
+    ours = dict(zip(objective.loss_metrics, objective.means(sums)))  # then the rollout's (NaN: none yet)
     theirs = {k: v[0] for k, v in t._metrics["train"].items() if v}
     assert set(ours) == set(theirs)
     for name in ours:
@@ -294,10 +295,69 @@ def test_objective_on_a_model_is_policy_loss_of_its_logps():
                                  old_logps=batch["old_logps"], ref_logps=batch["ref_logps"], loss_type="grpo",
                                  beta=0.04, epsilon=0.2, epsilon_high=0.2)
     assert abs(loss.item() - expected.item()) < 1e-5
-    assert objective.metrics == ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    assert objective.loss_metrics == ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+    assert objective.metrics[4:] == ("rewards/exact_match/mean", "rewards/exact_match/std", "reward", "reward_std",
+                                     "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
+                                     "completions/max_length", "completions/clipped_ratio", "rollout_seconds")
     taken = objective.take_metrics()
     assert torch.allclose(taken, sums, rtol=1e-5) and objective.take_metrics() is None
     assert taken[1] > 0 and taken[1] == taken[3] and taken[2] == 0  # negative advantages' tokens clipped low
     assert objective.counts([batch]).tolist() == [4, mask.sum().item(), batch["attention_mask"].sum().item()]
     dapo = GRPO(Recipe(objective="grpo", loss_type="dapo", max_completion_len=8, **REWARD))
     assert dapo.counts([batch])[0] == mask.sum() and dapo.metrics[0] == "clip_ratio/low_mean"
+
+
+# ----------------------------------------------------------------------------- the rollout phase's pure parts
+def test_completion_seeds_are_stable_and_distinct():
+    from finetune.objectives.grpo import completion_seed
+
+    seeds = {completion_seed(42, k, row, j) for k in range(3) for row in (0, 7, 4000) for j in range(8)}
+    assert len(seeds) == 3 * 3 * 8 and all(0 <= s < 2**63 for s in seeds)
+    # a pure function of its arguments: not Python's hash(), which differs per process (PYTHONHASHSEED)
+    assert completion_seed(42, 1, 7, 3) == completion_seed(42, 1, 7, 3) == 8721221471273241057  # pinned: a change would break resuming older runs
+    assert completion_seed(43, 1, 7, 3) != completion_seed(42, 1, 7, 3)
+
+
+def test_each_rank_gets_whole_groups_and_the_prompts_do_not_depend_on_the_process_count():
+    from finetune.objectives.grpo import prompt_schedule, rank_prompts
+
+    schedule = prompt_schedule(100, 8, seed=3)
+    step = schedule.rows(2, 0)[0]
+    assert len(step) == 8 and len(set(step)) == 8
+    assert step == prompt_schedule(100, 8, seed=3).rows(2, 0)[0]
+    for ranks in (1, 2, 4):
+        shares = [rank_prompts(step, rank, ranks) for rank in range(ranks)]
+        assert [row for share in shares for row in share] == step and {len(s) for s in shares} == {8 // ranks}
+    with pytest.raises(ValueError, match="8 prompts do not split over 3 ranks"):
+        rank_prompts(step, 0, 3)
+    epoch = [row for k in range(schedule.steps_per_epoch) for row in schedule.rows(k, 0)[0]]
+    assert len(set(epoch)) == len(epoch) == 96  # an epoch reads each prompt at most once
+
+
+def test_grpo_global_batch_counts_prompts():
+    from finetune.plan import derive_grad_accum
+    from finetune.recipe import RecipeError
+
+    r = Recipe(objective="grpo", reward_funcs=("finetune.rewards:exact_match",), global_batch_size=4,
+               num_generations=4, micro_batch_size=4)
+    assert derive_grad_accum(r, 1) == 4 and derive_grad_accum(r, 2) == 2 and derive_grad_accum(r, 4) == 1
+    with pytest.raises(RecipeError, match="global_batch_size=4 prompts do not split into whole groups on 8"):
+        derive_grad_accum(r, 8)
+
+
+def test_rollouts_file_is_cut_to_the_resumed_step(tmp_path):
+    from finetune.objectives.grpo import keep_rollouts, read_rollouts
+
+    path = tmp_path / "rollouts.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "completion": "x"}) + "\n" for s in (1, 1, 3, 3, 5)))
+    keep_rollouts(path, 4)
+    assert [r["step"] for r in read_rollouts(path)] == [1, 1, 3, 3]
+    keep_rollouts(path, 0)
+    assert not path.exists()
+
+
+def test_char_rewards():
+    from finetune.rewards import answer_chars, char_match
+
+    assert char_match(["abc", "ab", "abcd", "xbc", ""], ["abc"] * 5) == [1.0, 2 / 3, 0.75, 2 / 3, 0.0]
+    assert answer_chars(["aab", "ax", "", " b "], ["ab"] * 4) == [1.0, 0.5, 0.0, 1.0]

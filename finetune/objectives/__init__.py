@@ -1,23 +1,27 @@
 """What a run optimizes: an objective gives each micro-batch's loss and how a global batch is counted,
 and sets up what it holds beside the policy (base.py: the interface the loop asks, in the order it asks).
 The loop asks it; it never asks the loop. sft.py: next-token loss on target tokens; dpo.py: preference
-pairs (DPO, IPO, SimPO) and their reference; grpo.py: group relative policy optimization (not yet run by
-the loop); reward.py: a reward model on preference pairs (Bradley-Terry)."""
+pairs (DPO, IPO, SimPO) and their reference; grpo.py: group relative policy optimization (its rollout
+phase generates the step's completions, scores and weighs them); reward.py: a reward model on preference
+pairs (Bradley-Terry)."""
 
 from __future__ import annotations
 
 from finetune.objectives.base import Basic, Context, Objective
 from finetune.objectives.dpo import DPO
+from finetune.objectives.grpo import GRPO
 from finetune.objectives.reward import Reward
 from finetune.objectives.sft import SFT
 
-__all__ = ["Basic", "Context", "DPO", "Objective", "Reward", "SFT", "objective_for"]
+__all__ = ["Basic", "Context", "DPO", "GRPO", "Objective", "Reward", "SFT", "objective_for"]
 
 
 def objective_for(recipe) -> Objective:
     """The recipe's objective, before the model loads (DPO builds its reference in after_prepare)."""
     if recipe.objective == "dpo":
         return DPO(recipe)
+    if recipe.objective == "grpo":
+        return GRPO(recipe)
     if recipe.objective == "reward":
         return Reward(recipe)
     return SFT(recipe)

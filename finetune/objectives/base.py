@@ -9,6 +9,8 @@ An objective's life in a run, in the loop's order:
     after_prepare(context, model) once the strategy has prepared the model: what it holds beside the
                                   policy (DPO: its reference, or the pairs' precomputed log-probs); gives
                                   what recipe.json and every checkpoint record of it
+    schedule(plan, rows, ranks)   which training rows each step reads (SFT, DPO: micro_batch_size x
+                                  grad_accum rows per rank; GRPO: the step's prompts)
     rollout(run, step, batches)   each step, before its micro-batches' forward: the batches the step
                                   trains on, made from the schedule's rows (an objective that generates
                                   before its step: GRPO's completions, rewards and advantages); as given
@@ -55,11 +57,15 @@ class Objective(Protocol):
     metrics: tuple[str, ...]
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
+    makes_batches: bool  # rollout() makes the step's batches itself (GRPO): the loop fetches no rows
+    evaluates: bool  # the loop runs an eval loss on the eval split
     identifies_model: bool  # the run records the model's identity: it keys a file by it, or a resume reads the model
 
     def before_model(self, context: Context) -> None: ...
 
     def after_prepare(self, context: Context, model) -> dict: ...
+
+    def schedule(self, plan, num_rows: int, ranks: int): ...
 
     def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]: ...
 
@@ -81,6 +87,8 @@ class Basic:
     shown: dict[str, str] = {}
     generates = True
     identifies_model = False
+    makes_batches = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows
+    evaluates = True  # False: the loop runs no eval loss (GRPO)
     sums: torch.Tensor | None = None
 
     def before_model(self, context: Context) -> None:
@@ -88,6 +96,13 @@ class Basic:
 
     def after_prepare(self, context: Context, model) -> dict:
         return {}
+
+    def schedule(self, plan, num_rows: int, ranks: int):
+        """The rows each rank reads at each step: micro_batch_size x grad_accum per rank."""
+        from finetune.data import BatchSchedule
+
+        r = plan.recipe
+        return BatchSchedule(num_rows, r.micro_batch_size, plan.grad_accum, ranks, r.seed)
 
     def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
         return micro_batches

@@ -51,7 +51,11 @@ from finetune import data as D
 from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.objectives.base import Basic
-from finetune.rewards import weighted_rewards
+from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+from finetune.metrics import log
+from finetune.model import context_length
+from finetune.recipe import RecipeError
+from finetune.rewards import RewardError, Rewards, weighted_rewards
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -179,15 +183,153 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stoppe
 
 class GRPO(Basic):
     name = "grpo"
+    makes_batches = True  # the loop hands rollout() no fetched rows: it reads the step's prompts itself
+    evaluates = False  # an eval split's mean reward is not computed yet
 
     def __init__(self, recipe):
+        self.recipe = recipe
         self.loss_type, self.beta = recipe.loss_type, recipe.beta
         self.epsilon, self.epsilon_high = recipe.epsilon, recipe.epsilon_high or recipe.epsilon  # 0: epsilon
         self.max_completion_len = recipe.max_completion_len
-        self.num_iterations = recipe.num_iterations
+        self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
-        self.metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
+        self.rewards = Rewards.from_recipe(recipe)
+        self.rollout_names = rollout_metric_names(self.rewards.names)
+        self.loss_metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
+        self.metrics = self.loss_metrics + self.rollout_names
+        self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
+        self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
+        self.reference = None
+        self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
+        self.rollout_values: dict = {}
         self.sums = None
+
+    def schedule(self, plan, num_rows: int, ranks: int):
+        """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
+        list and takes its share: rank_prompts)."""
+        return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
+
+    def before_model(self, context) -> None:
+        if context.datasets.eval is not None and context.accelerator.is_main_process:
+            log.warning("objective=grpo: the eval split is not evaluated (an eval reward is not implemented yet); "
+                        "set eval_fraction=0 to leave none out of training")
+
+    def after_prepare(self, context, model) -> dict:
+        """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
+        from finetune.reference import build_reference
+
+        accelerator = context.accelerator
+        self.reference = build_reference(context.plan, accelerator, context.model_path, context.config,
+                                         context.weights_on_this_rank)
+        if self.reference is not None and accelerator.is_main_process:
+            log.info(f"reference: {self.reference.kind}")
+        if accelerator.is_main_process:
+            from pathlib import Path
+
+            resume = context.plan.resume
+            keep_rollouts(Path(context.recipe.output_dir) / ROLLOUTS, resume.step if resume is not None else 0)
+        return {}
+
+    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
+        """This rank's micro-batches of step `step` (0-based): rollout step // num_iterations, generated
+        now at its first step, kept for the next num_iterations - 1, read back from its cache file when a
+        resumed run starts inside it."""
+        k = step // self.num_iterations
+        if self.cached is None or self.cached[0] != k:
+            self.cached = (k, *(self.read_rollout(run, k, step) if step % self.num_iterations
+                                else self.new_rollout(run, k, step)))
+        self.rollout_values = self.cached[2]
+        return self.cached[1]
+
+    def new_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
+        import time
+
+        r, accelerator = run.recipe, run.accelerator
+        sp, g = run.parallel.sp, self.num_generations
+        rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
+        mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
+        cols = run.datasets.train[mine]
+        prompt_ids = cols["prompt_input_ids"]
+        t0 = time.perf_counter()
+        seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
+        outs = generate_completions(run, [p for p in prompt_ids for _ in range(g)], seeds)
+        tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
+        texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        seconds = time.perf_counter() - t0
+        extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
+        error, per_func = None, torch.full((len(tokens), len(self.rewards.names)), float("nan"))
+        try:
+            per_func = self.rewards.score(step + 1, [p for p in cols["prompt"] for _ in range(g)], texts, tokens,
+                                          extra)
+        except RewardError as e:
+            error = str(e)
+        parts = gather_objects((tokens, stopped, per_func.tolist(), error))
+        failed = next((p[3] for p in parts if p[3] is not None), None)
+        if failed is not None:
+            raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
+                              "intact: fix the function and continue with --resume auto")
+        all_tokens = [t for p in parts for t in p[0]]
+        all_stopped = [s for p in parts for s in p[1]]
+        all_rewards = torch.tensor([v for p in parts for v in p[2]], dtype=torch.float32).view(len(all_tokens), -1)
+        advantages, zero_std = group_advantages(all_rewards, self.rewards.weights, g, r.scale_rewards)
+        values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
+                                 torch.tensor([len(t) for t in all_tokens]),
+                                 ~torch.tensor(all_stopped, dtype=torch.bool))
+        values["rollout_seconds"] = seconds
+        share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
+        batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], tokens, stopped, advantages[share])
+        if self.num_iterations > 1:
+            old = [[b["old_logps"][i, :int(b["attention_mask"][i].sum())].tolist() for i in range(len(b["real"]))]
+                   for b in batches]
+            olds = gather_objects([row for rows_ in old for row in rows_])
+            if accelerator.is_main_process:
+                save_rollout(run.out, k, {"values": values, "old_logps": [x for p in olds for x in p],
+                                          "rows": rows, "tokens": all_tokens, "stopped": all_stopped,
+                                          "rewards": all_rewards, "advantages": advantages})
+        if accelerator.is_main_process:
+            weighted = weighted_rewards(all_rewards, self.rewards.weights)
+            write_rollouts(run.out / ROLLOUTS, step + 1, k, rows, run.datasets.train, g, all_tokens,
+                           run.tokenizer.batch_decode(all_tokens, skip_special_tokens=True), all_stopped,
+                           self.rewards.names, all_rewards, weighted, advantages)
+        return batches, values
+
+    def read_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
+        """A resumed run starting inside rollout k: its completions, advantages and old log-probs from the
+        cache file the run wrote when it generated them (the policy has moved since)."""
+        sp, g = run.parallel.sp, self.num_generations
+        saved = load_rollout(run.out, k, step)
+        rows = saved["rows"]
+        mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
+        n = len(mine) * g
+        share = slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
+        prompt_ids = run.datasets.train[mine]["prompt_input_ids"]
+        batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], saved["tokens"][share],
+                               saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share])
+        return batches, saved["values"]
+
+    def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None) -> list[dict]:
+        """This rank's completions as micro-batches of micro_batch_size, with the old log-probs
+        (num_iterations > 1: computed now, or the saved rows) and the reference's (beta > 0)."""
+        r, model = run.recipe, run.model
+        m = r.micro_batch_size
+        out = []
+        for a in range(0, len(tokens), m):
+            b = rollout_batch(prompts[a:a + m], tokens[a:a + m], stopped[a:a + m], advantages[a:a + m],
+                              run.tokenizer.pad_token_id, mask_truncated=r.mask_truncated_completions)
+            if self.num_iterations > 1 or self.reference is not None:
+                device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
+                if self.num_iterations > 1 and old_rows is None:
+                    with torch.no_grad():
+                        b["old_logps"] = token_logps(model, device_batch, self.loss_impl, self.chunk).float().cpu()
+                elif self.num_iterations > 1:
+                    old = torch.zeros(b["labels"].shape, dtype=torch.float32)
+                    for i, row in enumerate(old_rows[a:a + m]):
+                        old[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+                    b["old_logps"] = old
+                if self.reference is not None:
+                    b["ref_logps"] = self.reference.token_logps(model, device_batch).float().cpu()
+            out.append(b)
+        return out
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch of completions; its metrics' sums are kept for take_metrics."""
@@ -223,6 +365,153 @@ class GRPO(Basic):
 
     def means(self, sums: torch.Tensor, count: torch.Tensor | None = None) -> list[float]:
         """The metrics' values (in `metrics` order) from take_metrics' sums reduced over ranks: means
-        over the completion tokens they count themselves (not over the global batch's count)."""
+        over the completion tokens they count themselves (not over the global batch's count), then the
+        step's rollout metrics (computed on the whole gathered rollout, the same on every rank)."""
         values = (sums[:4] / sums[4].clamp(min=1)).tolist()
-        return values if self.beta != 0.0 else values[1:]
+        values = values if self.beta != 0.0 else values[1:]
+        return values + [self.rollout_values.get(n, float("nan")) for n in self.rollout_names]
+
+
+ROLLOUTS = "rollouts.jsonl"
+CACHE_DIR = "rollout-cache"
+
+
+def rollout_metric_names(reward_names: list[str]) -> tuple[str, ...]:
+    per_func = tuple(f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std"))
+    return per_func + ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
+                       "completions/min_length", "completions/max_length", "completions/clipped_ratio",
+                       "rollout_seconds")
+
+
+def gather_objects(obj) -> list:
+    """Every rank's obj, in rank order (one process: [obj])."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def generate_completions(run, prompts: list[list[int]], seeds: list[int]) -> list:
+    """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
+    once for the whole batch (a collective: every rank calls it), in eval mode, back to train after."""
+    r, model, accelerator = run.recipe, run.model, run.accelerator
+    sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"), \
+                run.parallel.strategy.whole_weights(accelerator, model) as whole:
+            return generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
+                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
+                            seeds=seeds if r.temperature > 0 else None)
+    finally:
+        model.train(was_training)
+
+
+def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, tokens, texts, stopped,
+                   names: list[str], per_func: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor):
+    """One line per completion: the step that generated it, its prompt (dataset row and value), its
+    text and token ids, whether it stopped, each function's reward (None: not scored), the weighted
+    reward and the advantage."""
+    import json
+    import math
+
+    prompts = ds[rows]["prompt"]
+
+    def number(x):
+        x = float(x)
+        return None if math.isnan(x) else x
+
+    with open(path, "a") as f:
+        for i, (t, text) in enumerate(zip(tokens, texts)):
+            f.write(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
+                                "completion": text, "completion_ids": t, "stopped": stopped[i],
+                                "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
+                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n")
+
+
+def save_rollout(out, k: int, record: dict) -> None:
+    """num_iterations > 1: rollout k kept on disk (the main process), so that a run resumed inside it
+    trains on the same completions with the same old log-probs; older rollouts' files removed."""
+    import os
+
+    folder = out / CACHE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{k}.pt.tmp{os.getpid()}"
+    torch.save(record, tmp)
+    os.replace(tmp, folder / f"{k}.pt")
+    for old in folder.glob("*.pt"):
+        if old.stem.isdigit() and int(old.stem) < k - 1:
+            old.unlink()
+
+
+def load_rollout(out, k: int, step: int) -> dict:
+    path = out / CACHE_DIR / f"{k}.pt"
+    if not path.is_file():
+        raise RecipeError(f"resuming at step {step} (inside rollout {k}, num_iterations > 1) needs {path}, written "
+                          "when that rollout was generated, and it is gone; resume from a checkpoint at a multiple "
+                          "of num_iterations")
+    return torch.load(path, weights_only=False)
+
+
+# ---------------------------------------------------------------- the rollout phase
+#
+# Each rollout serves num_iterations optimizer steps: steps k*n .. k*n + n - 1 (0-based, n =
+# num_iterations) train on rollout k, generated at step k*n with the policy as it was then (TRL's
+# num_iterations: the same generations reused; its old log-probs are that policy's). Rollout k's prompts
+# are the k-th global batch of prompts of the prompt schedule (finetune/data/batches.py BatchSchedule over
+# the prompt rows, one "micro-batch" of all the step's prompts), split into contiguous equal shares, one
+# per data-parallel rank: every prompt's whole group on one rank. Completion j of the prompt at dataset row
+# i in rollout k samples from its own generator seeded by completion_seed(seed, k, i, j), so the tokens do
+# not depend on the process count nor on the other sequences in the batch, and a resumed run samples what
+# the uninterrupted one did.
+
+
+def completion_seed(seed: int, rollout: int, row: int, completion: int) -> int:
+    """A completion's sampling seed: a stable 63-bit hash of (recipe seed, rollout index, the prompt's
+    dataset row, the completion's index in its group); not Python's hash(), which varies per process."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"grpo:{seed}:{rollout}:{row}:{completion}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def rank_prompts(prompts: list[int], rank: int, ranks: int) -> list[int]:
+    """This data-parallel rank's contiguous share of a step's prompts (len(prompts) divisible by ranks)."""
+    if len(prompts) % ranks:
+        raise ValueError(f"{len(prompts)} prompts do not split over {ranks} ranks")
+    share = len(prompts) // ranks
+    return prompts[rank * share:(rank + 1) * share]
+
+
+def prompt_schedule(num_rows: int, prompts_per_step: int, seed: int):
+    """The prompt rows each rollout reads: a BatchSchedule whose one micro-batch is the step's prompts."""
+    return D.BatchSchedule(num_rows, prompts_per_step, 1, 1, seed)
+
+
+def read_rollouts(path) -> list[dict]:
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def keep_rollouts(path, step: int) -> None:
+    """rollouts.jsonl cut to the records of steps up to `step` (a resumed run writes the rest again), or
+    removed (step 0: a fresh run)."""
+    import json
+    import os
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        return
+    if step == 0:
+        path.unlink()
+        return
+    kept = [r for r in read_rollouts(path) if r["step"] <= step]
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)

@@ -1,0 +1,103 @@
+"""objective=grpo on real launches (recipes/tiny_grpo.py's model and prompts, shortened): the rollouts
+of 2 processes under ZeRO-3 and FSDP equal those of 1 process (identical completions, token for token,
+rewards and advantages in rollouts.jsonl; the loss and metrics within 1e-5), with num_iterations=2
+(one rollout serves two optimizer steps, its old log-probs kept) and beta > 0 (a frozen reference:
+partitioned by ZeRO-3, sharded by FSDP); a SIGKILLed ZeRO-3 run resumed inside a rollout logs and
+samples exactly what the uninterrupted one did; a reward function that raises stops the run with one
+line naming the step, the function and the prompt, its last checkpoint intact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import REPO
+from finetune.metrics import read_metrics, run_history
+
+# 4 prompts x 4 completions a step; each of 2 processes holds 2 prompts' groups in 2 micro-batches
+GRPO = ["global_batch_size=4", "num_generations=4", "micro_batch_size=4", "max_steps=6", "num_iterations=2",
+        "beta=0.04", "eval_fraction=0", "save_every=3", "keep_last=3", "loss_chunk_tokens=8", "log_every=1"]
+TIMING = ("tokens_per_s", "rollout_seconds", "peak_memory_gib", "step_seconds", "mfu")
+
+
+def rollouts(run) -> list[dict]:
+    return [json.loads(line) for line in (run.output_dir / "rollouts.jsonl").read_text().splitlines()]
+
+
+def records(run) -> list[dict]:
+    history = run_history(read_metrics(run.output_dir / "metrics.jsonl"))
+    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("tokens_per")}
+            for r in history if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(launch):
+    runs = {}
+
+    def get(strategy: str, nprocs: int):
+        if (strategy, nprocs) not in runs:
+            runs[strategy, nprocs] = launch(nprocs, f"strategy={strategy}", *GRPO, recipe="tiny_grpo")
+        return runs[strategy, nprocs]
+
+    return get
+
+
+def assert_same_run(got, want, tolerance=1e-5):
+    assert rollouts(got) == rollouts(want), "the same completions, rewards and advantages"
+    a, b = records(got), records(want)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    assert [sorted(r) for r in a] == [sorted(r) for r in b]
+    for x, y in zip(a, b):
+        for k, v in x.items():
+            if isinstance(v, float):
+                assert v == pytest.approx(y[k], abs=tolerance, rel=tolerance), (x["step"], k, v, y[k])
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_two_processes_sample_and_train_as_one(grpo_run, strategy):
+    one, two = grpo_run("ddp", 1), grpo_run(strategy, 2)
+    assert f"{strategy} on 2" in two.stderr
+    lines = rollouts(one)
+    # every step's 16 completions, written at each rollout's first step (num_iterations=2: steps 1, 3, 5)
+    assert [r["step"] for r in lines] == [1] * 16 + [3] * 16 + [5] * 16
+    assert len({r["row"] for r in lines}) == 12 and all(r["completion_ids"] for r in lines)
+    assert all(set(r["rewards"]) == {"exact_match", "char_match", "answer_chars"} for r in lines)
+    for step in (1, 3, 5):  # the advantages are group-relative: each group's sum to 0
+        group = [r["advantage"] for r in lines if r["step"] == step][:4]
+        assert abs(sum(group)) < 1e-4
+    assert_same_run(two, one)
+    recs = records(one)
+    assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 0, "the policy moved from its reference after one step"
+    assert recs[0]["reward"] == recs[1]["reward"], "steps 1 and 2 train on the same rollout"
+    assert all(0 <= r["completions/clipped_ratio"] <= 1 and r["completions/max_length"] <= 8 for r in recs)
+
+
+def test_sigkill_and_exact_resume_inside_a_rollout(grpo_run, launch, tmp_path_factory):
+    """Killed after step 5 (rank 1), resumed from step 3's checkpoint: step 4 is the second step of the
+    rollout generated at step 3, whose completions and old log-probs are read back from its cache."""
+    want = grpo_run("zero3", 2)
+    out = tmp_path_factory.mktemp("grpo-fault")
+    first = launch(2, "strategy=zero3", *GRPO, output_dir=out, check=False, recipe="tiny_grpo",
+                   extra_env={"FINETUNE_FAULT": "after_step:1:5"})
+    assert first.returncode != 0
+    second = launch(2, "strategy=zero3", *GRPO, "--resume", "auto", output_dir=out, recipe="tiny_grpo")
+    assert "at step 3" in second.stderr
+    assert rollouts(second) == rollouts(want)
+    assert records(second) == records(want)
+
+
+def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-bad-reward")
+    run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
+                 output_dir=out, check=False, recipe="tiny_grpo",
+                 extra_env={"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}"})
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    # num_iterations=2: the function's third call is at step 5's rollout
+    assert errors[0].startswith("error: step 5: reward function broken raised ZeroDivisionError: division by zero "
+                                "(prompt: '"), errors[0]
+    assert "its last checkpoint is intact" in errors[0]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002", "step_000000004"]
+    assert [r["step"] for r in rollouts(run)] == [1] * 16 + [3] * 16
