@@ -166,7 +166,9 @@ class Zero3(Zero):
         import deepspeed
 
         offload = engine.optimizer.parameter_offload
-        engine.empty_partition_cache()  # every fetched or in-flight parameter released
+        # every fetched or in-flight parameter released; the optimizer's call, not the engine's, which adds a
+        # full gc.collect() (2.6 of a 3.3 s rollout on CPU: bench/grpo_vs_trl.py) and an empty_cache
+        offload.empty_partition_cache()
         module = offload.module
         start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
