@@ -8,22 +8,22 @@ generation, use_vllm off): seconds per step, 2 processes over gloo on CPU, strat
 TRL is a bench-only dependency (`pip install --no-deps --target /tmp/trlpkg trl==1.16.0` beside the project's
 pinned accelerate/datasets/transformers, then PYTHONPATH=$PWD:/tmp/trlpkg).
 
-Both sides get recipes/tiny_grpo.py's numbers: the builtin 2-layer tiny Llama and its character tokenizer,
-fp32, builtin:tiny-prompts (prompt + answer columns), the recipe's reward functions (exact_match,
-char_match, answer_chars from finetune.rewards: TRL calls them with the same keyword arguments),
-num_generations 8, temperature 1.0, top_p 1, top_k off, max_completion_len 8, loss_type dapo, beta 0,
-epsilon 0.2, scale_rewards group, num_iterations 1, 8 prompts a step (64 completions: 16 a micro-batch,
-2 micro-batches per rank), lr 1e-2 constant, AdamW (0.9, 0.999, 1e-8), weight decay 0, max_grad_norm 1.0,
-seed 42, dropout off, no gradient checkpointing; the same DeepSpeed ZeRO-3 config (finetune.strategy's,
-through bench/trainer_baseline.py) or FSDP2 settings. TRL: GRPOConfig(per_device_train_batch_size=16,
-gradient_accumulation_steps=2), so steps_per_generation = 2 and generation_batch_size = 64 = 8 prompts x 8:
-one generation per optimizer step, as ours. What is not the same: the prompts' order (TRL's RepeatSampler
-shuffles with its own generator; ours follows its prompt schedule) and the sampled tokens (each side's own
-generator), so the completions differ; the table gives each side's completion tokens per step, and
-generation is most of a step here.
+Both sides get recipes/tiny_grpo.py's numbers, read from the recipe at run time (the section prints them):
+the builtin 2-layer tiny Llama and its character tokenizer, fp32, builtin:tiny-prompts (prompt + answer
+columns), the recipe's reward functions (from finetune.rewards: TRL calls them with the same keyword
+arguments), num_generations, temperature, top_p, top_k, max_completion_len, loss_type, beta, epsilon,
+scale_rewards, num_iterations, global_batch_size prompts a step, micro_batch_size completions a micro-batch,
+lr (constant), AdamW betas/eps, weight decay, max_grad_norm, seed, dropout off, no gradient checkpointing;
+the same DeepSpeed ZeRO-3 config (finetune.strategy's, through bench/trainer_baseline.py) or FSDP2
+settings. TRL: GRPOConfig(per_device_train_batch_size=micro_batch_size, gradient_accumulation_steps=
+prompts x num_generations / (2 x micro_batch_size)), so steps_per_generation (its default, the
+accumulation) makes generation_batch_size = prompts x num_generations: one generation per optimizer
+step, as ours. What is not the same: the prompts' order (TRL's RepeatSampler shuffles with its own
+generator; ours follows its prompt schedule) and the sampled tokens (each side's own generator), so the
+completions differ; the table gives each side's completion tokens per step.
 
-A step's time: TRL's, between on_step_end callbacks (generation, rewards, forward/backward of both
-micro-batches, the optimizer step); ours, metrics.jsonl's window per step (tokens / tokens_per_s, from
+A step's time: TRL's, between on_step_end callbacks (generation, rewards, forward/backward of every
+micro-batch, the optimizer step); ours, metrics.jsonl's window per step (tokens / tokens_per_s, from
 the end of one step's logging to the end of the next). Median of each run's steps after the first WARMUP.
 
 What TRL's GRPOTrainer needs on CPU with 2 processes (bench/trainer_baseline.py's shim): DeepSpeed and
@@ -39,6 +39,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -166,11 +167,31 @@ def ours_step_seconds(records: list[dict]) -> list[float]:
     return seconds
 
 
-def run_ours(name: str, over: list[str], work: Path) -> dict:
+def nogc_main(argv: list[str]) -> None:
+    """`bench/grpo_vs_trl.py nogc RUN_PY ARGS...`: finetune/run.py with DeepSpeed's
+    DeepSpeedEngine.empty_partition_cache minus its gc.collect() (and accelerator empty_cache): what a
+    ZeRO-3 step costs without the full garbage collection finetune's whole_weights pays at every rollout
+    (the --nogc row)."""
+    import runpy
+
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    def empty_partition_cache(self):
+        if hasattr(self.optimizer, "empty_partition_cache"):
+            self.optimizer.empty_partition_cache()
+
+    DeepSpeedEngine.empty_partition_cache = empty_partition_cache
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def run_ours(name: str, over: list[str], work: Path, nogc: bool = False) -> dict:
     from common import accelerate_launch, fresh_dir, read_jsonl, run, shown
 
     out = fresh_dir(work / f"ours-{name}")
-    cmd = accelerate_launch(str(FINETUNE_ROOT / "finetune" / "run.py"), ["--recipe", RECIPE, *over, f"output_dir={out}"])
+    run_py = str(FINETUNE_ROOT / "finetune" / "run.py")
+    args = ["--recipe", RECIPE, *over, f"output_dir={out}"]
+    cmd = accelerate_launch("bench/grpo_vs_trl.py", ["nogc", run_py, *args]) if nogc else accelerate_launch(run_py, args)
     launch = run(cmd, work / f"ours-{name}.log", env=env(), done=(out / "summary.json").exists)
     res = {"command": shown(cmd), "ok": launch.ok, "seconds": round(launch.seconds, 1), "other_load": launch.other_load}
     if launch.ok:
@@ -216,7 +237,7 @@ def median_after_warmup(seconds: list[float]) -> float | None:
     return statistics.median(kept) if kept else None
 
 
-def timing(work: Path, steps: int, strategies: list[str]) -> dict:
+def timing(work: Path, steps: int, strategies: list[str], nogc: bool) -> dict:
     from common import wait_quiet
 
     results = {"steps": steps, "warmup": WARMUP, "rows": []}
@@ -226,6 +247,8 @@ def timing(work: Path, steps: int, strategies: list[str]) -> dict:
         pair = {}
         for side in (("ours", "trl") if i % 2 == 0 else ("trl", "ours")):
             pair[side] = (run_ours if side == "ours" else run_trl)(strategy, over, work)
+        if nogc and strategy.startswith("zero"):  # the same TRL run against ours without DeepSpeed's gc.collect
+            pair["nogc"] = run_ours(f"{strategy}-nogc", over, work, nogc=True)
         row = {"strategy": strategy, "ours_first": i % 2 == 0}
         for side, res in pair.items():
             row[side] = {k: res.get(k) for k in ("ok", "command", "other_load", "step_seconds", "completion_tokens",
@@ -237,6 +260,11 @@ def timing(work: Path, steps: int, strategies: list[str]) -> dict:
         a, b = row["ours"]["seconds_per_step"], row["trl"]["seconds_per_step"]
         row["trl_over_ours"] = b / a if a and b else None
         results["rows"].append(row)
+        if "nogc" in row:
+            c = row["nogc"]["seconds_per_step"]
+            results["rows"].append({"strategy": f"{strategy}, no gc.collect at the rollout (what-if)", "ours": row["nogc"],
+                                    "trl": row["trl"], "trl_over_ours": b / c if b and c else None, "what_if": True})
+            del row["nogc"]
         print(f"{strategy}: ours {a} s/step, TRL {b} s/step" + ("" if pair["trl"]["ok"] else
                                                                 f"; TRL failed: {pair['trl'].get('error')}")
               + ("" if pair["ours"]["ok"] else f"; ours failed: {pair['ours'].get('error')}"), flush=True)
@@ -250,18 +278,25 @@ def section(results: dict) -> str:
     from common import table
 
     tim = results["timing"]
+    rc = results["recipe"]
+    n = rc["global_batch_size"] * rc["num_generations"]
+    tsum = next((row["trl"] for row in tim["rows"] if row["trl"].get("generation_batch_size")), {})
     lines = [f"Measured by `{results['command']}` at git {results['git']} (finetune tree: {results['finetune']}) on "
              f"{results['started']} ({results['minutes']:.0f} min in all); {results['machine']['cpu']}, "
              f"{results['machine']['cores']} cores, shared with other jobs; "
              + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".", "",
-             "A whole GRPO step (generation, rewards, forward and backward, optimizer step), ours against TRL's "
+             f"A whole GRPO step (generation, rewards, forward and backward, optimizer step), ours against TRL's "
              "GRPOTrainer with its own generation (`model.generate`, use_vllm off), `accelerate launch --multi_gpu "
-             "--num_processes 2` over gloo, fp32, recipes/tiny_grpo.py's numbers on both sides: the builtin 2-layer "
-             "tiny Llama, builtin:tiny-prompts, its 3 reward functions, 8 prompts x num_generations 8 a step, "
-             "max_completion_len 8, temperature 1.0, loss_type dapo, beta 0, lr 1e-2, micro-batch 16 completions "
-             "(2 per rank a step; TRL: steps_per_generation 2, one generation a step). "
+             f"--num_processes 2` over gloo, fp32, recipes/{RECIPE}.py's numbers on both sides: the builtin 2-layer "
+             f"tiny Llama, builtin:tiny-prompts, its reward functions ({', '.join(rc['reward_funcs'])}), "
+             f"{rc['global_batch_size']} prompts x num_generations {rc['num_generations']} = {n} completions a step, "
+             f"max_completion_len {rc['max_completion_len']}, temperature {rc['temperature']}, loss_type "
+             f"{rc['loss_type']}, beta {rc['beta']}, lr {rc['lr']}, micro-batch {rc['micro_batch_size']} completions "
+             f"({n // (2 * rc['micro_batch_size'])} per rank a step; TRL: gradient_accumulation_steps = "
+             f"steps_per_generation = {tsum.get('steps_per_generation')}, generation_batch_size "
+             f"{tsum.get('generation_batch_size')}: one generation a step, as ours). "
              f"{tim['steps']} steps each; seconds per step: the median of the steps after the first {tim['warmup']}. "
-             "Completion tokens per step: each side's mean completion length x 64 (the median over the same steps); "
+             f"Completion tokens per step: each side's mean completion length x {n} (the median over the same steps); "
              "the prompts' order and the sampled tokens are each side's own (bench/grpo_vs_trl.py's docstring).", ""]
     body = []
     for row in tim["rows"]:
@@ -274,7 +309,18 @@ def section(results: dict) -> str:
                      f"{(o['other_load'] or 0):.2f} / {(t['other_load'] or 0):.2f}", t.get("engine") or "-"])
     lines += [table(["strategy", "finetune s/step", "TRL s/step", "TRL / finetune", "finetune completion tokens/step",
                      "TRL completion tokens/step", "other load (finetune / TRL)", "TRL's engine"], body), ""]
+    if any(row.get("what_if") for row in tim["rows"]):
+        lines += ["Where ours loses under zero3: finetune's ZeRO-3 `whole_weights` (finetune/strategy/zero.py) starts "
+                  "every rollout with DeepSpeed's `engine.empty_partition_cache()`, which after releasing the "
+                  "partitions runs a full `gc.collect()` (deepspeed/runtime/engine.py), about 0.65 s a call per rank "
+                  "here (cProfile of rank 0's generate_completions: 2.60 s of 3.25 s over 4 rollouts) against about "
+                  "0.1 s for the generation itself. The what-if row is the same finetune run with that method "
+                  "replaced by `self.optimizer.empty_partition_cache()` alone (`bench/grpo_vs_trl.py nogc`, "
+                  "monkeypatched; the per-step losses are bit-identical with and without), against the same TRL run: "
+                  "the release without the collection is what the rollout needs.", ""]
     for row in tim["rows"]:
+        if row.get("what_if"):
+            continue
         for side in ("ours", "trl"):
             if not row[side]["ok"]:
                 lines.append(f"{row['strategy']}, {'finetune' if side == 'ours' else 'TRL'} failed: "
@@ -284,12 +330,8 @@ def section(results: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
-GRPO_BEGIN, GRPO_END = "<!-- grpo-vs-trl:begin -->", "<!-- grpo-vs-trl:end -->"
-GRPO_TITLE = "## 14. A whole GRPO step against TRL's GRPOTrainer (bench/grpo_vs_trl.py)"
-
-
 def write_doc(doc: Path, text: str) -> None:
-    from report import write_marked_section
+    from report import GRPO_BEGIN, GRPO_END, GRPO_TITLE, write_marked_section
 
     write_marked_section(doc, GRPO_TITLE, GRPO_BEGIN, GRPO_END, text)
 
@@ -298,6 +340,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--strategies", default=",".join(STRATEGIES))
+    p.add_argument("--nogc", action="store_true", help="under zero3 also run ours with DeepSpeed's "
+                   "empty_partition_cache without its gc.collect() (a what-if row, nogc_main)")
     p.add_argument("--finetune", default="", help="the finetune tree both sides run (default: this repository)")
     p.add_argument("--work", default=f"/tmp/grpo-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--doc", default="", help="write section 14 into this report (docs/benchmarks.md)")
@@ -325,7 +369,15 @@ def main(argv: list[str]) -> int:
                "git": git_state(), "finetune": str(FINETUNE_ROOT),
                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "versions": {**versions(), "trl": trl.__version__}}
-    results["timing"] = timing(work, a.steps, a.strategies.split(","))
+    from finetune.recipe import resolve
+
+    r = resolve(RECIPE, overrides(STRATEGIES[0], a.steps))
+    results["recipe"] = {k: getattr(r, k) for k in ("global_batch_size", "num_generations", "micro_batch_size",
+                                                    "max_completion_len", "temperature", "loss_type", "beta", "lr")}
+    results["recipe"]["reward_funcs"] = [str(f).rsplit(":", 1)[-1] for f in r.reward_funcs]
+    results["finetune_git"] = subprocess.run(["git", "-C", str(FINETUNE_ROOT), "log", "-1", "--format=%h %s"],
+                                             capture_output=True, text=True).stdout.strip()[:80]
+    results["timing"] = timing(work, a.steps, a.strategies.split(","), a.nogc)
     results["minutes"] = (time.time() - t0) / 60
     (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     text = section(results)
@@ -342,4 +394,7 @@ if __name__ == "__main__":
         from finetune.run import exit_without_teardown
 
         exit_without_teardown(trl_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "nogc":
+        nogc_main(sys.argv[2:])
+        sys.exit(0)
     sys.exit(main(sys.argv[1:]))
