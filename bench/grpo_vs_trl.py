@@ -281,7 +281,8 @@ def section(results: dict) -> str:
     rc = results["recipe"]
     n = rc["global_batch_size"] * rc["num_generations"]
     tsum = next((row["trl"] for row in tim["rows"] if row["trl"].get("generation_batch_size")), {})
-    lines = [f"Measured by `{results['command']}` at git {results['git']} (finetune tree: {results['finetune']}) on "
+    lines = [f"Measured by `{results['command']}` at git {results['git']} (finetune tree: {results['finetune']} at "
+             f"{results.get('finetune_git', '?')}, its working tree as it was) on "
              f"{results['started']} ({results['minutes']:.0f} min in all); {results['machine']['cpu']}, "
              f"{results['machine']['cores']} cores, shared with other jobs; "
              + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".", "",
@@ -313,8 +314,8 @@ def section(results: dict) -> str:
         lines += ["Where ours loses under zero3: finetune's ZeRO-3 `whole_weights` (finetune/strategy/zero.py) starts "
                   "every rollout with DeepSpeed's `engine.empty_partition_cache()`, which after releasing the "
                   "partitions runs a full `gc.collect()` (deepspeed/runtime/engine.py), about 0.65 s a call per rank "
-                  "here (cProfile of rank 0's generate_completions: 2.60 s of 3.25 s over 4 rollouts) against about "
-                  "0.1 s for the generation itself. The what-if row is the same finetune run with that method "
+                  "here (cProfile of rank 0's generate_completions over 4 rollouts of 64 completions, measured once: "
+                  "gc.collect 2.60 s of 3.25 s, the generation 0.46 s). The what-if row is the same finetune run with that method "
                   "replaced by `self.optimizer.empty_partition_cache()` alone (`bench/grpo_vs_trl.py nogc`, "
                   "monkeypatched; the per-step losses are bit-identical with and without), against the same TRL run: "
                   "the release without the collection is what the rollout needs.", ""]
@@ -325,7 +326,13 @@ def section(results: dict) -> str:
             if not row[side]["ok"]:
                 lines.append(f"{row['strategy']}, {'finetune' if side == 'ours' else 'TRL'} failed: "
                              f"`{row[side]['error']}`")
-    lines += ["other load: CPU cores used by the rest of the machine during each launch, on average. Commands: "
+    lines += ["TRL's GRPOTrainer on CPU, 2 processes: it ran under both strategies with no change to TRL. What it "
+              "needs (bench/trainer_baseline.py's shim, as the Trainer baseline): Accelerate's configured state, a gloo "
+              "PartialState (for fsdp marked MULTI_GPU, as Accelerate turns FSDP on only for GPU-like types) and "
+              "accelerator_config use_configured_state; DS_ACCELERATOR=cpu; use_cpu left off under zero3/fsdp; "
+              "bf16=False (GRPOConfig defaults to bf16=True, which TrainingArguments refuses on CPU without use_cpu); "
+              "use_vllm=False (its default); the reward functions and the model path as plain arguments.", "",
+              "other load: CPU cores used by the rest of the machine during each launch, on average. Commands: "
               + "; ".join(f"`{row[s]['command']}`" for row in tim["rows"][:1] for s in ("ours", "trl")) + "."]
     return "\n".join(lines).rstrip()
 
@@ -374,7 +381,7 @@ def main(argv: list[str]) -> int:
     r = resolve(RECIPE, overrides(STRATEGIES[0], a.steps))
     results["recipe"] = {k: getattr(r, k) for k in ("global_batch_size", "num_generations", "micro_batch_size",
                                                     "max_completion_len", "temperature", "loss_type", "beta", "lr")}
-    results["recipe"]["reward_funcs"] = [str(f).rsplit(":", 1)[-1] for f in r.reward_funcs]
+    results["recipe"]["reward_funcs"] = [getattr(f, "__name__", str(f).rsplit(":", 1)[-1]) for f in r.reward_funcs]
     results["finetune_git"] = subprocess.run(["git", "-C", str(FINETUNE_ROOT), "log", "-1", "--format=%h %s"],
                                              capture_output=True, text=True).stdout.strip()[:80]
     results["timing"] = timing(work, a.steps, a.strategies.split(","), a.nogc)
