@@ -363,6 +363,10 @@ def main(argv: list[str]) -> int:
         if a.doc:
             write_doc(Path(a.doc), text)
         return 0
+    if not (FINETUNE_ROOT / "recipes" / f"{RECIPE}.py").is_file():
+        print(f"error: {FINETUNE_ROOT} has no recipes/{RECIPE}.py (objective=grpo); run a tree that has it: "
+              f"--finetune DIR", file=sys.stderr)
+        return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from common import git_state, machine, versions
 
