@@ -148,10 +148,13 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     active = [b > 0 for b in budget]
     t0 = time.perf_counter()
     past = None
+    router_logits = getattr(getattr(model, "config", None), "output_router_logits", False)
     while any(active):
         if should_stop is not None and should_stop():
             break
         extra = {"attention_mask": mask, "position_ids": positions} if padded else {}
+        if router_logits:  # a mixture of experts' training-only router loss, whose mask cannot follow a cache
+            extra["output_router_logits"] = False
         result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1, **extra)
         past = result.past_key_values
         logits = result.logits[:, -1].float()
