@@ -13,3 +13,16 @@ def broken(completions, **kwargs):
     if CALLS["n"] >= 3 and os.environ.get("RANK", "0") == "1":
         raise ZeroDivisionError("division by zero")
     return [float(len(c)) for c in completions]
+
+
+SCORER = {}
+
+
+def reward_model(prompts, completions, **kwargs):
+    """A sequence-classification model directory as a reward function: finetune.rewards.RewardModel on
+    the directory named by GRPO_REWARD_MODEL, loaded once per process."""
+    from finetune.rewards import RewardModel
+
+    if "model" not in SCORER:
+        SCORER["model"] = RewardModel(os.environ["GRPO_REWARD_MODEL"])
+    return SCORER["model"](prompts, completions)

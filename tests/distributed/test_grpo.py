@@ -3,12 +3,16 @@ of 2 processes under ZeRO-3 and FSDP equal those of 1 process (identical complet
 rewards and advantages in rollouts.jsonl; the loss and metrics within 1e-5), with num_iterations=2
 (one rollout serves two optimizer steps, its old log-probs kept) and beta > 0 (a frozen reference:
 partitioned by ZeRO-3, sharded by FSDP); a SIGKILLed ZeRO-3 run resumed inside a rollout logs and
-samples exactly what the uninterrupted one did; a reward function that raises stops the run with one
+samples exactly what the uninterrupted one did, and resumed on 1 process logs and samples what the
+2-process run did; LoRA under FSDP with a reward model (a sequence-classification directory) as one
+reward function samples, scores and trains on 2 processes as on 1; a reward function that raises stops the run with one
 line naming the step, the function and the prompt, its last checkpoint intact."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -73,18 +77,41 @@ def test_two_processes_sample_and_train_as_one(grpo_run, strategy):
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and r["completions/max_length"] <= 8 for r in recs)
 
 
-def test_sigkill_and_exact_resume_inside_a_rollout(grpo_run, launch, tmp_path_factory):
-    """Killed after step 5 (rank 1), resumed from step 3's checkpoint: step 4 is the second step of the
-    rollout generated at step 3, whose completions and old log-probs are read back from its cache."""
-    want = grpo_run("zero3", 2)
+@pytest.fixture(scope="module")
+def killed_zero3(launch, tmp_path_factory):
+    """A 2-process ZeRO-3 run SIGKILLed after step 5 (rank 1), and a copy of its output directory as the
+    kill left it (checkpoints at step 3 only) for a resume on another process count."""
     out = tmp_path_factory.mktemp("grpo-fault")
     first = launch(2, "strategy=zero3", *GRPO, output_dir=out, check=False, recipe="tiny_grpo",
                    extra_env={"FINETUNE_FAULT": "after_step:1:5"})
     assert first.returncode != 0
+    snapshot = tmp_path_factory.mktemp("grpo-fault-copy") / "run"
+    shutil.copytree(out, snapshot)
+    return out, snapshot
+
+
+def test_sigkill_and_exact_resume_inside_a_rollout(grpo_run, launch, killed_zero3):
+    """Killed after step 5 (rank 1), resumed from step 3's checkpoint: step 4 is the second step of the
+    rollout generated at step 3, whose completions and old log-probs are read back from its cache."""
+    want = grpo_run("zero3", 2)
+    out, _ = killed_zero3
     second = launch(2, "strategy=zero3", *GRPO, "--resume", "auto", output_dir=out, recipe="tiny_grpo")
     assert "at step 3" in second.stderr
     assert rollouts(second) == rollouts(want)
     assert records(second) == records(want)
+
+
+def test_resume_on_another_process_count(grpo_run, launch, killed_zero3, tmp_path_factory):
+    """The killed 2-process ZeRO-3 run resumed on 1 process (ZeRO-3 still) from step 3's checkpoint,
+    inside the rollout generated at step 3: the rollouts and metrics of the uninterrupted 2-process run."""
+    want = grpo_run("zero3", 2)
+    out = tmp_path_factory.mktemp("grpo-fault-1proc") / "run"
+    shutil.copytree(killed_zero3[1], out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+        ["step_000000003"], "the kill left step 3's checkpoint only"
+    resumed = launch(1, "strategy=zero3", *GRPO, "--resume", "auto", output_dir=out, recipe="tiny_grpo")
+    assert "at step 3" in resumed.stderr
+    assert_same_run(resumed, want)
 
 
 def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
@@ -101,3 +128,52 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_fa
     assert "its last checkpoint is intact" in errors[0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002", "step_000000004"]
     assert [r["step"] for r in rollouts(run)] == [1] * 16 + [3] * 16
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(launch_env, tmp_path_factory):
+    """A sequence-classification model directory as objective=reward's final/ is: the tiny Llama's config
+    with one label, random weights (seeded), the tiny tokenizer beside it."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    from finetune import assets
+
+    old = os.environ.get("FINETUNE_CACHE")
+    os.environ["FINETUNE_CACHE"] = launch_env["FINETUNE_CACHE"]
+    try:
+        tiny = assets.tiny_model_dir()
+    finally:
+        if old is None:
+            os.environ.pop("FINETUNE_CACHE")
+        else:
+            os.environ["FINETUNE_CACHE"] = old
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    config = AutoConfig.from_pretrained(tiny, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        model = AutoModelForSequenceClassification.from_config(config)
+    out = tmp_path_factory.mktemp("grpo-reward-model") / "rm"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_lora_under_fsdp_with_a_reward_model_as_one_reward(launch, reward_model_dir):
+    """LoRA (the adapter disabled as the beta > 0 reference) under FSDP on 2 processes against 1 process,
+    a reward model (finetune.rewards.RewardModel on a real sequence-classification directory) scoring
+    beside exact_match: the same completions, rewards (the model's scores included) and metrics."""
+    overrides = [*GRPO, "lora=true", "lora_dropout=0",
+                 "reward_funcs=finetune.rewards:exact_match,finetune.rewards:char_match,grpo_rewards:reward_model"]
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}", "GRPO_REWARD_MODEL": str(reward_model_dir)}
+    one = launch(1, "strategy=ddp", *overrides, recipe="tiny_grpo", extra_env=env)
+    two = launch(2, "strategy=fsdp", *overrides, recipe="tiny_grpo", extra_env=env)
+    assert "fsdp on 2" in two.stderr
+    lines = rollouts(one)
+    assert all(set(r["rewards"]) == {"exact_match", "char_match", "reward_model"} for r in lines)
+    scores = [r["rewards"]["reward_model"] for r in lines]
+    assert all(isinstance(s, float) for s in scores) and len(set(scores)) > 1, "the model scores each completion"
+    assert_same_run(two, one)
+    recs = records(one)
+    assert "rewards/reward_model/mean" in recs[0], sorted(recs[0])
+    assert recs[1]["kl"] > 0, "the adapter moved the policy from its reference (the adapter disabled)"
