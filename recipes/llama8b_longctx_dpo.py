@@ -18,36 +18,19 @@ tokens (docs/benchmarks.md section 11), not yet on a GPU.
 compile stays off: finetune refuses compile=true with sequence_parallel > 1.
 """
 
-from finetune.recipe import Recipe
+from dataclasses import replace
 
-recipe = Recipe(
-    model="meta-llama/Llama-3.1-8B-Instruct",
-    dataset="HuggingFaceH4/ultrafeedback_binarized",
-    dataset_split="train_prefs",
-    dataset_format="preference",
-    eval_dataset="HuggingFaceH4/ultrafeedback_binarized",
-    eval_split="test_prefs",
+from recipes.llama8b_dpo_zero3 import recipe as dpo
+
+recipe = replace(
+    dpo,
     eval_max_samples=256,
-    objective="dpo",
-    dpo_loss="sigmoid",
-    dpo_beta=0.1,
     max_seq_len=65536,
-    strategy="zero3",
+    max_prompt_len=0,
     sequence_parallel=8,
     attn_implementation="sdpa",
-    mixed_precision="bf16",
-    activation_checkpointing=True,
     micro_batch_size=1,
     global_batch_size=16,
-    lr=5e-7,
-    lr_scheduler="cosine",
-    warmup_steps=10,
-    weight_decay=0.0,
-    max_grad_norm=1.0,
-    epochs=1,
     output_dir="runs/llama8b_longctx_dpo",
     log_every=1,
-    eval_every=100,
-    save_every=100,
-    keep_last=2,
 )
