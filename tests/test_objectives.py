@@ -89,7 +89,8 @@ def test_the_progress_line_and_summary_show_the_objectives_chosen_metrics(caplog
             Progress(10, 0, True, SFT.shown).update(1, record)
         finally:
             logger.propagate = propagate
-    dpo_line, sft_line = [m for m in caplog.messages if m.startswith("step 1/10")]
+    # once each (a handler an earlier test's setup_logging left on the logger may record them twice)
+    dpo_line, sft_line = dict.fromkeys(m for m in caplog.messages if m.startswith("step 1/10"))
     assert "loss 0.5000 acc 0.750 margin 0.250 lr" in dpo_line and "chosen" not in dpo_line
     assert "loss 0.5000 lr" in sft_line
     summary = {"steps": 3, "train_seconds": 1.0, "wall_seconds": 2.0, "tokens": 10, "tokens_per_s": 10.0,
