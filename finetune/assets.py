@@ -48,6 +48,21 @@ def _publish(build, target: Path) -> Path:
     return target
 
 
+def _rows_file(name: str, seed: int, row, n: int) -> Path:
+    """The builtin dataset `name` (BUILTIN_DATASETS): n rows drawn by row(rng) from random.Random(seed), one
+    JSON object a line, built once in the cache."""
+
+    def build(tmp: Path) -> Path:
+        rng = random.Random(seed)
+        out = tmp / BUILTIN_DATASETS[name]
+        with out.open("w") as f:
+            for _ in range(n):
+                f.write(json.dumps(row(rng)) + "\n")
+        return out
+
+    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS[name])
+
+
 def build_tokenizer():
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -108,15 +123,7 @@ def _task(rng: random.Random) -> dict:
 def tiny_tasks_file(n: int = 4000) -> Path:
     """Four tiny tasks (add, reverse, capitalise, repeat) in alpaca format: learnable by a tiny model."""
 
-    def build(tmp: Path) -> Path:
-        rng = random.Random(1234)
-        out = tmp / "tiny-tasks.jsonl"
-        with out.open("w") as f:
-            for _ in range(n):
-                f.write(json.dumps(_task(rng)) + "\n")
-        return out
-
-    return _publish(build, cache_root() / ASSET_VERSION / "tiny-tasks.jsonl")
+    return _rows_file("tiny-tasks", 1234, _task, n)
 
 
 WORD_LETTERS, OTHER_LETTERS = string.ascii_lowercase[:13], string.ascii_lowercase[13:]
@@ -151,16 +158,8 @@ def tiny_preferences_file(n: int = 4000) -> Path:
     task's name, the word's letters), so DPO's reward accuracy on the tiny model climbs within a minute
     (telling a reversal from a copy, or one wrong letter, takes it far longer)."""
 
-    def build(tmp: Path) -> Path:
-        rng = random.Random(4321)
-        out = tmp / "tiny-preferences.jsonl"
-        with out.open("w") as f:
-            for _ in range(n):
-                f.write(json.dumps(_preference(rng)) + "\n")
-        return out
-
     # the name carries the generator's version (3), so that a file cached by an older generator is not read
-    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS["tiny-preferences"])
+    return _rows_file("tiny-preferences", 4321, _preference, n)
 
 
 def _prompt(rng: random.Random) -> dict:
@@ -176,15 +175,7 @@ def tiny_prompts_file(n: int = 4000) -> Path:
     of 2-4 letters a-m, or write it in capitals), scored by exact match and by the share of the
     answer's characters in place (finetune.rewards:char_match)."""
 
-    def build(tmp: Path) -> Path:
-        rng = random.Random(2718)
-        out = tmp / "tiny-prompts.jsonl"
-        with out.open("w") as f:
-            for _ in range(n):
-                f.write(json.dumps(_prompt(rng)) + "\n")
-        return out
-
-    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS["tiny-prompts"])
+    return _rows_file("tiny-prompts", 2718, _prompt, n)
 
 
 def resolve_model(name: str) -> str:
