@@ -178,7 +178,7 @@ def trl_main(argv: list[str]) -> int:
 
     from common import read_jsonl
     from finetune import data as D
-    from finetune import loop
+    from finetune.training import loop
     from finetune.model import load_config, load_tokenizer
 
     hf_logging.set_verbosity_warning()
@@ -261,7 +261,7 @@ def trl_main(argv: list[str]) -> int:
 def ours_records(out: Path) -> list[dict]:
     """metrics.jsonl's step records, step 1 first."""
     from common import read_jsonl
-    from finetune.metrics import run_history
+    from finetune.training.metrics import run_history
 
     return [r for r in run_history(read_jsonl(out / "metrics.jsonl")) if "loss" in r and "step" in r]
 

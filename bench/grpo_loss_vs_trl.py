@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from trl.trainer.grpo_trainer import GRPOTrainer
 import test_grpo_objective as T
-from finetune.objectives.grpo import GRPO, policy_loss
+from finetune.training.objectives.grpo import GRPO, policy_loss
 from finetune.recipe import Recipe
 
 EPS, EPS_HIGH, MAX_LEN, ROWS = 0.2, 0.28, 9, 8

@@ -77,7 +77,7 @@ def trl_main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     from common import read_jsonl
-    from finetune import loop
+    from finetune.training import loop
     from finetune.assets import resolve_dataset
     from finetune.model import load_config, load_tokenizer
     from finetune.rewards import resolve as resolve_reward

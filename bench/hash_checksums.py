@@ -1,4 +1,4 @@
-"""Why checkpoints carry xxh3-128 checksums: throughput of finetune.checkpoint.file_checksums against
+"""Why checkpoints carry xxh3-128 checksums: throughput of finetune.checkpointing.checkpoint.file_checksums against
 sha256, blake2b, crc32 and plain reading, on 4 files of 512 MiB (read from the page cache after a
 warm-up pass, so it measures the CPU cost the hash adds to reading).
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.checkpoint import file_checksums  # noqa: E402
+from finetune.checkpointing.checkpoint import file_checksums  # noqa: E402
 
 
 class _Crc32:

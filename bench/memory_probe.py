@@ -2,7 +2,7 @@
 
 Launched by bench/memory.py as
     accelerate launch --multi_gpu --num_processes 2 bench/memory_probe.py OUT_DIR key=value ...
-(key=value are recipe fields). It builds everything the way finetune/loop.py does (make_plan,
+(key=value are recipe fields). It builds everything the way finetune/training/loop.py does (make_plan,
 build_accelerator, load_model, prepare, loss_sum, accelerator.accumulate/backward), trains one full
 optimizer step of two micro-steps so that Adam's states exist, then runs the next step's two
 micro-steps and reads `held_bytes` (bench/held.py) twice:
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> int:
     t_start = time.perf_counter()
     import torch
 
-    from finetune import loop
+    from finetune.training import loop
     from finetune.data import collate
     from held import held_bytes  # bench/held.py
     from finetune.model import load_config, load_model, loss_sum

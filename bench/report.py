@@ -376,7 +376,7 @@ HANG_NOTE = (
     "Reducer held the last reference to the process group; freeing it as train() returned destroyed the gloo "
     "process group with the GIL held and waited for a gloo worker, which waited for the GIL to free a finished "
     "all-gather's Python-made tensors. finetune now keeps the accelerator, model and optimizer referenced until "
-    "the process ends (finetune.loop.KEEP_UNTIL_EXIT), ends train() with a barrier, and leaves through "
+    "the process ends (finetune.training.loop.KEEP_UNTIL_EXIT), ends train() with a barrier, and leaves through "
     "os._exit once its files are flushed (finetune/run.py), so no destructor runs. A launch listed here means "
     "that did not suffice.\n")
 

@@ -1,4 +1,4 @@
-"""Seconds per sample at eval (finetune/samples.py) under ddp, zero3 and fsdp, 2 CPU processes, the tiny
+"""Seconds per sample at eval (finetune/training/samples.py) under ddp, zero3 and fsdp, 2 CPU processes, the tiny
 model: `python bench/samples.py [--prompts 8] [--tokens 32]`.
 
 Each launch trains two steps of the tiny recipe with eval_at_start, so the step-0 samples come from the

@@ -11,7 +11,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch.distributed as dist  # noqa: E402
 
-from finetune import run, samples  # noqa: E402
+from finetune import run  # noqa: E402
+from finetune.training import samples  # noqa: E402
 
 calls = {"n": 0}
 for name in ("all_gather_single", "all_gather_into_tensor", "all_gather", "_all_gather_base", "broadcast"):

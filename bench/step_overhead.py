@@ -40,8 +40,8 @@ PHASES = {
                  ("accelerate/accelerator.py:.*(clip_grad_norm_)", "step"),
                  ("accelerate/optimizer.py:.*(step)|accelerate/utils/deepspeed.py:.*(step)", "step"),
                  ("accelerate/scheduler.py:.*(step)", "step"),
-                 ("finetune/data/batches.py:.*(fetch)", "own"), ("finetune/loop.py:.*(reduce_sum|one_sync_per_step)", "own"),
-                 ("finetune/loop.py:.*(skip_nonfinite)", "own"), ("finetune/metrics.py:.*(write|update|step|window)", "own"),
+                 ("finetune/data/batches.py:.*(fetch)", "own"), ("finetune/training/loop.py:.*(reduce_sum|one_sync_per_step)", "own"),
+                 ("finetune/training/loop.py:.*(skip_nonfinite)", "own"), ("finetune/training/metrics.py:.*(write|update|step|window)", "own"),
                  ("finetune/faults.py:.*(fault_point)", "own"), ("finetune/distributed.py:.*(accumulate)", "own"),
                  ("accelerate/accelerator.py:.*(gather)", "own")],
     "trainer": [("transformers/trainer.py:.*(compute_loss)", "forward"),
@@ -73,7 +73,7 @@ if {trainer!r}:
     from finetune.run import exit_without_teardown
     exit_without_teardown(T.main(sys.argv[1:]))
 else:
-    import finetune.loop as L
+    import finetune.training.loop as L
     from finetune import run
     inner = L.train
     def train(plan):

@@ -39,7 +39,7 @@ def common_overrides(model_dir: Path, dataset: Path, steps: int, seq_len: int, m
 
 def ours_steps(out: Path) -> dict:
     """Per-step tokens, seconds and losses from finetune's metrics.jsonl, and the loop's extra fields."""
-    from finetune.metrics import run_history
+    from finetune.training.metrics import run_history
 
     records = [r for r in run_history(read_jsonl(out / "metrics.jsonl")) if "loss" in r]
     tokens, seconds, losses, prev = [], [], [], 0

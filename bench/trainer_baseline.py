@@ -52,7 +52,7 @@ and zero3 each run on one GPU: bench/gpu.py does that.
 Writes OUT_DIR/trainer_summary.json on rank 0: per-step wall-clock times (TrainerCallback.on_step_end),
 per-step target tokens (the Trainer's own num_items_in_batch: labels[..., 1:] != -100 over all
 ranks), per-step losses (the Trainer's logs), train_runtime, and the peak memory of rank 0
-(finetune.metrics.peak_memory_bytes: torch.cuda.max_memory_allocated on a GPU, peak RSS on CPU).
+(finetune.training.metrics.peak_memory_bytes: torch.cuda.max_memory_allocated on a GPU, peak RSS on CPU).
 """
 
 from __future__ import annotations
@@ -188,8 +188,8 @@ def main(argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     from finetune import data as D
-    from finetune import loop
-    from finetune.metrics import peak_memory_bytes
+    from finetune.training import loop
+    from finetune.training.metrics import peak_memory_bytes
     from finetune.model import load_config, load_tokenizer
 
     hf_logging.set_verbosity_warning()

@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from finetune.checkpoint import HF_DIR, MANIFEST, verify
-from finetune.export import ExportError, checkpoint_state_dict, lora_keys
+from finetune.checkpointing.checkpoint import HF_DIR, MANIFEST, verify
+from finetune.checkpointing.export import ExportError, checkpoint_state_dict, lora_keys
 from finetune.generation import Sampling, generate, pad_id_for, render_prompt, stop_ids
 from finetune.model import add_lora, context_length, load_model
 from finetune.recipe import FIELDS, Recipe, RecipeError
@@ -101,7 +101,7 @@ def _with_adapter(base: str, recipe: dict, adapter: dict | None, adapter_dir: Pa
 
 
 def _from_checkpoint(ckpt: Path, base: str | None):
-    """A checkpoint's model rebuilt in memory, as finetune.export rebuilds it before writing, after the
+    """A checkpoint's model rebuilt in memory, as finetune.checkpointing.export rebuilds it before writing, after the
     same verification: every file's size and checksum (a shard corrupted at the same size answers from
     nothing)."""
     manifest = verify(ckpt, checksums=True)

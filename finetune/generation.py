@@ -1,4 +1,4 @@
-"""Generation, shared by the samples at eval (finetune/samples.py), `finetune chat` (finetune/chat.py)
+"""Generation, shared by the samples at eval (finetune/training/samples.py), `finetune chat` (finetune/chat.py)
 and any objective that generates before its step: how a prompt becomes tokens (render_prompt), where
 an answer ends (stop_ids), and one batched generation with the model's KV cache (generate).
 

@@ -274,7 +274,7 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
 def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None) -> torch.Tensor:
     """Each target token's log-probability, [rows, length] fp32 laid out as the labels: out[b, t] =
     log p(labels[b, t] | tokens before t) where labels[b, t] is set, 0 elsewhere (what a policy-gradient
-    loss weighs token by token, finetune/objectives/grpo.py). As sequence_logps, computed inside the
+    loss weighs token by token, finetune/training/objectives/grpo.py). As sequence_logps, computed inside the
     output layer a chunk of tokens at a time, no [tokens, vocab] logits at once; impl=full from the full
     logits. Not for sequence-parallel shards (their targets are shifted over the whole row)."""
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}

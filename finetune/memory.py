@@ -329,7 +329,7 @@ class Estimate:
     cpu: int = 0  # bytes per rank moved to CPU memory
     nvme: int = 0  # bytes per rank moved to NVMe
     samples: int = 0  # the whole model gathered on each GPU while it generates samples at eval (zero3, fsdp)
-    reference: int = 0  # a DPO full fine-tune's frozen reference, in the compute dtype (finetune/reference.py)
+    reference: int = 0  # a DPO full fine-tune's frozen reference, in the compute dtype (finetune/training/reference.py)
     rollout_weights: int = 0  # GRPO: the whole model gathered on each GPU for the rollout phase (zero3, fsdp)
     kv_cache: int = 0  # GRPO: the KV cache of every completion this rank generates, in one batch
     prefill: int = 0  # GRPO: one layer's transients of the prompts' forward (no gradient)
@@ -361,7 +361,7 @@ class Estimate:
     def samples_peak(self) -> int:
         """The peak while an eval generates its samples with the whole model gathered (after the step,
         its activations and buffers freed). Not part of total: where it does not fit, the run skips the
-        samples with a warning instead of running out of memory (finetune/samples.py samples_fit)."""
+        samples with a warning instead of running out of memory (finetune/training/samples.py samples_fit)."""
         return self.model_states + self.reference + self.samples
 
     def fits(self, budget: int, headroom: float = HEADROOM) -> bool:
@@ -500,7 +500,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
 
 
 def holds_reference(recipe: Recipe) -> bool:
-    """Whether a run holds a reference model beside the policy (finetune/reference.py build_reference)."""
+    """Whether a run holds a reference model beside the policy (finetune/training/reference.py build_reference)."""
     return reference_kind(recipe) == "frozen"
 
 

@@ -10,7 +10,7 @@ per layer: the L*B*T*h term of finetune/memory.py's activations moves to CPU mem
 counts it there).
 
 One mechanism for every strategy: torch.autograd.graph.saved_tensors_hooks around the micro-batch's
-forward (finetune/loop.py), as torch's save_on_cpu and torchtune's OffloadActivations. It is below
+forward (finetune/training/loop.py), as torch's save_on_cpu and torchtune's OffloadActivations. It is below
 DDP, FSDP2 and DeepSpeed (they see the same autograd graph). Parameters are never copied: autograd
 saves a weight by reference, and ZeRO-3 and FSDP2 re-gather theirs for the backward; a copy would
 move whole gathered weights to the CPU. On a GPU the copy goes to pinned memory asynchronously on

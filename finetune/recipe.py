@@ -141,9 +141,9 @@ class Recipe:
                           "logits at once (finetune/loss.py)")
     loss_chunk_tokens: int = _opt(0, min=0, help="tokens per chunk of loss_impl=chunked; 0: as many as keep one "
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
-    # What to optimize: sft (next-token loss on the responses), dpo (preference pairs: finetune/objectives/dpo.py),
-    # grpo (rewarded completions: finetune/objectives/grpo.py) or reward (a reward model trained on preference
-    # pairs, Bradley-Terry: finetune/objectives/reward.py)
+    # What to optimize: sft (next-token loss on the responses), dpo (preference pairs: finetune/training/objectives/dpo.py),
+    # grpo (rewarded completions: finetune/training/objectives/grpo.py) or reward (a reward model trained on preference
+    # pairs, Bradley-Terry: finetune/training/objectives/reward.py)
     objective: str = _opt("sft", choices=("sft", "dpo", "grpo", "reward"))
     dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
                          help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
@@ -161,7 +161,7 @@ class Recipe:
     max_prompt_len: int = _opt(0, min=0, help="dpo, reward: the most tokens a pair's prompt keeps (its start is cut); "
                                "grpo: the most tokens a prompt may have (its start is cut); 0: no limit but "
                                "max_seq_len")
-    # GRPO (finetune/objectives/grpo.py, TRL's GRPOConfig names and defaults): each prompt gets num_generations
+    # GRPO (finetune/training/objectives/grpo.py, TRL's GRPOConfig names and defaults): each prompt gets num_generations
     # sampled completions, scored by reward functions (finetune/rewards.py); the global batch counts prompts
     reward_funcs: tuple[object, ...] = _opt((), help="grpo: reward functions: callables in the recipe file, or module:function "
                                "names, comma-separated (built in: finetune.rewards:exact_match, "

@@ -1,4 +1,4 @@
-"""Reward functions for GRPO (finetune/objectives/grpo.py), as TRL's GRPOTrainer calls them: each is
+"""Reward functions for GRPO (finetune/training/objectives/grpo.py), as TRL's GRPOTrainer calls them: each is
 called once per step with keyword arguments
 
     prompts       the step's prompts, one per completion (a prompt's value as the data has it: text, or

@@ -12,7 +12,8 @@ import signal
 def run_main(argv: list[str]) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of run.main(argv); its signal handlers are undone after, and a
     run that would start training fails instead (that needs a real launch)."""
-    from finetune import loop, run
+    from finetune import run
+    from finetune.training import loop
 
     def no_training(plan):
         raise AssertionError("run.main in the test process is for runs that stop before training; launch it")

@@ -1,5 +1,5 @@
 """`finetune chat` on what a user may point it at: a checkpoint is verified as export verifies it
-(sizes and checksums: finetune.checkpoint.verify), a damaged or foreign directory is one `error:` line
+(sizes and checksums: finetune.checkpointing.checkpoint.verify), a damaged or foreign directory is one `error:` line
 and exit 2, and the prompt is rendered the way the run trained its prompts. The checkpoints here are
 the tiny model's real weights written the way a DDP run's save_state writes them (model.safetensors,
 hf/, recipe.json, a sealed manifest); chat on the checkpoints of real launches is in
@@ -24,7 +24,7 @@ def write_checkpoint(path: Path, weights: str = "safetensors", checksums: bool =
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.assets import tiny_model_dir
-    from finetune.checkpoint import HF_DIR, MANIFEST, seal
+    from finetune.checkpointing.checkpoint import HF_DIR, MANIFEST, seal
 
     tiny = tiny_model_dir()
     path.mkdir(parents=True)
@@ -135,7 +135,7 @@ def test_chat_renders_a_dpo_runs_prompts_as_the_run_trained_them(tmp_path, capsy
     from finetune.model import load_tokenizer
     from finetune.recipe import resolve
     from finetune.generation import render_prompt
-    from finetune.samples import eval_prompts
+    from finetune.training.samples import eval_prompts
 
     data_file = write_jsonl(tmp_path / "pairs.jsonl", rows)
     recipe = resolve("tiny_dpo", [f"dataset={data_file}", "eval_fraction=0", f"output_dir={tmp_path / 'out'}"])

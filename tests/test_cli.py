@@ -234,7 +234,7 @@ def test_overrides_anywhere_on_the_command_line(runs):
 STOP_SCRIPT = """
 import os, signal, sys, time
 from pathlib import Path
-from finetune.stopping import StopRequest
+from finetune.training.stopping import StopRequest
 from finetune.lock import OutputDirLock
 
 OutputDirLock(Path(sys.argv[1])).acquire()

@@ -9,7 +9,7 @@ import torch
 
 from finetune.data import IGNORE, collate_pairs, fetch
 from finetune.loss import sequence_logps
-from finetune.objectives.dpo import DPO, pair_losses, real_pairs
+from finetune.training.objectives.dpo import DPO, pair_losses, real_pairs
 from finetune.recipe import Recipe
 
 

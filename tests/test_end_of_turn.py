@@ -161,7 +161,7 @@ def test_merged_adapter_carries_the_runs_generation_config(tiny_tokenizer, tmp_p
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     from finetune.assets import tiny_model_dir
-    from finetune.export import merge_adapter
+    from finetune.checkpointing.export import merge_adapter
 
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
     assert base.generation_config.eos_token_id == 3
@@ -175,7 +175,7 @@ def test_merged_adapter_carries_the_runs_generation_config(tiny_tokenizer, tmp_p
 
 
 def test_run_summary_says_what_stops_generation():
-    from finetune.metrics import format_summary
+    from finetune.training.metrics import format_summary
 
     summary = {"steps": 3, "train_seconds": 1.0, "wall_seconds": 2.0, "tokens": 10, "tokens_per_s": 10.0,
                "end_of_turn": "<|end|> (id 7) ends an assistant turn; generation_config.eos_token_id [3, 7]"}

@@ -18,7 +18,7 @@ import torch
 
 from finetune.data import IGNORE
 from finetune.loss import token_logps
-from finetune.objectives.grpo import GRPO, group_advantages, policy_loss, rollout_batch
+from finetune.training.objectives.grpo import GRPO, group_advantages, policy_loss, rollout_batch
 from finetune.rewards import weighted_rewards
 from finetune.recipe import Recipe
 
@@ -309,7 +309,7 @@ def test_objective_on_a_model_is_policy_loss_of_its_logps():
 
 # ----------------------------------------------------------------------------- the rollout phase's pure parts
 def test_completion_seeds_are_stable_and_distinct():
-    from finetune.objectives.grpo import completion_seed
+    from finetune.training.objectives.grpo import completion_seed
 
     seeds = {completion_seed(42, k, row, j) for k in range(3) for row in (0, 7, 4000) for j in range(8)}
     assert len(seeds) == 3 * 3 * 8 and all(0 <= s < 2**63 for s in seeds)
@@ -319,7 +319,7 @@ def test_completion_seeds_are_stable_and_distinct():
 
 
 def test_each_rank_gets_whole_groups_and_the_prompts_do_not_depend_on_the_process_count():
-    from finetune.objectives.grpo import prompt_schedule, rank_prompts
+    from finetune.training.objectives.grpo import prompt_schedule, rank_prompts
 
     schedule = prompt_schedule(100, 8, seed=3)
     step = schedule.rows(2, 0)[0]
@@ -346,7 +346,7 @@ def test_grpo_global_batch_counts_prompts():
 
 
 def test_rollouts_file_is_cut_to_the_resumed_step(tmp_path):
-    from finetune.objectives.grpo import keep_rollouts, read_rollouts
+    from finetune.training.objectives.grpo import keep_rollouts, read_rollouts
 
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps({"step": s, "completion": "x"}) + "\n" for s in (1, 1, 3, 3, 5)))

@@ -1,4 +1,5 @@
 """The package's layout rules, read from the source with ast (no imports, well under a second):
+its floors (no import from a higher one),
 no import cycle between finetune's modules, counting imports made inside functions, no private
 name (`_x`) imported from another finetune module, and no strategy name compared outside the
 strategy package (finetune/strategy: the rest asks its objects)."""
@@ -136,6 +137,47 @@ def strategy_name_tests(trees: dict[str, ast.Module]) -> list[str]:
                 found.append((name, node.lineno, "matches on a strategy name"))
     return [f"{name}:{line} {what}" for name, line, what in sorted(found)]
 
+
+# Floors, lowest first: a module imports its own floor and those below, never one above. The ground floor
+# is every other module (finetune/*.py, strategy/, data/); the top holds the command lines, the files
+# launchers start, and chat.py (a run's outputs loaded for `finetune chat`, on top of checkpointing/).
+FLOORS = {"finetune.checkpointing": 1, "finetune.training": 2, "finetune.commands": 3,
+          "finetune.run": 3, "finetune.cli": 3, "finetune.chat": 3}
+FLOOR_NAMES = {0: "the ground floor", 1: "checkpointing/", 2: "training/", 3: "the commands"}
+
+
+def floor(module: str) -> int:
+    return max((level for prefix, level in FLOORS.items()
+                if module == prefix or module.startswith(prefix + ".")), default=0)
+
+
+def upward_imports(trees: dict[str, ast.Module]) -> list[str]:
+    """Imports of a module on a higher floor than the importer's (inside functions too)."""
+    known = set(trees)
+    return [f"{name}:{line} ({FLOOR_NAMES[floor(name)]}) imports {target} ({FLOOR_NAMES[floor(target)]})"
+            for name, tree in trees.items() for target, _, line in imports(name, tree, known)
+            if floor(target) > floor(name)]
+
+
+def test_no_module_imports_one_on_a_higher_floor():
+    found = upward_imports(modules())
+    assert found == [], "imports that go up a floor (move the shared part down): " + "; ".join(found)
+
+
+def test_the_floor_check_finds_an_upward_import(tmp_path):
+    pkg = tmp_path / "finetune"
+    for sub in ("training", "checkpointing", "commands"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("def f():\n    from finetune.training import loop\n")
+    (pkg / "training" / "loop.py").write_text("from finetune.checkpointing import checkpoint\nfrom finetune import model\n")
+    (pkg / "checkpointing" / "checkpoint.py").write_text("from finetune.training.loop import x\n")
+    (pkg / "commands" / "train.py").write_text("from finetune.training import loop\n")
+    assert upward_imports(modules(pkg)) == [
+        "finetune.checkpointing.checkpoint:1 (checkpointing/) imports finetune.training.loop (training/)",
+        "finetune.model:2 (the ground floor) imports finetune.training.loop (training/)",
+    ]
 
 def test_no_strategy_name_compared_outside_the_strategy_package():
     found = strategy_name_tests(modules())

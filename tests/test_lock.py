@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from finetune import lock as L
-from finetune.resume import check_lineage
+from finetune.checkpointing.resume import check_lineage
 from finetune.recipe import RecipeError
 
 

@@ -607,7 +607,7 @@ def test_grpo_log_probs_and_reference():
     assert e.reference == a.num_parameters() * 2 // 8  # bf16, sharded by zero3
     assert e.total == e.model_states + e.reference + e.logps + e.activations + e.buffers
     assert M.reference_kind(r) == "frozen" and M.holds_reference(r)
-    from finetune.resume import reads_model_again
+    from finetune.checkpointing.resume import reads_model_again
 
     assert reads_model_again(r) == "the GRPO reference (a frozen copy of the model as training started)"
     lora = replace(r, lora=True, strategy="fsdp")

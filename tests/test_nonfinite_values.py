@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from finetune.checkpoint import LoopState
-from finetune.loop import NonFiniteError, skip_nonfinite
+from finetune.checkpointing.checkpoint import LoopState
+from finetune.training.loop import NonFiniteError, skip_nonfinite
 from finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe_module, validate
 
 

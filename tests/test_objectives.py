@@ -1,4 +1,4 @@
-"""The objective interface the loop asks (finetune/objectives/base.py), the one rule for which
+"""The objective interface the loop asks (finetune/training/objectives/base.py), the one rule for which
 reference a run holds (recipe.reference_kind) and every part that asks it, and the loop and reporter
 naming no objective of their own."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from finetune.memory import describe_run, holds_reference, load_architecture
-from finetune.objectives import DPO, SFT, Objective, objective_for
-from finetune.objectives.grpo import GRPO
+from finetune.training.objectives import DPO, SFT, Objective, objective_for
+from finetune.training.objectives.grpo import GRPO
 from finetune.recipe import Recipe, RecipeError, reference_kind, validate
-from finetune.resume import reads_model_again
+from finetune.checkpointing.resume import reads_model_again
 
 PACKAGE = Path(__file__).resolve().parents[1] / "finetune"
 DPO_RECIPE = Recipe(model="meta-llama/Llama-2-7b-hf", objective="dpo", mixed_precision="bf16", max_seq_len=1024)
@@ -77,7 +77,7 @@ def test_which_reference_is_decided_once_and_every_part_agrees(change, kind):
             validate(fsdp1)
 
 def test_the_progress_line_and_summary_show_the_objectives_chosen_metrics(caplog):
-    from finetune.metrics import Progress, format_summary
+    from finetune.training.metrics import Progress, format_summary
 
     record = {"loss": 0.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "rewards/accuracies": 0.75,
               "rewards/margins": 0.25, "rewards/chosen": 0.1}
@@ -104,11 +104,12 @@ def test_the_progress_line_and_summary_show_the_objectives_chosen_metrics(caplog
 def test_the_loop_and_the_reporter_name_no_objective():
     """The loop's set-up asks the objective (objective_for, before_model, after_prepare) and holds no
     objective's rule; metrics.py shows what the objective names."""
-    for module in ("loop.py", "metrics.py"):
+    for module in ("training/loop.py", "training/metrics.py"):
         tree = ast.parse((PACKAGE / module).read_text())
         strings = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
         assert not strings & {"dpo", "sft", "grpo", "rewards/accuracies", "rewards/margins"}, module
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert not imported & {"finetune.reference", "finetune.objectives.dpo", "finetune.resume"}, module
+        assert not imported & {"finetune.training.reference", "finetune.training.objectives.dpo",
+                                "finetune.checkpointing.resume"}, module
         names = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
         assert not names & {"precompute_reference", "dpo_loss", "objective_kind"}, module

@@ -226,8 +226,8 @@ def test_models_that_carry_state_along_the_row_are_refused(model_type):
 
 
 def test_padding_free_may_change_on_resume():
-    from finetune.checkpoint import fingerprint
-    from finetune.resume import ResumePoint, changes
+    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.resume import ResumePoint, changes
 
     saved = Recipe(max_steps=12, micro_batch_size=4, global_batch_size=16, packing=True)
     point = ResumePoint(path=Path("/runs/a/checkpoints/step_000000005"), step=5, world_size=2, global_batch_size=16,

@@ -309,7 +309,7 @@ def test_the_planner_refuses_what_the_run_refuses(args, reason, capsys):
     with pytest.raises(RecipeError, match=reason.replace("(", r"\(").replace(")", r"\)")):
         if "does not divide" in reason:
             plan(*[a for a in args if "=" in a], env={"WORLD_SIZE": "3"})
-        else:  # the run's own check, on the model's config (finetune.loop.setup and the finetune train front)
+        else:  # the run's own check, on the model's config (finetune.training.loop.setup and the finetune train front)
             from finetune.model import load_config
             from finetune.sequence_parallel import config_problem
 

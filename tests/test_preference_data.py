@@ -629,7 +629,7 @@ def test_show_pair_text(mistral):
 
 
 def test_eval_prompts_of_preference_rows(tmp_path, mistral):
-    from finetune.samples import eval_prompts
+    from finetune.training.samples import eval_prompts
 
     path = write_jsonl(tmp_path / "pairs.jsonl", [TEXT, {"prompt": PROMPT, "chosen": CHOSEN, "rejected": REJECTED}])
     recipe = Recipe(dataset=str(path), objective="dpo", max_seq_len=256, eval_fraction=0.0)

@@ -1,5 +1,5 @@
-"""The DPO reference's inputs, as pure logic on real files: what identifies a model (finetune/identity.py),
-the precomputed log-probs' key, file and checks (finetune/reference.py), what a resume refuses when the
+"""The DPO reference's inputs, as pure logic on real files: what identifies a model (finetune/checkpointing/identity.py),
+the precomputed log-probs' key, file and checks (finetune/training/reference.py), what a resume refuses when the
 model changed (resume.check_identity), and the one line a user error on any rank prints."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from finetune.identity import identity_change, model_identity
+from finetune.checkpointing.identity import identity_change, model_identity
 from finetune.recipe import Recipe, RecipeError
-from finetune.reference import check_precomputed, precompute_key, precomputed_path, read_precomputed
-from finetune.resume import ResumePoint, check_identity, reference_record
-from finetune.resume import changes as resume_changes
+from finetune.training.reference import check_precomputed, precompute_key, precomputed_path, read_precomputed
+from finetune.checkpointing.resume import ResumePoint, check_identity, reference_record
+from finetune.checkpointing.resume import changes as resume_changes
 
 
 def model_dir(path: Path, weights: bytes = b"\x01" * 4096) -> Path:
@@ -103,7 +103,7 @@ VALUES = {"train": [[-1.5, -2.25], [-3.0, -4.0], [-0.5, -0.75]], "eval": [[-1.0,
 
 @pytest.fixture
 def written(tmp_path):
-    from finetune.reference import _write
+    from finetune.training.reference import _write
 
     data = datasets(tmp_path)
     key = precompute_key(RECIPE, data, {"files": {"model.safetensors": "1"}}, TOKENIZER)
@@ -160,7 +160,7 @@ def test_a_resume_reads_only_the_file_its_checkpoint_recorded(written, tmp_path)
     found, sha = check_precomputed(RECIPE, precomputed_path(RECIPE, data, moved), record)
     assert found == path and read_precomputed(found, moved, sha)[0] == VALUES
 
-    from finetune.reference import _write
+    from finetune.training.reference import _write
 
     other = dict(VALUES, train=[[-1.5, -2.75], *VALUES["train"][1:]])  # the same size, another value
     _write([path], other, key)

@@ -1,4 +1,4 @@
-"""objective=reward (finetune/objectives/reward.py): the Bradley-Terry loss and accuracy against a hand
+"""objective=reward (finetune/training/objectives/reward.py): the Bradley-Terry loss and accuracy against a hand
 computation and against TRL's RewardTrainer.compute_loss formula, on a real sequence-classification
 model; the global batch's mean whatever its split; the recipe's rules; the sequence-classification
 config; RewardModel tokenizing as the run's pair sides."""
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from finetune import data as D
 from finetune.model import init_score_head, is_reward_config, model_class, reward_config
-from finetune.objectives import objective_for
-from finetune.objectives.reward import METRICS, Reward, pair_losses, rewards
+from finetune.training.objectives import objective_for
+from finetune.training.objectives.reward import METRICS, Reward, pair_losses, rewards
 from finetune.recipe import Recipe, RecipeError, validate
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from finetune import rewards as R
-from finetune.objectives.grpo import group_advantages
+from finetune.training.objectives.grpo import group_advantages
 from finetune.recipe import Recipe, RecipeError, apply_overrides, validate
 
 PROMPTS = ["2+2=", "3*3="]

@@ -15,7 +15,7 @@ import family_assets as FA
 from finetune import data as D
 from finetune.recipe import RecipeError
 from finetune.generation import render_prompt
-from finetune.samples import eval_prompts
+from finetune.training.samples import eval_prompts
 
 QUESTION = "What is 2+2?"
 ROWS = {
@@ -186,7 +186,7 @@ def test_samples_are_skipped_when_the_gathered_model_would_not_fit_the_gpu():
     """An eval's samples gather the whole model on each GPU under zero3/fsdp: where that would not fit the
     memory training left free they are skipped with one line (an out-of-memory at an eval could come
     before any checkpoint); off a GPU (free unknown) and where it fits, they run."""
-    from finetune.samples import gather_problem
+    from finetune.training.samples import gather_problem
 
     gib = 2**30
     assert gather_problem(14 * gib, None) is None
@@ -235,8 +235,8 @@ class _StopAfter:
 def test_eval_reads_stop_requests_between_batches():
     import datasets
 
-    from finetune.loop import evaluate
-    from finetune.objectives import objective_for
+    from finetune.training.loop import evaluate
+    from finetune.training.objectives import objective_for
     from finetune.recipe import Recipe
 
     model = _tiny_llama()

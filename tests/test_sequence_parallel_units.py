@@ -107,7 +107,7 @@ def test_pair_shards_pad_each_side_with_placeholder_pairs_and_carry_whole_row_fa
     assert torch.equal(cat[0, :n], want[0]) and torch.equal(cat[3, :n], want[2])  # the first pair, both sides
     assert (cat[[1, 2, 4, 5]] == IGNORE).all()  # the placeholder pair and the padding pair: no targets
     # which pairs are real is read from the whole rows: a shard may hold no target of a real pair
-    from finetune.objectives.dpo import real_pairs
+    from finetune.training.objectives.dpo import real_pairs
 
     assert real_pairs(whole).tolist() == [True, False]
     assert sum(D.target_tokens(s) for s in shards) == D.target_tokens(whole)

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from finetune.metrics import Throughput
+from finetune.training.metrics import Throughput
 
 
 def test_paused_time_is_left_out_of_speed():
@@ -39,13 +39,13 @@ class FakeClock:
 
 
 def test_steady_skip_leaves_out_the_first_steps():
-    from finetune.metrics import steady_skip
+    from finetune.training.metrics import steady_skip
 
     assert [steady_skip(n) for n in (0, 1, 2, 3, 5, 19, 20, 30, 10_000)] == [None, None, 1, 1, 2, 9, 10, 10, 10]
 
 
 def test_steady_rate_is_tokens_over_seconds_between_two_marks():
-    from finetune.metrics import steady_rate
+    from finetune.training.metrics import steady_rate
 
     assert steady_rate((2.0, 100), (6.0, 500)) == 100.0
     assert steady_rate(None, (6.0, 500)) is None and steady_rate((2.0, 100), None) is None
@@ -97,7 +97,7 @@ def test_steady_figure_of_a_resumed_run_and_of_a_short_one():
 
 
 def test_summary_line_shows_the_steady_figure_first():
-    from finetune.metrics import format_summary
+    from finetune.training.metrics import format_summary
 
     base = {"steps": 30, "train_seconds": 44.0, "wall_seconds": 50.0, "tokens": 30_000, "tokens_per_s": 882.35}
     line = next(ln for ln in format_summary({**base, "tokens_per_s_steady": 2000.0, "steady_steps": [11, 30]})

@@ -174,7 +174,7 @@ def supervise(cmd: list[str], output_dir: Path) -> int:
     a container runtime (`docker stop`, Kubernetes: SIGTERM to the entrypoint's pid) or a scheduler sends;
     had both received a Ctrl-C, the launcher would take the front's forwarded copy for a second one. The
     first SIGINT or SIGTERM is forwarded: the launcher passes it to the workers, which save a checkpoint
-    and stop (finetune.stopping); the front waits for that, then exits 128 + the signal (130, 143). A
+    and stop (finetune.training.stopping); the front waits for that, then exits 128 + the signal (130, 143). A
     second signal stops at once: the launcher and the workers are killed (the newest complete checkpoint
     stays) and their output_dir lock released. Should the front itself die, the kernel sends the
     launcher SIGTERM (stopping.stop_with_front): the run still saves and stops rather than train on orphaned.
@@ -261,7 +261,7 @@ def accelerate_launch(argv: list[str]) -> int:
     from accelerate.commands.launch import launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from finetune.stopping import stop_with_front
+    from finetune.training.stopping import stop_with_front
 
     stop_with_front()
     args = launch_command_parser().parse_args(argv)

@@ -9,8 +9,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from finetune.export import ExportError, export_checkpoint
-from finetune.metrics import setup_logging
+from finetune.checkpointing.export import ExportError, export_checkpoint
+from finetune.training.metrics import setup_logging
 
 
 def main(argv=None) -> int:
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpoint.safe_loading)
+    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpointing.checkpoint.safe_loading)
         print(f"error: checkpoint {args.checkpoint}: {e}; use a checkpoint from a source you trust; nothing was "
               "written", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from finetune.files import why_not_creatable
 from finetune.recipe import FIELDS, RecipeError, available_recipes, describe_fields
-from finetune.stopping import stop_with_front
+from finetune.training.stopping import stop_with_front
 
 
 def _rank() -> str:
@@ -98,7 +98,7 @@ def let_go_of_output_dir(abandon: bool = False) -> None:
 
 
 def _stop_before_training(signum, frame):
-    """SIGINT/SIGTERM before the loop has its own handler (finetune.stopping.StopRequest): there
+    """SIGINT/SIGTERM before the loop has its own handler (finetune.training.stopping.StopRequest): there
     is nothing to save yet, so stop at once, without tracebacks, and free output_dir."""
     if _rank() == "0":  # os.write: a print here could re-enter one the signal interrupted
         os.write(2, f"stopped by {signal.Signals(signum).name} before the first training step; nothing to "
@@ -158,10 +158,10 @@ def parse_args(argv):
 
 def prepare(args, lock: bool = True):
     """Everything cheap that can be wrong, checked in order; returns the plan, made once, with its
-    checked resume point (finetune.resume). lock=False: check that output_dir is free without taking
+    checked resume point (finetune.checkpointing.resume). lock=False: check that output_dir is free without taking
     it (the `finetune` front, whose launched ranks take it and convert checkpoints if need be)."""
-    from finetune import resume
-    from finetune.checkpoint import FINAL
+    from finetune.checkpointing import resume
+    from finetune.checkpointing.checkpoint import FINAL
     from finetune.data import prevalidate_recipe
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
@@ -211,7 +211,7 @@ def check_model_and_data(plan) -> None:
     from finetune import data as D
     from finetune import sequence_parallel as SP
     from finetune.model import concatenation_problem, load_config, load_tokenizer
-    from finetune.samples import eval_prompts
+    from finetune.training.samples import eval_prompts
 
     r = plan.recipe
     model_path, config = load_config(r)
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         return 0
     if plan.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn it guessed
-    from finetune.loop import train
+    from finetune.training.loop import train
 
     try:
         train(plan)

@@ -70,7 +70,7 @@ def collate(rows: list[dict], pad_id: int, packed: bool, padding_free: bool = Fa
 
 
 PAIR_SIDES = ("chosen", "rejected")
-REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # finetune/reference.py attaches them
+REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")  # finetune/training/reference.py attaches them
 
 
 def is_preference(ds) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.metrics import read_metrics, run_history
+from finetune.training.metrics import read_metrics, run_history
 from suite_runs import SAVE, STRATEGIES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -227,7 +227,7 @@ def test_a_resume_that_reads_the_model_again_refuses_a_changed_model(dpo_run, ru
     """The zero3 run's checkpoint names its model's identity (the weights' xxh3); resumed from weights other
     than those (here: the manifest says the run started from others), its frozen reference would be read
     from the new ones: one line, unless --allow-model-change."""
-    from finetune.identity import model_identity
+    from finetune.checkpointing.identity import model_identity
 
     run = dpo_run("zero3", 2)
     model = json.loads((run.output_dir / "recipe.json").read_text())["model"]
@@ -295,7 +295,7 @@ def test_reference_precomputed_under_sp_equals_the_whole_pairs_one(dpo_run):
     files = []
     for run in (sp, whole):
         line = next(x for x in run.stderr.splitlines() if "reference log-probs of every pair computed in" in x)
-        header, _, body = open(line.rsplit(": ", 1)[1]).read().partition("\n")  # finetune/reference.py's layout
+        header, _, body = open(line.rsplit(": ", 1)[1]).read().partition("\n")  # finetune/training/reference.py's layout
         files.append(json.loads(body))
     assert files[0].keys() == files[1].keys() == {"train", "eval"}
     for split in ("train", "eval"):

@@ -105,7 +105,7 @@ def final_tensors(directory) -> dict:
 def test_family_trains_exports_and_reloads(name, family_run, monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from finetune.export import export_checkpoint
+    from finetune.checkpointing.export import export_checkpoint
 
     run = family_run(name, STRATEGY[name])
     losses = run.losses

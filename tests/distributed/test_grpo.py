@@ -17,7 +17,7 @@ import shutil
 import pytest
 
 from conftest import REPO
-from finetune.metrics import read_metrics, run_history
+from finetune.training.metrics import read_metrics, run_history
 
 # 4 prompts x 4 completions a step; each of 2 processes holds 2 prompts' groups in 2 micro-batches
 GRPO = ["global_batch_size=4", "num_generations=4", "micro_batch_size=4", "max_steps=6", "num_iterations=2",

@@ -75,7 +75,7 @@ def saved_model_keys(checkpoint):
         from torch.distributed.checkpoint import FileSystemReader
 
         return list(FileSystemReader(str(fsdp)).read_metadata().state_dict_metadata)
-    from finetune.checkpoint import weights_only_torch_load
+    from finetune.checkpointing.checkpoint import weights_only_torch_load
 
     with weights_only_torch_load():
         states = torch.load(checkpoint / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
@@ -140,7 +140,7 @@ def test_lora_checkpoint_exports(strategy, lora_runs, export_in_process, tmp_pat
 
 
 def test_lora_export_without_its_base_says_so(lora_runs, tmp_path):
-    from finetune.export import ExportError, export_checkpoint
+    from finetune.checkpointing.export import ExportError, export_checkpoint
 
     ckpt = lora_runs("zero3").output_dir / "checkpoints" / "step_000000012"
     with pytest.raises(ExportError, match="holds a LoRA adapter, not a whole model, and its base .* cannot be loaded"

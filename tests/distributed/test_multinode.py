@@ -9,7 +9,7 @@ import sys
 
 from pathlib import Path
 
-from finetune.metrics import read_metrics
+from finetune.training.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

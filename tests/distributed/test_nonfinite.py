@@ -16,7 +16,7 @@ import torch
 def weights(ckpt) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from finetune.export import checkpoint_state_dict
+    from finetune.checkpointing.export import checkpoint_state_dict
 
     template = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt / "hf")).state_dict()
     return checkpoint_state_dict(ckpt, template)

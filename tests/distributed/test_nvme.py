@@ -10,7 +10,7 @@ here is the tiny one with a 4096-token vocabulary (1.2M parameters): its embeddi
 matrices (512 Ki elements, 1 MiB of fp32 per rank) and its optimizer partition are swapped.
 
 Resume: with parameters on NVMe it is exact; with the optimizer on NVMe DeepSpeed restores it
-wrongly (see finetune.resume.nvme_resume_problem), so finetune refuses that resume in one line.
+wrongly (see finetune.checkpointing.resume.nvme_resume_problem), so finetune refuses that resume in one line.
 """
 
 from __future__ import annotations

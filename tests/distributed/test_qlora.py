@@ -38,11 +38,11 @@ def _recipe(run):
 
 
 def eval_loss(model, run, monkeypatch) -> float:
-    """The run's eval loss computation (finetune.loop.evaluate over both ranks' eval batches) in this process."""
+    """The run's eval loss computation (finetune.training.loop.evaluate over both ranks' eval batches) in this process."""
     from finetune import data as D
-    from finetune.loop import evaluate
+    from finetune.training.loop import evaluate
     from finetune.model import load_tokenizer
-    from finetune.objectives import objective_for
+    from finetune.training.objectives import objective_for
 
     for key in ("FINETUNE_CACHE", "HF_DATASETS_CACHE"):
         monkeypatch.setenv(key, run.env[key])

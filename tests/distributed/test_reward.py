@@ -51,8 +51,8 @@ def test_final_is_a_sequence_classification_model_and_scores_as_trained(runs, la
 
     from finetune import assets
     from finetune import data as D
-    from finetune.export import export_checkpoint
-    from finetune.objectives.reward import rewards
+    from finetune.checkpointing.export import export_checkpoint
+    from finetune.training.objectives.reward import rewards
     from finetune.rewards import RewardModel
 
     final = runs["fsdp"].output_dir / "final"

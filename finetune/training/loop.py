@@ -17,24 +17,24 @@ import torch
 
 from finetune import data as D
 from finetune import sequence_parallel as SP
-from finetune.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, after_nonfinite, checkpoints_dir,
+from finetune.checkpointing.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, after_nonfinite, checkpoints_dir,
                                  saved_names)
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
-from finetune.export import merge_adapter, save_final_model
+from finetune.checkpointing.export import merge_adapter, save_final_model
 from finetune.recipe import padding_free_scores
-from finetune.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
+from finetune.training.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
 from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
                             sample_length_problem)
-from finetune.objectives import Context, Objective, objective_for
+from finetune.training.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
 from finetune.offload import activation_offload
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
-from finetune.identity import model_identity
-from finetune.samples import SampleWriter, eval_prompts, sample_at_eval
+from finetune.checkpointing.identity import model_identity
+from finetune.training.samples import SampleWriter, eval_prompts, sample_at_eval
 from finetune.faults import fault_point
-from finetune.stopping import StopRequest
+from finetune.training.stopping import StopRequest
 from finetune.distributed import accumulate, build_accelerator, prepare
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def evaluate(model, ds, batches, pad_id: int, packed: bool, device, reduce, obje
              padding_free: bool = False, shard=SP.Layout().shard, stop=None) -> tuple[float, dict] | None:
     """The mean loss per counted unit (the objective's: target tokens, pairs) over the whole eval set,
     exact across ranks, and the objective's metrics (their means) over it. shard: this rank's part of a
-    batch (its slice of every row under sequence parallelism). stop (finetune.stopping.StopRequest):
+    batch (its slice of every row under sequence parallelism). stop (finetune.training.stopping.StopRequest):
     read before each batch, agreed by the ranks (one small all-reduce a batch, as each batch's forward
     is collective under ZeRO-3 and FSDP); a request ends the eval there and returns None."""
     model.eval()
@@ -278,7 +278,7 @@ def stop_tokens(accelerator, model_path: str, config, tokenizer, datasets) -> tu
 
 
 def weights_identity(r, objective: Objective, accelerator, model_path: str) -> dict | None:
-    """The weights' identity (finetune/identity.py) for the runs whose resume reads the model again
+    """The weights' identity (finetune/checkpointing/identity.py) for the runs whose resume reads the model again
     (LoRA's base; the objective's, as DPO's frozen reference: resume.check_identity) or whose objective
     keys a file by it (DPO's precomputed log-probs): Objective.identifies_model. Hashed once, on rank 0,
     and shared. A full fine-tune's checkpoint holds every weight it needs."""

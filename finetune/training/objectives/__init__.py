@@ -7,11 +7,11 @@ pairs (Bradley-Terry)."""
 
 from __future__ import annotations
 
-from finetune.objectives.base import Basic, Context, Objective
-from finetune.objectives.dpo import DPO
-from finetune.objectives.grpo import GRPO
-from finetune.objectives.reward import Reward
-from finetune.objectives.sft import SFT
+from finetune.training.objectives.base import Basic, Context, Objective
+from finetune.training.objectives.dpo import DPO
+from finetune.training.objectives.grpo import GRPO
+from finetune.training.objectives.reward import Reward
+from finetune.training.objectives.sft import SFT
 
 __all__ = ["Basic", "Context", "DPO", "GRPO", "Objective", "Reward", "SFT", "objective_for"]
 

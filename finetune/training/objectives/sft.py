@@ -8,7 +8,7 @@ import torch
 
 from finetune import data as D
 from finetune.model import loss_sum
-from finetune.objectives.base import Basic
+from finetune.training.objectives.base import Basic
 
 
 class SFT(Basic):

@@ -109,7 +109,7 @@ def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_to
     gets the same list. Each sample also says how many tokens it generated and the seconds from the
     batch's start until its answer ended (the gather not included). Empty when
     the gathered model would not fit the GPU (samples_fit: said as a warning). None when a stop request
-    (stop: finetune.stopping.StopRequest) came on any rank: each rank stops generating before its next
+    (stop: finetune.training.stopping.StopRequest) came on any rank: each rank stops generating before its next
     token (generation holds no collective), then all agree."""
     problem = samples_fit(accelerator, model)
     if problem:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.assets import resolve_model
-from finetune.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManifest, checkpoints_dir,
+from finetune.checkpointing.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManifest, checkpoints_dir,
                                  check_small_files, checksum_mismatches, complete_checkpoints, damaged_by_checksum,
                                  fingerprint, manifest_digest, partial_checkpoints, read_manifest, seal, seal_problem,
                                  verify)
@@ -250,7 +250,7 @@ def check_identity(point: ResumePoint, recipe: Recipe, allow_model_change: bool,
     """Refuse (one line) to resume, from a model whose weights changed since the checkpoint's run started,
     a run that reads them again (reads_model_again), unless allow_model_change. A checkpoint of an older
     finetune records no identity: nothing to compare."""
-    from finetune.identity import identity_change, model_identity
+    from finetune.checkpointing.identity import identity_change, model_identity
 
     saved = point.manifest.get("model_identity")
     what = reads_model_again(recipe)
@@ -357,7 +357,7 @@ def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
                     shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "finetune.checkpoint", "to-universal",
+        cmd = [sys.executable, "-m", "finetune.checkpointing.checkpoint", "to-universal",
                "--input_folder", str(point.path / "pytorch_model"),
                "--output_folder", str(tmp / "pytorch_model"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),

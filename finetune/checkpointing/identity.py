@@ -1,5 +1,5 @@
 """What identifies a model's weights, for what is derived from them and must not outlive them: the
-precomputed reference log-probs (finetune/reference.py keys its file by it) and a checkpoint whose
+precomputed reference log-probs (finetune/training/reference.py keys its file by it) and a checkpoint whose
 resume reads the model again (a DPO run's frozen reference, a LoRA run's base: resume.check_identity).
 
 - a local directory: the xxh3-128 of each weight file's content (and config.json). A file rewritten at
@@ -40,7 +40,7 @@ def model_identity(model_path: str, cache_dir: str | None = None) -> dict:
     """{"files": {name: xxh3}} for a directory, {"hub": id, "revision": commit} for a hub id."""
     path = Path(model_path)
     if path.is_dir():
-        from finetune.checkpoint import file_checksums
+        from finetune.checkpointing.checkpoint import file_checksums
 
         return {"files": file_checksums(path, weight_files(path))}
     return {"hub": model_path, "revision": hub_revision(model_path, cache_dir)}

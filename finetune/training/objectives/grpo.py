@@ -50,9 +50,9 @@ import torch
 from finetune import data as D
 from finetune.data import IGNORE
 from finetune.loss import token_logps
-from finetune.objectives.base import Basic
+from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
-from finetune.metrics import log
+from finetune.training.metrics import log
 from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
@@ -216,7 +216,7 @@ class GRPO(Basic):
 
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
-        from finetune.reference import build_reference
+        from finetune.training.reference import build_reference
 
         accelerator = context.accelerator
         self.reference = build_reference(context.plan, accelerator, context.model_path, context.config,

@@ -1,4 +1,4 @@
-"""The reference a preference loss (finetune/objectives/dpo.py) compares the policy with: the model as
+"""The reference a preference loss (finetune/training/objectives/dpo.py) compares the policy with: the model as
 training started. Three ways to have it, chosen by the recipe (recipe.reference_kind), set up by the
 DPO objective (its before_model and after_prepare):
 
@@ -8,7 +8,7 @@ DPO objective (its before_model and after_prepare):
   rank). It is never written to checkpoints: a resume reads it from the model again.
 - precompute_reference=true: one pass over the train and eval pairs before the first step, with the
   policy as it starts (which is the reference), writes each pair's reference log-probs to a file keyed
-  by the model's identity (its weights' content or hub revision, finetune/identity.py), the tokenizer
+  by the model's identity (its weights' content or hub revision, finetune/checkpointing/identity.py), the tokenizer
   and the prepared data; the pairs then carry them (columns ref_chosen_logps, ref_rejected_logps) and
   training holds no reference. Any later run on the same model and data reads the file; a resume reads
   the very file its run started with, named with its sha256 in every checkpoint's manifest (and in
@@ -114,7 +114,7 @@ def build_reference(plan, accelerator, model_path: str, config, weights_on_this_
 
 def precompute_key(recipe, datasets, identity: dict, tokenizer) -> dict:
     """What the log-probs are of: the prepared pairs (and the tokenizer that made them), and the model that
-    scored them (its weights' identity, finetune/identity.py, and how it computed)."""
+    scored them (its weights' identity, finetune/checkpointing/identity.py, and how it computed)."""
     return {"data": cache_fingerprint(datasets.train._fingerprint,
                                       datasets.eval._fingerprint if datasets.eval is not None else None,
                                       tokenizer_fingerprint(tokenizer)),

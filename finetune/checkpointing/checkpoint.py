@@ -1,5 +1,5 @@
 """Sharded checkpoints with one narrow interface: `Checkpointer.save(state)` and `.load(point)`;
-finetune/resume.py decides, before anything is loaded, which checkpoint a run continues from.
+finetune/checkpointing/resume.py decides, before anything is loaded, which checkpoint a run continues from.
 
 Layout: output_dir/checkpoints/step_000000120/ (names sort by step). A checkpoint is written into a
 hidden `.step_000000120.partial/` and renamed into place by rank 0 only after every rank has finished

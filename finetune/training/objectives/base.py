@@ -41,7 +41,7 @@ class Context:
     config: object  # the model's transformers PretrainedConfig
     tokenizer: object
     datasets: object  # finetune.data.Datasets (after_prepare may add columns to its splits)
-    identity: dict | None  # the weights' identity (finetune/identity.py), where the run records one
+    identity: dict | None  # the weights' identity (finetune/checkpointing/identity.py), where the run records one
     weights_on_this_rank: bool  # whether a model loaded now reads its weights on this rank (strategy.reads_weights)
     to_device: Callable  # a batch onto the training device (loop.to_device)
     sp: object  # this rank's sequence-parallel layout (finetune.sequence_parallel.Layout)

@@ -17,7 +17,7 @@ at the first step, where policy and reference agree), rewards/margins, logps/cho
 (summed; SimPO's averaged). Label smoothing is conservative DPO's (Mitchell 2023), as TRL's sigmoid had
 it before 1.0.
 
-The reference (finetune/reference.py; which one: recipe.reference_kind) is the objective's to set up:
+The reference (finetune/training/reference.py; which one: recipe.reference_kind) is the objective's to set up:
 a precompute_reference run's file is looked for before the model loads (a resume's must be the very
 file its run started with: refused then, not after the load), and after the strategy has prepared the
 policy the reference is built, or the log-probs are computed with the policy (where no file was
@@ -38,12 +38,12 @@ from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import sequence_logps
-from finetune.metrics import log
-from finetune.objectives.base import Basic, Context
+from finetune.training.metrics import log
+from finetune.training.objectives.base import Basic, Context
 from finetune.recipe import reference_kind
-from finetune.reference import (attach, build_reference, check_precomputed, precompute, precompute_key,
+from finetune.training.reference import (attach, build_reference, check_precomputed, precompute, precompute_key,
                                 precomputed_path, read_precomputed)
-from finetune.resume import reference_record
+from finetune.checkpointing.resume import reference_record
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -80,7 +80,7 @@ class DPO(Basic):
     identifies_model = True  # the precomputed log-probs are keyed by it; a resume reads the frozen reference again
 
     def __init__(self, recipe, reference=None):
-        """reference: what gives the reference's log-probs of a batch (finetune/reference.py); None for
+        """reference: what gives the reference's log-probs of a batch (finetune/training/reference.py); None for
         SimPO, which has none."""
         self.kind, self.beta = recipe.dpo_loss, recipe.dpo_beta
         self.label_smoothing, self.gamma = recipe.dpo_label_smoothing, recipe.simpo_gamma
@@ -101,7 +101,7 @@ class DPO(Basic):
         self.precomputed = (key, paths, *check_precomputed(r, paths, reference_record(context.plan.resume)))
 
     def after_prepare(self, context: Context, model) -> dict:
-        """The reference (finetune/reference.py); precompute_reference: the pairs with their reference
+        """The reference (finetune/training/reference.py); precompute_reference: the pairs with their reference
         log-probs, computed now with the policy (which has not trained yet: it is the reference) where
         no file was found. Returns what recipe.json and the checkpoints record: the file and its sha256."""
         accelerator, r = context.accelerator, context.recipe

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from finetune import data as D
-from finetune.objectives.dpo import real_pairs
-from finetune.objectives.base import Basic
+from finetune.training.objectives.dpo import real_pairs
+from finetune.training.objectives.base import Basic
 
 METRICS = ("accuracy", "margin", "mean_reward", "rewards/chosen", "rewards/rejected")
 
