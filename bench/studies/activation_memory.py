@@ -36,7 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from bench.parts.common import (MODELS, PY, REPO, build_model, free_port, git_state, launch_env, machine, run, shown,  # noqa: E402
+from bench.parts.common import (MODELS, PY, build_model, free_port, git_state, launch_env, machine, run, shown,  # noqa: E402
                     table, versions)
 
 MODEL = MODELS["llama-20m"]
