@@ -1,16 +1,16 @@
 """The benchmark: `python bench/run.py [--quick] [--gpu]`.
 
 Without --gpu it runs on this machine's CPU with 2 processes (gloo) and measures
-  1. model-state memory per rank for every strategy and offload setting (bench/memory.py),
-  2. target tokens/s of finetune/run.py against the Hugging Face Trainer (bench/throughput.py),
-  3. packing on against off (bench/packing.py),
-  3b. padding-free batches against today's packing (bench/padding_free.py),
-  4. checkpoint save and resume cost at two step counts (bench/checkpoints.py),
+  1. model-state memory per rank for every strategy and offload setting (bench/parts/memory.py),
+  2. target tokens/s of finetune/run.py against the Hugging Face Trainer (bench/parts/throughput.py),
+  3. packing on against off (bench/parts/packing.py),
+  3b. padding-free batches against today's packing (bench/parts/padding_free.py),
+  4. checkpoint save and resume cost at two step counts (bench/parts/checkpoints.py),
   5. what the loop itself logs (read from the runs of 2 and 3),
-  7. the loss's memory with a 128k vocabulary at 256 and 2048 tokens (bench/loss_memory.py),
+  7. the loss's memory with a 128k vocabulary at 256 and 2048 tokens (bench/parts/loss_memory.py),
 prints the tables and writes docs/benchmarks.md. --quick uses smaller models, fewer steps, no offload
 rows in part 1 and one pair of launches per strategy in part 2 (the full mode: three, median), and
-finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu.py:
+finishes in under 10 minutes on 2 cores. With --gpu it runs part 6 on one CUDA GPU (bench/gpu/gpu.py:
 the 1B model in bf16, finetune against the Trainer for ddp, fsdp and zero3, one process each, with
 MFU) and rewrites only the GPU section of docs/benchmarks.md.
 
@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.* and finetune import from it
 
-import common  # noqa: E402
-from common import MODELS, build_model, save_json, varlen_dataset  # noqa: E402
+from bench.parts import common  # noqa: E402
+from bench.parts.common import MODELS, build_model, save_json, varlen_dataset  # noqa: E402
 
 QUICK = {"memory_model": "llama-20m", "train_model": "llama-7m",
          "strategies": ["ddp", "zero1", "zero2", "zero3", "fsdp"],
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     started = dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     work = Path(args.work or f"/tmp/bench-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}")
     work.mkdir(parents=True, exist_ok=True)
-    import report
+    from bench.parts import report
 
     if args.render:
         import json
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         print(f"rewrote {args.doc} from {args.render}")
         return 0
     if args.gpu or args.gpu_smoke:
-        import gpu
+        from bench.gpu import gpu
 
         print(f"GPU benchmark; outputs in {work}", flush=True)
         deadline = time.monotonic() + args.deadline if args.deadline else None
@@ -120,13 +120,13 @@ def main(argv=None) -> int:
     dataset = varlen_dataset()
 
     if "memory" in parts:
-        import memory
+        from bench.parts import memory
 
         print("1. memory per rank", flush=True)
         results["memory"] = memory.measure(cfg["memory_model"], work / "memory", with_offload=cfg["memory_offload"])
     throughput_result = None
     if "throughput" in parts:
-        import throughput
+        from bench.parts import throughput
 
         print("2. throughput against the Hugging Face Trainer", flush=True)
         throughput_result = throughput.measure(cfg["strategies"], train_dir, dataset, cfg["steps"], cfg["seq_len"],
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
         throughput_result["parameters"] = MODELS[cfg["train_model"]].num_parameters()
         results["throughput"] = throughput_result
     if "packing" in parts:
-        import packing
-        import throughput
+        from bench.parts import packing
+        from bench.parts import throughput
 
         print("3. packing", flush=True)
         base = throughput.common_overrides(train_dir, dataset, cfg["steps"], cfg["seq_len"], cfg["micro"],
@@ -150,8 +150,8 @@ def main(argv=None) -> int:
                 off = dict(ddp["ours"], reused=True)
         results["packing"] = packing.measure(base, work / "packing", cfg["warmup"], off=off, strategy="ddp")
     if "padding_free" in parts:
-        import padding_free
-        import throughput
+        from bench.parts import padding_free
+        from bench.parts import throughput
 
         print("3b. padding-free batches", flush=True)
         base = throughput.common_overrides(train_dir, dataset, cfg["steps"], cfg["seq_len"], cfg["micro"],
@@ -162,14 +162,14 @@ def main(argv=None) -> int:
                                                        strategy="ddp", model_dir=train_dir, dataset=dataset,
                                                        seq_len=cfg["seq_len"], micro=cfg["micro"])
     if "checkpoints" in parts:
-        import checkpoints
+        from bench.parts import checkpoints
 
         print("4. checkpoints", flush=True)
         early, late = cfg["checkpoint_steps"]
         results["checkpoints"] = checkpoints.measure(cfg["checkpoint_strategies"], early, late, work / "checkpoints")
 
     if "loss_memory" in parts:
-        import loss_memory
+        from bench.parts import loss_memory
 
         # Written into its own marked section of the report (section 7), which write_cpu_report keeps.
         print("7. the loss with a 128k vocabulary: peak memory at 256 and 2048 tokens", flush=True)

@@ -45,7 +45,7 @@ IMPLS = ("chunked", "liger", "full")
 
 # Rows of logits per chunk are chosen so that one chunk's fp32 logits take at most this many bytes:
 # a bound on memory that holds for any vocabulary (128k vocab: 523 tokens; 32k: 2097; 256k: 262).
-# Measured on CPU (bench/loss_memory.py --sweep, docs/benchmarks.md section 7: 2-layer hidden-64 Llama,
+# Measured on CPU (bench/parts/loss_memory.py --sweep, docs/benchmarks.md section 7: 2-layer hidden-64 Llama,
 # 128k vocab, 2048 tokens): the process peak grows by about one chunk's logits (0.98, 1.10, 1.38,
 # 1.87, 2.80 GiB at 128, 256, 512, 1024, 2048 tokens per chunk; 1.36 at 523), while the step time
 # is flat from 512 tokens up (4.37-4.52 s) and 13% slower at 128 and 256 (5.02, 5.04 s); against
@@ -62,7 +62,7 @@ def chunk_rows(vocab_size: int) -> int:
 
 def shifted_labels(labels: torch.Tensor) -> torch.Tensor:
     """The label of each position is the next token. Shift the labels, not the logits: slicing
-    logits[:, :-1] copies the batch x length x vocab tensor (bench/loss_overhead.py)."""
+    logits[:, :-1] copies the batch x length x vocab tensor (bench/studies/loss_overhead.py)."""
     return F.pad(labels, (0, 1), value=IGNORE)[:, 1:]
 
 

@@ -67,7 +67,7 @@ Estimate (no model loaded, no GPU needed)
                                the first gradients it makes (one [t, i], one [t, h]; each saved tensor
                                is freed as its node runs) and the eager scores'
 
-   Measured against torch's own count of the bytes a step allocates (bench/activation_memory.py,
+   Measured against torch's own count of the bytes a step allocates (bench/studies/activation_memory.py,
    docs/benchmarks.md section 11: a 20M Llama on CPU, fp32, 2K-16K tokens, SP 1 and 2, checkpointing
    off and with offload); not yet against a GPU. padding_free=true makes the micro-batch one row of at
    most B*T tokens, so every t term holds; its mask covers the whole row: (B*T)^2 instead of B*T^2
@@ -111,7 +111,7 @@ NCCL buffers) is what the headroom (10% by default) is for.
 How the estimate compares with measured GPU memory (one H100, five setups) and with held_bytes
 (every strategy, on CPU): docs/memory-planner.md.
 
-What a live rank holds is measured by bench/held.py (held_bytes), beside the benchmarks that use it;
+What a live rank holds is measured by bench/helpers/held.py (held_bytes), beside the benchmarks that use it;
 the architecture facts (parameter counts, shapes) are finetune/arch.py's.
 """
 
@@ -247,7 +247,7 @@ def loss_rows(vocab_size: int, tokens: int, loss_impl: str = "full", chunk_token
 
 def layer_bytes_per_token(arch: Architecture, mixed_precision: str) -> int:
     """Bytes one Llama-style decoder layer keeps for its backward per token, as transformers' layer saves
-    them (counted with saved-tensor hooks, bench/activation_memory.py): each RMSNorm its input in fp32
+    them (counted with saved-tensor hooks, bench/studies/activation_memory.py): each RMSNorm its input in fp32
     (the norm upcasts), the normalised input and its output (the next Linear's input) in the compute
     dtype; attention q, k, v and its output, and the kernel's fp32 log-sum-exp per head (sdpa and
     flash keep no scores: the eager scores are attention_scores_bytes); the gated MLP its gate and up

@@ -104,7 +104,7 @@ class Recipe:
                               "attn_implementation=flash_attention_2 (GPU): attention is varlen, per example. With "
                               "sdpa/eager the model builds a block-diagonal mask over the whole row, whose attention "
                               "costs micro_batch_size times a padded row's: it pays only when padding is most of "
-                              "the batch and attention a small part of the compute (bench/padding_free.py)")
+                              "the batch and attention a small part of the compute (bench/parts/padding_free.py)")
     train_on_prompt: bool = _opt(False, help="false: loss on the responses only")
     # How
     strategy: str = _opt("zero3", choices=STRATEGIES)

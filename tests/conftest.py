@@ -5,7 +5,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench/ helpers (bench.held)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.* (bench.helpers.held, bench.studies...)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 

@@ -1,12 +1,7 @@
-"""bench/dpo_vs_trl.py's pure parts: the generated pairs, the per-step comparison and TRL's pair layout.
+"""bench/studies/dpo_vs_trl.py's pure parts: the generated pairs, the per-step comparison and TRL's pair layout.
 No launches, no TRL; the metric values below are made up to exercise the comparison."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench modules import each other by name
-
-import dpo_vs_trl as B  # noqa: E402
+from bench.studies import dpo_vs_trl as B
 
 
 def test_rows_are_explicit_distinct_pairs_of_unequal_lengths():
@@ -46,7 +41,7 @@ def test_section_renders_every_part():
     row = {"round": 0, "noisy": False, "ours": side, "trl": dict(side, seconds_per_step=3.0), "trl_over_ours": 1.5,
            "uptime_before": "up 1:00, load average: 0.50, 0.40, 0.30", "worst_scaled_diff": 3e-7,
            "worst_metric": "rewards/chosen", "loss_max_abs_diff": 2e-7}
-    results = {"command": "python bench/dpo_vs_trl.py", "git": "abc1234", "started": "2026-01-01 10:00 UTC",
+    results = {"command": "python bench/studies/dpo_vs_trl.py", "git": "abc1234", "started": "2026-01-01 10:00 UTC",
                "minutes": 12.0, "machine": {"cpu": "CPU", "cores": 2}, "versions": {"trl": "1.16.0"},
                "kept": ["the timing rows of 2026-01-01 09:00 UTC"],
                "compare": {"steps": 2, "losses": {"sigmoid": ok, "ipo": {"ok": False, "error": "ours: boom"}}},

@@ -1,12 +1,7 @@
-"""bench/gpu.py's table (`bench/run.py --gpu`), from a synthetic result: formatting only, no launches.
+"""bench/gpu/gpu.py's table (`bench/run.py --gpu`), from a synthetic result: formatting only, no launches.
 Every number below is made up to exercise the render; none was measured."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench modules import each other by name
-
-import gpu  # noqa: E402
+from bench.gpu import gpu
 
 GIB = 2**30
 

@@ -1,19 +1,15 @@
-"""bench/gpu.py's matrix and row handling (`bench/run.py --gpu`), no launches: every finetune variant
+"""bench/gpu/gpu.py's matrix and row handling (`bench/run.py --gpu`), no launches: every finetune variant
 has the Trainer's counterpart (compile=true against torch_compile=True), a run's outputs are removed
 once its row is read but for the files the row is read from, and --deadline / --reuse decide which
 rows run."""
 
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench modules import each other by name
-
-import gpu  # noqa: E402
-import trainer_baseline  # noqa: E402
-
-from finetune.recipe import Recipe  # noqa: E402
+from bench.gpu import gpu
+from bench.helpers import trainer_baseline
+from finetune.recipe import Recipe
 
 
 def test_every_finetune_row_has_a_trainer_row_of_the_same_variant():

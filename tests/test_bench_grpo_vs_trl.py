@@ -1,12 +1,7 @@
-"""bench/grpo_vs_trl.py's pure parts: step times from metrics records, the warm-up median and the report
+"""bench/studies/grpo_vs_trl.py's pure parts: step times from metrics records, the warm-up median and the report
 section. No launches, no TRL; the numbers below are made up to exercise them."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # bench modules import each other by name
-
-import grpo_vs_trl as B  # noqa: E402
+from bench.studies import grpo_vs_trl as B
 
 
 def test_step_seconds_from_token_windows():
@@ -27,7 +22,7 @@ def side(seconds, tokens, ok=True, error=None, **extra):
 
 def test_section_renders_rows_what_if_and_failure():
     results = {
-        "command": "python bench/grpo_vs_trl.py --nogc", "git": "abc1234", "finetune": "/tree",
+        "command": "python bench/studies/grpo_vs_trl.py --nogc", "git": "abc1234", "finetune": "/tree",
         "finetune_git": "def5678 grpo", "started": "2026-11-26 12:00 UTC", "minutes": 4.0,
         "machine": {"cpu": "CPU", "cores": 2}, "versions": {"torch": "2.13", "trl": "1.16.0"},
         "recipe": {"global_batch_size": 16, "num_generations": 8, "micro_batch_size": 16, "max_completion_len": 8,

@@ -2,7 +2,7 @@
 corrupted without changing its size, the resume point `--resume auto` falls back to, and the
 allow-list that stops a distributed checkpoint's `.metadata` pickle from running code.
 
-Why xxh3-128: bench/hash_checksums.py (files in the page cache, this 2-core machine shared with
+Why xxh3-128: bench/studies/hash_checksums.py (files in the page cache, this 2-core machine shared with
 other jobs): file_checksums 2.0-2.4 GB/s, sha256 0.5-0.6, crc32 0.8-1.4, blake2b 0.2-0.4 GB/s; in
 memory on one core xxh3_128 ran 6-13 GB/s, sha256 (SHA-NI) 1.5. Hashing a checkpoint is then bound
 by the disk, not the CPU."""

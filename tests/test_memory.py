@@ -14,7 +14,7 @@ import pytest
 
 from finetune import arch as A
 from finetune import memory as M
-from bench.held import held_bytes
+from bench.helpers.held import held_bytes
 from finetune.recipe import RecipeError, resolve
 
 REPO = Path(__file__).resolve().parents[1]

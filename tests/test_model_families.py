@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import family_assets as FA
-from bench.held import held_bytes
+from bench.helpers.held import held_bytes
 from finetune import arch as A
 from finetune import memory as M
 from finetune.data import IGNORE

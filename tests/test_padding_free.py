@@ -240,7 +240,7 @@ def test_padding_free_may_change_on_resume():
 def test_planner_counts_the_block_diagonal_mask_under_sdpa_only():
     """padding_free under sdpa: one row of B*T tokens under a block-diagonal mask, (B*T)^2 booleans held
     for the step; SDPA's kernels keep no scores (finetune/memory.py activation_bytes, measured by
-    bench/activation_memory.py); flash_attention_2's varlen path needs no mask: the padded figure."""
+    bench/studies/activation_memory.py); flash_attention_2's varlen path needs no mask: the padded figure."""
     arch = M.load_architecture("builtin:tiny-llama")
     base = Recipe(model="builtin:tiny-llama", micro_batch_size=4, max_seq_len=512, mixed_precision="bf16")
     padded = M.recipe_estimate(base, 1, arch).activations

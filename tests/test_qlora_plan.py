@@ -87,7 +87,7 @@ def test_planner_counts_the_4bit_base_per_strategy(mp, width):
 
 
 def test_planner_counts_the_tiny_run_as_measured():
-    """Measured on CPU (bench/memory_probe.py, 2 processes, fp32, strategy=fsdp lora=true load_in_4bit=true):
+    """Measured on CPU (bench/helpers/memory_probe.py, 2 processes, fp32, strategy=fsdp lora=true load_in_4bit=true):
     held_bytes per rank 131,200 bytes of parameters, 74,752 of gradients, 149,504 of Adam states; the
     quantization constants (QuantState tensors of the 14 Linear4bit) 16,784 bytes on every rank."""
     r = recipe("strategy=fsdp", "model=builtin:tiny-llama", "grad_accum=2", "micro_batch_size=2", "max_seq_len=64")

@@ -174,7 +174,7 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None) ->
 def file_checksums(directory: Path, rels: list[str], threads: int | None = None) -> dict[str, str]:
     """xxh3-128 of each file, files hashed in parallel (xxhash releases the GIL). xxh3 hashed 6-13 GB/s
     per core here, against 1.5 for sha256 (with SHA-NI), 1.35 for crc32 and 0.6 for blake2b
-    (bench/hash_checksums.py), so reading the disk, not hashing, bounds it. It detects
+    (bench/studies/hash_checksums.py), so reading the disk, not hashing, bounds it. It detects
     corruption, not forgery: whoever can rewrite a shard can rewrite the manifest too; code execution
     is stopped by the loaders (safe_loading), not by this."""
     from concurrent.futures import ThreadPoolExecutor

@@ -167,7 +167,7 @@ class Zero3(Zero):
 
         offload = engine.optimizer.parameter_offload
         # every fetched or in-flight parameter released; the optimizer's call, not the engine's, which adds a
-        # full gc.collect() (2.6 of a 3.3 s rollout on CPU: bench/grpo_vs_trl.py) and an empty_cache
+        # full gc.collect() (2.6 of a 3.3 s rollout on CPU: bench/studies/grpo_vs_trl.py) and an empty_cache
         offload.empty_partition_cache()
         module = offload.module
         start_of_forward = module._forward_pre_hooks[offload.fwd_pre_hook.id]

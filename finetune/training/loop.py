@@ -146,7 +146,7 @@ def one_sync_per_step(step_loss, counts, stop: StopRequest, reduce_sum) -> tuple
     caught during the step stops the run after it). The loop waits for the device here only, after
     backward (the gradient norm, read next, is computed by then): a wait for the counts before the
     forward would keep the host from queueing a step's kernels while the previous step's optimizer
-    runs (bench/step_overhead.py; docs/design-notes.md)."""
+    runs (bench/studies/step_overhead.py; docs/design-notes.md)."""
     ends = reduce_sum(torch.stack([step_loss, torch.tensor(float(stop.requested), dtype=torch.float64,
                                                            device=step_loss.device)]))
     loss_sum, stops, denominator, targets, inputs = torch.cat([ends, counts]).tolist()

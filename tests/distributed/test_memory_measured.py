@@ -1,6 +1,6 @@
 """The planner's per-rank parameter, gradient and optimizer-state figures against the tensors a real
-2-process run of the tiny model holds on each rank (bench/memory_probe.py builds the run with the
-toolkit's own components and counts tensor storage with held_bytes, bench/held.py)."""
+2-process run of the tiny model holds on each rank (bench/helpers/memory_probe.py builds the run with the
+toolkit's own components and counts tensor storage with held_bytes, bench/helpers/held.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_planner_matches_held_tensors(setup, launch_env, free_port, tmp_path):
     overrides = TINY + SETUPS[setup]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           free_port, "bench/memory_probe.py", str(tmp_path), *overrides]
+           free_port, "bench/helpers/memory_probe.py", str(tmp_path), *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=launch_env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

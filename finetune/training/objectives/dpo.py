@@ -9,7 +9,7 @@ compares the policy's margin between chosen and rejected with the reference's:
 
 with pc, pr the policy's and rc, rr the reference's log-probs of chosen and rejected, s the label
 smoothing; TRL's DPOTrainer (sigmoid, ipo) and CPOTrainer (simpo) formulas, compared step by step in
-bench/dpo_vs_trl.py. A global batch is counted in pairs: the loss the optimizer steps on is the mean
+bench/studies/dpo_vs_trl.py. A global batch is counted in pairs: the loss the optimizer steps on is the mean
 over its pairs whatever their split into ranks and micro-batches, as SFT's is over target tokens.
 The metrics are TRL's: rewards/chosen = beta (pc - rc) on summed log-probs (also under ipo; SimPO:
 beta pc, averaged), rewards/rejected, rewards/accuracies (chosen's reward strictly above rejected's: 0

@@ -1,5 +1,5 @@
 """What a training step costs beyond the model and the framework, in finetune and in the Hugging Face
-Trainer: both launched as in the throughput part (bench/throughput.py: same model, rows, batch and
+Trainer: both launched as in the throughput part (bench/parts/throughput.py: same model, rows, batch and
 DeepSpeed config or FSDP2 settings), each rank under cProfile, and the per-step time split into
 
   forward   the model's forward with the loss (finetune: loss_sum; Trainer: compute_loss),
@@ -13,7 +13,7 @@ as cumulative seconds in those functions over the run's steps, divided by the st
 Python-heavy code more than the kernels, so `own` is an upper bound of the real cost; compare the two
 toolkits' rows with each other, not with the unprofiled tokens/s.
 
-    python bench/step_overhead.py [--strategies ddp,zero2,fsdp] [--steps 15] [--work DIR] [--doc docs/benchmarks.md]
+    python bench/studies/step_overhead.py [--strategies ddp,zero2,fsdp] [--steps 15] [--work DIR] [--doc docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from common import REPO, MODELS, build_model, table, varlen_dataset  # noqa: E402
-from throughput import common_overrides  # noqa: E402
+from bench.parts.common import REPO, MODELS, build_model, table, varlen_dataset  # noqa: E402
+from bench.parts.throughput import common_overrides  # noqa: E402
 
 # (function-name pattern, phase) per toolkit; the first pattern a profiled function matches wins
 PHASES = {
@@ -56,11 +56,11 @@ PHASES = {
 
 PROFILED = '''
 import cProfile, os, sys
-sys.path[:0] = [{repo!r}, {bench!r}]
+sys.path.insert(0, {repo!r})
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 prof, out = cProfile.Profile(), {out!r} + "/rank" + os.environ.get("RANK", "0") + ".prof"
 if {trainer!r}:
-    import trainer_baseline as T
+    from bench.helpers import trainer_baseline as T
     from transformers import Trainer
     inner = Trainer.train
     def train(self, *a, **k):
@@ -93,7 +93,7 @@ def profile(toolkit: str, strategy: str, base: list[str], work: Path, reuse: boo
         return out / "rank0.prof"
     out.mkdir(parents=True, exist_ok=True)
     script = out / "profiled.py"
-    script.write_text(PROFILED.format(repo=str(REPO), bench=str(REPO / "bench"), out=str(out),
+    script.write_text(PROFILED.format(repo=str(REPO), out=str(out),
                                       trainer=toolkit == "trainer"))
     args = ["--recipe", "tiny", *base, f"strategy={strategy}", "plot_loss=false", f"output_dir={out / 'run'}"]
     if toolkit == "trainer":
@@ -163,12 +163,12 @@ def main(argv: list[str]) -> int:
     print()
     print(text)
     if args.doc:
-        from common import git_state, machine, versions
+        from bench.parts.common import git_state, machine, versions
 
-        from report import STEP_BEGIN, STEP_END, STEP_TITLE, write_marked_section
+        from bench.parts.report import STEP_BEGIN, STEP_END, STEP_TITLE, write_marked_section
 
         v = versions()
-        command = "python bench/step_overhead.py" + (f" --strategies {args.strategies}"
+        command = "python bench/studies/step_overhead.py" + (f" --strategies {args.strategies}"
                                                     if args.strategies != "ddp,zero2,fsdp" else "") + \
             (f" --steps {args.steps}" if args.steps != 15 else "") + f" --doc {args.doc}"
         biggest = "; ".join(f"{s} {t}: " + ", ".join(f"{short(w)} {1000 * sec / args.steps:.1f}" for w, sec in fns)

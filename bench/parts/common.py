@@ -1,8 +1,8 @@
 """What every benchmark part shares: paths, the launch environment, the locally built models and the
 generated dataset, launching commands, machine and version facts, markdown tables.
 
-Nothing here measures anything; the parts (memory.py, throughput.py, packing.py, checkpoints.py,
-gpu.py) do, and bench/run.py puts them together.
+Nothing here measures anything; the parts (bench/parts/memory.py, throughput.py, packing.py, checkpoints.py,
+bench/gpu/gpu.py) do, and bench/run.py puts them together.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench"
 CACHE = Path(os.environ.get("BENCH_CACHE", BENCH / ".cache"))  # models, data, tokenized data (git-ignored)
 PY = sys.executable

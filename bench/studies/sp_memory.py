@@ -2,10 +2,10 @@
 row, data parallel (sequence_parallel=1: each rank holds whole rows) against Ulysses sequence
 parallelism (sequence_parallel=2: each rank holds half of every row), on CPU.
 
-    python bench/sp_memory.py [--steps 3] [--lengths 1024,2048,4096] [--work DIR] [--doc docs/benchmarks.md]
+    python bench/studies/sp_memory.py [--steps 3] [--lengths 1024,2048,4096] [--work DIR] [--doc docs/benchmarks.md]
 
 Each run: `accelerate launch --multi_gpu --num_processes 2 finetune/run.py --recipe tiny` with model
-llama-20m (bench/common.py: hidden 256, 4 layers, 4 heads, 32000-token vocabulary, random weights),
+llama-20m (bench/parts/common.py: hidden 256, 4 layers, 4 heads, 32000-token vocabulary, random weights),
 text rows longer than max_seq_len (every row full), micro batch 1, strategy=ddp (every rank holds the
 whole model, so the model states are the same in both layouts and the difference is the step's
 activations), mixed_precision=no, no eval set; `peak_memory_gib` of the last step's record in
@@ -21,11 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from common import (MODELS, accelerate_launch, build_model, fresh_dir, git_state, launch_env, machine,  # noqa: E402
+from bench.parts.common import (MODELS, accelerate_launch, build_model, fresh_dir, git_state, launch_env, machine,  # noqa: E402
                     read_jsonl, run, shown, table, versions)
-from loss_memory import text_rows  # noqa: E402
+from bench.parts.loss_memory import text_rows  # noqa: E402
 
 MODEL = MODELS["llama-20m"]
 
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     header = ["tokens per row", "peak GiB per rank, SP 1", "SP 2", "SP 1 - SP 2",
               f"growth from {base:,}, SP 1", "SP 2", "SP 2 / SP 1"]
     v = versions()
-    command = "python bench/sp_memory.py" + (f" --steps {args.steps}" if args.steps != 3 else "") + \
+    command = "python bench/studies/sp_memory.py" + (f" --steps {args.steps}" if args.steps != 3 else "") + \
         (f" --lengths {args.lengths}" if args.lengths != "1024,2048,4096" else "") + \
         (f" --doc {args.doc}" if args.doc else "")
     text = "\n".join([
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
     ])
     print(text)
     if args.doc:
-        from report import SP_BEGIN, SP_END, SP_TITLE, write_marked_section
+        from bench.parts.report import SP_BEGIN, SP_END, SP_TITLE, write_marked_section
 
         write_marked_section(Path(args.doc), SP_TITLE, SP_BEGIN, SP_END, text)
     (work / "sp_memory.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -1,9 +1,9 @@
 """A whole GRPO step, ours (objective=grpo, recipes/tiny_grpo.py) against TRL's GRPOTrainer (its own
 generation, use_vllm off): seconds per step, 2 processes over gloo on CPU, strategy zero3 and fsdp.
 
-    PYTHONPATH=$PWD:/tmp/trlpkg python bench/grpo_vs_trl.py                       # zero3 and fsdp, ~6 min on 2 cores
-    PYTHONPATH=$PWD:/tmp/trlpkg python bench/grpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 14
-    python bench/grpo_vs_trl.py --finetune /path/to/tree ...   # the finetune tree both sides import (default: this one)
+    PYTHONPATH=$PWD:/tmp/trlpkg python bench/studies/grpo_vs_trl.py                       # zero3 and fsdp, ~6 min on 2 cores
+    PYTHONPATH=$PWD:/tmp/trlpkg python bench/studies/grpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 14
+    python bench/studies/grpo_vs_trl.py --finetune /path/to/tree ...   # the finetune tree both sides import (default: this one)
 
 TRL is a bench-only dependency (`pip install --no-deps --target /tmp/trlpkg trl==1.16.0` beside the project's
 pinned accelerate/datasets/transformers, then PYTHONPATH=$PWD:/tmp/trlpkg).
@@ -14,7 +14,7 @@ columns), the recipe's reward functions (from finetune.rewards: TRL calls them w
 arguments), num_generations, temperature, top_p, top_k, max_completion_len, loss_type, beta, epsilon,
 scale_rewards, num_iterations, global_batch_size prompts a step, micro_batch_size completions a micro-batch,
 lr (constant), AdamW betas/eps, weight decay, max_grad_norm, seed, dropout off, no gradient checkpointing;
-the same DeepSpeed ZeRO-3 config (finetune.strategy's, through bench/trainer_baseline.py) or FSDP2
+the same DeepSpeed ZeRO-3 config (finetune.strategy's, through bench/helpers/trainer_baseline.py) or FSDP2
 settings. TRL: GRPOConfig(per_device_train_batch_size=micro_batch_size, gradient_accumulation_steps=
 prompts x num_generations / (2 x micro_batch_size)), so steps_per_generation (its default, the
 accumulation) makes generation_batch_size = prompts x num_generations: one generation per optimizer
@@ -26,7 +26,7 @@ A step's time: TRL's, between on_step_end callbacks (generation, rewards, forwar
 micro-batch, the optimizer step); ours, metrics.jsonl's window per step (tokens / tokens_per_s, from
 the end of one step's logging to the end of the next). Median of each run's steps after the first WARMUP.
 
-What TRL's GRPOTrainer needs on CPU with 2 processes (bench/trainer_baseline.py's shim): DeepSpeed and
+What TRL's GRPOTrainer needs on CPU with 2 processes (bench/helpers/trainer_baseline.py's shim): DeepSpeed and
 FSDP on CPU take Accelerate's configured state (a gloo PartialState, FSDP marked MULTI_GPU) and
 DS_ACCELERATOR=cpu; use_cpu is not set under zero3/fsdp (Accelerate would drop the DeepSpeed/FSDP
 plugin); bf16 False (GRPOConfig's default is True: TrainingArguments refuses bf16 on CPU without
@@ -44,9 +44,10 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-FINETUNE_ROOT = Path(os.environ.get("GRPO_FINETUNE_ROOT") or BENCH_DIR.parent).resolve()
-sys.path[:0] = [str(FINETUNE_ROOT), str(BENCH_DIR), str(BENCH_DIR.parent / "tests")]
+REPO = Path(__file__).resolve().parents[2]
+FINETUNE_ROOT = Path(os.environ.get("GRPO_FINETUNE_ROOT") or REPO).resolve()
+# finetune from FINETUNE_ROOT; bench.parts and bench.helpers from it too where that tree has them, else from here
+sys.path[:0] = [str(FINETUNE_ROOT), str(REPO), str(REPO / "tests")]
 
 STRATEGIES = ("zero3", "fsdp")
 WARMUP = 2  # timed steps left out at the start (first generation, allocator, DeepSpeed/FSDP first gathers)
@@ -64,9 +65,9 @@ def overrides(strategy: str, steps: int) -> list[str]:
 
 
 def trl_main(argv: list[str]) -> int:
-    """`accelerate launch ... bench/grpo_vs_trl.py trl OUT --recipe NAME key=value ...`: TRL's GRPOTrainer
+    """`accelerate launch ... bench/studies/grpo_vs_trl.py trl OUT --recipe NAME key=value ...`: TRL's GRPOTrainer
     on the recipe's model, prompts, rewards and numbers; writes OUT/trl_summary.json on rank 0."""
-    import trainer_baseline as TB
+    from bench.helpers import trainer_baseline as TB
 
     out, r, plan = TB.recipe_and_plan(argv)
 
@@ -76,7 +77,7 @@ def trl_main(argv: list[str]) -> int:
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from common import read_jsonl
+    from bench.parts.common import read_jsonl
     from finetune.training import loop
     from finetune.assets import resolve_dataset
     from finetune.model import load_config, load_tokenizer
@@ -152,7 +153,7 @@ def trl_main(argv: list[str]) -> int:
 
 
 def env() -> dict:
-    from common import launch_env
+    from bench.parts.common import launch_env
 
     return launch_env(PYTHONPATH=os.pathsep.join(filter(None, [str(FINETUNE_ROOT), os.environ.get("PYTHONPATH")])),
                       GRPO_FINETUNE_ROOT=str(FINETUNE_ROOT), DS_ACCELERATOR="cpu")
@@ -168,7 +169,7 @@ def ours_step_seconds(records: list[dict]) -> list[float]:
 
 
 def nogc_main(argv: list[str]) -> None:
-    """`bench/grpo_vs_trl.py nogc RUN_PY ARGS...`: finetune/run.py with DeepSpeed's
+    """`bench/studies/grpo_vs_trl.py nogc RUN_PY ARGS...`: finetune/run.py with DeepSpeed's
     DeepSpeedEngine.empty_partition_cache minus its gc.collect() (and accelerator empty_cache): what a
     ZeRO-3 step costs without the full garbage collection finetune's whole_weights pays at every rollout
     (the --nogc row)."""
@@ -186,12 +187,12 @@ def nogc_main(argv: list[str]) -> None:
 
 
 def run_ours(name: str, over: list[str], work: Path, nogc: bool = False) -> dict:
-    from common import accelerate_launch, fresh_dir, read_jsonl, run, shown
+    from bench.parts.common import accelerate_launch, fresh_dir, read_jsonl, run, shown
 
     out = fresh_dir(work / f"ours-{name}")
     run_py = str(FINETUNE_ROOT / "finetune" / "run.py")
     args = ["--recipe", RECIPE, *over, f"output_dir={out}"]
-    cmd = accelerate_launch("bench/grpo_vs_trl.py", ["nogc", run_py, *args]) if nogc else accelerate_launch(run_py, args)
+    cmd = accelerate_launch("bench/studies/grpo_vs_trl.py", ["nogc", run_py, *args]) if nogc else accelerate_launch(run_py, args)
     launch = run(cmd, work / f"ours-{name}.log", env=env(), done=(out / "summary.json").exists)
     res = {"command": shown(cmd), "ok": launch.ok, "seconds": round(launch.seconds, 1), "other_load": launch.other_load}
     if launch.ok:
@@ -213,10 +214,10 @@ def len_batch(over: list[str]) -> int:
 
 
 def run_trl(name: str, over: list[str], work: Path) -> dict:
-    from common import accelerate_launch, fresh_dir, run, shown
+    from bench.parts.common import accelerate_launch, fresh_dir, run, shown
 
     out = fresh_dir(work / f"trl-{name}")
-    cmd = accelerate_launch("bench/grpo_vs_trl.py", ["trl", str(out), "--recipe", RECIPE, *over, f"output_dir={out}"])
+    cmd = accelerate_launch("bench/studies/grpo_vs_trl.py", ["trl", str(out), "--recipe", RECIPE, *over, f"output_dir={out}"])
     launch = run(cmd, work / f"trl-{name}.log", env=env(), done=(out / "trl_summary.json").exists)
     summary = out / "trl_summary.json"
     res = {"command": shown(cmd), "ok": launch.ok and summary.exists(), "seconds": round(launch.seconds, 1),
@@ -238,7 +239,7 @@ def median_after_warmup(seconds: list[float]) -> float | None:
 
 
 def timing(work: Path, steps: int, strategies: list[str], nogc: bool) -> dict:
-    from common import wait_quiet
+    from bench.parts.common import wait_quiet
 
     results = {"steps": steps, "warmup": WARMUP, "rows": []}
     for i, strategy in enumerate(strategies):
@@ -275,7 +276,7 @@ def timing(work: Path, steps: int, strategies: list[str], nogc: bool) -> dict:
 
 
 def section(results: dict) -> str:
-    from common import table
+    from bench.parts.common import table
 
     tim = results["timing"]
     rc = results["recipe"]
@@ -298,7 +299,7 @@ def section(results: dict) -> str:
              f"{tsum.get('generation_batch_size')}: one generation a step, as ours). "
              f"{tim['steps']} steps each; seconds per step: the median of the steps after the first {tim['warmup']}. "
              f"Completion tokens per step: each side's mean completion length x {n} (the median over the same steps); "
-             "the prompts' order and the sampled tokens are each side's own (bench/grpo_vs_trl.py's docstring).", ""]
+             "the prompts' order and the sampled tokens are each side's own (bench/studies/grpo_vs_trl.py's docstring).", ""]
     body = []
     for row in tim["rows"]:
         o, t = row["ours"], row["trl"]
@@ -316,7 +317,7 @@ def section(results: dict) -> str:
                   "partitions runs a full `gc.collect()` (deepspeed/runtime/engine.py), about 0.65 s a call per rank "
                   "here (cProfile of rank 0's generate_completions over 4 rollouts of 64 completions, measured once: "
                   "gc.collect 2.60 s of 3.25 s, the generation 0.46 s). The what-if row is the same finetune run with that method "
-                  "replaced by `self.optimizer.empty_partition_cache()` alone (`bench/grpo_vs_trl.py nogc`, "
+                  "replaced by `self.optimizer.empty_partition_cache()` alone (`bench/studies/grpo_vs_trl.py nogc`, "
                   "monkeypatched; the per-step losses are bit-identical with and without), against the same TRL run: "
                   "the release without the collection is what the rollout needs.", ""]
     for row in tim["rows"]:
@@ -327,7 +328,7 @@ def section(results: dict) -> str:
                 lines.append(f"{row['strategy']}, {'finetune' if side == 'ours' else 'TRL'} failed: "
                              f"`{row[side]['error']}`")
     lines += ["TRL's GRPOTrainer on CPU, 2 processes: it ran under both strategies with no change to TRL. What it "
-              "needs (bench/trainer_baseline.py's shim, as the Trainer baseline): Accelerate's configured state, a gloo "
+              "needs (bench/helpers/trainer_baseline.py's shim, as the Trainer baseline): Accelerate's configured state, a gloo "
               "PartialState (for fsdp marked MULTI_GPU, as Accelerate turns FSDP on only for GPU-like types) and "
               "accelerator_config use_configured_state; DS_ACCELERATOR=cpu; use_cpu left off under zero3/fsdp; "
               "bf16=False (GRPOConfig defaults to bf16=True, which TrainingArguments refuses on CPU without use_cpu); "
@@ -338,7 +339,7 @@ def section(results: dict) -> str:
 
 
 def write_doc(doc: Path, text: str) -> None:
-    from report import GRPO_BEGIN, GRPO_END, GRPO_TITLE, write_marked_section
+    from bench.parts.report import GRPO_BEGIN, GRPO_END, GRPO_TITLE, write_marked_section
 
     write_marked_section(doc, GRPO_TITLE, GRPO_BEGIN, GRPO_END, text)
 
@@ -368,7 +369,7 @@ def main(argv: list[str]) -> int:
               f"--finetune DIR", file=sys.stderr)
         return 2
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from common import git_state, machine, versions
+    from bench.parts.common import git_state, machine, versions
 
     import trl
 
@@ -376,7 +377,7 @@ def main(argv: list[str]) -> int:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     shown_argv = [x for x in argv]
-    results = {"command": "PYTHONPATH=$PWD:/tmp/trlpkg python bench/grpo_vs_trl.py " + " ".join(shown_argv),
+    results = {"command": "PYTHONPATH=$PWD:/tmp/trlpkg python bench/studies/grpo_vs_trl.py " + " ".join(shown_argv),
                "git": git_state(), "finetune": str(FINETUNE_ROOT),
                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "versions": {**versions(), "trl": trl.__version__}}

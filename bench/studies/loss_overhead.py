@@ -1,7 +1,7 @@
 """What the loss used to cost: finetune.model.loss_sum against the way it computed the same sum before
 (slicing the logits), in one process, forward + backward of a real batch.
 
-    python bench/loss_overhead.py [REPEATS] [MODEL_DIR]
+    python bench/studies/loss_overhead.py [REPEATS] [MODEL_DIR]
 
 The old loss sliced `logits[:, :-1]` and flattened it, which copies the whole (batch x length x vocab)
 logits tensor (and its gradient in backward); loss_sum now pads the labels by one IGNORE position and
@@ -18,8 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
 
 def main(argv: list[str]) -> int:
@@ -27,7 +26,7 @@ def main(argv: list[str]) -> int:
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    from common import MODELS, build_model
+    from bench.parts.common import MODELS, build_model
     from finetune.data import IGNORE
     from finetune.model import loss_sum
 
@@ -55,7 +54,7 @@ def main(argv: list[str]) -> int:
         return time.perf_counter() - t0, float(loss)
 
     def full_logits(model, batch):  # loss_sum's full-logits path, which shifts the labels (the chunked default
-        return loss_sum(model, batch, "full")  # is measured by bench/loss_memory.py)
+        return loss_sum(model, batch, "full")  # is measured by bench/parts/loss_memory.py)
 
     for fn in (sliced_logits, full_logits):  # warm-up
         timed(fn)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import checkpoints as C
-import memory as M
-import packing as P
-import padding_free as PF
-import throughput as T
-from common import fmt, mib, table
+from bench.parts import checkpoints as C
+from bench.parts import memory as M
+from bench.parts import packing as P
+from bench.parts import padding_free as PF
+from bench.parts import throughput as T
+from bench.parts.common import fmt, mib, table
 
 GPU_BEGIN, GPU_END = "<!-- gpu-section:begin -->", "<!-- gpu-section:end -->"
 GPU_PLACEHOLDER = ("Not yet measured: no CUDA GPU has run `python bench/run.py --gpu` for this report. It trains a "
@@ -51,13 +51,14 @@ STEP_TITLE = "## 9. What a step costs beyond the model, against the Trainer"
 SAMPLES_BEGIN, SAMPLES_END = "<!-- samples:begin -->", "<!-- samples:end -->"
 SAMPLES_TITLE = "## 10. Samples at eval: seconds per sample under ddp, zero3 and fsdp"
 SP_BEGIN, SP_END = "<!-- sp-memory:begin -->", "<!-- sp-memory:end -->"
-SP_TITLE = "## 11. Sequence parallelism and activations: memory per rank (bench/activation_memory.py)"
+SP_TITLE = "## 11. Sequence parallelism and activations: memory per rank (bench/studies/activation_memory.py)"
 DPO_BEGIN, DPO_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
 DPO_TITLE = "## 12. DPO against TRL's DPOTrainer"
 GRPO_BEGIN, GRPO_END = "<!-- grpo-vs-trl:begin -->", "<!-- grpo-vs-trl:end -->"
-GRPO_TITLE = "## 14. A whole GRPO step against TRL's GRPOTrainer (bench/grpo_vs_trl.py)"
+GRPO_TITLE = "## 14. A whole GRPO step against TRL's GRPOTrainer (bench/studies/grpo_vs_trl.py)"
 # Sections measured by other benches, kept as they are and in this order by the report:
-# bench/loss_memory.py, data_prep.py, step_overhead.py, samples.py, sp_memory.py, dpo_vs_trl.py, grpo_vs_trl.py
+# bench/parts/loss_memory.py; bench/studies/ data_prep.py, step_overhead.py, samples.py, sp_memory.py, dpo_vs_trl.py,
+# grpo_vs_trl.py
 KEPT_SECTIONS = [(LOSS_TITLE, LOSS_BEGIN, LOSS_END), (DATA_TITLE, DATA_BEGIN, DATA_END),
                  (STEP_TITLE, STEP_BEGIN, STEP_END), (SAMPLES_TITLE, SAMPLES_BEGIN, SAMPLES_END),
                  (SP_TITLE, SP_BEGIN, SP_END), (DPO_TITLE, DPO_BEGIN, DPO_END),
@@ -66,7 +67,7 @@ KEPT_SECTIONS = [(LOSS_TITLE, LOSS_BEGIN, LOSS_END), (DATA_TITLE, DATA_BEGIN, DA
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:
     """Put `section` between its markers in doc (appended under `title` the first time), leaving the
-    rest of the file as it is: for parts measured by their own command (bench/loss_memory.py)."""
+    rest of the file as it is: for parts measured by their own command (bench/parts/loss_memory.py)."""
     doc.parent.mkdir(parents=True, exist_ok=True)
     text = doc.read_text() if doc.is_file() else _skeleton()
     if begin not in text:
@@ -184,9 +185,9 @@ def write_cpu_report(doc: Path, results: dict) -> str:
         add("## 1. Model-state memory per rank\n")
         add(f"Model: {r['model']} ({r['model_description']}, {r['parameters']:,} parameters = P), "
             f"{r['world_size']} processes, fp32, micro batch 1 x {r['seq_len']} tokens, 2 accumulation steps. "
-            "`bench/memory_probe.py` builds each setup with finetune's own functions (make_plan, build_accelerator, "
+            "`bench/helpers/memory_probe.py` builds each setup with finetune's own functions (make_plan, build_accelerator, "
             "load_model, prepare, loss_sum, accelerator.accumulate/backward), trains one optimizer step so that "
-            "Adam's states exist, then reads `held_bytes` (bench/held.py) (tensor storage of parameters, gradients "
+            "Adam's states exist, then reads `held_bytes` (bench/helpers/held.py) (tensor storage of parameters, gradients "
             "and optimizer states held by the rank) after the next step's first micro-step (DeepSpeed: Accelerate "
             "steps and frees its gradients at the accumulation boundary) and after its last one (DDP, FSDP: the "
             "reduced gradients), and keeps the larger. Per-rank figures are the larger of the two ranks. "
@@ -205,11 +206,11 @@ def write_cpu_report(doc: Path, results: dict) -> str:
         r = results["throughput"]
         add("## 2. Throughput against the Hugging Face Trainer\n")
         add(f"Model: {r['model']} ({r['model_description']}, {r['parameters']:,} parameters). Data: "
-            "3,000 generated prompt/completion rows of widely varying length (bench/common.py varlen_dataset), "
+            "3,000 generated prompt/completion rows of widely varying length (bench/parts/common.py varlen_dataset), "
             f"max_seq_len {r['seq_len']}, loss on the completions only, padding to the longest row of each micro "
             f"batch; micro batch {r['micro_batch_size']}, {r['grad_accum']} accumulation steps, 2 processes; "
             f"AdamW lr 1e-3, cosine schedule with 2 warm-up steps, clipping at 1.0; {r['steps']} optimizer steps. "
-            "The Trainer (`bench/trainer_baseline.py`) gets the same recipe-derived settings, the same tokenized "
+            "The Trainer (`bench/helpers/trainer_baseline.py`) gets the same recipe-derived settings, the same tokenized "
             "rows in the same order on the same ranks, the same padding, and for ZeRO the very DeepSpeed config "
             "finetune builds (`finetune.strategy.deepspeed_config`); for FSDP, FSDP2 wrapping the decoder layers, "
             "reshard after forward, and the same CPU offload setting.\n")
@@ -367,7 +368,7 @@ LOSS_FIX_NOTE = (
     "An earlier run of this benchmark found a cost in finetune that the Trainer does not pay: `loss_sum` sliced "
     "`logits[:, :-1]` before the cross-entropy, which copies the batch x length x vocab logits (and fills a second "
     "full-size gradient in backward). It now shifts the labels instead, as transformers' ForCausalLMLoss does, the "
-    "same sum. `python bench/loss_overhead.py 15` times the old way against finetune's loss_sum on the quick "
+    "same sum. `python bench/studies/loss_overhead.py 15` times the old way against finetune's loss_sum on the quick "
     "training model (batch 4 x 256, vocab 8192, one thread, alternately, median of 15; the last run: 794 ms against 719 ms, 1.10x, identical losses).\n")
 
 

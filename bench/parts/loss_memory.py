@@ -1,7 +1,7 @@
 """What the loss costs with a large vocabulary: peak memory and step time of loss_impl=full (every
 logit at once, the loss before finetune/loss.py) against loss_impl=chunked, on CPU.
 
-    python bench/loss_memory.py [--sweep] [--steps 3] [--rounds 5] [--work DIR] [--doc docs/benchmarks.md]
+    python bench/parts/loss_memory.py [--sweep] [--steps 3] [--rounds 5] [--work DIR] [--doc docs/benchmarks.md]
 
 Memory, the setup of the issue's measurement (../shared/reference/real-assets.md, "The loss's memory
 with a large vocabulary"): a 2-layer Llama-style model with hidden size 64 and Llama-3's 128,256-token
@@ -28,9 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from common import (CACHE, PY, ModelSpec, build_model, fresh_dir, git_state, launch_env, machine,  # noqa: E402
+from bench.parts.common import (CACHE, PY, ModelSpec, build_model, fresh_dir, git_state, launch_env, machine,  # noqa: E402
                     read_jsonl, run, shown, table, versions)
 
 MODEL = ModelSpec("llama-2l-h64-v128k", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -80,7 +80,7 @@ def time_steps(model_dir: Path, data: Path, variants: list[tuple[str, int, int]]
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common import _busy_ticks
+    from bench.parts.common import _busy_ticks
     from finetune.model import loss_sum
 
     torch.set_num_threads(1)
@@ -144,7 +144,7 @@ def main(argv: list[str]) -> int:
     for impl in ("full", "chunked"):
         by_len = {r["seq_len"]: r["peak_gib"] for r in results if r["impl"] == impl and not r["chunk"]}
         growth[impl] = by_len[2048] - by_len[256]
-    command = "python bench/loss_memory.py" + (f" --steps {args.steps}" if args.steps != 3 else "") + \
+    command = "python bench/parts/loss_memory.py" + (f" --steps {args.steps}" if args.steps != 3 else "") + \
         (" --sweep" if args.sweep else "") + (f" --rounds {args.rounds}" if args.rounds != 5 else "") + \
         (f" --doc {args.doc}" if args.doc else "")
     v = versions()
@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     ])
     print(text)
     if args.doc:
-        from report import LOSS_BEGIN, LOSS_END, LOSS_TITLE, write_marked_section
+        from bench.parts.report import LOSS_BEGIN, LOSS_END, LOSS_TITLE, write_marked_section
 
         write_marked_section(Path(args.doc), LOSS_TITLE, LOSS_BEGIN, LOSS_END, text)
     (work / "loss_memory.md").write_text(text + "\n")
@@ -188,7 +188,6 @@ def main(argv: list[str]) -> int:
 
 
 def _auto(vocab: int) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from finetune.loss import chunk_rows
 
     return chunk_rows(vocab)

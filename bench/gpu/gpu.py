@@ -1,13 +1,13 @@
 """Part 6 (`bench/run.py --gpu`): a 1B-class Llama-style model in bf16 on one GPU, finetune/run.py
-against the Hugging Face Trainer (bench/trainer_baseline.py) for strategy ddp, fsdp (FSDP2) and
+against the Hugging Face Trainer (bench/helpers/trainer_baseline.py) for strategy ddp, fsdp (FSDP2) and
 zero3: tokens/s, MFU, peak memory and the losses at the first and last step, one row per (toolkit,
 strategy, variant), with finetune's ratio to the Trainer of the same strategy.
 
-Every run is one process, `python finetune/run.py ...` or `python bench/trainer_baseline.py OUT ...`,
+Every run is one process, `python finetune/run.py ...` or `python bench/helpers/trainer_baseline.py OUT ...`,
 which forms a 1-process group for every strategy (finetune.strategy.ensure_process_env), so fsdp and
 zero3 run on the one GPU through the same code as on many. Both get the same model, rows in the same
 order, batch, AdamW hyper-parameters, schedule, DeepSpeed config or FSDP2 mixed-precision policy
-(bench/trainer_baseline.py says what is shared and what differs). Variants, each with the Trainer's
+(bench/helpers/trainer_baseline.py says what is shared and what differs). Variants, each with the Trainer's
 counterpart alongside: loss_impl=liger under ddp (the Trainer with the same Liger kernel) when
 liger_kernel is importable, else a row that says so; compile=true under ddp and fsdp (the Trainer with
 torch_compile=True: its own whole-model compile against finetune's per-layer one) when
@@ -49,8 +49,8 @@ from pathlib import Path
 import shutil
 import time
 
-from common import CACHE, MODELS, PY, build_model, fmt, fresh_dir, run, shown, table
-from throughput import ours_steps, steady
+from bench.parts.common import CACHE, MODELS, PY, build_model, fmt, fresh_dir, run, shown, table
+from bench.parts.throughput import ours_steps, steady
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s (figures.md; H200 = H100 chip)
 
@@ -176,7 +176,7 @@ def measure(work: Path, smoke: bool = False, reuse: bool = False, deadline: floa
     running launch is stopped there."""
     import torch
 
-    from common import launch_env, versions
+    from bench.parts.common import launch_env, versions
 
     cuda = torch.cuda.is_available()
     if not smoke and not cuda:
@@ -242,7 +242,7 @@ def run_case(case: dict, base: list[str], work: Path, env: dict, cfg: dict, flop
         cmd = [PY, "finetune/run.py", "--recipe", "tiny", *overrides]
         done = out / "summary.json"
     else:
-        cmd = [PY, "bench/trainer_baseline.py", str(out), "--recipe", "tiny", *overrides]
+        cmd = [PY, "bench/helpers/trainer_baseline.py", str(out), "--recipe", "tiny", *overrides]
         done = out / "trainer_summary.json"
     launch = run(cmd, work / f"{name}.log", timeout=cfg["timeout"], env=env, done=done.exists)
     row = {"command": shown(cmd), "ok": launch.ok and done.exists(), "seconds": round(launch.seconds, 1),
@@ -381,7 +381,7 @@ def render(res: dict, command: str, when: str, versions: dict) -> str:
         lines += ["", "Targets: " + "; ".join(verdict) + "."]
     base = " ".join(res.get("base_overrides") or [])
     lines += ["", f"Command: `{command}`. Runs launched as `python finetune/run.py --recipe tiny {base} "
-              f"strategy=S [variant] output_dir=...` and `python bench/trainer_baseline.py OUT --recipe tiny "
+              f"strategy=S [variant] output_dir=...` and `python bench/helpers/trainer_baseline.py OUT --recipe tiny "
               f"{base} strategy=S [variant] output_dir=OUT`.",
               "", "Versions: " + ", ".join(f"{k} {v}" for k, v in (res.get("versions") or versions).items()) + "."]
     return "\n".join(lines)
@@ -406,7 +406,7 @@ def targets(res: dict) -> list[str]:
 
 
 def render_profile(text: str, command: str, when: str) -> str:
-    """The phase table and the largest GPU-time entries of `bench/gpu_profile.py`'s output."""
+    """The phase table and the largest GPU-time entries of `bench/gpu/gpu_profile.py`'s output."""
     lines = text.splitlines()
     phases = [ln.split() for ln in lines if ln.split() and ln.split()[0] in
               ("fetch", "forward+loss", "backward", "clip", "optimizer", "step")]

@@ -1,6 +1,6 @@
 """Our tokenized rows against TRL's SFTTrainer's own (trainer.train_dataset), row for row.
 
-    python bench/tokens_vs_trl.py
+    python bench/studies/tokens_vs_trl.py
 
 For four real tokenizers (Mistral v1 and v3 sentencepiece and tekken from the mistral_common wheel, a
 Llama-3-style byte-level BPE) it tokenizes prompt/completion rows, including prompts that end in a space
@@ -17,7 +17,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 

@@ -9,7 +9,7 @@
 # phase and the bench's table), gpu_check.log (everything), tiny_dpo.{log,summary.json,metrics.jsonl},
 # bench.log, gpu.json, rows/ (one log and row file per bench run), benchmarks.md (with the new section).
 #
-#   bash bench/gpu_check.sh          # on the device, from the repository root; carry bench/wheels_gpu
+#   bash bench/gpu/gpu_check.sh          # on the device, from the repository root; carry bench/wheels_gpu
 #
 # Run it again on the same warm machine to finish what a call left: the wheels and the DPO run are
 # not repeated (their results are kept in $STATE), the bench keeps its finished rows (--reuse).
@@ -124,7 +124,7 @@ for r in res.get("rows", []):
           + (f"; removed {freed / 2**30:.1f} GiB" if freed else ""))
 print(f"  rows not run for the deadline: {res.get('not_run_deadline', 0)}, failed: {res.get('failed')}")
 if res.get("not_run_deadline"):
-    print("  to run them: bash bench/gpu_check.sh again on the same warm machine (finished rows and the DPO run are kept)")
+    print("  to run them: bash bench/gpu/gpu_check.sh again on the same warm machine (finished rows and the DPO run are kept)")
 EOF
 note "done in $((SECONDS - T0))s${FAILED[*]:+; failed: ${FAILED[*]}}"
 [ ${#FAILED[@]} = 0 ]

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common import fmt, table, wait_quiet
-from throughput import NOISE_LIMIT, QUIET_WAIT, run_ours
+from bench.parts.common import fmt, table, wait_quiet
+from bench.parts.throughput import NOISE_LIMIT, QUIET_WAIT, run_ours
 
 RUNS = {  # name -> overrides
     "packed": ["packing=true", "padding_free=false"],
@@ -186,7 +186,7 @@ def section(result: dict, command: str, started: str, versions: dict) -> str:
         notes(result),
         *([f"One process, one thread, {result['alternating']['reps']} micro-batches of {result['alternating']['micro']} "
            "rows in each layout, the layouts alternating, median forward + backward time (the first left out), "
-           "`bench/padding_free.py` alternating():\n", render_alternating(result["alternating"]) + "\n"]
+           "`bench/parts/padding_free.py` alternating():\n", render_alternating(result["alternating"]) + "\n"]
           if result.get("alternating") else []),
         ATTENTION_NOTE + "\n",
         f"Command: `{first.get('command', '')}` (and the same with the other packing= / padding_free= values).",

@@ -2,7 +2,7 @@
 sha256, blake2b, crc32 and plain reading, on 4 files of 512 MiB (read from the page cache after a
 warm-up pass, so it measures the CPU cost the hash adds to reading).
 
-    .venv/bin/python bench/hash_checksums.py [DIR]
+    .venv/bin/python bench/studies/hash_checksums.py [DIR]
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import zlib
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
 from finetune.checkpointing.checkpoint import file_checksums  # noqa: E402
 

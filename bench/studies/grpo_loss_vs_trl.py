@@ -14,7 +14,7 @@ one with advantage 0; old log-probs 0.3 away with num_iterations 2, the referenc
 Needs trl importable (pip install -e .[bench], or PYTHONPATH=DIR holding a `pip install --no-deps
 --target DIR trl==1.16.0`):
 
-    PYTHONPATH=.:/path/to/trl python bench/grpo_loss_vs_trl.py
+    PYTHONPATH=.:/path/to/trl python bench/studies/grpo_loss_vs_trl.py
 """
 from pathlib import Path
 import collections
@@ -22,8 +22,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from trl.trainer.grpo_trainer import GRPOTrainer
 import test_grpo_objective as T
 from finetune.training.objectives.grpo import GRPO, policy_loss

@@ -2,7 +2,7 @@
 seconds of a push (every weight of the model) and completion tokens per second of a GRPO-shaped
 rollout (prompts x generations, sampled, no stop), with finetune.generation.generate where that module
 exists. Run in the vLLM venv (bash scripts/test_vllm.sh builds it):
-    .venv-vllm/bin/python bench/vllm_generation.py [--size small|medium] [--rounds 3]
+    .venv-vllm/bin/python bench/studies/vllm_generation.py [--size small|medium] [--rounds 3]
 Prints one table; docs/vllm.md has the figures measured here."""
 
 from __future__ import annotations

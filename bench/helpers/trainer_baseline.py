@@ -2,8 +2,8 @@
 batch, AdamW hyper-parameters, LR schedule, clipping, and the same DeepSpeed config (built by
 finetune.strategy.deepspeed_config) or FSDP2 settings.
 
-Launched by bench/throughput.py exactly like finetune/run.py:
-    accelerate launch --multi_gpu --num_processes 2 bench/trainer_baseline.py OUT_DIR --recipe NAME key=value ...
+Launched by bench/parts/throughput.py exactly like finetune/run.py:
+    accelerate launch --multi_gpu --num_processes 2 bench/helpers/trainer_baseline.py OUT_DIR --recipe NAME key=value ...
 
 What is shared with the toolkit, and why it is fair:
 - the recipe (finetune.recipe.resolve) and plan (finetune.plan.make_plan): the same numbers;
@@ -45,9 +45,9 @@ What still differs: the Trainer keeps its DDP default find_unused_parameters=Tru
 without gradient checkpointing), and it logs through its own callbacks; both are the Trainer as a
 user gets it.
 
-Launched as one process (`python bench/trainer_baseline.py OUT_DIR --recipe NAME ...`), it forms a
+Launched as one process (`python bench/helpers/trainer_baseline.py OUT_DIR --recipe NAME ...`), it forms a
 1-process group like `python finetune/run.py` (finetune.strategy.ensure_process_env), so ddp, fsdp
-and zero3 each run on one GPU: bench/gpu.py does that.
+and zero3 each run on one GPU: bench/gpu/gpu.py does that.
 
 Writes OUT_DIR/trainer_summary.json on rank 0: per-step wall-clock times (TrainerCallback.on_step_end),
 per-step target tokens (the Trainer's own num_items_in_batch: labels[..., 1:] != -100 over all
@@ -63,7 +63,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
 
 def form_cpu_group(strategy: str) -> bool:

@@ -1,12 +1,12 @@
 """The planner's activation figure against torch's own count of the bytes a training step allocates:
-llama-20m (bench/common.py: hidden 256, 4 layers, 4 heads, intermediate 704, vocabulary 32000, random
+llama-20m (bench/parts/common.py: hidden 256, 4 layers, 4 heads, intermediate 704, vocabulary 32000, random
 weights) at 2K, 4K, 8K and 16K tokens per row, sequence_parallel 1 (one process, the whole row) and 2
 (two processes over gloo, half a row each, DeepSpeed's Ulysses attention), with activation
 checkpointing off and on, and on with activation_offload, fp32, sdpa, the default chunked loss.
 
-    python bench/activation_memory.py [--lengths 2048,4096,8192,16384] [--doc docs/benchmarks.md]
+    python bench/studies/activation_memory.py [--lengths 2048,4096,8192,16384] [--doc docs/benchmarks.md]
 
-Each configuration is one launch (`torchrun --nproc_per_node N bench/activation_memory.py --worker
+Each configuration is one launch (`torchrun --nproc_per_node N bench/studies/activation_memory.py --worker
 ...`) that builds the model with finetune's own load_model (activation checkpointing as a run sets
 it), registers Ulysses attention with finetune.sequence_parallel.start, slices one row with its
 Layout and runs one forward (finetune.loss.loss_sum) and backward, with the parameters' gradients
@@ -34,9 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from common import (MODELS, PY, REPO, build_model, free_port, git_state, launch_env, machine, run, shown,  # noqa: E402
+from bench.parts.common import (MODELS, PY, build_model, free_port, git_state, launch_env, machine, run, shown,  # noqa: E402
                     table, versions)
 
 MODEL = MODELS["llama-20m"]
@@ -297,7 +297,7 @@ def main(argv: list[str]) -> int:
     text = report(results, args, lengths, modes)
     print(text)
     if args.doc:
-        from report import SP_BEGIN, SP_END, SP_TITLE, write_marked_section
+        from bench.parts.report import SP_BEGIN, SP_END, SP_TITLE, write_marked_section
 
         write_marked_section(Path(args.doc), SP_TITLE, SP_BEGIN, SP_END, text)
     worst = max(abs(r["planner"] / r["peak"] - 1) for r in results)
@@ -316,7 +316,7 @@ def report(results: list[dict], args, lengths: list[int], modes: list[str]) -> s
     worst = max(abs(r["planner"] / r["peak"] - 1) for r in results)
     ops = sorted({o for r in results if r["sp"] == 2 for o in r["ops"]})
     v = versions()
-    command = "python bench/activation_memory.py" + (f" --lengths {args.lengths}" if lengths != [2048, 4096, 8192, 16384]
+    command = "python bench/studies/activation_memory.py" + (f" --lengths {args.lengths}" if lengths != [2048, 4096, 8192, 16384]
                                                      else "") + (f" --modes {args.modes}" if modes != list(MODES) else "") \
         + (f" --doc {args.doc}" if args.doc else "")
     device = results[0].get("device", "cpu")
@@ -358,7 +358,7 @@ def report(results: list[dict], args, lengths: list[int], modes: list[str]) -> s
 
 
 def anomaly_note(results: list[dict]) -> str:
-    """What the earlier RSS table of this section (bench/sp_memory.py, 1K-4K tokens) could not explain."""
+    """What the earlier RSS table of this section (bench/studies/sp_memory.py, 1K-4K tokens) could not explain."""
     from finetune.memory import loss_rows
 
     peak = {(r["mode"], r["seq_len"], r["sp"]): r["peak"] for r in results}
@@ -379,7 +379,7 @@ def anomaly_note(results: list[dict]) -> str:
     one = chunk(4096) - chunk(2048)
     two = chunk(2048) - chunk(1024)
     return (
-        "The 4K anomaly of the earlier RSS measurement (bench/sp_memory.py, ddp, 1K-4K tokens: from 2K to 4K the "
+        "The 4K anomaly of the earlier RSS measurement (bench/studies/sp_memory.py, ddp, 1K-4K tokens: from 2K to 4K the "
         "growth of the peak under SP 2 was 0.97 of SP 1's instead of a half) is the chunked loss: it holds one "
         f"chunk of fp32 logits, min(tokens per rank, {loss_rows(v, 10**9, 'chunked'):,}) rows for this "
         f"{v:,}-token vocabulary (256 MiB). Under SP 1 a rank reaches that cap between 2K and 4K tokens "
@@ -395,5 +395,4 @@ def anomaly_note(results: list[dict]) -> str:
 if __name__ == "__main__":
     if "--worker" in sys.argv:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        sys.path.insert(0, str(REPO))
     raise SystemExit(main(sys.argv[1:]))

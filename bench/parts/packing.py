@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from common import fmt, table
-from common import wait_quiet
-from throughput import QUIET_WAIT, run_ours
+from bench.parts.common import fmt, table, wait_quiet
+from bench.parts.throughput import QUIET_WAIT, run_ours
 
 TARGET = 1.3
 

@@ -1,4 +1,4 @@
-"""finetune/run.py with the collectives each eval's samples make counted (bench/samples.py launches it):
+"""finetune/run.py with the collectives each eval's samples make counted (bench/studies/samples.py launches it):
 torch.distributed's all-gathers and broadcasts, which FSDP2 (all_gather_single) and DeepSpeed ZeRO-3 use
 to gather weights, per rank, printed to stderr with the tokens generated. Gathering once per eval shows
 as a count that does not grow with the tokens; a per-token gather as one that does."""
@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
 import torch.distributed as dist  # noqa: E402
 

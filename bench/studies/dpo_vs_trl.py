@@ -1,10 +1,10 @@
 """Our DPO (objective=dpo) against TRL's DPOTrainer: the same pairs, model and hyper-parameters, step by step.
 
-    python bench/dpo_vs_trl.py                            # compare (1 process) and timing (2 processes), ~15 min
-    python bench/dpo_vs_trl.py --only compare             # sigmoid and ipo, 20 steps each side, ~4 min
-    python bench/dpo_vs_trl.py --only tokens              # pairs' tokens on real tokenizers against TRL's, ~1 min
-    python bench/dpo_vs_trl.py --only timing --rounds 2   # zero3 and fsdp, ours vs TRL, 2 processes
-    python bench/dpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 12 of the report
+    python bench/studies/dpo_vs_trl.py                            # compare (1 process) and timing (2 processes), ~15 min
+    python bench/studies/dpo_vs_trl.py --only compare             # sigmoid and ipo, 20 steps each side, ~4 min
+    python bench/studies/dpo_vs_trl.py --only tokens              # pairs' tokens on real tokenizers against TRL's, ~1 min
+    python bench/studies/dpo_vs_trl.py --only timing --rounds 2   # zero3 and fsdp, ours vs TRL, 2 processes
+    python bench/studies/dpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 12 of the report
 
 TRL is a bench-only dependency (pip install -e .[bench], or `pip install --no-deps 'trl>=1.0'` beside the
 project's pinned accelerate/datasets/transformers). Exit 1 when a pair's tokens differ or a compared metric differs
@@ -16,12 +16,12 @@ does, by up to 1.5e-5).
 1. compare: 64 generated prompt/chosen/rejected string pairs (`rows()`: reverse the words of a phrase; the
    rejected answer is the phrase as it was, one word short, one word long or letter-reversed, so the two
    sides' lengths differ), a random-weight 2-layer Llama saved with save_pretrained with the toolkit's
-   character tokenizer (bench/common.py build_model), fp32 on CPU, one process each. Ours is
+   character tokenizer (bench/parts/common.py build_model), fp32 on CPU, one process each. Ours is
    `python finetune/run.py --recipe tiny objective=dpo dataset_format=preference ...`; TRL's is this file's
    `trl` mode, DPOTrainer given the same recipe's numbers: lr, AdamW betas/eps, weight decay 0, constant
    lr with no warmup, max_grad_norm 1.0, seed, micro-batch 4 pairs, accumulation 2, dpo_beta 0.1, 20 steps,
    dropout off (both), no gradient checkpointing (both), and the same pairs in the same order: TRL's sampler
-   yields finetune.data.BatchSchedule's order (bench/trainer_baseline.py ScheduleSampler), so step k of both
+   yields finetune.data.BatchSchedule's order (bench/helpers/trainer_baseline.py ScheduleSampler), so step k of both
    runs sees the same pairs on the same ranks. Compared per step (TRL's names, which our metrics.jsonl uses
    too): loss, rewards/chosen, rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen,
    logps/rejected; also each pair's tokens (TRL's prompt_ids/chosen_ids/rejected_ids against ours).
@@ -99,8 +99,8 @@ import sys
 import time
 from pathlib import Path
 
-BENCH_DIR = Path(__file__).resolve().parent
-sys.path[:0] = [str(BENCH_DIR.parent), str(BENCH_DIR), str(BENCH_DIR.parent / "tests")]
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # finetune and bench.*; family_assets
 
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
@@ -164,9 +164,9 @@ def overrides(model_dir: Path, data: Path, loss: str, steps: int, strategy: str,
 
 
 def trl_main(argv: list[str]) -> int:
-    """`[accelerate launch ...] bench/dpo_vs_trl.py trl OUT --recipe NAME key=value ...`: TRL's DPOTrainer
+    """`[accelerate launch ...] bench/studies/dpo_vs_trl.py trl OUT --recipe NAME key=value ...`: TRL's DPOTrainer
     on the recipe's model, pairs and numbers; writes OUT/trl_summary.json on rank 0."""
-    import trainer_baseline as TB
+    from bench.helpers import trainer_baseline as TB
 
     out, r, plan = TB.recipe_and_plan(argv)
 
@@ -176,7 +176,7 @@ def trl_main(argv: list[str]) -> int:
     from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
 
-    from common import read_jsonl
+    from bench.parts.common import read_jsonl
     from finetune import data as D
     from finetune.training import loop
     from finetune.model import load_config, load_tokenizer
@@ -260,7 +260,7 @@ def trl_main(argv: list[str]) -> int:
 
 def ours_records(out: Path) -> list[dict]:
     """metrics.jsonl's step records, step 1 first."""
-    from common import read_jsonl
+    from bench.parts.common import read_jsonl
     from finetune.training.metrics import run_history
 
     return [r for r in run_history(read_jsonl(out / "metrics.jsonl")) if "loss" in r and "step" in r]
@@ -320,7 +320,7 @@ def load_average() -> float | None:
 
 
 def run_ours(name: str, over: list[str], work: Path, nprocs: int) -> dict:
-    from common import PY, accelerate_launch, fresh_dir, run, shown
+    from bench.parts.common import PY, accelerate_launch, fresh_dir, run, shown
 
     out = fresh_dir(work / f"ours-{name}")
     args = ["--recipe", "tiny", *over, f"output_dir={out}"]
@@ -338,11 +338,11 @@ def run_ours(name: str, over: list[str], work: Path, nprocs: int) -> dict:
 
 
 def run_trl(name: str, over: list[str], work: Path, nprocs: int) -> dict:
-    from common import PY, accelerate_launch, fresh_dir, run, shown
+    from bench.parts.common import PY, accelerate_launch, fresh_dir, run, shown
 
     out = fresh_dir(work / f"trl-{name}")
     args = [str(out), "--recipe", "tiny", *over, f"output_dir={out}"]
-    script = "bench/dpo_vs_trl.py"
+    script = "bench/studies/dpo_vs_trl.py"
     cmd = accelerate_launch(script, ["trl", *args]) if nprocs > 1 else [PY, script, "trl", *args]
     launch = run(cmd, work / f"trl-{name}.log", done=(out / "trl_summary.json").exists)
     summary = out / "trl_summary.json"
@@ -377,7 +377,7 @@ def differences(ours: list[dict], theirs: list[dict]) -> dict:
 
 
 def compare(work: Path, cache: Path, steps: int) -> dict:
-    from common import build_model, ModelSpec
+    from bench.parts.common import build_model, ModelSpec
 
     model = build_model(ModelSpec("llama-2l-h64-v128", 64, 2, 4, 176, vocab_size=128, num_key_value_heads=2),
                         cache / "models")
@@ -551,7 +551,7 @@ def median_after_warmup(seconds: list[float]) -> float | None:
 
 
 def timing(work: Path, cache: Path, steps: int, rounds: int) -> dict:
-    from common import MODELS, build_model, wait_quiet
+    from bench.parts.common import MODELS, build_model, wait_quiet
 
     model = build_model(MODELS["llama-7m"], cache / "models")
     data = data_file(cache)
@@ -598,7 +598,7 @@ def timing(work: Path, cache: Path, steps: int, rounds: int) -> dict:
 
 
 def section(results: dict) -> str:
-    from common import table
+    from bench.parts.common import table
 
     lines = [f"Measured by `{results['command']}` at git {results['git']} on {results['started']} "
              f"({results['minutes']:.0f} min in all); {results['machine']['cpu']}, {results['machine']['cores']} "
@@ -709,7 +709,7 @@ def section(results: dict) -> str:
 
 
 def write_doc(doc: Path, text: str) -> None:
-    from report import DPO_BEGIN, DPO_END, DPO_TITLE, write_marked_section
+    from bench.parts.report import DPO_BEGIN, DPO_END, DPO_TITLE, write_marked_section
 
     write_marked_section(doc, DPO_TITLE, DPO_BEGIN, DPO_END, text)
 
@@ -733,7 +733,7 @@ def main(argv: list[str]) -> int:
             write_doc(Path(a.doc), text)
         return 0
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from common import CACHE, git_state, machine, versions
+    from bench.parts.common import CACHE, git_state, machine, versions
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -741,7 +741,7 @@ def main(argv: list[str]) -> int:
     import trl
 
     t0 = time.time()
-    results = {"command": "python bench/dpo_vs_trl.py " + " ".join(argv), "git": git_state(),
+    results = {"command": "python bench/studies/dpo_vs_trl.py " + " ".join(argv), "git": git_state(),
                "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                "versions": {**versions(), "trl": trl.__version__}, "uptime_start": uptime()}
     if "compare" in parts:

@@ -1,7 +1,7 @@
 """Part 1: model-state memory per rank, every strategy and offload setting, 2 processes.
 
-For each setup, bench/memory_probe.py runs under `accelerate launch --multi_gpu --num_processes 2`
-and reports what each rank holds (bench/held.py held_bytes: tensor storage of parameters,
+For each setup, bench/helpers/memory_probe.py runs under `accelerate launch --multi_gpu --num_processes 2`
+and reports what each rank holds (bench/helpers/held.py held_bytes: tensor storage of parameters,
 gradients and optimizer states) and its peak resident memory. Next to it: the ZeRO paper's fp32
 formula (finetune.memory.paper_model_states, ../shared/reference/figures.md) and the toolkit's own
 planner estimate (finetune.memory.estimate), which knows where DeepSpeed departs from the paper.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common import MODELS, accelerate_launch, build_model, fresh_dir, mib, run, shown, table
+from bench.parts.common import MODELS, accelerate_launch, build_model, fresh_dir, mib, run, shown, table
 
 # (label, overrides): finetune.memory.SETUPS without nvme (no NVMe here)
 SETUPS = [
@@ -54,7 +54,7 @@ def measure(model_name: str, work: Path, seq_len: int = 32, with_offload: bool =
         out = fresh_dir(work / label.replace(" ", "").replace(",", "_").replace("+", "_").replace(">", ""))
         args = [str(out), f"model={model_dir}", f"max_seq_len={seq_len}", "micro_batch_size=1", "grad_accum=2",
                 *overrides]
-        cmd = accelerate_launch("bench/memory_probe.py", args, WORLD)
+        cmd = accelerate_launch("bench/helpers/memory_probe.py", args, WORLD)
         launch = run(cmd, out / "log.txt", timeout=900, done=lambda: len(list(out.glob("rank_*.json"))) == WORLD)
         ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank_*.json"))]
         setup = _setup_of(overrides)

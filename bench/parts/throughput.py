@@ -1,7 +1,7 @@
 """Part 2: target tokens per second of finetune/run.py against the Hugging Face Trainer, strategy by
 strategy, both launched with `accelerate launch --multi_gpu --num_processes 2` on the same model,
 data, rows in the same order, sequence length, batch, AdamW hyper-parameters and DeepSpeed config
-or FSDP2 settings (bench/trainer_baseline.py says how).
+or FSDP2 settings (bench/helpers/trainer_baseline.py says how).
 
 Tokens are counted the same way for both: target tokens (labels[:, 1:] != -100, so no padding and no
 prompt) of all ranks. Speed is the steady state: the tokens of the steps after the first `warmup`
@@ -16,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from common import accelerate_launch, fmt, fresh_dir, read_jsonl, run, shown, table, wait_quiet
+from bench.parts.common import accelerate_launch, fmt, fresh_dir, read_jsonl, run, shown, table, wait_quiet
 
 STRATEGIES = {
     "ddp": ["strategy=ddp"],
@@ -77,7 +77,7 @@ def run_ours(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
 
 def run_trainer(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
     out = fresh_dir(work / f"trainer-{slug(name)}")
-    cmd = accelerate_launch("bench/trainer_baseline.py", [str(out), "--recipe", "tiny", *overrides,
+    cmd = accelerate_launch("bench/helpers/trainer_baseline.py", [str(out), "--recipe", "tiny", *overrides,
                                                           f"output_dir={out}"])
     launch = run(cmd, work / f"trainer-{slug(name)}.log", done=(out / "trainer_summary.json").exists)
     res = {"command": shown(cmd), "ok": launch.ok and (out / "trainer_summary.json").exists(),

@@ -1,11 +1,11 @@
 """One rank's model-state memory under one strategy, measured on the toolkit's own components.
 
-Launched by bench/memory.py as
-    accelerate launch --multi_gpu --num_processes 2 bench/memory_probe.py OUT_DIR key=value ...
+Launched by bench/parts/memory.py as
+    accelerate launch --multi_gpu --num_processes 2 bench/helpers/memory_probe.py OUT_DIR key=value ...
 (key=value are recipe fields). It builds everything the way finetune/training/loop.py does (make_plan,
 build_accelerator, load_model, prepare, loss_sum, accelerator.accumulate/backward), trains one full
 optimizer step of two micro-steps so that Adam's states exist, then runs the next step's two
-micro-steps and reads `held_bytes` (bench/held.py) twice:
+micro-steps and reads `held_bytes` (bench/helpers/held.py) twice:
 
 - after the first micro-step's backward (not an accumulation boundary): DeepSpeed under Accelerate
   steps and frees its gradients at the boundary, so this is where its gradients are visible;
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
 
 def rss_bytes() -> int:
@@ -41,7 +41,7 @@ def main(argv: list[str]) -> int:
 
     from finetune.training import loop
     from finetune.data import collate
-    from held import held_bytes  # bench/held.py
+    from bench.helpers.held import held_bytes
     from finetune.model import load_config, load_model, loss_sum
     from finetune.plan import make_plan
     from finetune.recipe import Recipe, apply_overrides, validate

@@ -1,10 +1,10 @@
 """Seconds per sample at eval (finetune/training/samples.py) under ddp, zero3 and fsdp, 2 CPU processes, the tiny
-model: `python bench/samples.py [--prompts 8] [--tokens 32]`.
+model: `python bench/studies/samples.py [--prompts 8] [--tokens 32]`.
 
 Each launch trains two steps of the tiny recipe with eval_at_start, so the step-0 samples come from the
 untrained model, which rarely stops early: every prompt generates about --tokens tokens under every
 strategy (the same greedy tokens); the end's samples, after two steps at lr 3e-3, stop after a token
-or two. The launched script is bench/samples_gathers.py: it counts the gathers of each eval's samples,
+or two. The launched script is bench/helpers/samples_gathers.py: it counts the gathers of each eval's samples,
 which stay the same whether an eval generated many tokens or few. Reported per strategy: the eval's whole sample time (weights
 gathered once, then every prompt) from the progress line, per sample, per generated token, and the
 part that is the gather (the whole time less the generate calls' own, from samples.jsonl).
@@ -20,9 +20,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from common import REPO, accelerate_launch, launch_env  # noqa: E402
+from bench.parts.common import REPO, accelerate_launch, launch_env  # noqa: E402
 
 STRATEGIES = ("ddp", "zero3", "fsdp")
 LINE = re.compile(r"step 0: sample \((\d+) in ([0-9.]+)s")
@@ -31,7 +31,7 @@ GATHERS = re.compile(r"\[rank0\] samples: \d+ prompts, (\d+) tokens, (\d+) gathe
 
 def measure(strategy: str, prompts: int, tokens: int, work: Path) -> dict:
     out = work / strategy
-    cmd = accelerate_launch(str(REPO / "bench" / "samples_gathers.py"), [
+    cmd = accelerate_launch(str(REPO / "bench" / "helpers" / "samples_gathers.py"), [
         "--recipe", "tiny", f"strategy={strategy}", "max_steps=2", "warmup_steps=0", "eval_at_start=true",
         "eval_every=0", "lr=3e-3",
         f"sample_prompts={prompts}", f"sample_max_new_tokens={tokens}", "eval_max_samples=32", "plot_loss=false",
@@ -51,7 +51,7 @@ def measure(strategy: str, prompts: int, tokens: int, work: Path) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python bench/samples.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="python bench/studies/samples.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--tokens", type=int, default=32)

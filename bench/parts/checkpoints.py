@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from common import accelerate_launch, fmt, fresh_dir, read_jsonl, run, shown, table
+from bench.parts.common import accelerate_launch, fmt, fresh_dir, read_jsonl, run, shown, table
 
 GROWTH_LIMIT = 1.5  # "does not grow with the step count": resume at the late step within 1.5x the early one
 COMMON = ["eval_fraction=0", "eval_at_start=false", "save_every=0", "log_every=50", "mixed_precision=no",

@@ -1,6 +1,6 @@
 """Section 8: data preparation speed and memory, finetune against TRL's SFTTrainer, on the same rows.
 
-    python bench/data_prep.py [--rows 200000] [--num-proc 1,2] [--doc docs/benchmarks.md]
+    python bench/studies/data_prep.py [--rows 200000] [--num-proc 1,2] [--doc docs/benchmarks.md]
 
 Generates ROWS multi-turn `messages` rows (a system prompt and 2 or 3 user/assistant exchanges of
 generated sentences) into one jsonl, loads it with `datasets` (not timed, the same for both), then,
@@ -33,9 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # the repository: finetune and bench.* import from it
 sys.path.insert(0, str(REPO / "tests"))
 MAX_LEN = 2048
 WORDS = ("the a model data train token answer question small large fast slow river mountain city number "
@@ -157,13 +156,13 @@ def load_elsewhere() -> float:
 
 
 def report(results: list[dict], args, started: str, wall: float) -> str:
-    from common import git_state, machine
+    from bench.parts.common import git_state, machine
 
     m = machine()
     from importlib.metadata import version
 
     base = {(r["variant"], r["num_proc"]): r for r in results}
-    lines = [f"Measured {started} by `python bench/data_prep.py --rows {args.rows} --num-proc {args.num_proc}` at git "
+    lines = [f"Measured {started} by `python bench/studies/data_prep.py --rows {args.rows} --num-proc {args.num_proc}` at git "
              f"{git_state()}, {wall:.0f} s in all; {m['cpu']}, {m['cores']} cores, shared with other jobs (load average "
              f"{args.load_before:.2f} before, {load_elsewhere():.2f} after); datasets {version('datasets')}, "
              f"transformers {version('transformers')}, tokenizers {version('tokenizers')}, trl {version('trl')}.", "",
@@ -192,7 +191,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--num-proc", default="1,2", help="comma-separated")
     parser.add_argument("--variants", default="finetune,trl,finetune-plain")  # the order they run in
-    parser.add_argument("--work", default=os.environ.get("BENCH_CACHE", str(HERE / ".cache")) + "/data_prep")
+    parser.add_argument("--work", default=os.environ.get("BENCH_CACHE", str(REPO / "bench" / ".cache")) + "/data_prep")
     parser.add_argument("--doc", help="write the result as section 8 of this file (docs/benchmarks.md)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
@@ -244,8 +243,7 @@ def main() -> int:
     text = report(results, args, started, time.perf_counter() - t0)
     print(text)
     if args.doc:
-        sys.path.insert(0, str(HERE))
-        from report import DATA_BEGIN, DATA_END, DATA_TITLE, write_marked_section
+        from bench.parts.report import DATA_BEGIN, DATA_END, DATA_TITLE, write_marked_section
 
         write_marked_section(Path(args.doc), DATA_TITLE, DATA_BEGIN, DATA_END, text)
     return 0

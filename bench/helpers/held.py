@@ -1,7 +1,7 @@
 """What a live rank holds, by tensor storage: parameters, gradients and optimizer states, on the
 accelerator and offloaded to the CPU, for plain modules, FSDP2 (DTensor shards), DeepSpeed ZeRO
 engines and ZeroRedundancyOptimizer. A measuring tool for the memory planner's figures
-(bench/memory_probe.py, tests/distributed/test_memory_measured.py), not part of a training run."""
+(bench/helpers/memory_probe.py, tests/distributed/test_memory_measured.py), not part of a training run."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ functions (make_plan, build_accelerator, load_model, prepare, loss_sum), each ph
 events, then torch.profiler's top kernels. Run on a GPU after `python bench/run.py --gpu` (which
 builds the model and data it reads):
 
-    python bench/gpu_profile.py MODEL_DIR DATA_JSONL [steps]
+    python bench/gpu/gpu_profile.py MODEL_DIR DATA_JSONL [steps]
 
 Prints a table; the numbers go into docs/benchmarks.md only through a person reading them.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
 
 
 def main(argv: list[str]) -> int:
