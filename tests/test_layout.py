@@ -202,16 +202,16 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     (pkg / "commands").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "commands" / "__init__.py").write_text("")
-    (pkg / "model.py").write_text("def load():\n    from finetune.checkpointing.export import _without_zero3_init\n")
+    (pkg / "model.py").write_text("def load():\n    from finetune.export import _without_zero3_init\n")
     (pkg / "export.py").write_text("from finetune import model\n")
-    (pkg / "samples.py").write_text("from finetune.checkpointing import export as E\nE._private()\n")
+    (pkg / "samples.py").write_text("from finetune import export as E\nE._private()\n")
     (pkg / "plan.py").write_text("from finetune.strategy import strategy_for\n")
     (pkg / "strategy.py").write_text("def strategy_for(name):\n    return name\n")
     (pkg / "commands" / "plan.py").write_text("from finetune.plan import strategy_for\nfrom ..model import load\n")
     trees = modules(pkg)
-    assert cycles(graph(trees)) == [["finetune.checkpointing.export", "finetune.model"]]
-    assert private_imports(trees) == ["finetune.model:2 imports finetune.checkpointing.export._without_zero3_init",
-                                      "finetune.training.samples:2 uses finetune.checkpointing.export._private"]
+    assert cycles(graph(trees)) == [["finetune.export", "finetune.model"]]
+    assert private_imports(trees) == ["finetune.model:2 imports finetune.export._without_zero3_init",
+                                      "finetune.samples:2 uses finetune.export._private"]
     assert graph(trees)["finetune.commands.plan"] == {"finetune.plan", "finetune.model"}
 
 
