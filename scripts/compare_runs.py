@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 TIMING = {"tokens_per_s", "tokens_per_s_steady", "steady_steps", "mfu", "peak_memory_gib", "peak_memory_per_rank",
-          "seconds", "resume_seconds", "train_seconds", "eval_seconds", "checkpoint_seconds", "wall_seconds"}
+          "seconds", "resume_seconds", "rollout_seconds", "train_seconds", "eval_seconds", "checkpoint_seconds", "wall_seconds"}
 
 
 def normal(value, renames: list[tuple[str, str]]):
