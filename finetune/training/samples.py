@@ -62,7 +62,8 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
         row = ds[i]
         if "prompt_input_ids" in row:
             prompt = list(row["prompt_input_ids"])
-            prompts.append(Prompt(prompt, tokenizer.decode(prompt), str(row.get("answer", ""))))
+            answer = row.get("answer")
+            prompts.append(Prompt(prompt, tokenizer.decode(prompt), "" if answer is None else str(answer)))
             continue
         side = "chosen_" if "chosen_input_ids" in row else ""  # a preference pair: its chosen side
         ids, labels = row[f"{side}input_ids"], row[f"{side}labels"]
