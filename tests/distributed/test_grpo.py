@@ -6,7 +6,9 @@ partitioned by ZeRO-3, sharded by FSDP); a SIGKILLed ZeRO-3 run resumed inside a
 samples exactly what the uninterrupted one did, and resumed on 1 process logs and samples what the
 2-process run did; LoRA under FSDP with a reward model (a sequence-classification directory) as one
 reward function samples, scores and trains on 2 processes as on 1; a reward function that raises stops the run with one
-line naming the step, the function and the prompt, its last checkpoint intact."""
+line naming the step, the function and the prompt, its last checkpoint intact. Every launch but the last
+evaluates at steps 0, 3 and 6 (the eval prompts' completions sampled and scored): the eval records of 2
+processes equal those of 1, and a resumed run's those of the uninterrupted one."""
 
 from __future__ import annotations
 

@@ -454,17 +454,23 @@ def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g
 
 def generate_completions(run, prompts: list[list[int]], seeds: list[int]) -> list:
     """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
-    once for the whole batch (a collective: every rank calls it), in eval mode, back to train after."""
+    once for the whole batch (a collective: every rank calls it), in eval mode, back to train after. A
+    rank without prompts (an eval batch's uneven split) runs one forward of a one-token prompt, its token
+    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join."""
     r, model, accelerator = run.recipe, run.model, run.accelerator
     sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
+    idle = not prompts
+    if idle:
+        prompts, seeds, sampling = [[pad_id_for(run.tokenizer)]], None, Sampling(1)
     was_training = model.training
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"), \
                 run.parallel.strategy.whole_weights(accelerator, model) as whole:
-            return generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
-                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                            seeds=seeds if r.temperature > 0 else None)
+            out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
+                           pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
+                           seeds=seeds if sampling.temperature > 0 else None)
+            return [] if idle else out
     finally:
         model.train(was_training)
 
