@@ -361,3 +361,82 @@ def test_char_rewards():
 
     assert char_match(["abc", "ab", "abcd", "xbc", ""], ["abc"] * 5) == [1.0, 2 / 3, 0.75, 2 / 3, 0.0]
     assert answer_chars(["aab", "ax", "", " b "], ["ab"] * 4) == [1.0, 0.5, 0.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- the eval's pure parts
+def test_eval_seeds_are_stable_and_apart_from_the_rollouts():
+    from finetune.training.objectives.grpo import completion_seed, eval_seed
+
+    seeds = {eval_seed(42, row, j) for row in (0, 7, 199) for j in range(8)}
+    assert len(seeds) == 3 * 8 and all(0 <= s < 2**63 for s in seeds)
+    # a pure function of (seed, eval row, completion): the same at every eval, on any rank, after a resume
+    assert eval_seed(42, 7, 3) == eval_seed(42, 7, 3) == 9022562333084904723  # pinned: a resumed run resamples it
+    assert eval_seed(43, 7, 3) != eval_seed(42, 7, 3)
+    assert not seeds & {completion_seed(42, k, row, j) for k in range(4) for row in (0, 7, 199) for j in range(8)}
+
+
+def test_eval_batches_split_over_any_number_of_ranks_in_order():
+    from finetune.training.objectives.grpo import eval_prompt_batches, eval_share
+
+    assert eval_prompt_batches(5, 4) == [[0, 1, 2, 3], [4]] and eval_prompt_batches(0, 4) == []
+    for count in range(10):
+        for ranks in (1, 2, 3, 4):
+            for rows in eval_prompt_batches(count, 4):
+                shares = [eval_share(rows, rank, ranks) for rank in range(ranks)]
+                assert [row for share in shares for row in share] == rows  # contiguous, in rank order
+                assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert [eval_share([4], rank, 2) for rank in (0, 1)] == [[4], []]  # a rank may get none
+
+
+def test_eval_metrics_do_not_depend_on_how_many_ranks_generated():
+    """The same completions of 7 eval prompts (3 a batch, groups of 4), split over 1, 2 or 3 ranks as
+    GRPO.evaluate splits them: the same metrics exactly, the rollout's metrics over all of them."""
+    from finetune.rewards import weighted_rewards
+    from finetune.training.objectives.grpo import eval_metrics, eval_prompt_batches, eval_share, rollout_metrics
+
+    g, names, weights = 4, ["a", "b"], torch.tensor([1.0, 0.5])
+    torch.manual_seed(0)
+    per_func = torch.rand(7 * g, 2)
+    per_func[3, 1] = per_func[9] = float("nan")  # a function that did not score one, a completion none scored
+    tokens = [[1] * (1 + i % 5) for i in range(7 * g)]
+    stopped = [i % 3 != 0 for i in range(7 * g)]
+
+    def gathered(ranks):
+        out = []
+        for rows in eval_prompt_batches(7, 3):
+            parts = []
+            for rank in range(ranks):
+                idx = [row * g + j for row in eval_share(rows, rank, ranks) for j in range(g)]
+                parts.append(([tokens[i] for i in idx], [stopped[i] for i in idx], per_func[idx].tolist(), None))
+            out.append(parts)
+        return out
+
+    one = eval_metrics(gathered(1), weights, names, g)
+    assert eval_metrics(gathered(2), weights, names, g) == one == eval_metrics(gathered(3), weights, names, g)
+    assert one["reward"] == pytest.approx(torch.nanmean(weighted_rewards(per_func, weights)).item())
+    assert one["rewards/b/mean"] == pytest.approx(torch.nanmean(per_func[:, 1]).item())
+    assert one["completions/mean_length"] == pytest.approx(sum(map(len, tokens)) / len(tokens))
+    assert one["completions/clipped_ratio"] == pytest.approx(stopped.count(False) / len(stopped))
+    assert "rollout_seconds" not in one
+    assert set(one) == set(rollout_metrics(per_func, weights, names, torch.zeros(1), torch.ones(1),
+                                           torch.zeros(1, dtype=torch.bool)))
+
+
+def test_a_reward_failure_on_any_rank_is_every_ranks():
+    from finetune.training.objectives.grpo import first_failure
+
+    assert first_failure([([], [], [], None), ([], [], [], None)]) is None
+    assert first_failure([([], [], [], None), ([], [], [], "step 3: reward function f raised")]) == \
+        "step 3: reward function f raised"
+
+
+def test_the_eval_shows_the_reward_where_there_is_no_eval_loss():
+    """GRPO has no eval loss: the summary gives its eval reward, without an eval loss row of n/a."""
+    from finetune.training.metrics import format_summary
+
+    grpo = GRPO(Recipe(objective="grpo", reward_funcs=("finetune.rewards:exact_match",)))
+    assert grpo.evaluates
+    summary = {"steps": 3, "train_seconds": 1.0, "wall_seconds": 2.0, "tokens": 10, "tokens_per_s": 10.0,
+               "final_eval_loss": None, "best_eval_loss": None, "final_eval_reward": 0.25}
+    rows = [" ".join(line.split()) for line in format_summary(summary, grpo.shown).splitlines()]
+    assert "eval metrics reward 0.2500 (final)" in rows and not any(r.startswith("eval loss") for r in rows)

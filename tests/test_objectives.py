@@ -34,6 +34,9 @@ def test_every_objective_answers_the_whole_interface():
         assert objective.take_metrics() is None
         if cls is SFT:  # no set-up (DPO's and GRPO's: their distributed runs, tests/distributed/)
             assert objective.before_model(None) is None and objective.after_prepare(None, None) == {}
+        if cls is not GRPO:  # the loop's loss eval, as it is (GRPO's eval generates: tests/distributed/test_grpo.py)
+            assert objective.evaluate(None, 3, None, lambda: (1.5, {"m": 2.0})) == (1.5, {"m": 2.0})
+        assert objective.evaluates
     assert type(objective_for(Recipe(objective="dpo"))) is DPO and type(objective_for(Recipe())) is SFT
 
 

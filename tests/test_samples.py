@@ -81,6 +81,21 @@ def test_eval_prompts_skip_rows_without_a_prompt_and_refuse_too_many(tokenizers)
         eval_prompts(ds, 2, tok, limit=1)
 
 
+def test_a_prompt_row_gives_its_prompt_and_answer(tokenizers):
+    """objective=grpo's eval rows (prompt rows): the prompt's tokens as the rollout generates from them,
+    its `answer` column as the reference (empty without one)."""
+    import datasets
+
+    tok = tokenizers["tiny"]
+    rows = [{"prompt": "Copy: abc Answer:", "answer": "abc"}, {"prompt": "Say hi", "answer": None}]
+    ds = datasets.Dataset.from_list([r | {"prompt_input_ids": ids, "n_tokens": len(ids)} for r, ids in
+                                     zip(rows, D.encode_prompts(rows, tok)["prompt_input_ids"])])
+    prompts = eval_prompts(ds, 2, tok)
+    assert [p.ids for p in prompts] == ds["prompt_input_ids"] and prompts[0].ids == render_prompt(tok, rows[0]["prompt"],
+                                                                                                 "prompt_completion")
+    assert [p.reference for p in prompts] == ["abc", ""]
+
+
 def test_packed_row_gives_its_first_example(tokenizers):
     import datasets
 

@@ -421,11 +421,13 @@ class Reporter:
             self.last = record
         self.progress.update(state.step, record)
 
-    def eval(self, step: int, eval_loss: float, metrics: dict, shown: str, plot: bool = True) -> None:
-        """After each eval: its loss and the objective's metrics, the samples' progress line, and loss.png
-        (redrawn at most every so often)."""
-        self.metrics.write({"step": step, "eval_loss": eval_loss} | {f"eval_{k}": v for k, v in metrics.items()})
-        self.progress.note(f"step {step}: eval_loss {eval_loss:.4f}" + "".join(
+    def eval(self, step: int, eval_loss: float | None, metrics: dict, shown: str, plot: bool = True) -> None:
+        """After each eval: its loss (none where the objective has no eval loss) and the objective's metrics,
+        the samples' progress line, and loss.png (redrawn at most every so often)."""
+        loss = {} if eval_loss is None else {"eval_loss": eval_loss}
+        self.metrics.write({"step": step} | loss | {f"eval_{k}": v for k, v in metrics.items()})
+        head = f"step {step}: eval" + ("" if eval_loss is None else f"_loss {eval_loss:.4f}")
+        self.progress.note(head + "".join(
             f" {k} {v:.4f}" for k, v in metrics.items() if k in self.objective.shown))
         if shown:
             self.progress.note(shown)
@@ -443,25 +445,26 @@ class Reporter:
         return self.plot.final()
 
 
-def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple[float | None, dict, str, bool]:
-    """The eval loss, the objective's eval metrics, the samples' progress line, and whether a stop
-    request (agreed by the ranks) came during them; paused out of the training speed. An eval a stop
-    request ends before its last batch has no loss (None: nothing recorded); samples it cuts short are
-    not written (the finished eval is)."""
+def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple[tuple | None, str, bool]:
+    """The objective's eval (its loss, None where it has none, and its metrics; for SFT and DPO the mean
+    loss over the eval batches, evaluate), the samples' progress line, and whether a stop request (agreed
+    by the ranks) came during them; paused out of the training speed. An eval a stop request ends before
+    its last batch gives None (nothing recorded); samples it cuts short are not written (the finished
+    eval is)."""
     r = run.recipe
     with meter.paused("eval"):
-        result = evaluate(run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing,
-                          run.accelerator.device, run.reduce_sum, run.objective, r.padding_free,
-                          shard=run.parallel.sp.shard, stop=stop)
+        result = run.objective.evaluate(run, step, stop, lambda: evaluate(
+            run.model, run.datasets.eval, run.eval_rows, run.tokenizer.pad_token_id, r.packing, run.accelerator.device,
+            run.reduce_sum, run.objective, r.padding_free, shard=run.parallel.sp.shard, stop=stop))
         if result is None:
             run.reporter.note(f"step {step}: eval stopped by a stop request before its end; not recorded")
-            return None, {}, "", True
+            return None, "", True
         with SP.whole_sequences():
             shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer,
                                    r.sample_max_new_tokens, run.samples, step, run.generation_config, stop)
     if shown is None:
         run.reporter.note(f"step {step}: samples stopped by a stop request; not written")
-    return *result, shown or "", shown is None
+    return result, shown or "", shown is None
 
 
 def train(plan: Plan) -> dict:
@@ -474,8 +477,9 @@ def train(plan: Plan) -> dict:
                        steps=run.total_steps - state.step, first_step=state.step)
     last_eval, last_metrics = None, {}
     if run.eval_rows is not None and r.eval_at_start and state.step == 0:
-        last_eval, last_metrics, shown, stopped = run_eval(run, 0, meter, stop)
-        if last_eval is not None:
+        result, shown, stopped = run_eval(run, 0, meter, stop)
+        if result is not None:
+            last_eval, last_metrics = result
             reporter.eval(0, last_eval, last_metrics, shown, plot=False)
         if stopped:  # before the first step: nothing to save
             return finish(run, state, meter, last_eval, last_metrics, stopped=True)
@@ -487,11 +491,12 @@ def train(plan: Plan) -> dict:
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
         end = state.step == run.total_steps
         if run.eval_rows is not None and ((r.eval_every and state.step % r.eval_every == 0) or end):
-            loss, metrics, shown, stopped = run_eval(run, state.step, meter, stop)
+            evaluated, shown, stopped = run_eval(run, state.step, meter, stop)
             stopping = stopping or stopped
-            if loss is not None:
-                last_eval, last_metrics = loss, metrics
-                state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
+            if evaluated is not None:
+                last_eval, last_metrics = evaluated
+                if last_eval is not None:
+                    state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
                 reporter.eval(state.step, last_eval, last_metrics, shown)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:

@@ -380,8 +380,10 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
         ("time", f"{summary['train_seconds']:.1f} s training (of which eval {summary.get('eval_seconds', 0):.1f} s, "
                  f"checkpoints {summary.get('checkpoint_seconds', 0):.1f} s), {summary['wall_seconds']:.1f} s in all"),
         ("tokens", f"{summary['tokens']:,} target tokens, " + speed_line(summary)),
-        ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
-         f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}"),
+        # an objective without an eval loss (GRPO: a reward) shows its eval metrics alone
+        *([] if final and summary.get("final_eval_loss") is None else [
+            ("eval loss", "n/a" if summary.get("final_eval_loss") is None else
+             f"final {summary['final_eval_loss']:.4f}, best {summary['best_eval_loss']:.4f}")]),
         *([("eval metrics", ", ".join(final) + " (final)")] if final else []),
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),

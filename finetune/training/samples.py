@@ -49,8 +49,9 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
     """The prompts of the first n eval rows (of the first `limit`, eval_max_samples, when set): each
     row's tokens before its first target token, and its first answer (the target tokens that follow).
     A packed row gives its first example, a preference pair its chosen side (its prompt, and the chosen
-    answer as the reference). Rows without a prompt (text rows, train_on_prompt=true) give none; an
-    eval set smaller than n is a RecipeError."""
+    answer as the reference), a prompt row (GRPO) its prompt and its `answer` column as the reference
+    (the column exact_match scores against; empty where it has none). Rows without a prompt (text rows,
+    train_on_prompt=true) give none; an eval set smaller than n is a RecipeError."""
     available = min(len(ds), limit) if limit else len(ds)
     if n > available:
         raise RecipeError(f"sample_prompts={n} is more than the {available} eval rows"
@@ -59,6 +60,11 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
     prompts = []
     for i in range(n):
         row = ds[i]
+        if "prompt_input_ids" in row:
+            prompt = list(row["prompt_input_ids"])
+            answer = row.get("answer")
+            prompts.append(Prompt(prompt, tokenizer.decode(prompt), "" if answer is None else str(answer)))
+            continue
         side = "chosen_" if "chosen_input_ids" in row else ""  # a preference pair: its chosen side
         ids, labels = row[f"{side}input_ids"], row[f"{side}labels"]
         if "position_ids" in row:  # packed: the first example ends where position ids restart

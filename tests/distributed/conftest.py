@@ -40,7 +40,8 @@ class Run:
 
     @property
     def eval_records(self) -> list[dict]:
-        return [r for r in run_history(read_metrics(self.output_dir / "metrics.jsonl")) if "eval_loss" in r]
+        return [r for r in run_history(read_metrics(self.output_dir / "metrics.jsonl"))
+                if any(k.startswith("eval_") for k in r)]
 
     @property
     def losses(self) -> list[float]:

@@ -6,11 +6,14 @@ partitioned by ZeRO-3, sharded by FSDP); a SIGKILLed ZeRO-3 run resumed inside a
 samples exactly what the uninterrupted one did, and resumed on 1 process logs and samples what the
 2-process run did; LoRA under FSDP with a reward model (a sequence-classification directory) as one
 reward function samples, scores and trains on 2 processes as on 1; a reward function that raises stops the run with one
-line naming the step, the function and the prompt, its last checkpoint intact."""
+line naming the step, the function and the prompt, its last checkpoint intact. Every launch but the last
+evaluates at steps 0, 3 and 6 (the eval prompts' completions sampled and scored): the eval records of 2
+processes equal those of 1, and a resumed run's those of the uninterrupted one."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
@@ -20,8 +23,13 @@ from conftest import REPO
 from finetune.training.metrics import read_metrics, run_history
 
 # 4 prompts x 4 completions a step; each of 2 processes holds 2 prompts' groups in 2 micro-batches
+# evaluated at steps 0, 3 and 6 on an eval dataset (the training prompts' first 5: the training rows stay
+# all 4000), 5 prompts x 4 completions in batches of a rollout's 4 prompts (the second batch's one prompt on
+# rank 0, none on rank 1)
 GRPO = ["global_batch_size=4", "num_generations=4", "micro_batch_size=4", "max_steps=6", "num_iterations=2",
-        "beta=0.04", "eval_fraction=0", "save_every=3", "keep_last=3", "loss_chunk_tokens=8", "log_every=1"]
+        "beta=0.04", "eval_fraction=0", "eval_dataset=builtin:tiny-prompts", "eval_max_samples=5", "eval_every=3",
+        "eval_at_start=true",
+        "save_every=3", "keep_last=3", "loss_chunk_tokens=8", "log_every=1"]
 TIMING = ("tokens_per_s", "rollout_seconds", "peak_memory_gib", "step_seconds", "mfu")
 
 
@@ -33,6 +41,12 @@ def records(run) -> list[dict]:
     history = run_history(read_metrics(run.output_dir / "metrics.jsonl"))
     return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("tokens_per")}
             for r in history if "loss" in r]
+
+
+def eval_records(run) -> list[dict]:
+    """The eval records of the run's history: its eval prompts' completions scored (no eval loss)."""
+    return [r for r in run_history(read_metrics(run.output_dir / "metrics.jsonl"))
+            if any(k.startswith("eval_") for k in r)]
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +70,12 @@ def assert_same_run(got, want, tolerance=1e-5):
         for k, v in x.items():
             if isinstance(v, float):
                 assert v == pytest.approx(y[k], abs=tolerance, rel=tolerance), (x["step"], k, v, y[k])
+    # the eval samples the same completions (seeded per eval prompt and completion), scored alike
+    evals = eval_records(got)
+    assert [r["step"] for r in evals] == [0, 3, 6] and evals == eval_records(want)
+    assert all("eval_loss" not in r and math.isfinite(v) for r in evals for k, v in r.items())
+    assert {"eval_reward", "eval_reward_std", "eval_rewards/exact_match/mean", "eval_rewards/exact_match/std",
+            "eval_completions/mean_length"} <= set(evals[0])
 
 
 @pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
@@ -74,6 +94,12 @@ def test_two_processes_sample_and_train_as_one(grpo_run, strategy):
     recs = records(one)
     assert recs[0]["kl"] == 0.0 and recs[1]["kl"] > 0, "the policy moved from its reference after one step"
     assert recs[0]["reward"] == recs[1]["reward"], "steps 1 and 2 train on the same rollout"
+    evals = eval_records(one)
+    assert 0 < evals[0]["eval_completions/mean_length"] <= 8 and evals[0]["eval_reward"] > 0
+    assert f"step 3: eval reward {evals[1]['eval_reward']:.4f}" in two.stderr
+    summary = json.loads((two.output_dir / "summary.json").read_text())
+    assert summary["final_eval_reward"] == evals[2]["eval_reward"] and summary["final_eval_loss"] is None
+    assert "eval metrics" in two.stderr and "eval loss" not in two.stderr
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and r["completions/max_length"] <= 8 for r in recs)
 
 
@@ -99,6 +125,7 @@ def test_sigkill_and_exact_resume_inside_a_rollout(grpo_run, launch, killed_zero
     assert "at step 3" in second.stderr
     assert rollouts(second) == rollouts(want)
     assert records(second) == records(want)
+    assert eval_records(second) == eval_records(want), "the eval at step 6, after the resume, as uninterrupted"
 
 
 def test_resume_on_another_process_count(grpo_run, launch, killed_zero3, tmp_path_factory):
@@ -116,7 +143,7 @@ def test_resume_on_another_process_count(grpo_run, launch, killed_zero3, tmp_pat
 
 def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-bad-reward")
-    run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
+    run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "eval_dataset=", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
                  output_dir=out, check=False, recipe="tiny_grpo",
                  extra_env={"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}"})
     assert run.returncode != 0

@@ -19,7 +19,13 @@ An objective's life in a run, in the loop's order:
                                   loss, the metrics' sums since last asked
     means(sums, count)            the metrics' values from their sums reduced over ranks (a step's or an
                                   eval's) and the global count; SFT and DPO: sums / count
-    eval_count                    what an eval batch's summed loss is averaged over
+    evaluate(run, step, stop, loss_eval)
+                                  at each eval (evaluates): the eval loss (None: the objective has
+                                  none) and the eval metrics, or None where a stop request ended it;
+                                  SFT and DPO: loss_eval(), the loop's mean loss over the eval batches
+                                  (loop.evaluate); GRPO: the eval prompts' completions sampled and
+                                  scored by the reward functions, no loss
+    eval_count                    what an eval batch's summed loss is averaged over (loss_eval)
 
 `metrics` names the values take_metrics sums (in order), `shown` those the progress line and the run
 summary show beside the loss, with their short labels."""
@@ -58,7 +64,7 @@ class Objective(Protocol):
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
     makes_batches: bool  # rollout() makes the step's batches itself (GRPO): the loop fetches no rows
-    evaluates: bool  # the loop runs an eval loss on the eval split
+    evaluates: bool  # the loop evaluates the eval split (evaluate)
     identifies_model: bool  # the run records the model's identity: it keys a file by it, or a resume reads the model
 
     def before_model(self, context: Context) -> None: ...
@@ -72,6 +78,9 @@ class Objective(Protocol):
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor: ...
 
     def counts(self, micro_batches: list[dict]) -> torch.Tensor: ...
+
+    def evaluate(self, run, step: int, stop, loss_eval: Callable[[], tuple[float, dict] | None]
+                 ) -> tuple[float | None, dict] | None: ...
 
     def eval_count(self, batch: dict) -> int: ...
 
@@ -88,7 +97,7 @@ class Basic:
     generates = True
     identifies_model = False
     makes_batches = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows
-    evaluates = True  # False: the loop runs no eval loss (GRPO)
+    evaluates = True  # False: the loop runs no eval
     sums: torch.Tensor | None = None
 
     def before_model(self, context: Context) -> None:
@@ -106,6 +115,11 @@ class Basic:
 
     def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
         return micro_batches
+
+    def evaluate(self, run, step: int, stop, loss_eval: Callable[[], tuple[float, dict] | None]
+                 ) -> tuple[float | None, dict] | None:
+        """The eval: the loop's mean loss over the eval batches and the metrics' means (loss_eval)."""
+        return loss_eval()
 
     def take_metrics(self) -> torch.Tensor | None:
         """The metrics' sums since the last call (a step's, or an eval's), or None where none were kept."""

@@ -45,6 +45,8 @@ reduces metrics by sum. The rollout's own metrics (rewards per function, complet
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from finetune import data as D
@@ -184,7 +186,7 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stoppe
 class GRPO(Basic):
     name = "grpo"
     makes_batches = True  # the loop hands rollout() no fetched rows: it reads the step's prompts itself
-    evaluates = False  # an eval split's mean reward is not computed yet
+    evaluates = True  # the eval split's prompts sampled and scored (evaluate): TRL's eval metrics
 
     def __init__(self, recipe):
         self.recipe = recipe
@@ -208,11 +210,6 @@ class GRPO(Basic):
         """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
         list and takes its share: rank_prompts)."""
         return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
-
-    def before_model(self, context) -> None:
-        if context.datasets.eval is not None and context.accelerator.is_main_process:
-            log.warning("objective=grpo: the eval split is not evaluated (an eval reward is not implemented yet); "
-                        "set eval_fraction=0 to leave none out of training")
 
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
@@ -242,29 +239,15 @@ class GRPO(Basic):
         return self.cached[1]
 
     def new_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
-        import time
-
         r, accelerator = run.recipe, run.accelerator
         sp, g = run.parallel.sp, self.num_generations
         rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
-        cols = run.datasets.train[mine]
-        prompt_ids = cols["prompt_input_ids"]
-        t0 = time.perf_counter()
         seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
-        outs = generate_completions(run, [p for p in prompt_ids for _ in range(g)], seeds)
-        tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
-        texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        seconds = time.perf_counter() - t0
-        extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
-        error, per_func = None, torch.full((len(tokens), len(self.rewards.names)), float("nan"))
-        try:
-            per_func = self.rewards.score(step + 1, [p for p in cols["prompt"] for _ in range(g)], texts, tokens,
-                                          extra)
-        except RewardError as e:
-            error = str(e)
+        prompt_ids, tokens, stopped, per_func, error, seconds = self.sample(run, run.datasets.train, mine, seeds,
+                                                                            step + 1)
         parts = gather_objects((tokens, stopped, per_func.tolist(), error))
-        failed = next((p[3] for p in parts if p[3] is not None), None)
+        failed = first_failure(parts)
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
@@ -277,7 +260,7 @@ class GRPO(Basic):
                                  ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
         share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
-        batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], tokens, stopped, advantages[share])
+        batches = self.batches(run, prompt_ids, tokens, stopped, advantages[share])
         if self.num_iterations > 1:
             old = [[b["old_logps"][i, :int(b["attention_mask"][i].sum())].tolist() for i in range(len(b["real"]))]
                    for b in batches]
@@ -292,6 +275,63 @@ class GRPO(Basic):
                            run.tokenizer.batch_decode(all_tokens, skip_special_tokens=True), all_stopped,
                            self.rewards.names, all_rewards, weighted, advantages)
         return batches, values
+
+    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int) -> tuple:
+        """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
+        collective: the weights gathered once for all of them, every rank calls it, with no prompts too),
+        scored here by the reward functions: (the prompts' ids, one per completion, the completions'
+        tokens, whether each stopped, [completions, functions] rewards, a reward function's failure as
+        one line or None, the generation's seconds). `step` names the step in a failure's line."""
+        t0, g = time.perf_counter(), self.num_generations
+        cols = ds[mine] if mine else {c: [] for c in ds.column_names}
+        prompt_ids = [p for p in cols["prompt_input_ids"] for _ in range(g)]
+        outs = generate_completions(run, prompt_ids, seeds)
+        tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
+        texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        seconds = time.perf_counter() - t0
+        extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
+        error, per_func = None, torch.full((len(tokens), len(self.rewards.names)), float("nan"))
+        if tokens:
+            try:
+                per_func = self.rewards.score(step, [p for p in cols["prompt"] for _ in range(g)], texts, tokens,
+                                              extra)
+            except RewardError as e:
+                error = str(e)
+        return prompt_ids, tokens, stopped, per_func, error, seconds
+
+    def evaluate(self, run, step: int, stop, loss_eval) -> tuple[None, dict] | None:
+        """TRL's GRPO eval: each eval prompt (the first eval_max_samples eval rows, all if 0) gets
+        num_generations completions sampled as the rollout samples them (the training temperature, top_p,
+        top_k, max_completion_len), scored by the recipe's reward functions and weights; the metrics are
+        the rollout's (rollout_metrics: reward, reward_std, each function's mean and std, completion
+        lengths) over all of them. No eval loss: with fresh samples the policy loss is the advantages'
+        mean, about 0 whatever the policy, a number that says nothing (TRL logs it all the same).
+
+        The prompts go in batches of a rollout's (the step's prompts, global_batch_size), each batch split
+        into contiguous shares over the data-parallel ranks (eval_share: the last batch's shares may be
+        uneven, or empty) and generated in one call per batch, the weights gathered once per call as for
+        the rollout. Completion j of eval row i samples with eval_seed(seed, i, j): the same seeds at
+        every eval, on any number of ranks and after a resume, so evals differ only by the policy. A stop
+        request, read between batches and agreed by the ranks (one all-reduce a batch, as loop.evaluate),
+        ends the eval: None. A reward function that fails stops the run as in the rollout."""
+        r, sp, g = run.recipe, run.parallel.sp, self.num_generations
+        ds = run.datasets.eval
+        count = min(len(ds), r.eval_max_samples) if r.eval_max_samples else len(ds)
+        device = run.accelerator.device
+        batches = []
+        for rows in eval_prompt_batches(count, run.plan.global_batch_size // g):
+            if run.reduce_sum(torch.tensor([float(bool(stop.requested))], device=device)).item() > 0:
+                return None
+            mine = eval_share(rows, sp.dp_rank, sp.dp_size)
+            seeds = [eval_seed(r.seed, row, j) for row in mine for j in range(g)]
+            _, tokens, stopped, per_func, error, _ = self.sample(run, ds, mine, seeds, step)
+            parts = gather_objects((tokens, stopped, per_func.tolist(), error))
+            failed = first_failure(parts)
+            if failed is not None:
+                raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, its last "
+                                  "checkpoint is intact: fix the function and continue with --resume auto")
+            batches.append(parts)
+        return None, eval_metrics(batches, self.rewards.weights, self.rewards.names, g, r.scale_rewards)
 
     def read_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
         """A resumed run starting inside rollout k: its completions, advantages and old log-probs from the
@@ -392,19 +432,45 @@ def gather_objects(obj) -> list:
     return out
 
 
+def first_failure(parts: list) -> str | None:
+    """The first rank's reward failure (the last item of each rank's gathered part), or None."""
+    return next((p[-1] for p in parts if p[-1] is not None), None)
+
+
+def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g: int,
+                 scale_rewards: str = "group") -> dict:
+    """An eval's metrics (rollout_metrics' but the rollout's seconds) from its batches, each the ranks'
+    gathered parts in rank order ((tokens, stopped, [completions, functions] rewards, failure) per rank):
+    the completions in their global order (batch, then rank: each rank's share is contiguous), so the
+    values do not depend on how many ranks generated them."""
+    parts = [p for batch in batches for p in batch]
+    tokens = [t for p in parts for t in p[0]]
+    stopped = [s for p in parts for s in p[1]]
+    per_func = torch.tensor([v for p in parts for v in p[2]], dtype=torch.float32).view(len(tokens), len(names))
+    _, zero_std = group_advantages(per_func, weights, g, scale_rewards)
+    return rollout_metrics(per_func, weights, names, zero_std, torch.tensor([len(t) for t in tokens]),
+                           ~torch.tensor(stopped, dtype=torch.bool))
+
+
 def generate_completions(run, prompts: list[list[int]], seeds: list[int]) -> list:
     """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
-    once for the whole batch (a collective: every rank calls it), in eval mode, back to train after."""
+    once for the whole batch (a collective: every rank calls it), in eval mode, back to train after. A
+    rank without prompts (an eval batch's uneven split) runs one forward of a one-token prompt, its token
+    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join."""
     r, model, accelerator = run.recipe, run.model, run.accelerator
     sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
+    idle = not prompts
+    if idle:
+        prompts, seeds, sampling = [[pad_id_for(run.tokenizer)]], None, Sampling(1)
     was_training = model.training
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"), \
                 run.parallel.strategy.whole_weights(accelerator, model) as whole:
-            return generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
-                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                            seeds=seeds if r.temperature > 0 else None)
+            out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
+                           pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
+                           seeds=seeds if sampling.temperature > 0 else None)
+            return [] if idle else out
     finally:
         model.train(was_training)
 
@@ -475,6 +541,28 @@ def completion_seed(seed: int, rollout: int, row: int, completion: int) -> int:
 
     digest = hashlib.blake2b(f"grpo:{seed}:{rollout}:{row}:{completion}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def eval_seed(seed: int, row: int, completion: int) -> int:
+    """An eval completion's sampling seed: completion j of eval row i, the same at every eval (a stable
+    63-bit hash as completion_seed's, apart from the training rollouts' seeds)."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"grpo-eval:{seed}:{row}:{completion}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def eval_prompt_batches(count: int, size: int) -> list[list[int]]:
+    """The eval rows 0..count-1 in batches of `size` prompts (the last may be smaller)."""
+    return [list(range(a, min(a + size, count))) for a in range(0, count, size)]
+
+
+def eval_share(rows: list[int], rank: int, ranks: int) -> list[int]:
+    """This rank's contiguous share of an eval batch: the first len(rows) % ranks ranks one row more (a
+    rank may get none; it joins the generation's collective all the same)."""
+    q, extra = divmod(len(rows), ranks)
+    start = rank * q + min(rank, extra)
+    return rows[start:start + q + (rank < extra)]
 
 
 def rank_prompts(prompts: list[int], rank: int, ranks: int) -> list[int]:
