@@ -247,6 +247,30 @@ def test_deepspeed_op_builds_use_this_environments_ninja(monkeypatch):
     assert os.environ["PATH"].split(os.pathsep).count(str(own.parent)) == 1
 
 
+def test_deepspeed_on_cpu_counts_its_devices_without_a_subprocess(monkeypatch):
+    """Without LOCAL_SIZE, DeepSpeed's CPU accelerator ran `numactl --hardware` in a subprocess at every
+    device_count(), which ZeRO-3 calls once per gradient bucket it reduce-scatters (76 forks a
+    tiny_grpo step). The run sets it to the node's process count, as DeepSpeed's launcher does."""
+    import subprocess
+
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from finetune.distributed import deepspeed_cpu_local_size
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args}")
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    deepspeed_cpu_local_size()
+    monkeypatch.setattr(subprocess, "check_output", no_subprocess)
+    assert os.environ["LOCAL_SIZE"] == "2"
+    assert CPU_Accelerator().device_count() == 2
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # a launcher's own value is kept
+    deepspeed_cpu_local_size()
+    assert os.environ["LOCAL_SIZE"] == "4"
+
+
 def test_stale_build_lock_is_named_with_its_fix(tmp_path):
     """A killed DeepSpeed op build leaves `<op>/lock`; every later run would sleep on it forever."""
     import os
