@@ -3,6 +3,7 @@ generation, use_vllm off): seconds per step, 2 processes over gloo on CPU, strat
 
     PYTHONPATH=$PWD:/tmp/trlpkg python bench/grpo_vs_trl.py                       # zero3 and fsdp, ~6 min on 2 cores
     PYTHONPATH=$PWD:/tmp/trlpkg python bench/grpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 14
+    ... --phases    # under zero3 each side once more with timers per phase and collective (phases_main)
     python bench/grpo_vs_trl.py --finetune /path/to/tree ...   # the finetune tree both sides import (default: this one)
 
 TRL is a bench-only dependency (`pip install --no-deps --target /tmp/trlpkg trl==1.16.0` beside the project's
