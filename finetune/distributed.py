@@ -44,6 +44,19 @@ def ensure_process_env() -> None:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def deepspeed_cpu_local_size() -> None:
+    """On CPU, DeepSpeed counts its devices from LOCAL_SIZE (set by its own launcher, not by
+    Accelerate or torchrun); without it, every call of its CPU accelerator's device_count() runs
+    `numactl --hardware` in a subprocess (deepspeed/utils/numa.py). ZeRO-3 calls it once per
+    gradient bucket it reduce-scatters (stage3.py __avg_scatter_grads: 19 a micro-batch for the
+    2-layer tiny Llama), so a process fork per bucket: 76 a tiny_grpo step, 20% of the zero3 step on
+    2 loaded cores (bench/studies/grpo_vs_trl.py, docs/benchmarks.md section 14). The count only chooses
+    between reduce-scatter and the quantized all-to-all (zero_quantized_gradients, more than one
+    node), so the processes on this node (LOCAL_WORLD_SIZE), as DeepSpeed's launcher sets
+    it, changes nothing else."""
+    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def build_accelerator(plan, config):
     """Create the process group and the Accelerator for the recipe's strategy, from the model's config
     (its hidden size sizes DeepSpeed's buckets; its decoder-layer class is FSDP's unit).
@@ -61,6 +74,7 @@ def build_accelerator(plan, config):
     on_cpu = plan.device == "cpu"
     plugins = strategy.plugins(plan, config)
     if on_cpu:
+        deepspeed_cpu_local_size()
         strategy.start_cpu_group()
     accelerator = Accelerator(
         cpu=strategy.accelerator_cpu(on_cpu),

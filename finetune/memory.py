@@ -79,9 +79,10 @@ Estimate (no model loaded, no GPU needed)
    gradient_as_bucket_view off); zero1/2, two reduce buckets of h^2 elements and, in 16-bit, the fp32
    copy of the gradient partition made for the optimizer step; zero3, two gathered units (the
    current one and the prefetched one; a unit is a decoder layer or the embedding) in the compute
-   dtype, one layer's unreduced gradients, the reduce bucket and, in 16-bit, the fp32 gradient of one
-   optimizer sub-group (at most 1e9 elements); fsdp, the root unit (embeddings, lm_head, final norm,
-   kept gathered through the step), two gathered decoder layers and one layer's unreduced gradients.
+   dtype, one layer's unreduced gradients, the reduce bucket (h^2, at least 1e6 elements) and, in
+   16-bit, the fp32 gradient of one optimizer sub-group (at most 1e9 elements); fsdp, the root unit
+   (embeddings, lm_head, final norm, kept gathered through the step), two gathered decoder layers and
+   one layer's unreduced gradients.
    ddp and fsdp add the one fp32 temporary that torch's foreach AdamW makes the size of the states
    it steps (4 bytes per trained parameter, / N where the optimizer is sharded).
 

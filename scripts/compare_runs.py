@@ -1,6 +1,6 @@
-"""Whether two runs wrote the same records: metrics.jsonl, samples.jsonl, recipe.json, summary.json and
-the same file names, with the fields that measure time, speed or memory left out. For a change that
-must not change behaviour: the same recipe run before and after it.
+"""Whether two runs wrote the same records: metrics.jsonl, samples.jsonl, rollouts.jsonl (GRPO), recipe.json,
+summary.json and the same file names, with the fields that measure time, speed or memory left out. For a
+change that must not change behaviour: the same recipe run before and after it.
 
     python scripts/compare_runs.py runs/before runs/after [--same /cache/a=/cache/b ...]
 
@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 TIMING = {"tokens_per_s", "tokens_per_s_steady", "steady_steps", "mfu", "peak_memory_gib", "peak_memory_per_rank",
-          "seconds", "resume_seconds", "rollout_seconds", "train_seconds", "eval_seconds", "checkpoint_seconds", "wall_seconds"}
+          "seconds", "resume_seconds", "train_seconds", "eval_seconds", "checkpoint_seconds", "wall_seconds",
+          "rollout_seconds"}
 
 
 def normal(value, renames: list[tuple[str, str]]):
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     renames = [(str(args.before), str(args.after))] + [tuple(pair.split("=", 1)) for pair in args.same]
     equal = True
-    for name in ("metrics.jsonl", "samples.jsonl", "recipe.json", "summary.json"):
+    for name in ("metrics.jsonl", "samples.jsonl", "rollouts.jsonl", "recipe.json", "summary.json"):
         a, b = records(args.before / name), records(args.after / name)
         a, b = normal(a, renames), normal(b, [])
         same = a == b

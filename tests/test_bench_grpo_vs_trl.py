@@ -44,3 +44,21 @@ def test_section_renders_rows_what_if_and_failure():
     assert "1.25x" in text and "gc.collect()" in text  # the what-if row and its explanation
     assert "fsdp, TRL failed: `RuntimeError: no`" in text
     assert "def5678" in text and "exact_match, char_match" in text
+
+
+def test_phase_table_per_side_and_failure():
+    side_phases = {"ok": True, "steps": 6, "step_seconds": 0.5, "other_load": 0.3,
+                   "phases": {"GRPO.new_rollout": [0.1, 1.0], "DeepSpeedEngine.backward": [0.25, 4.0],
+                              "dist.reduce_scatter_tensor": [0.125, 76.0]}}
+    trl = {"ok": True, "steps": 6, "step_seconds": 0.6, "other_load": 0.1,
+           "phases": {"GRPOTrainer._generate_and_score_completions": [0.2, 1.0], "subprocess.Popen": [0.05, 76.0]}}
+    text = B.phase_table({"strategy": "zero3", "ours": side_phases, "trl": trl}, 2)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]] for line in text.splitlines()
+            if line.startswith("| ")}
+    assert rows["rollout: generation, rewards, advantages"] == ["100 ms (1)", "200 ms (1)"]
+    assert rows["collective: reduce_scatter_tensor"] == ["125 ms (76)", "0 ms (0)"]
+    assert rows["subprocesses started"] == ["0", "76"]
+    assert rows["the whole step (between optimizer steps)"] == ["500 ms", "600 ms"]
+    assert "other load 0.30 / 0.10" in text
+    failed = B.phase_table({"strategy": "zero3", "ours": side_phases, "trl": {"ok": False, "error": "boom"}}, 2)
+    assert failed == "TRL's phase launch failed: `boom`"

@@ -181,6 +181,16 @@ def test_deepspeed_zero3_buckets():
     assert z["stage3_gather_16bit_weights_on_model_save"] is True
 
 
+def test_deepspeed_zero3_reduce_bucket_has_a_floor_for_small_models():
+    """hidden^2 elements, but no fewer than REDUCE_BUCKET_MIN: a small model's gradients in one
+    reduce-scatter a micro-batch, not one per weight; the planner counts the same buffer."""
+    from finetune.strategy.zero import REDUCE_BUCKET_MIN, reduce_bucket
+
+    assert reduce_bucket(4096) == 4096 * 4096 and reduce_bucket(64) == REDUCE_BUCKET_MIN
+    z = deepspeed_config(plan("strategy=zero3", env={"WORLD_SIZE": "2"}), hidden_size=64)["zero_optimization"]
+    assert z["reduce_bucket_size"] == REDUCE_BUCKET_MIN and z["allgather_bucket_size"] == 64 * 64
+
+
 def test_deepspeed_zero2_has_no_stage3_keys():
     _, cfg = ds("strategy=zero2")
     z = cfg["zero_optimization"]
@@ -245,6 +255,30 @@ def test_deepspeed_op_builds_use_this_environments_ninja(monkeypatch):
     assert shutil.which("ninja") == str(own)
     prefer_environment_ninja()  # idempotent: the directory is not added twice
     assert os.environ["PATH"].split(os.pathsep).count(str(own.parent)) == 1
+
+
+def test_deepspeed_on_cpu_counts_its_devices_without_a_subprocess(monkeypatch):
+    """Without LOCAL_SIZE, DeepSpeed's CPU accelerator ran `numactl --hardware` in a subprocess at every
+    device_count(), which ZeRO-3 calls once per gradient bucket it reduce-scatters (76 forks a
+    tiny_grpo step). The run sets it to the node's process count, as DeepSpeed's launcher does."""
+    import subprocess
+
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    from finetune.distributed import deepspeed_cpu_local_size
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args}")
+
+    monkeypatch.delenv("LOCAL_SIZE", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    deepspeed_cpu_local_size()
+    monkeypatch.setattr(subprocess, "check_output", no_subprocess)
+    assert os.environ["LOCAL_SIZE"] == "2"
+    assert CPU_Accelerator().device_count() == 2
+    monkeypatch.setenv("LOCAL_SIZE", "4")  # a launcher's own value is kept
+    deepspeed_cpu_local_size()
+    assert os.environ["LOCAL_SIZE"] == "4"
 
 
 def test_stale_build_lock_is_named_with_its_fix(tmp_path):

@@ -3,6 +3,7 @@ generation, use_vllm off): seconds per step, 2 processes over gloo on CPU, strat
 
     PYTHONPATH=$PWD:/tmp/trlpkg python bench/studies/grpo_vs_trl.py                       # zero3 and fsdp, ~6 min on 2 cores
     PYTHONPATH=$PWD:/tmp/trlpkg python bench/studies/grpo_vs_trl.py --doc docs/benchmarks.md   # also writes section 14
+    ... --phases    # under zero3 each side once more with timers per phase and collective (phases_main)
     python bench/studies/grpo_vs_trl.py --finetune /path/to/tree ...   # the finetune tree both sides import (default: this one)
 
 TRL is a bench-only dependency (`pip install --no-deps --target /tmp/trlpkg trl==1.16.0` beside the project's
@@ -186,6 +187,104 @@ def nogc_main(argv: list[str]) -> None:
     runpy.run_path(argv[0], run_name="__main__")
 
 
+# What phases_main times, per optimizer step after the warm-up, on rank 0: (row, what it times on each side).
+PHASES = (
+    ("rollout: generation, rewards, advantages", "GRPO.new_rollout", "GRPOTrainer._generate_and_score_completions"),
+    ("of which generation (weights gathered once)", "generate_completions", "GRPOTrainer._generate"),
+    ("forward of the micro-batches", "DeepSpeedEngine.forward", "DeepSpeedEngine.forward"),
+    ("backward of the micro-batches (gradient reduce-scatter included)", "DeepSpeedEngine.backward",
+     "DeepSpeedEngine.backward"),
+    ("optimizer step", "DeepSpeedEngine.step", "DeepSpeedEngine.step"),
+    ("collective: reduce_scatter_tensor", "dist.reduce_scatter_tensor", "dist.reduce_scatter_tensor"),
+    ("collective: all_gather_into_tensor", "dist.all_gather_into_tensor", "dist.all_gather_into_tensor"),
+    ("collective: all_reduce, broadcast, all_gather(_object)", "dist.other", "dist.other"),
+    ("subprocesses started", "subprocess.Popen", "subprocess.Popen"),
+)
+
+
+def phases_main(argv: list[str]) -> None:
+    """`bench/studies/grpo_vs_trl.py phases JSON (RUN_PY ARGS... | trl OUT ARGS...)`: ours (finetune/run.py) or TRL's
+    side under zero3 with timers around each phase (PHASES) and each collective; rank 0 writes JSON: seconds
+    and calls per optimizer step, over the steps after the first WARMUP (counted by DeepSpeedEngine.step)."""
+    import functools
+    import subprocess
+
+    import torch.distributed as dist
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    path, argv = Path(argv[0]), argv[1:]
+    totals: dict[str, list[float]] = {}
+    steps = {"n": 0, "t0": None, "t1": None, "in_dist": False}
+
+    def timed(owner, name, key):
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def wrapper(*a, **k):
+            collective = key.startswith("dist.")
+            outer = not (collective and steps["in_dist"])  # not all_gather_object's own all_gather
+            on, t = steps["n"] >= WARMUP and outer, time.perf_counter()
+            if collective:
+                steps["in_dist"] = True
+            try:
+                return f(*a, **k)
+            finally:
+                if collective and outer:
+                    steps["in_dist"] = False
+                if on:
+                    entry = totals.setdefault(key, [0.0, 0])
+                    entry[0] += time.perf_counter() - t
+                    entry[1] += 1
+        setattr(owner, name, wrapper)
+
+    step = DeepSpeedEngine.step
+
+    def counted_step(self, *a, **k):  # Accelerate calls it once per optimizer step, after the last backward
+        out = step(self, *a, **k)
+        steps["n"] += 1
+        steps["t0" if steps["n"] == WARMUP else "t1"] = time.perf_counter()
+        return out
+    DeepSpeedEngine.step = counted_step
+    for name in ("forward", "backward", "step"):
+        timed(DeepSpeedEngine, name, f"DeepSpeedEngine.{name}")
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        timed(dist, name, f"dist.{name}")
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_object"):
+        timed(dist, name, "dist.other")
+    timed(subprocess.Popen, "__init__", "subprocess.Popen")
+
+    def write():
+        if os.environ.get("RANK", "0") != "0":
+            return
+        n = max(steps["n"] - WARMUP, 1)
+        path.write_text(json.dumps({"steps": n, "step_seconds": (steps["t1"] - steps["t0"]) / n
+                                    if steps["t0"] and steps["t1"] else None,
+                                    "phases": {k: [v[0] / n, v[1] / n] for k, v in totals.items()}}) + "\n")
+
+    import finetune.commands.train as train_command
+
+    leave = train_command.exit_without_teardown
+
+    def write_then_leave(code):
+        write()
+        leave(code)
+    train_command.exit_without_teardown = write_then_leave
+    if argv[0] == "trl":
+        import trl
+
+        timed(trl.GRPOTrainer, "_generate_and_score_completions", "GRPOTrainer._generate_and_score_completions")
+        timed(trl.GRPOTrainer, "_generate", "GRPOTrainer._generate")
+        write_then_leave(trl_main(argv[1:]))
+    import runpy
+
+    import finetune.training.objectives.grpo as grpo
+
+    timed(grpo.GRPO, "new_rollout", "GRPO.new_rollout")
+    timed(grpo, "generate_completions", "generate_completions")
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
 def run_ours(name: str, over: list[str], work: Path, nogc: bool = False) -> dict:
     from bench.parts.common import accelerate_launch, fresh_dir, read_jsonl, run, shown
 
@@ -233,12 +332,26 @@ def run_trl(name: str, over: list[str], work: Path) -> dict:
     return res
 
 
+def run_phases(side: str, name: str, over: list[str], work: Path) -> dict:
+    """One more launch of a side with phases_main's timers: its phase table (rank 0), or the error."""
+    from bench.parts.common import accelerate_launch, fresh_dir, run
+
+    out = fresh_dir(work / f"phases-{side}-{name}")
+    args = ["--recipe", RECIPE, *over, f"output_dir={out}"]
+    target = [str(FINETUNE_ROOT / "finetune" / "run.py")] if side == "ours" else ["trl", str(out)]
+    cmd = accelerate_launch("bench/studies/grpo_vs_trl.py", ["phases", str(out / "phases.json"), *target, *args])
+    launch = run(cmd, work / f"phases-{side}-{name}.log", env=env(), done=(out / "phases.json").exists)
+    if not (out / "phases.json").exists():
+        return {"ok": False, "error": launch.error(4)}
+    return {"ok": True, "other_load": launch.other_load, **json.loads((out / "phases.json").read_text())}
+
+
 def median_after_warmup(seconds: list[float]) -> float | None:
     kept = [s for s in seconds[WARMUP:] if s == s]
     return statistics.median(kept) if kept else None
 
 
-def timing(work: Path, steps: int, strategies: list[str], nogc: bool) -> dict:
+def timing(work: Path, steps: int, strategies: list[str], nogc: bool, phases: bool = False) -> dict:
     from bench.parts.common import wait_quiet
 
     results = {"steps": steps, "warmup": WARMUP, "rows": []}
@@ -266,6 +379,9 @@ def timing(work: Path, steps: int, strategies: list[str], nogc: bool) -> dict:
             results["rows"].append({"strategy": f"{strategy}, no gc.collect at the rollout (what-if)", "ours": row["nogc"],
                                     "trl": row["trl"], "trl_over_ours": b / c if b and c else None, "what_if": True})
             del row["nogc"]
+        if phases and strategy == "zero3":  # both sides again, with timers around each phase
+            results["phases"] = {"strategy": strategy, "ours": run_phases("ours", strategy, over, work),
+                                 "trl": run_phases("trl", strategy, over, work)}
         print(f"{strategy}: ours {a} s/step, TRL {b} s/step" + ("" if pair["trl"]["ok"] else
                                                                 f"; TRL failed: {pair['trl'].get('error')}")
               + ("" if pair["ours"]["ok"] else f"; ours failed: {pair['ours'].get('error')}"), flush=True)
@@ -320,6 +436,8 @@ def section(results: dict) -> str:
                   "replaced by `self.optimizer.empty_partition_cache()` alone (`bench/studies/grpo_vs_trl.py nogc`, "
                   "monkeypatched; the per-step losses are bit-identical with and without), against the same TRL run: "
                   "the release without the collection is what the rollout needs.", ""]
+    if tim.get("phases"):
+        lines += [phase_table(tim["phases"], tim["warmup"]), ""]
     for row in tim["rows"]:
         if row.get("what_if"):
             continue
@@ -338,6 +456,34 @@ def section(results: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def phase_table(ph: dict, warmup: int) -> str:
+    """Where a step's time goes on each side (phases_main), as a paragraph and a table."""
+    from bench.parts.common import table
+
+    o, t = ph["ours"], ph["trl"]
+    failed = [f"{'finetune' if s is o else 'TRL'}'s phase launch failed: `{s.get('error')}`" for s in (o, t)
+              if not s.get("ok")]
+    if failed:
+        return "\n".join(failed)
+
+    def cell(side, key, count=False):
+        seconds, calls = side["phases"].get(key, [0.0, 0.0])
+        return f"{calls:.0f}" if count else f"{seconds * 1000:.0f} ms ({calls:.0f})"
+
+    body = [[row, *(cell(s, key, row.startswith("subprocesses")) for s, key in ((o, ours), (t, theirs)))]
+            for row, ours, theirs in PHASES]
+    body.append(["the whole step (between optimizer steps)", *(f"{s['step_seconds'] * 1000:.0f} ms"
+                                                                 if s.get("step_seconds") else "-" for s in (o, t))])
+    return "\n".join([
+        f"Where a {ph['strategy']} step's time goes: each side launched once more with timers on rank 0 around each "
+        f"phase and each collective (`bench/studies/grpo_vs_trl.py --phases`, phases_main: what PHASES wraps), per optimizer "
+        f"step over the steps after the first {warmup} ({o['steps']} and {t['steps']}), milliseconds (calls a step); "
+        f"other load {o.get('other_load') or 0:.2f} / {t.get('other_load') or 0:.2f}. The rows overlap: generation "
+        "is part of the rollout, the collectives run inside the rollout, forward, backward and optimizer step, "
+        "and a collective's time includes rank 0's wait for the other rank.", "",
+        table(["phase", "finetune", "TRL"], body)])
+
+
 def write_doc(doc: Path, text: str) -> None:
     from bench.parts.report import GRPO_BEGIN, GRPO_END, GRPO_TITLE, write_marked_section
 
@@ -350,6 +496,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--strategies", default=",".join(STRATEGIES))
     p.add_argument("--nogc", action="store_true", help="under zero3 also run ours with DeepSpeed's "
                    "empty_partition_cache without its gc.collect() (a what-if row, nogc_main)")
+    p.add_argument("--phases", action="store_true", help="under zero3 also run each side once more with "
+                   "timers around each phase of the step (phases_main): the phase table")
     p.add_argument("--finetune", default="", help="the finetune tree both sides run (default: this repository)")
     p.add_argument("--work", default=f"/tmp/grpo-vs-trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--doc", default="", help="write section 14 into this report (docs/benchmarks.md)")
@@ -389,7 +537,7 @@ def main(argv: list[str]) -> int:
     results["recipe"]["reward_funcs"] = [getattr(f, "__name__", str(f).rsplit(":", 1)[-1]) for f in r.reward_funcs]
     results["finetune_git"] = subprocess.run(["git", "-C", str(FINETUNE_ROOT), "log", "-1", "--format=%h %s"],
                                              capture_output=True, text=True).stdout.strip()[:80]
-    results["timing"] = timing(work, a.steps, a.strategies.split(","), a.nogc)
+    results["timing"] = timing(work, a.steps, a.strategies.split(","), a.nogc, a.phases)
     results["minutes"] = (time.time() - t0) / 60
     (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     text = section(results)
@@ -406,6 +554,10 @@ if __name__ == "__main__":
         from finetune.run import exit_without_teardown
 
         exit_without_teardown(trl_main(sys.argv[2:]))
+    if len(sys.argv) > 1 and sys.argv[1] == "phases":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        phases_main(sys.argv[2:])
+        sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "nogc":
         nogc_main(sys.argv[2:])
         sys.exit(0)
