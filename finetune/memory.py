@@ -76,7 +76,7 @@ Estimate (no model loaded, no GPU needed)
 
 4. Buffers: what a strategy allocates beyond the model states (rough, stated so that it can be
    checked): ddp, a second copy of every gradient in DDP's reduction buckets (Accelerate leaves
-   gradient_as_bucket_view off); zero1/2, two reduce buckets of h^2 elements and, in 16-bit, the fp32
+   gradient_as_bucket_view off); zero1/2, two reduce buckets (h^2, at least 1e6 elements) and, in 16-bit, the fp32
    copy of the gradient partition made for the optimizer step; zero3, two gathered units (the
    current one and the prefetched one; a unit is a decoder layer or the embedding) in the compute
    dtype, one layer's unreduced gradients, the reduce bucket (h^2, at least 1e6 elements) and, in

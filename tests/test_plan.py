@@ -181,14 +181,18 @@ def test_deepspeed_zero3_buckets():
     assert z["stage3_gather_16bit_weights_on_model_save"] is True
 
 
-def test_deepspeed_zero3_reduce_bucket_has_a_floor_for_small_models():
+@pytest.mark.parametrize("strategy", ["zero1", "zero2", "zero3"])
+def test_deepspeed_reduce_bucket_has_a_floor_for_small_models(strategy):
     """hidden^2 elements, but no fewer than REDUCE_BUCKET_MIN: a small model's gradients in one
-    reduce-scatter a micro-batch, not one per weight; the planner counts the same buffer."""
+    collective, not one per weight; a large model keeps hidden^2."""
     from finetune.strategy.zero import REDUCE_BUCKET_MIN, reduce_bucket
 
     assert reduce_bucket(4096) == 4096 * 4096 and reduce_bucket(64) == REDUCE_BUCKET_MIN
-    z = deepspeed_config(plan("strategy=zero3", env={"WORLD_SIZE": "2"}), hidden_size=64)["zero_optimization"]
-    assert z["reduce_bucket_size"] == REDUCE_BUCKET_MIN and z["allgather_bucket_size"] == 64 * 64
+    z = deepspeed_config(plan(f"strategy={strategy}", env={"WORLD_SIZE": "2"}), hidden_size=64)["zero_optimization"]
+    assert z["reduce_bucket_size"] == REDUCE_BUCKET_MIN
+    assert z["allgather_bucket_size"] == (64 * 64 if strategy == "zero3" else 5 * 10**7)
+    big = deepspeed_config(plan(f"strategy={strategy}", env={"WORLD_SIZE": "2"}), hidden_size=4096)
+    assert big["zero_optimization"]["reduce_bucket_size"] == 4096 * 4096
 
 
 def test_deepspeed_zero2_has_no_stage3_keys():

@@ -52,7 +52,7 @@ class Zero(Strategy):
     def buffers(self, arch, setup, trained, grad_bytes, world_size, compute_bytes, sixteen, layer, layer_trained):
         lp = compute_bytes
         h2 = arch.hidden_size ** 2
-        buffers = 2 * h2 * lp  # the reduce bucket, doubled when communication overlaps
+        buffers = 2 * reduce_bucket(arch.hidden_size) * lp  # the reduce bucket, doubled when communication overlaps
         if sixteen and setup.offload_optimizer == "none":
             buffers += 4 * trained / world_size  # fp32 gradient partition for the optimizer step
         return buffers
@@ -65,7 +65,7 @@ class Zero(Strategy):
             "overlap_comm": plan.device == "cuda",
             "contiguous_gradients": True,
             "reduce_scatter": True,
-            "reduce_bucket_size": h2,
+            "reduce_bucket_size": reduce_bucket(hidden_size),
             "allgather_bucket_size": max(h2, 5 * 10**7),
         }
 
@@ -133,7 +133,6 @@ class Zero3(Zero):
         h2 = hidden_size * hidden_size
         section = super().zero_optimization(plan, hidden_size)
         section["allgather_bucket_size"] = h2
-        section["reduce_bucket_size"] = reduce_bucket(hidden_size)
         section.update({
             "stage3_prefetch_bucket_size": int(0.9 * h2),
             "stage3_param_persistence_threshold": 10 * hidden_size,
@@ -218,19 +217,21 @@ class Zero3(Zero):
         return out
 
 
-# ZeRO-3 reduce-scatters the gradients at every micro-batch's backward, one collective per bucket of
-# reduce_bucket_size elements, and a parameter larger than the room left starts a new bucket: at
-# hidden_size^2 (Hugging Face's "auto") a small model reduces almost every weight on its own (19
-# collectives a micro-batch for the 2-layer tiny Llama, hidden 64, where 1 does; each a wait for every
-# rank: 0.48 -> 0.35 s a tiny_grpo step on 2 loaded cores). Models from hidden 1000 up keep hidden^2; the
-# floor's buffer is 4 MB in fp32. With 2 ranks every gradient element is the same a + b in any bucket:
-# tiny_grpo's metrics and rollouts are identical with either size (scripts/compare_runs.py); with more
+# Every ZeRO stage reduces the gradients one collective per bucket of reduce_bucket_size elements (ZeRO-3
+# reduce-scatters at every micro-batch's backward, zero1/2 at the accumulation boundary), and a
+# parameter larger than the room left starts a new bucket: at hidden_size^2 (Hugging Face's "auto") a
+# small model reduces almost every weight on its own (19 collectives a micro-batch for the 2-layer tiny
+# Llama, hidden 64, where 1 does; each a wait for every rank). On 2 loaded cores: a tiny_grpo zero3
+# step 0.48 -> 0.35 s; tiny_zero2 1,366-1,753 -> 3,163-3,228 tokens/s, tiny_zero1 2,127-2,500 ->
+# 3,254-3,428 (two alternated runs each). Models from hidden 1000 up keep hidden^2; the floor's buffer
+# is 4 MB in fp32. With 2 ranks every gradient element is the same a + b in any bucket: metrics,
+# rollouts and final weights are identical with either size (scripts/compare_runs.py, cmp); with more
 # ranks the summation order of an element may follow its place in the bucket (last bits).
 REDUCE_BUCKET_MIN = 10**6
 
 
 def reduce_bucket(hidden_size: int) -> int:
-    """ZeRO-3's reduce_bucket_size in elements: hidden_size^2, at least REDUCE_BUCKET_MIN."""
+    """reduce_bucket_size in elements, every stage: hidden_size^2, at least REDUCE_BUCKET_MIN."""
     return max(hidden_size * hidden_size, REDUCE_BUCKET_MIN)
 
 
