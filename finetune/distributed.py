@@ -48,13 +48,21 @@ def deepspeed_cpu_local_size() -> None:
     """On CPU, DeepSpeed counts its devices from LOCAL_SIZE (set by its own launcher, not by
     Accelerate or torchrun); without it, every call of its CPU accelerator's device_count() runs
     `numactl --hardware` in a subprocess (deepspeed/utils/numa.py). ZeRO-3 calls it once per
-    gradient bucket it reduce-scatters (stage3.py __avg_scatter_grads: 19 a micro-batch for the
-    2-layer tiny Llama), so a process fork per bucket: 76 a tiny_grpo step, 20% of the zero3 step on
-    2 loaded cores (bench/studies/grpo_vs_trl.py, docs/benchmarks.md section 14). The count only chooses
-    between reduce-scatter and the quantized all-to-all (zero_quantized_gradients, more than one
-    node), so the processes on this node (LOCAL_WORLD_SIZE), as DeepSpeed's launcher sets
-    it, changes nothing else."""
-    os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gradient bucket it reduce-scatters (stage3.py __avg_scatter_grads), so a process fork per bucket:
+    20% of a tiny_grpo zero3 step on 2 loaded cores (bench/studies/grpo_vs_trl.py, docs/benchmarks.md
+    section 14). The count only chooses between reduce-scatter and the quantized all-to-all
+    (zero_quantized_gradients, more than one node), so the processes on this node
+    (LOCAL_WORLD_SIZE) changes nothing else.
+
+    Set only once DeepSpeed's communication is up (after prepare): DeepSpeed's backend reads
+    LOCAL_SIZE as it starts, and where it equals the world size it creates a shared-memory allreduce
+    buffer per rank in /dev/shm (64 MiB each, for inference_all_reduce, which training never calls)
+    that nothing removes when the process ends: every run left 128 MiB of RAM behind until the
+    machine ran out (tests/distributed/conftest.py checks each launch leaves none)."""
+    import deepspeed.comm as dist
+
+    if dist.is_initialized():
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
 def build_accelerator(plan, config):
@@ -74,7 +82,6 @@ def build_accelerator(plan, config):
     on_cpu = plan.device == "cpu"
     plugins = strategy.plugins(plan, config)
     if on_cpu:
-        deepspeed_cpu_local_size()
         strategy.start_cpu_group()
     accelerator = Accelerator(
         cpu=strategy.accelerator_cpu(on_cpu),
@@ -124,4 +131,6 @@ def prepare(accelerator, plan, model, total_steps: int):
         return model, optimizer, scheduler
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     plan.strategy.after_prepare(accelerator, model, optimizer)
+    if plan.device == "cpu" and plan.strategy.is_deepspeed:
+        deepspeed_cpu_local_size()
     return model, optimizer, scheduler

@@ -264,9 +264,12 @@ def test_deepspeed_op_builds_use_this_environments_ninja(monkeypatch):
 def test_deepspeed_on_cpu_counts_its_devices_without_a_subprocess(monkeypatch):
     """Without LOCAL_SIZE, DeepSpeed's CPU accelerator ran `numactl --hardware` in a subprocess at every
     device_count(), which ZeRO-3 calls once per gradient bucket it reduce-scatters (76 forks a
-    tiny_grpo step). The run sets it to the node's process count, as DeepSpeed's launcher does."""
+    tiny_grpo step). The run sets it to the node's process count, as DeepSpeed's launcher does, but only
+    once DeepSpeed's communication is up: set before, DeepSpeed's backend creates /dev/shm buffers that
+    nothing removes."""
     import subprocess
 
+    import deepspeed.comm
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     from finetune.distributed import deepspeed_cpu_local_size
@@ -276,6 +279,10 @@ def test_deepspeed_on_cpu_counts_its_devices_without_a_subprocess(monkeypatch):
 
     monkeypatch.delenv("LOCAL_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(deepspeed.comm, "is_initialized", lambda: False)
+    deepspeed_cpu_local_size()  # before DeepSpeed's backend starts: left unset
+    assert "LOCAL_SIZE" not in os.environ
+    monkeypatch.setattr(deepspeed.comm, "is_initialized", lambda: True)
     deepspeed_cpu_local_size()
     monkeypatch.setattr(subprocess, "check_output", no_subprocess)
     assert os.environ["LOCAL_SIZE"] == "2"

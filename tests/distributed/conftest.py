@@ -70,6 +70,11 @@ def launch_env(tmp_path_factory) -> dict:
     return env
 
 
+# DeepSpeed's CPU backend creates these where LOCAL_SIZE equals the world size as it starts, and nothing
+# removes them (finetune.distributed.deepspeed_cpu_local_size): a run must leave none.
+SHM, SHM_LEFT = Path("/dev/shm"), "deepspeed_allreduce_buffer_*"
+
+
 @pytest.fixture(scope="session")
 def launch(launch_env, tmp_path_factory):
     """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`."""
@@ -89,10 +94,15 @@ def launch(launch_env, tmp_path_factory):
                    str(nprocs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), "finetune/run.py", *args]
         env = dict(launch_env, **(extra_env or {}))
+        shm_before = set(SHM.glob(SHM_LEFT))
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        left = sorted(set(SHM.glob(SHM_LEFT)) - shm_before)
+        for path in left:  # removed before failing: each holds 64 MiB of the machine's RAM
+            path.unlink(missing_ok=True)
         result = Run(Path(out), proc.returncode, proc.stdout, proc.stderr, launch_env)
         if check and proc.returncode != 0:
             raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
+        assert not left, f"the launch left DeepSpeed's shared-memory buffers in /dev/shm: {[p.name for p in left]}"
         return result
 
     return run
