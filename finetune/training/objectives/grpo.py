@@ -251,9 +251,7 @@ class GRPO(Basic):
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
-        all_tokens = [t for p in parts for t in p[0]]
-        all_stopped = [s for p in parts for s in p[1]]
-        all_rewards = torch.tensor([v for p in parts for v in p[2]], dtype=torch.float32).view(len(all_tokens), -1)
+        all_tokens, all_stopped, all_rewards = joined(parts, len(self.rewards.names))
         advantages, zero_std = group_advantages(all_rewards, self.rewards.weights, g, r.scale_rewards)
         values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
                                  torch.tensor([len(t) for t in all_tokens]),
@@ -437,16 +435,23 @@ def first_failure(parts: list) -> str | None:
     return next((p[-1] for p in parts if p[-1] is not None), None)
 
 
+def joined(parts: list, functions: int) -> tuple[list, list, torch.Tensor]:
+    """The ranks' gathered parts ((tokens, stopped, [completions, functions] rewards, failure) per rank)
+    joined in their order: every completion's tokens, whether it stopped, and the rewards as one
+    [completions, functions] tensor."""
+    tokens = [t for p in parts for t in p[0]]
+    stopped = [s for p in parts for s in p[1]]
+    rewards = torch.tensor([v for p in parts for v in p[2]], dtype=torch.float32).view(len(tokens), functions)
+    return tokens, stopped, rewards
+
+
 def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g: int,
                  scale_rewards: str = "group") -> dict:
     """An eval's metrics (rollout_metrics' but the rollout's seconds) from its batches, each the ranks'
     gathered parts in rank order ((tokens, stopped, [completions, functions] rewards, failure) per rank):
     the completions in their global order (batch, then rank: each rank's share is contiguous), so the
     values do not depend on how many ranks generated them."""
-    parts = [p for batch in batches for p in batch]
-    tokens = [t for p in parts for t in p[0]]
-    stopped = [s for p in parts for s in p[1]]
-    per_func = torch.tensor([v for p in parts for v in p[2]], dtype=torch.float32).view(len(tokens), len(names))
+    tokens, stopped, per_func = joined([p for batch in batches for p in batch], len(names))
     _, zero_std = group_advantages(per_func, weights, g, scale_rewards)
     return rollout_metrics(per_func, weights, names, zero_std, torch.tensor([len(t) for t in tokens]),
                            ~torch.tensor(stopped, dtype=torch.bool))
