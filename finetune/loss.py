@@ -126,8 +126,9 @@ class OutputHeadLoss:
     """One call's worth of "the output projection returns the loss": what to switch off on the model
     and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
 
-    def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False):
+    def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
+        self.temperature = temperature  # per_token: the logits, as the model makes them, divided by it
         self.rows = None  # per_token: the batch row of each target token
         self.positions = None  # per_token: each target token's flat index in the shifted targets
         hf = hf_model(model)
@@ -195,11 +196,14 @@ class OutputHeadLoss:
             # Only target tokens need logits: prompts and padding (often most of a fine-tuning batch) are
             # skipped. Counting them is one host sync, after the forward is queued.
             keep = (flat != IGNORE).nonzero().squeeze(1)
-            compute = linear_token_logps if self.per_token else linear_cross_entropy
+            options = {"scale": self.scale, "softcap": self.softcap, "chunk": self.chunk}
             if self.per_token:
                 self.rows, self.positions = keep // targets.shape[-1], keep
+                compute, options = linear_token_logps, options | {"temperature": self.temperature}
+            else:
+                compute = linear_cross_entropy
             self.loss = compute(hidden.index_select(0, keep), head.weight, head.bias, flat.index_select(0, keep),
-                                self.impl, scale=self.scale, softcap=self.softcap, chunk=self.chunk)
+                                self.impl, **options)
             return self.loss
 
         head.forward = forward
@@ -271,16 +275,22 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
     return (logps * mask).sum(-1), mask.sum(-1)
 
 
-def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None) -> torch.Tensor:
+def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None,
+                temperature: float = 1.0) -> torch.Tensor:
     """Each target token's log-probability, [rows, length] fp32 laid out as the labels: out[b, t] =
-    log p(labels[b, t] | tokens before t) where labels[b, t] is set, 0 elsewhere (what a policy-gradient
-    loss weighs token by token, finetune/training/objectives/grpo.py). As sequence_logps, computed inside the
-    output layer a chunk of tokens at a time, no [tokens, vocab] logits at once; impl=full from the full
-    logits. Not for sequence-parallel shards (their targets are shifted over the whole row)."""
+    log softmax(logits / temperature)[labels[b, t]] of the position before t where labels[b, t] is set, 0
+    elsewhere (what a policy-gradient loss weighs token by token, finetune/training/objectives/grpo.py). The
+    logits are the model's own (its logit scale and softcap applied), then divided by the temperature: the
+    distribution a sampler at that temperature drew from (finetune/generation.py), as TRL's GRPOTrainer
+    and verl score a policy. As sequence_logps, computed inside the output layer a chunk of tokens at a
+    time, no [tokens, vocab] logits at once; impl=full from the full logits. Not for sequence-parallel
+    shards (their targets are shifted over the whole row)."""
+    if not temperature > 0:
+        raise ValueError(f"token_logps: temperature={temperature} must be > 0")
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     labels = batch["labels"]
     if impl != "full":
-        head = OutputHeadLoss(model, impl, chunk, per_token=True)
+        head = OutputHeadLoss(model, impl, chunk, per_token=True, temperature=temperature)
         if head.supported:
             with head.computing_loss(shifted_labels(labels)):
                 out = model(**inputs)
@@ -292,18 +302,20 @@ def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = N
     out = model(**inputs)
     targets = shifted_labels(labels).to(out.logits.device)
     mask = targets != IGNORE
-    logps = torch.log_softmax(out.logits.float(), dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
+    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
     return F.pad((logps * mask)[:, :-1], (1, 0))
 
 
 def linear_token_logps(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,
-                       softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
-    """log softmax(softcap(scale * (hidden_i @ weight.T + bias)))[targets_i] for each i: [n] in fp32, a
-    chunk of rows at a time (liger has no per-token form: the chunked path serves it too)."""
+                       softcap: float | None = None, chunk: int | None = None,
+                       temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(softcap(scale * (hidden_i @ weight.T + bias)) / temperature)[targets_i] for each i: [n]
+    in fp32, a chunk of rows at a time (liger has no per-token form: the chunked path serves it too)."""
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
     return _ChunkedTokenLogps.apply(hidden, weight, bias, targets, scale, softcap,
-                                    chunk or chunk_rows(weight.shape[0]), dtype)
+                                    chunk or chunk_rows(weight.shape[0]), dtype, temperature)
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
@@ -315,17 +327,17 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     layer's backward, which is when this backward reads it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype, temperature=1.0):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
-                z, _ = _logits(hidden[part].to(dtype), w, b, scale, softcap)
+                z, _ = _logits(hidden[part].to(dtype), w, b, scale, softcap, temperature)
                 out[part] = z.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
         ctx.save_for_backward(hidden, targets)
-        ctx.weight, ctx.bias, ctx.options = weight, bias, (scale, softcap, rows, dtype)
+        ctx.weight, ctx.bias, ctx.options = weight, bias, (scale, softcap, rows, dtype, temperature)
         return out
 
     @staticmethod
@@ -333,7 +345,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, targets = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
-        scale, softcap, rows, dtype = ctx.options
+        scale, softcap, rows, dtype, temperature = ctx.options
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
@@ -344,10 +356,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
                 h = hidden[part].to(dtype)
-                z, tanh = _logits(h, w, b, scale, softcap)
+                z, tanh = _logits(h, w, b, scale, softcap, temperature)
                 g = torch.softmax(z, dim=-1).neg_()  # d log p[y] / dz = onehot(y) - softmax(z)
                 g[torch.arange(g.shape[0], device=g.device), targets[part]] += 1.0
                 g.mul_(grad_out[part, None].float())
+                if temperature != 1.0:  # z is the model's logits / temperature
+                    g.div_(temperature)
                 if tanh is not None:
                     g.mul_(tanh.mul_(tanh).neg_().add_(1.0))
                 if scale != 1.0:
@@ -360,19 +374,22 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += g.float().sum(0)
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None)
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None)
 
 
-def _logits(h, w, b, scale: float, softcap: float | None):
-    """A chunk's fp32 logits as the model would produce them (its scale, then its softcap), and the
-    softcap's tanh for the backward."""
+def _logits(h, w, b, scale: float, softcap: float | None, temperature: float = 1.0):
+    """A chunk's fp32 logits as the model would produce them (its scale, then its softcap), divided by
+    the sampling temperature, and the softcap's tanh for the backward."""
     z = F.linear(h, w, b).float()
     if scale != 1.0:
         z = z * scale
-    if softcap is None:
-        return z, None
-    tanh = (z / softcap).tanh()
-    return tanh * softcap, tanh
+    tanh = None
+    if softcap is not None:
+        tanh = (z / softcap).tanh()
+        z = tanh * softcap
+    if temperature != 1.0:
+        z = z / temperature
+    return z, tanh
 
 
 def linear_cross_entropy(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,

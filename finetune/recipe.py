@@ -184,6 +184,8 @@ class Recipe:
     num_iterations: int = _opt(1, min=1, help="grpo: optimizer steps per rollout (old log-probs kept from it)")
     beta: float = _opt(0.0, min=0.0, help="grpo: the KL penalty's weight against the reference (0: no reference "
                        "held)")
+    use_bias_correction_kl: bool = _opt(True, help="grpo, beta > 0: the KL term (k3) times the importance ratio, the "
+                                        "unbiased reverse KL's gradient (TRL's default); false: the plain k3 term")
     mask_truncated_completions: bool = _opt(False, help="grpo: completions cut at max_completion_len count in no "
                                             "loss term (DAPO)")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
@@ -654,7 +656,7 @@ SIMPO_GAMMA_MAX = 1e3
 
 GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
-               "mask_truncated_completions")
+               "mask_truncated_completions", "use_bias_correction_kl")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 

@@ -3,12 +3,12 @@ chunk at a time against the full logits, the objective on a real (tiny) model, t
 
 TRL is not a dependency (bench only) and its loss is a method of GRPOTrainer that needs a model and an
 accelerator, so TRL's lines are reproduced below as written in trl 1.16.0, trl/trainer/grpo_trainer.py:
-GRPOTrainer._compute_loss lines 3058-3066 (old log-probs), 3083-3086 (token-level ratio), 3095-3103
-(coef_1, k3 KL), 3112-3119 (clipping), 3149-3150 (KL term), 3152-3173 (grpo, dr_grpo, dapo
+GRPOTrainer._compute_loss lines 3058-3066 (old log-probs), 3083-3086 (token-level ratio), 3095-3105
+(coef_1, k3 KL, its bias correction), 3112-3119 (clipping), 3149-3150 (KL term), 3152-3173 (grpo, dr_grpo, dapo
 normalisations), 3259-3279 (global_masked_mean, kl and clip_ratio metrics); _generate_and_score_completions
 lines 2756-2790 and 2807 (sum_then_normalize advantages); trl/trainer/utils.py nanstd lines 1037-1050.
 Branches for settings this toolkit does not offer (vLLM, entropy masks, off-policy masks, sequence-level
-importance sampling, delta, bias-corrected KL, other loss types) are left out; nothing else is changed."""
+importance sampling, delta, other loss types) are left out; nothing else is changed."""
 
 import json
 import types
@@ -89,6 +89,9 @@ def trl_compute_loss(self, per_token_logps, inputs):
         per_token_kl = (
             torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1
         )
+        # Importance sampling correction for the KL divergence
+        if self.args.use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
 
     if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
@@ -134,12 +137,13 @@ def trl_compute_loss(self, per_token_logps, inputs):
 
 
 # ----------------------------------------------------------------------------- the comparison
-def trainer(loss_type, beta, *, ga, world, max_len, epsilon=0.2, epsilon_high=0.28):
+def trainer(loss_type, beta, *, ga, world, max_len, epsilon=0.2, epsilon_high=0.28, bias_correction_kl=True):
     return types.SimpleNamespace(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=max_len,
         importance_sampling_level="token", current_gradient_accumulation_steps=ga,
         accelerator=types.SimpleNamespace(num_processes=world, reduce=lambda t, reduction: t),
-        args=types.SimpleNamespace(steps_per_generation=ga), model=types.SimpleNamespace(training=True),
+        args=types.SimpleNamespace(steps_per_generation=ga, use_bias_correction_kl=bias_correction_kl),
+        model=types.SimpleNamespace(training=True),
         _metrics={"train": {"kl": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [],
                             "clip_ratio/region_mean": []}})
 
@@ -159,17 +163,18 @@ def rollout_tensors(rows=8, length=9, seed=0, iterations=1):
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 @pytest.mark.parametrize("iterations", [1, 2])
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta):
+@pytest.mark.parametrize("beta,corrected", [(0.0, True), (0.04, True), (0.04, False)])
+def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta, corrected):
     """The global batch of 8 completions split over 2 ranks x 2 micro-batches: TRL's loss (per
     micro-batch, summed over accumulation, averaged over ranks as DDP does) against ours (micro-batch
-    sums over the global batch's count), values and gradients; metrics on one micro-batch."""
+    sums over the global batch's count), values and gradients; metrics on one micro-batch. With beta > 0
+    under both values of use_bias_correction_kl (TRL's default: true)."""
     world, ga, max_len = 2, 2, 9
     base, old, ref, advantages, mask = rollout_tensors(iterations=iterations)
     micro = [slice(i, i + 2) for i in range(0, 8, 2)]  # rank r's micro-batch k: micro[r * ga + k]
 
     trl_logps = base.clone().requires_grad_()
-    t = trainer(loss_type, beta, ga=ga, world=world, max_len=max_len)
+    t = trainer(loss_type, beta, ga=ga, world=world, max_len=max_len, bias_correction_kl=corrected)
     trl_loss = 0.0
     for part in micro:
         inputs = {"completion_mask": mask[part], "advantages": advantages[part],
@@ -185,22 +190,23 @@ def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta):
     for part in micro:
         loss, _ = policy_loss(ours_logps[part], advantages[part], mask[part],
                               old_logps=old[part] if old is not None else None, ref_logps=ref[part],
-                              loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, max_completion_len=max_len)
+                              loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, max_completion_len=max_len,
+                              bias_correction_kl=corrected)
         ours_loss = ours_loss + loss / count
     ours_loss.backward()
     assert abs(ours_loss.item() - trl_loss.item()) < 1e-6
     assert torch.allclose(ours_logps.grad, trl_logps.grad, rtol=0, atol=1e-6)
     assert trl_logps.grad.abs().sum() > 0
 
-    t = trainer(loss_type, beta, ga=1, world=1, max_len=max_len)  # metrics: the whole batch at once
+    t = trainer(loss_type, beta, ga=1, world=1, max_len=max_len, bias_correction_kl=corrected)  # metrics: one batch
     trl_compute_loss(t, base, {"completion_mask": mask, "advantages": advantages, "ref_per_token_logps": ref,
                                "num_items_in_batch": mask.sum(), **({"old_per_token_logps": old} if old is not None
                                                                     else {})})
     sums = sum(policy_loss(base[p], advantages[p], mask[p], old_logps=old[p] if old is not None else None,
                            ref_logps=ref[p], loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta,
-                           max_completion_len=max_len)[1] for p in micro)
+                           max_completion_len=max_len, bias_correction_kl=corrected)[1] for p in micro)
     objective = GRPO(Recipe(objective="grpo", loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
-                            max_completion_len=max_len, **REWARD))
+                            max_completion_len=max_len, use_bias_correction_kl=corrected, **REWARD))
     ours = dict(zip(objective.loss_metrics, objective.means(sums)))  # then the rollout's (NaN: none yet)
     theirs = {k: v[0] for k, v in t._metrics["train"].items() if v}
     assert set(ours) == set(theirs)

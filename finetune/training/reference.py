@@ -53,10 +53,11 @@ class AdapterDisabled:
         with torch.no_grad(), _peft_model(model).disable_adapter():
             return SP.row_logps(model, batch, self.impl, self.chunk)[0]
 
-    def token_logps(self, model, batch: dict) -> torch.Tensor:
-        """Per target token, laid out as the labels (GRPO's KL term: loss.token_logps)."""
+    def token_logps(self, model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        """Per target token, laid out as the labels, of the logits / temperature (GRPO's KL term:
+        loss.token_logps at the policy's sampling temperature)."""
         with torch.no_grad(), _peft_model(model).disable_adapter():
-            return token_logps(model, batch, self.impl, self.chunk)
+            return token_logps(model, batch, self.impl, self.chunk, temperature)
 
 
 class Frozen:
@@ -71,10 +72,11 @@ class Frozen:
         with torch.no_grad(), self.accelerator.autocast():
             return SP.row_logps(self.model, batch, self.impl, self.chunk)[0]
 
-    def token_logps(self, policy, batch: dict) -> torch.Tensor:
-        """Per target token, laid out as the labels (GRPO's KL term: loss.token_logps)."""
+    def token_logps(self, policy, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+        """Per target token, laid out as the labels, of the logits / temperature (GRPO's KL term:
+        loss.token_logps at the policy's sampling temperature)."""
         with torch.no_grad(), self.accelerator.autocast():
-            return token_logps(self.model, batch, self.impl, self.chunk)
+            return token_logps(self.model, batch, self.impl, self.chunk, temperature)
 
 
 class Precomputed:

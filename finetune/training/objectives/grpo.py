@@ -9,10 +9,17 @@ where std is the group's (scale_rewards=group), the whole batch's (batch), or no
 completion no function scored gets advantage 0. Per completion token, with r = exp(logp - old_logp):
 
     loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t,
-    kl_t = exp(ref_logp - logp) - (ref_logp - logp) - 1      (the k3 estimator; only when beta > 0)
+    kl_t = r (exp(ref_logp - logp) - (ref_logp - logp) - 1)  (only when beta > 0)
 
+kl_t is the k3 estimator times the importance ratio (use_bias_correction_kl=true, TRL 1.16's default: the
+gradient of the unbiased reverse KL, DeepSeek-V3.2); use_bias_correction_kl=false leaves the plain k3
+term. The ratio is differentiable, so it changes the KL's gradient even where its value is 1.
 old_logp is the policy's at the rollout (num_iterations > 1 steps reuse one rollout); with one iteration
-it is logp itself, detached, so r = 1 and only its gradient acts. How the token losses make the loss
+it is logp itself, detached, so r = 1 and only its gradient acts.
+
+Every log-prob (logp, old_logp, ref_logp) is of the logits divided by the sampling temperature
+(loss.token_logps): the distribution the completions were drawn from, as TRL's GRPOTrainer and verl
+score them; temperature=0 (greedy) scores the logits as they are. How the token losses make the loss
 the optimizer steps on, over the whole global batch whatever its split into ranks and micro-batches
 (TRL's per micro-batch normalisations, averaged by DDP over ranks and summed over accumulation steps,
 come to the same when every micro-batch holds as many completions):
@@ -119,7 +126,8 @@ def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[s
 
 def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, old_logps=None,
                 ref_logps=None, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
-                beta: float = 0.0, max_completion_len: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                beta: float = 0.0, max_completion_len: int = 1,
+                bias_correction_kl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss terms of some completions ([rows, length] per-token log-probs, their rows'
     advantages [rows], the tokens that count [rows, length]) and the sums of the metrics over their
     counted tokens: [kl, clipped low, clipped high, clipped either, tokens], float64. The sum's unit is
@@ -139,6 +147,8 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
             raise ValueError("beta > 0 needs the reference's log-probs (ref_logps) in the batch")
         delta = ref_logps.to(logps) - logps
         kl = torch.exp(delta) - delta - 1
+        if bias_correction_kl:
+            kl = kl * ratio
         per_token = per_token + beta * kl
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
@@ -191,6 +201,9 @@ class GRPO(Basic):
     def __init__(self, recipe):
         self.recipe = recipe
         self.loss_type, self.beta = recipe.loss_type, recipe.beta
+        self.bias_correction_kl = recipe.use_bias_correction_kl
+        # the log-probs of the distribution the completions were sampled from (greedy: the logits as they are)
+        self.temperature = recipe.temperature if recipe.temperature > 0 else 1.0
         self.epsilon, self.epsilon_high = recipe.epsilon, recipe.epsilon_high or recipe.epsilon  # 0: epsilon
         self.max_completion_len = recipe.max_completion_len
         self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
@@ -358,25 +371,30 @@ class GRPO(Basic):
                 device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
                 if self.num_iterations > 1 and old_rows is None:
                     with torch.no_grad():
-                        b["old_logps"] = token_logps(model, device_batch, self.loss_impl, self.chunk).float().cpu()
+                        b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
                 elif self.num_iterations > 1:
                     old = torch.zeros(b["labels"].shape, dtype=torch.float32)
                     for i, row in enumerate(old_rows[a:a + m]):
                         old[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
                     b["old_logps"] = old
                 if self.reference is not None:
-                    b["ref_logps"] = self.reference.token_logps(model, device_batch).float().cpu()
+                    b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature).float().cpu()
             out.append(b)
         return out
 
+    def token_logps(self, model, batch: dict) -> torch.Tensor:
+        """The policy's per-token log-probs of a micro-batch at the sampling temperature (the loss's, and
+        the old ones kept at the rollout)."""
+        return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature)
+
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch of completions; its metrics' sums are kept for take_metrics."""
-        logps = token_logps(model, batch, self.loss_impl, self.chunk)
+        logps = self.token_logps(model, batch)
         mask = (batch["labels"] != IGNORE).to(logps.device)
         loss, sums = policy_loss(
             logps, batch["advantages"], mask, old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
             loss_type=self.loss_type, epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
-            max_completion_len=self.max_completion_len)
+            max_completion_len=self.max_completion_len, bias_correction_kl=self.bias_correction_kl)
         self.sums = sums if self.sums is None else self.sums + sums
         return loss
 
