@@ -313,6 +313,76 @@ def test_objective_on_a_model_is_policy_loss_of_its_logps():
     assert dapo.counts([batch])[0] == mask.sum() and dapo.metrics[0] == "clip_ratio/low_mean"
 
 
+def test_bias_corrected_kl_against_a_hand_computation():
+    """use_bias_correction_kl: the k3 term times the ratio r = exp(logp - old), whose gradient acts even
+    where r is 1: d/dlogp [r k3] = r k3 + r (1 - exp(ref - logp)); off: d k3/dlogp = 1 - exp(ref - logp)."""
+    base, old, ref, _, mask = rollout_tensors(iterations=2)
+    zero = torch.zeros(8)  # no policy term: the loss is the KL term alone
+    for olds in (old, None):  # num_iterations 2, and 1 (old = logp detached: r = 1)
+        r = torch.exp(base - (base if olds is None else olds))
+        delta = ref - base
+        k3 = torch.exp(delta) - delta - 1
+        for corrected, value, grad in ((True, r * k3, r * k3 + r * (1 - torch.exp(delta))),
+                                       (False, k3, 1 - torch.exp(delta))):
+            logps = base.clone().requires_grad_()
+            loss, sums = policy_loss(logps, zero, mask, old_logps=olds, ref_logps=ref, loss_type="dapo", beta=0.04,
+                                     bias_correction_kl=corrected)
+            loss.backward()
+            assert torch.allclose(loss, 0.04 * (value * mask).sum(), rtol=1e-6)
+            assert torch.allclose(logps.grad, 0.04 * grad * mask, rtol=1e-5, atol=1e-7)
+            assert torch.allclose(sums[0].float(), (value * mask).sum(), rtol=1e-6)  # the kl metric: the term
+        if olds is None:
+            assert not torch.allclose(r * k3 + r * (1 - torch.exp(delta)), 1 - torch.exp(delta))
+
+
+def test_recipe_offers_use_bias_correction_kl_with_trls_default():
+    assert Recipe(objective="grpo", **REWARD).use_bias_correction_kl is True
+    assert GRPO(Recipe(objective="grpo", beta=0.04, use_bias_correction_kl=False, **REWARD)).bias_correction_kl is False
+
+
+def test_the_objective_scores_at_its_sampling_temperature():
+    """At temperature 0.7 the policy's log-probs in the loss, the old ones kept at the rollout
+    (num_iterations 2) and the frozen reference's are log_softmax(logits / 0.7), as TRL's and verl's."""
+    import contextlib
+    import copy
+
+    from finetune.training.reference import Frozen
+
+    model = tiny_model()
+    reference_model = tiny_model(seed=3).requires_grad_(False)
+    recipe = Recipe(objective="grpo", loss_type="grpo", beta=0.04, num_iterations=2, temperature=0.7,
+                    micro_batch_size=4, max_completion_len=8, **REWARD)
+    objective = GRPO(recipe)
+    objective.reference = Frozen(reference_model, types.SimpleNamespace(autocast=contextlib.nullcontext), recipe)
+    run = types.SimpleNamespace(recipe=recipe, model=model, accelerator=types.SimpleNamespace(device="cpu"),
+                                tokenizer=types.SimpleNamespace(pad_token_id=0))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 97, (2 + i % 3,), generator=g).tolist() for i in range(4)]
+    completions = [torch.randint(3, 97, (1 + (3 * i) % 5,), generator=g).tolist() for i in range(4)]
+    [batch] = objective.batches(run, prompts, completions, [True] * 4, torch.tensor([1.0, -0.5, 0.3, -0.8]))
+
+    def direct(m, temperature=0.7):
+        logits = m(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        labels = batch["labels"]
+        targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:]
+        logps = torch.log_softmax(logits / temperature, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        return torch.nn.functional.pad((logps * (targets != IGNORE))[:, :-1], (1, 0))
+
+    with torch.no_grad():
+        assert torch.allclose(batch["old_logps"], direct(model), atol=1e-5)
+        assert torch.allclose(batch["ref_logps"], direct(reference_model), atol=1e-5)
+        assert not torch.allclose(batch["old_logps"], direct(model, 1.0), atol=1e-3)
+    moved = copy.deepcopy(model)  # a step later: the policy moved, so the ratio is not 1
+    with torch.no_grad():
+        for p in moved.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    loss = objective.loss(moved, batch)
+    expected, _ = policy_loss(direct(moved), batch["advantages"], batch["labels"] != IGNORE,
+                              old_logps=batch["old_logps"], ref_logps=batch["ref_logps"], loss_type="grpo", beta=0.04,
+                              epsilon=0.2, epsilon_high=0.2)
+    assert abs(loss.item() - expected.item()) < 1e-5
+
+
 # ----------------------------------------------------------------------------- the rollout phase's pure parts
 def test_completion_seeds_are_stable_and_distinct():
     from finetune.training.objectives.grpo import completion_seed

@@ -304,3 +304,36 @@ def test_liger_on_cpu_is_one_error_line(tmp_path):
     lines = proc.stderr.strip().splitlines()
     want = "needs a CUDA GPU" if not torch.cuda.is_available() else "pip install liger-kernel"
     assert len(lines) == 1 and lines[0].startswith("error: loss_impl=liger") and want in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2_softcap", "cohere_scale"])
+def test_token_logps_at_a_temperature_are_log_softmax_of_the_logits_over_it(kind):
+    """GRPO scores completions as they were sampled: log_softmax(logits / T) of the model's own logits
+    (softcap and scale applied first, as the sampler sees them), values and gradients, chunked and full."""
+    from finetune.loss import shifted_labels, token_logps
+
+    model = build(kind)
+    batch = make_batch()
+    targets = shifted_labels(batch["labels"])
+    mask = targets != IGNORE
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(2))
+
+    def direct(temperature):
+        model.zero_grad(set_to_none=True)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+        logps = torch.log_softmax(logits / temperature, -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        logps = torch.nn.functional.pad((logps * mask)[:, :-1], (1, 0))  # laid out as the labels
+        (logps * weights).sum().backward()
+        return logps.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want, want_grads = direct(0.7)
+    assert not torch.allclose(want, direct(1.0)[0], atol=1e-3), "the temperature changes the log-probs"
+    for impl, chunk in (("chunked", 7), ("full", None)):
+        model.zero_grad(set_to_none=True)
+        got = token_logps(model, batch, impl, chunk, temperature=0.7)
+        (got * weights).sum().backward()
+        assert_close(got.detach(), want, 1e-5, f"{impl} log-probs")
+        for name, grad in want_grads.items():
+            assert_close(model.get_parameter(name).grad, grad, 1e-5, f"{impl} {name}")
+    with pytest.raises(ValueError, match="temperature"):
+        token_logps(model, batch, "chunked", temperature=0.0)
