@@ -696,6 +696,11 @@ def _check_grpo(r: Recipe, strategy) -> None:
         if getattr(r, key):
             raise RecipeError(f"{key}=true with objective=grpo: a completion is scored on its own tokens; set "
                               f"{key}=false")
+    if r.sequence_parallel > 1:
+        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=grpo: GRPO's rollouts and per-token "
+                          "log-probs are not split across ranks yet (sequence parallelism serves sft and dpo); set "
+                          "sequence_parallel=1 (shorter max_completion_len, activation_checkpointing or a sharding "
+                          "strategy lower the memory instead)")
     if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
                           f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")
@@ -721,6 +726,10 @@ def _check_reward(r: Recipe) -> None:
         if getattr(r, key):
             raise RecipeError(f"{key}=true with objective=reward: a preference pair is scored as its two whole "
                               f"sequences, one reward each; set {key}=false")
+    if r.sequence_parallel > 1:
+        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=reward: a reward model scores each "
+                          "sequence at its last token, which sequence parallelism would leave on one rank's slice "
+                          "(not supported yet; it serves sft and dpo); set sequence_parallel=1")
     if r.load_in_4bit:
         raise RecipeError("load_in_4bit=true with objective=reward: the score head of a 4-bit base was not tried; "
                           "set load_in_4bit=false (lora=true keeps the base frozen)")

@@ -281,6 +281,41 @@ def side_ids(tokenizer, prompt, completion) -> list[int]:
     return ids + ([] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id])
 
 
+def checkpoint_keys(folder, where: str) -> set[str] | None:
+    """The tensor names a model directory's safetensors weights hold, read from their headers (whole files
+    checked: safetensors refuses a file shorter than its header says); None where its weights are in
+    another format. RewardSpecError where there are none, or a file is cut short or unreadable."""
+    import json
+
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wanted = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError) as e:
+            raise RewardSpecError(f"{where}: {index.name} is unreadable ({type(e).__name__}); copy the directory "
+                                  "again") from None
+        missing = sorted(wanted - {f.name for f in files})
+        if missing:
+            raise RewardSpecError(f"{where}: {missing[0]} is missing (named in {index.name}); copy the directory again")
+    if not files:
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            return None
+        raise RewardSpecError(f"{where}: holds no model weights (*.safetensors); give the final/ of an "
+                              "objective=reward run")
+    keys = set()
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as weights:
+                keys.update(weights.keys())
+        except Exception as e:  # noqa: BLE001 - cut short, garbled: the same for the user
+            raise RewardSpecError(f"{where}: {f.name} is not a whole safetensors file ({type(e).__name__}: "
+                                  f"{str(e)[:160]}); copy the directory again") from None
+    return keys
+
+
 @dataclass
 class RewardModel:
     """A sequence-classification model directory (AutoModelForSequenceClassification with one label, its
@@ -290,8 +325,11 @@ class RewardModel:
     tokenizer's BOS and EOS; a conversational prompt (a list of messages) with the completion as the
     assistant's answer, rendered by the tokenizer's chat template. Rows are right-padded with the
     model's pad id and scored at their last token that is not it (transformers' rule, and the run's).
-    Loaded on first use, on the CPU unless `device` says otherwise; scores batch_size texts at a time;
-    max_length > 0 cuts each sequence to that many tokens (as the run cut a side at max_seq_len)."""
+    Loaded on first use, on the CPU unless `device` says otherwise, whole on every process whatever the
+    run's strategy (outside ZeRO-3's partitioning: each process scores its own completions); scores
+    batch_size texts at a time; max_length > 0 cuts each sequence to that many tokens (as the run cut a
+    side at max_seq_len). `check` reads the directory's config, tokenizer and weight files' headers
+    without loading the weights: GRPO calls it before the policy loads."""
     path: str
     device: str = "cpu"
     batch_size: int = 8
@@ -302,12 +340,54 @@ class RewardModel:
         self.name = self.name or f"reward_model({self.path})"
         self._model = self._tokenizer = None
 
+    def check(self) -> None:
+        """RewardSpecError (one line) unless `path` is a sequence-classification model directory whose
+        weight files are whole and hold its score head: not there, no config or tokenizer, a weight file
+        cut short, or a causal LM's directory (no score head: transformers would give it a random one and
+        the run would train on random rewards)."""
+        from pathlib import Path
+
+        where = f"reward model {self.path}"
+        folder = Path(self.path).expanduser()
+        if not folder.is_dir():
+            raise RewardSpecError(f"{where}: no such directory; give the final/ of an objective=reward run (or any "
+                                  "sequence-classification model directory)")
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except Exception as e:  # noqa: BLE001 - any unreadable config is the same mistake for the user
+            raise RewardSpecError(f"{where}: no readable config.json ({type(e).__name__}: {str(e)[:200]})") from None
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # noqa: BLE001
+            raise RewardSpecError(f"{where}: no tokenizer beside the model ({type(e).__name__}: {str(e)[:200]}); "
+                                  "save the tokenizer the reward model was trained with into the directory") from None
+        keys = checkpoint_keys(folder, where)
+        with torch.device("meta"):
+            try:
+                skeleton = AutoModelForSequenceClassification.from_config(config)
+            except Exception as e:  # noqa: BLE001 - a model type without a sequence-classification head
+                raise RewardSpecError(f"{where}: model type {config.model_type} has no sequence-classification "
+                                      f"form ({type(e).__name__}: {str(e)[:200]})") from None
+        prefix = skeleton.base_model_prefix
+        head = [k for k in skeleton.state_dict() if not k.startswith(f"{prefix}.")]
+        if keys is not None and head and not any(k == key or key.endswith(f".{k}") for k in head for key in keys):
+            kind = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
+            raise RewardSpecError(f"{where}: its weights have no score head ({', '.join(head)}: a {kind} directory, "
+                                  "not a reward model); give the final/ of an objective=reward run")
+
     def load(self):
         if self._model is None:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            self._tokenizer = AutoTokenizer.from_pretrained(self.path)
-            self._model = AutoModelForSequenceClassification.from_pretrained(self.path).to(self.device).eval()
+            from finetune.model import without_zero3_init
+
+            self._tokenizer = self._tokenizer or AutoTokenizer.from_pretrained(self.path)
+            # outside ZeRO-3's zero.Init: partitioned, its weights would be empty on this process
+            with without_zero3_init():
+                model = AutoModelForSequenceClassification.from_pretrained(self.path)
+            self._model = model.to(self.device).eval()
             # the model scores each row at its last token that is not its pad id: both must pad with the same id
             if self._tokenizer.pad_token_id is None and self._model.config.pad_token_id is not None:
                 self._tokenizer.pad_token_id = self._model.config.pad_token_id

@@ -224,6 +224,19 @@ class GRPO(Basic):
         list and takes its share: rank_prompts)."""
         return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
 
+    def before_model(self, context) -> None:
+        """Reward models (RewardModel among the reward functions) checked before the policy loads: a
+        directory that is missing, cut short or without a score head is one line now, not a failure
+        (or random rewards) at step 1."""
+        from finetune.rewards import RewardModel, RewardSpecError
+
+        for func in self.rewards.funcs:
+            if isinstance(func, RewardModel):
+                try:
+                    func.check()
+                except RewardSpecError as e:
+                    raise RecipeError(f"reward_funcs: {e}") from None
+
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
         from finetune.training.reference import build_reference
