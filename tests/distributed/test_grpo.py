@@ -187,13 +187,16 @@ def reward_model_dir(launch_env, tmp_path_factory):
 
 
 def test_lora_under_fsdp_with_a_reward_model_as_one_reward(launch, reward_model_dir):
-    """LoRA (the adapter disabled as the beta > 0 reference) under FSDP on 2 processes against 1 process,
-    a reward model (finetune.rewards.RewardModel on a real sequence-classification directory) scoring
-    beside exact_match: the same completions, rewards (the model's scores included) and metrics."""
+    """LoRA (the adapter disabled as the beta > 0 reference) under FSDP on 2 processes against 1 process
+    under ZeRO-3, a reward model (finetune.rewards.RewardModel on a real sequence-classification
+    directory) scoring beside exact_match: the same completions, rewards (the model's scores included)
+    and metrics. ZeRO-3 on the one process: the reward model is loaded whole there too, not partitioned
+    by zero.Init (which failed its first forward: 'weight' must be 2-D)."""
     overrides = [*GRPO, "lora=true", "lora_dropout=0",
                  "reward_funcs=finetune.rewards:exact_match,finetune.rewards:char_match,grpo_rewards:reward_model"]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}", "GRPO_REWARD_MODEL": str(reward_model_dir)}
-    one = launch(1, "strategy=ddp", *overrides, recipe="tiny_grpo", extra_env=env)
+    one = launch(1, "strategy=zero3", *overrides, recipe="tiny_grpo", extra_env=env)
+    assert "zero3 on 1" in one.stderr
     two = launch(2, "strategy=fsdp", *overrides, recipe="tiny_grpo", extra_env=env)
     assert "fsdp on 2" in two.stderr
     lines = rollouts(one)
