@@ -137,9 +137,9 @@ def tensors() -> tuple[list, float, float]:
 
 
 def completions_batch():
-    """8 completions of 1 to 8 tokens after prompts of PROMPT_LEN tokens (equal lengths: TRL left-pads its
-    prompts and its forward then gives the padded rows other positions, finetune right-pads), 2 prompts'
-    groups of 4, with their group-relative advantages from made-up rewards; one completion cut at the
+    """8 completions of 1 to 8 tokens after prompts of PROMPT_LEN tokens (equal lengths, so that TRL's
+    layout, prompts left-padded, and finetune's, rows right-padded, hold the same tokens at the same
+    positions), 2 prompts' groups of 4, with their group-relative advantages from made-up rewards; one completion cut at the
     length limit (not stopped)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, VOCAB, (PROMPT_LEN,), generator=g).tolist() for _ in range(2) for _ in range(4)]

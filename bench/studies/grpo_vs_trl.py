@@ -105,7 +105,8 @@ def trl_main(argv: list[str]) -> int:
         num_generations=r.num_generations, max_completion_length=r.max_completion_len, temperature=r.temperature,
         top_p=r.top_p, top_k=r.top_k or 0, loss_type=r.loss_type, beta=r.beta, epsilon=r.epsilon,
         epsilon_high=r.epsilon_high or r.epsilon, scale_rewards=r.scale_rewards, num_iterations=r.num_iterations,
-        mask_truncated_completions=r.mask_truncated_completions, use_vllm=False,
+        mask_truncated_completions=r.mask_truncated_completions, use_bias_correction_kl=r.use_bias_correction_kl,
+        use_vllm=False,
         reward_weights=[float(w) for w in r.reward_weights] or None,
         model_init_kwargs={"dtype": torch.float32, "attn_implementation": r.attn_implementation}, **kw)
 
