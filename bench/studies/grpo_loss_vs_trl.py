@@ -19,8 +19,8 @@
    GRPO.loss on the batch in 2 micro-batches (each over the global batch's count). Compared at every
    step: the loss, the gradient of every weight; after the last step, the weights. Rows for each loss
    type under use_bias_correction_kl true (TRL's default) and false, and two rows that show what the
-   comparison catches: finetune's log-probs at temperature 1 (the raw logits, as before issue 38), and
-   finetune's plain k3 KL against TRL's default.
+   comparison catches: finetune's log-probs of the raw logits (temperature 1, while the completions were
+   sampled at 0.7), and finetune's plain k3 KL against TRL's default.
 
 Needs trl importable (pip install -e .[bench], or PYTHONPATH=DIR holding a `pip install --no-deps
 --target DIR trl==1.16.0`):
@@ -243,7 +243,7 @@ def model_rows() -> tuple[list, float]:
             worst = max(worst, r["loss"], r["grad"], r["weights"])
             rows.append((loss_type, f"{str(corrected).lower()}", "as TRL", r))
     # what the comparison catches: the old raw-logit log-probs, and the plain k3 against TRL's default
-    rows.append(("dapo", "true", "finetune at temperature 1 in its log-probs (before issue 38)",
+    rows.append(("dapo", "true", "finetune scoring the raw logits (temperature 1) in its log-probs",
                  replay("dapo", True, ours_temperature=1.0)))
     rows.append(("dapo", "true", "finetune with the plain k3 KL (use_bias_correction_kl=false)",
                  replay("dapo", True, ours_corrected=False)))

@@ -226,8 +226,8 @@ class GRPO(Basic):
 
     def before_model(self, context) -> None:
         """Reward models (RewardModel among the reward functions) checked before the policy loads: a
-        directory that is missing, cut short or without a score head is one line now, not a failure
-        (or random rewards) at step 1."""
+        directory that is missing, cut short or without a score head (which would score at random) is
+        one line before any expensive work."""
         from finetune.rewards import RewardModel, RewardSpecError
 
         for func in self.rewards.funcs:
