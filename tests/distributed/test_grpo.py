@@ -22,12 +22,13 @@ import pytest
 from conftest import REPO
 from finetune.training.metrics import read_metrics, run_history
 
-# 4 prompts x 4 completions a step; each of 2 processes holds 2 prompts' groups in 2 micro-batches
+# 4 prompts x 4 completions a step at temperature 0.7 (the loss, old and reference log-probs of the logits
+# / 0.7 under every strategy); each of 2 processes holds 2 prompts' groups in 2 micro-batches
 # evaluated at steps 0, 3 and 6 on an eval dataset (the training prompts' first 5: the training rows stay
 # all 4000), 5 prompts x 4 completions in batches of a rollout's 4 prompts (the second batch's one prompt on
 # rank 0, none on rank 1)
 GRPO = ["global_batch_size=4", "num_generations=4", "micro_batch_size=4", "max_steps=6", "num_iterations=2",
-        "beta=0.04", "eval_fraction=0", "eval_dataset=builtin:tiny-prompts", "eval_max_samples=5", "eval_every=3",
+        "beta=0.04", "temperature=0.7", "eval_fraction=0", "eval_dataset=builtin:tiny-prompts", "eval_max_samples=5", "eval_every=3",
         "eval_at_start=true",
         "save_every=3", "keep_last=3", "loss_chunk_tokens=8", "log_every=1"]
 TIMING = ("tokens_per_s", "rollout_seconds", "peak_memory_gib", "step_seconds", "mfu")
