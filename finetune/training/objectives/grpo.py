@@ -51,6 +51,7 @@ import torch
 
 from finetune import data as D
 from finetune.data import IGNORE
+from finetune.faults import fault_point
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
@@ -494,12 +495,19 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
         x = float(x)
         return None if math.isnan(x) else x
 
-    with open(path, "a") as f:
-        for i, (t, text) in enumerate(zip(tokens, texts)):
-            f.write(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
+    lines = "".join(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
                                 "completion": text, "completion_ids": t, "stopped": stopped[i],
                                 "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
-                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n")
+                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"
+                    for i, (t, text) in enumerate(zip(tokens, texts)))
+    try:
+        with open(path, "a") as f:
+            fault_point("rollouts_write", 0, step)
+            f.write(lines)
+    except OSError as e:  # a full disk: what it left past the last checkpoint is cut on resume (keep_rollouts)
+        raise RecipeError(f"cannot write {path} at step {step}: {e.strerror or e}; the run stopped before step {step}'s "
+                          "update, its last checkpoint is intact: free space there and continue with --resume "
+                          "auto") from None
 
 
 def save_rollout(out, k: int, record: dict) -> None:
@@ -591,10 +599,26 @@ def read_rollouts(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def kept_length(lines, step: int) -> int:
+    """How many bytes at the start of rollouts.jsonl (`lines`: the file opened in binary) hold the records
+    of steps up to `step`: the lines up to the first one of a later step, or the first one that is not
+    a whole record line (a write cut short by a kill or a full disk). Each line is read only as far as
+    its step ({"step": N, ... as write_rollouts starts it); nothing past the cut is parsed."""
+    import re
+
+    head = re.compile(rb'\{"step": (\d+), .*\}\n\Z', re.DOTALL)
+    end = 0
+    for line in lines:
+        match = head.match(line)
+        if match is None or int(match.group(1)) > step:
+            break
+        end += len(line)
+    return end
+
+
 def keep_rollouts(path, step: int) -> None:
     """rollouts.jsonl cut to the records of steps up to `step` (a resumed run writes the rest again), or
     removed (step 0: a fresh run)."""
-    import json
     import os
     from pathlib import Path
 
@@ -604,7 +628,7 @@ def keep_rollouts(path, step: int) -> None:
     if step == 0:
         path.unlink()
         return
-    kept = [r for r in read_rollouts(path) if r["step"] <= step]
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
+    with path.open("rb") as lines:
+        end = kept_length(lines, step)
+    if end < path.stat().st_size:
+        os.truncate(path, end)
