@@ -141,6 +141,22 @@ def test_resume_on_another_process_count(grpo_run, launch, killed_zero3, tmp_pat
     assert_same_run(resumed, want)
 
 
+def test_resume_refuses_another_num_generations_or_num_iterations(killed_zero3, run_in_process, tmp_path):
+    """The killed run's step-3 checkpoint resumed with num_generations 4 -> 2 and num_iterations 2 -> 1 is
+    refused in one line before any model loads (before: `num_generations: 4 -> 2 (applies from this
+    step on)`, then other prompts at every step, and step 4 retrained on a new rollout)."""
+    out = tmp_path / "run"
+    shutil.copytree(killed_zero3[1], out)
+    run = run_in_process("strategy=zero3", *GRPO, "num_generations=2", "num_iterations=1", "--resume", "auto",
+                         output_dir=out, recipe="tiny_grpo")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-3000:]
+    assert "cannot continue with num_generations: 4 -> 2, num_iterations: 2 -> 1: the checkpoint's prompt " \
+           "schedule and rollouts were made with the old value" in errors[0]
+    assert "restore it, or export the checkpoint (python -m finetune.export" in errors[0]
+    assert (out / "rollouts.jsonl").read_bytes() == (killed_zero3[1] / "rollouts.jsonl").read_bytes()
+
+
 def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-bad-reward")
     run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "eval_dataset=", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
