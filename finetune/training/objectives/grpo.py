@@ -84,7 +84,9 @@ def group_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generati
     and whether each one's std was zero (TRL's frac_reward_zero_std): TRL's sum_then_normalize."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: must be one of {', '.join(SCALE_REWARDS)}")
-    rewards = weighted_rewards(per_func, weights)
+    # in float64: the squares of float32 rewards beyond about 1e19 overflow float32 (an inf std would make
+    # every advantage 0); the advantages themselves are of order 1, float32 again
+    rewards = weighted_rewards(per_func.double(), weights)
     mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
@@ -94,7 +96,7 @@ def group_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generati
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
     zero_std = torch.isclose(std, torch.zeros_like(std))
-    return torch.nan_to_num(advantages, nan=0.0), zero_std
+    return torch.nan_to_num(advantages, nan=0.0).float(), zero_std
 
 
 def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[str], zero_std: torch.Tensor,
@@ -103,6 +105,7 @@ def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[s
     all and per function (over the completions it scored), the share of completions in a group of
     equal rewards, completion lengths (mean, min, max, and the share cut at max_completion_len)."""
     out = {}
+    per_func = per_func.double()  # as group_advantages: float32 squares of large rewards overflow
     for i, name in enumerate(names):
         out[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, i]).item()
         out[f"rewards/{name}/std"] = nanstd(per_func[:, i]).item()
@@ -206,11 +209,27 @@ class GRPO(Basic):
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
+        self.said_unscored = False  # a step whose completions no function scored was said
 
     def schedule(self, plan, num_rows: int, ranks: int):
         """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
         list and takes its share: rank_prompts)."""
         return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
+
+    def before_model(self, context) -> None:
+        """What would otherwise show after the model loads: a reward function that needs a column the
+        prompt rows lack (a refusal), and sampling that gives no learning signal (a warning)."""
+        from finetune import grpo_rules
+        from finetune.rewards import missing_column_problem
+
+        train = context.datasets.train
+        columns = [c for c in train.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
+        problem = missing_column_problem(self.rewards, train[0], columns) if len(train) else None
+        if problem:
+            raise RecipeError(problem)
+        warning = grpo_rules.no_signal(self.recipe, getattr(context.config, "vocab_size", None))
+        if warning and context.accelerator.is_main_process:
+            log.warning(warning)
 
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
@@ -253,6 +272,11 @@ class GRPO(Basic):
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
         all_tokens, all_stopped, all_rewards = joined(parts, len(self.rewards.names))
+        if torch.isnan(all_rewards).all() and not self.said_unscored and accelerator.is_main_process:
+            self.said_unscored = True
+            log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
+                        "reward None): their advantages are 0 and the step trains on nothing (its reward is null in "
+                        "metrics.jsonl); said once")
         advantages, zero_std = group_advantages(all_rewards, self.rewards.weights, g, r.scale_rewards)
         values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
                                  torch.tensor([len(t) for t in all_tokens]),
