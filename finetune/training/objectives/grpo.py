@@ -45,6 +45,7 @@ reduces metrics by sum. The rollout's own metrics (rewards per function, complet
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -56,6 +57,7 @@ from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
 from finetune.training.metrics import log
+from finetune.training.stopping import Interrupted
 from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
@@ -247,26 +249,31 @@ class GRPO(Basic):
             keep_rollouts(Path(context.recipe.output_dir) / ROLLOUTS, resume.step if resume is not None else 0)
         return {}
 
-    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
+    def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None:
         """This rank's micro-batches of step `step` (0-based): rollout step // num_iterations, generated
         now at its first step, kept for the next num_iterations - 1, read back from its cache file when a
-        resumed run starts inside it."""
+        resumed run starts inside it. None where a stop request (stop: finetune.training.stopping.StopRequest)
+        ended the generation or the reward functions on any rank: the step is dropped."""
         k = step // self.num_iterations
         if self.cached is None or self.cached[0] != k:
-            self.cached = (k, *(self.read_rollout(run, k, step) if step % self.num_iterations
-                                else self.new_rollout(run, k, step)))
+            made = self.read_rollout(run, k, step) if step % self.num_iterations else self.new_rollout(run, k, step, stop)
+            if made is None:
+                return None
+            self.cached = (k, *made)
         self.rollout_values = self.cached[2]
         return self.cached[1]
 
-    def new_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
+    def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
         r, accelerator = run.recipe, run.accelerator
         sp, g = run.parallel.sp, self.num_generations
         rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
         seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
-        prompt_ids, tokens, stopped, per_func, error, seconds = self.sample(run, run.datasets.train, mine, seeds,
-                                                                            step + 1)
-        parts = gather_objects((tokens, stopped, per_func.tolist(), error))
+        prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
+                                                                                 step + 1, stop)
+        parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
+        if any(p[4] for p in parts):
+            return None
         failed = first_failure(parts)
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
@@ -299,28 +306,35 @@ class GRPO(Basic):
                            self.rewards.names, all_rewards, weighted, advantages)
         return batches, values
 
-    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int) -> tuple:
+    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, stop=None) -> tuple:
         """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
         collective: the weights gathered once for all of them, every rank calls it, with no prompts too),
         scored here by the reward functions: (the prompts' ids, one per completion, the completions'
         tokens, whether each stopped, [completions, functions] rewards, a reward function's failure as
-        one line or None, the generation's seconds). `step` names the step in a failure's line."""
+        one line or None, the generation's seconds, whether a stop request cut the generation or the
+        scoring short). `step` names the step in a failure's line. A stop request (stop) ends the
+        generation before its next token and a reward function's call at once (it may never return):
+        read as the eval reads it, so that a signal is acted on within a rollout."""
         t0, g = time.perf_counter(), self.num_generations
         cols = ds[mine] if mine else {c: [] for c in ds.column_names}
         prompt_ids = [p for p in cols["prompt_input_ids"] for _ in range(g)]
-        outs = generate_completions(run, prompt_ids, seeds)
+        outs = generate_completions(run, prompt_ids, seeds, stop)
         tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
         texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         seconds = time.perf_counter() - t0
         extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
         error, per_func = None, torch.full((len(tokens), len(self.rewards.names)), float("nan"))
-        if tokens:
+        cut = stop is not None and bool(stop.requested)
+        if tokens and not cut:
             try:
-                per_func = self.rewards.score(step, [p for p in cols["prompt"] for _ in range(g)], texts, tokens,
-                                              extra)
+                with stop.interrupting() if stop is not None else contextlib.nullcontext():
+                    per_func = self.rewards.score(step, [p for p in cols["prompt"] for _ in range(g)], texts,
+                                                  tokens, extra)
             except RewardError as e:
                 error = str(e)
-        return prompt_ids, tokens, stopped, per_func, error, seconds
+            except Interrupted:
+                cut = True
+        return prompt_ids, tokens, stopped, per_func, error, seconds, cut
 
     def evaluate(self, run, step: int, stop, loss_eval) -> tuple[None, dict] | None:
         """TRL's GRPO eval: each eval prompt (the first eval_max_samples eval rows, all if 0) gets
@@ -347,8 +361,10 @@ class GRPO(Basic):
                 return None
             mine = eval_share(rows, sp.dp_rank, sp.dp_size)
             seeds = [eval_seed(r.seed, row, j) for row in mine for j in range(g)]
-            _, tokens, stopped, per_func, error, _ = self.sample(run, ds, mine, seeds, step)
-            parts = gather_objects((tokens, stopped, per_func.tolist(), error))
+            _, tokens, stopped, per_func, error, _, cut = self.sample(run, ds, mine, seeds, step, stop)
+            parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
+            if any(p[4] for p in parts):
+                return None
             failed = first_failure(parts)
             if failed is not None:
                 raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, its last "
@@ -456,8 +472,8 @@ def gather_objects(obj) -> list:
 
 
 def first_failure(parts: list) -> str | None:
-    """The first rank's reward failure (the last item of each rank's gathered part), or None."""
-    return next((p[-1] for p in parts if p[-1] is not None), None)
+    """The first rank's reward failure (the fourth item of each rank's gathered part), or None."""
+    return next((p[3] for p in parts if p[3] is not None), None)
 
 
 def joined(parts: list, functions: int) -> tuple[list, list, torch.Tensor]:
@@ -482,24 +498,32 @@ def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g
                            ~torch.tensor(stopped, dtype=torch.bool))
 
 
-def generate_completions(run, prompts: list[list[int]], seeds: list[int]) -> list:
+def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=None) -> list:
     """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
     once for the whole batch (a collective: every rank calls it), in eval mode, back to train after. A
     rank without prompts (an eval batch's uneven split) runs one forward of a one-token prompt, its token
-    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join."""
+    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join. A
+    stop request (stop) ends the generation before its next token, from the second on (the first
+    forward is that collective)."""
     r, model, accelerator = run.recipe, run.model, run.accelerator
     sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
     idle = not prompts
     if idle:
         prompts, seeds, sampling = [[pad_id_for(run.tokenizer)]], None, Sampling(1)
     was_training = model.training
+    asked = []  # should_stop's calls: none before the first token
+
+    def should_stop() -> bool:
+        asked.append(True)
+        return stop is not None and len(asked) > 1 and bool(stop.requested)
+
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"), \
                 run.parallel.strategy.whole_weights(accelerator, model) as whole:
             out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                           seeds=seeds if sampling.temperature > 0 else None)
+                           seeds=seeds if sampling.temperature > 0 else None, should_stop=should_stop)
             return [] if idle else out
     finally:
         model.train(was_training)
