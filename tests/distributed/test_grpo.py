@@ -157,6 +157,29 @@ def test_resume_refuses_another_num_generations_or_num_iterations(killed_zero3, 
     assert (out / "rollouts.jsonl").read_bytes() == (killed_zero3[1] / "rollouts.jsonl").read_bytes()
 
 
+def test_sampling_and_rewards_without_a_learning_signal_are_said(launch, tmp_path_factory):
+    """One process, one step: top_k=1 samples greedily (said before the model loads), and a reward
+    function that scores nothing (None for every completion) is said at the step; metrics.jsonl stays
+    JSON, the reward null (before: no word at all, and a bare NaN in metrics.jsonl)."""
+    out = tmp_path_factory.mktemp("grpo-unscored")
+    run = launch(1, "strategy=ddp", "global_batch_size=2", "num_generations=2", "micro_batch_size=4", "max_steps=1",
+                 "warmup_steps=0", "max_completion_len=4", "eval_max_samples=2", "top_k=1", "reward_funcs=grpo_rewards:unscored",
+                 output_dir=out, recipe="tiny_grpo",
+                 extra_env={"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}"})
+    assert run.stderr.count("top_k=1 keeps only the likeliest token: the num_generations=2 completions of a prompt "
+                            "are all the same") == 1, run.stderr[-3000:]
+    assert run.stderr.count("step 1: no reward function scored any of the 4 completions (every reward None)") == 1
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    records = [json.loads(line, parse_constant=refuse)
+               for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "loss" in r)
+    assert step["reward"] is None and step["rewards/unscored/mean"] is None and step["loss"] == 0.0
+    assert next(r for r in records if "eval_reward" in r)["eval_reward"] is None
+
+
 def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-bad-reward")
     run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "eval_dataset=", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
