@@ -7,10 +7,10 @@ CALLS = {"n": 0}
 
 
 def broken(completions, **kwargs):
-    """Scores like a reward function for two steps, then raises on rank 1 only: the other rank is then
-    waiting for it in a collective."""
+    """Scores like a reward function for two rollouts, then raises on rank 1 only: the other rank is then
+    waiting for it in a collective. (The first call is the check before the model loads.)"""
     CALLS["n"] += 1
-    if CALLS["n"] >= 3 and os.environ.get("RANK", "0") == "1":
+    if CALLS["n"] >= 4 and os.environ.get("RANK", "0") == "1":
         raise ZeroDivisionError("division by zero")
     return [float(len(c)) for c in completions]
 

@@ -188,7 +188,8 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_fa
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, run.stderr[-3000:]
-    # num_iterations=2: the function's third call is at step 5's rollout
+    # num_iterations=2: the function's fourth call (the first is the check before the model loads) is at step
+    # 5's rollout
     assert errors[0].startswith("error: step 5: reward function broken raised ZeroDivisionError: division by zero "
                                 "(prompt: '"), errors[0]
     assert "its last checkpoint is intact" in errors[0]

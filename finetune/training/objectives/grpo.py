@@ -52,7 +52,6 @@ import torch
 
 from finetune import data as D
 from finetune.data import IGNORE
-from finetune.faults import fault_point
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
@@ -550,7 +549,6 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
                     for i, (t, text) in enumerate(zip(tokens, texts)))
     try:
         with open(path, "a") as f:
-            fault_point("rollouts_write", 0, step)
             f.write(lines)
     except OSError as e:  # a full disk: what it left past the last checkpoint is cut on resume (keep_rollouts)
         raise RecipeError(f"cannot write {path} at step {step}: {e.strerror or e}; the run stopped before step {step}'s "
