@@ -108,7 +108,6 @@ def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-@torch.no_grad()
 def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int] | None) -> bool:
     """A generation backend's checks of its arguments; whether it samples (temperature > 0)."""
     if any(not p for p in prompts):
@@ -119,6 +118,7 @@ def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int]
     return sampled
 
 
+@torch.no_grad()  # without it every token's forward stays in an autograd graph held by the KV cache
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None) -> list[Completion]:

@@ -767,12 +767,30 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
     if gpu is None:
         unchecked.append(f"whether {gib(e.peak, unit)} {name} fits the GPUs (no GPU here; python -m finetune.plan "
                          f"--recipe {recipe_name or 'NAME'} --gpus {world_size} --gpu-mem 80GB checks a budget)")
+        host = _host_memory()
+        if host is not None:  # trained here, on the CPU: every process holds its own copy of the estimate
+            need = e.peak * world_size
+            verdict = "fits" if need <= host * (1 - HEADROOM) else "does NOT fit"
+            lines.append(f"this machine's memory, if it trains here on the CPU: {world_size} process(es) x "
+                         f"{gib(e.peak, unit)} {name} = {gib(need, unit)} {name} of {gib(host, unit)} {name} available; "
+                         f"the estimate {verdict} with {HEADROOM:.0%} headroom (each process's Python and torch "
+                         "not counted)")
     else:
         verdict = "fits" if e.fits(gpu) else "does NOT fit"
         lines.append(f"this machine's GPU: {gib(gpu)} GiB; the estimate {verdict} with {HEADROOM:.0%} headroom")
     if unchecked:
         lines.append("not checked: " + "; ".join(unchecked))
     return "\n".join(lines)
+
+
+def _host_memory() -> int | None:
+    """The memory available to new processes on this machine (psutil's), or None where it cannot say."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:  # noqa: BLE001 - an estimate line is not worth a failure
+        return None
 
 
 def _gpu_memory() -> int | None:

@@ -6,7 +6,6 @@ whether the launcher agrees with the recipe. Everything here is cheap and raises
 
 from __future__ import annotations
 
-import glob
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -230,35 +229,121 @@ def async_io_problem(cuda_available: bool) -> str | None:
 STALE_BUILD_LOCK_S = 30 * 60  # the slowest op build we measured (async_io, 2 loaded cores) took 8 minutes
 
 
-def stale_build_lock_problems(recipe: Recipe, now: float | None = None, root: str | None = None) -> list[str]:
-    """DeepSpeed compiles its ops (cpu_adam, async_io, the CPU comm op) on first use, in
-    ~/.cache/torch_extensions, under a `lock` file that torch's builder waits on. A build that was
-    killed leaves the lock behind, and every later run that needs the op sleeps on it forever,
-    without a word. A lock older than any real build is named here, with the one command that fixes it."""
+def build_lock_scheme(cpp_extension=None) -> str:
+    """How this torch's extension builder (torch.utils.cpp_extension, which DeepSpeed's op builders call)
+    guards a build directory's `lock` file:
+    "baton": torch 2.13 and older (FileBaton): the file's existence is the lock; a build creates it and
+             removes it at its end, so a build that was killed leaves it, and every later build or load
+             of that op waits on it forever;
+    "os_lock": torch 2.14 (filelock's FileLock): an flock held on the file while building or loading;
+             the file stays after every build and load, blocks nobody, and the kernel lets go of the
+             lock when its holder dies."""
+    if cpp_extension is None:
+        from torch.utils import cpp_extension
+    jit = getattr(cpp_extension, "_jit_compile", None)
+    return "baton" if jit is not None and "FileBaton" in jit.__code__.co_names else "os_lock"
+
+
+def lock_is_held(path: str) -> bool:
+    """Whether a process holds an OS-level (flock) lock on path now: a non-blocking try, let go at once."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:  # a filesystem without flock: nothing to tell
+        return False
+    finally:
+        os.close(fd)  # closing lets go of the probe's lock
+    return False
+
+
+def deepspeed_ops(recipe: Recipe, cuda_available: bool) -> set[str]:
+    """The DeepSpeed ops (their torch_extensions directories) a run of this recipe builds or loads: the
+    CPU communication op on a machine without CUDA (deepspeed.comm's TorchBackend), DeepSpeed's CPU Adam
+    with the optimizer offloaded (zero.deepspeed_config), async_io with anything on NVMe."""
     if not strategy_for(recipe.strategy).is_deepspeed:
+        return set()
+    ops = set() if cuda_available else {"deepspeed_shm_comm"}
+    if recipe.offload_optimizer != "none":
+        ops.add("cpu_adam")
+    if "nvme" in (recipe.offload_optimizer, recipe.offload_params):
+        ops.add("async_io")
+    return ops
+
+
+def extensions_root() -> str:
+    """The directory torch builds extensions in (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/<python, cuda>)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    root = os.path.dirname(_get_build_directory("finetune_probe", verbose=False))
+    try:
+        os.rmdir(os.path.join(root, "finetune_probe"))  # _get_build_directory creates it
+    except OSError:
+        pass
+    return root
+
+
+def stale_build_locks(ops, root: str, now: float, scheme: str, older_than_s: float = STALE_BUILD_LOCK_S
+                      ) -> list[tuple[str, float]]:
+    """The `lock` files of these ops' build directories that would make a build or load wait forever,
+    with their ages: under "baton", those older than any real build (the file is the lock, and no build
+    takes that long); under "os_lock", none (a file no one holds is left behind by design, and one held
+    is a build or load running now, let go of by the kernel if its process dies)."""
+    if scheme != "baton":
         return []
-    import time
-
-    if root is None:
-        from torch.utils.cpp_extension import _get_build_directory
-
-        root = os.path.dirname(_get_build_directory("finetune_probe", verbose=False))
-        try:
-            os.rmdir(os.path.join(root, "finetune_probe"))  # _get_build_directory creates it
-        except OSError:
-            pass
-    now = time.time() if now is None else now
-    problems = []
-    for lock in sorted(glob.glob(os.path.join(root, "*", "lock"))):
+    found = []
+    for op in sorted(ops):
+        lock = os.path.join(root, op, "lock")
         try:
             age = now - os.stat(lock).st_mtime
         except FileNotFoundError:
             continue
-        if age > STALE_BUILD_LOCK_S:
-            op = os.path.basename(os.path.dirname(lock))
-            problems.append(f"a build of the {op} op was interrupted {age / 3600:.1f} h ago and left its lock file "
-                            f"{lock}; DeepSpeed would wait for it forever: delete it (rm {lock}) and run again")
-    return problems
+        if age > older_than_s:
+            found.append((lock, age))
+    return found
+
+
+def stale_build_lock_problems(recipe: Recipe, now: float | None = None, root: str | None = None,
+                              scheme: str | None = None, cuda_available: bool = False) -> list[str]:
+    """DeepSpeed compiles its ops on first use in torch's extensions directory, under a `lock` file per op
+    (build_lock_scheme says what it means). A lock that would keep a build or load of an op this run uses
+    waiting forever, without a word, is named here with the one command that fixes it."""
+    import time
+
+    ops = deepspeed_ops(recipe, cuda_available)
+    if not ops:
+        return []
+    root = extensions_root() if root is None else root
+    now = time.time() if now is None else now
+    return [f"a build of the {os.path.basename(os.path.dirname(lock))} op was interrupted {age / 3600:.1f} h ago and "
+            f"left its lock file {lock}; DeepSpeed would wait for it forever: delete it (rm {lock}) and run again"
+            for lock, age in stale_build_locks(ops, root, now, scheme or build_lock_scheme())]
+
+
+def clear_stale_build_locks(older_than_s: float = STALE_BUILD_LOCK_S, ops=None) -> list[str]:
+    """Removes the lock files stale_build_locks finds among every op's directory (or `ops`'), and returns
+    them (scripts/setup.sh, before it builds an op; after a build it cut short, with older_than_s=0).
+    Under torch 2.14's scheme nothing is removed: deleting a lock someone holds would let a second
+    build start beside it, and one no one holds blocks nobody."""
+    import time
+
+    root = extensions_root()
+    if ops is None:
+        ops = [d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))] if os.path.isdir(root) else []
+    removed = []
+    for lock, _ in stale_build_locks(ops, root, time.time(), build_lock_scheme(), older_than_s):
+        try:
+            os.remove(lock)
+            removed.append(lock)
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None, dry_run: bool = False,
@@ -272,7 +357,7 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
         cuda_available = torch.cuda.is_available()
     problems = [] if cuda_available else gpu_only_problems(recipe)
     problems += nvme_problems(recipe, cuda_available)
-    problems += stale_build_lock_problems(recipe)
+    problems += stale_build_lock_problems(recipe, cuda_available=cuda_available)
     if recipe.load_in_4bit:
         problem = bitsandbytes_problem()
         if problem:

@@ -707,6 +707,11 @@ def _check_grpo(r: Recipe, strategy) -> None:
     problem = strategy.frozen_reference_problem(r) if r.beta and not r.lora else None
     if problem:
         raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
+    from finetune import grpo_rules
+
+    problem = grpo_rules.problem(r)
+    if problem:
+        raise RecipeError(problem)
 
 
 def _check_reward(r: Recipe) -> None:

@@ -63,7 +63,7 @@ def short_name(func) -> str:
 def resolve(spec):
     """A callable from a callable or a "module:function" string."""
     if callable(spec):
-        return spec
+        return not_a_class(spec, f"{spec.__module__}:{spec.__qualname__}" if isinstance(spec, type) else "")
     if not isinstance(spec, str) or ":" not in spec:
         raise RewardSpecError(f"reward_funcs={spec!r}: name a reward function as module:function (for example "
                               "finetune.rewards:exact_match), or give a callable in the recipe file")
@@ -80,7 +80,19 @@ def resolve(spec):
             raise RewardSpecError(f"reward_funcs={spec}: module {module_name} has no {attr}; check the name")
     if not callable(func):
         raise RewardSpecError(f"reward_funcs={spec}: {attr} is a {type(func).__name__}, not a function")
-    return func
+    return not_a_class(func, spec)
+
+
+def not_a_class(func, spec: str):
+    """func, unless it is a class: called with a step's completions it would make an object, not rewards."""
+    if not isinstance(func, type):
+        return func
+    if issubclass(func, RewardModel):
+        raise RewardSpecError(f"reward_funcs={spec} is the class, not a reward function: give one with its model "
+                              "directory, RewardModel(\"path/to/reward_run/final\"), in the recipe file's reward_funcs "
+                              "(or as a module:name bound to one)")
+    raise RewardSpecError(f"reward_funcs={spec} is a class, not a reward function: give an instance of it (one "
+                          "whose call returns the rewards), or a function")
 
 
 def resolve_all(specs) -> list:
@@ -163,14 +175,43 @@ class Rewards:
                 if number is None:
                     raise RewardError(step, name, prompts[i], f"returned {v!r:.40} ({type(v).__name__}) for "
                                       f"completion {i}; a reward is a finite number, or None")
+                if abs(number) > FLOAT32_MAX:
+                    raise RewardError(step, name, prompts[i], f"returned {number:g} for completion {i}, beyond the "
+                                      f"float32 range rewards are kept in (±{FLOAT32_MAX:.3g}); scale the rewards down")
                 out[i, j] = number
         return out
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def missing_column_problem(rewards: Rewards, row: dict, columns: list[str]) -> str | None:
+    """Whether a reward function needs a column the prompt rows lack, found before any model loads: each
+    function (a RewardModel reads no column, and is not loaded for this) is called once on `row` (a
+    prompt row's prompt and its columns) with an empty completion. A KeyError or TypeError there (a
+    column looked up, a keyword argument missing) is the one line; any other failure is left to the
+    run, since an empty completion may be what a function cannot take."""
+    for func, name in zip(rewards.funcs, rewards.names):
+        if isinstance(func, RewardModel):
+            continue
+        try:
+            func(prompts=[row["prompt"]], completions=[""], completion_ids=[[]], **{c: [row[c]] for c in columns})
+        except (KeyError, TypeError) as e:
+            return (f"reward function {name}, called on the first training row with an empty completion before the "
+                    f"model loads, raised {type(e).__name__}: {e}; the prompt rows have the columns "
+                    f"{', '.join(['prompt', *columns])}: map the one it reads with columns={{...}} (or add it to the "
+                    "data), or fix the function")
+        except Exception:  # noqa: BLE001 - the user's code; anything else is for the run to report
+            continue
+    return None
+
+
 def as_number(value) -> float | None:
-    """A reward as a float, or None when it is not a finite number (bool counts as 0 / 1)."""
-    if torch.is_tensor(value) and value.numel() == 1:
-        value = value.item()
+    """A reward as a float, or None when it is not a finite number. A bool counts as 0 / 1, whether
+    Python's, torch's or numpy's; a one-element tensor or numpy array as its element."""
+    if (torch.is_tensor(value) or type(value).__module__ == "numpy") and getattr(value, "size", None) is not None:
+        if (value.numel() if torch.is_tensor(value) else value.size) == 1:
+            value = value.item()
     if isinstance(value, numbers.Real):
         number = float(value)
         return number if math.isfinite(number) else None

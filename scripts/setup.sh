@@ -29,18 +29,28 @@ fi
 # On a CPU machine (where the tests run) build the op now, once, rather than inside the first run
 # that uses it: it compiles for minutes (cached in ~/.cache/torch_extensions). On a GPU node
 # DeepSpeed builds it on first use.
-# A build that was killed leaves its `lock` file, and torch's builder then waits on it forever: clear
-# locks older than any real build (finetune's validation names them too: plan.stale_build_lock_problems).
-ext_root=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
-find "$ext_root" -maxdepth 3 -name lock -mmin +30 -print -delete 2>/dev/null | sed 's/^/removed a stale build lock: /' || true
+# Under torch 2.13 a build that was killed leaves its `lock` file, and torch's builder then waits on it
+# forever: clear locks older than any real build (finetune's validation names them too:
+# plan.stale_build_lock_problems). Under torch 2.14 the file stays after every build, held only by
+# an OS lock while one runs: nothing is removed (removing a held one would let two builds run at once).
+clear_build_locks() {  # [older than, in seconds] [op ...]
+  python - "$@" <<'PY' 2>/dev/null || true
+import sys
+from finetune.plan import STALE_BUILD_LOCK_S, clear_stale_build_locks
+older_than = float(sys.argv[1]) if len(sys.argv) > 1 else STALE_BUILD_LOCK_S
+for lock in clear_stale_build_locks(older_than, sys.argv[2:] or None):
+    print("removed a stale build lock:", lock)
+PY
+}
+clear_build_locks
 if [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   start=$(date +%s)
   if DS_ACCELERATOR=cpu timeout 1200 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
     echo "DeepSpeed async_io op (NVMe offload) ready ($(( $(date +%s) - start )) s)"
   else
-    # a build cut off by the timeout leaves its lock, and every later build (and finetune's validation) would
-    # wait on it: no other build of ours is running, so remove it
-    find "$ext_root" -maxdepth 3 -path '*async_io/lock' -delete 2>/dev/null || true
+    # under torch 2.13 a build cut off by the timeout leaves its lock, and every later build (and finetune's
+    # validation) would wait on it: no other build of ours is running, so remove it
+    clear_build_locks 0 async_io >/dev/null
     echo "NVMe offload will be unavailable: building DeepSpeed's async_io op failed (run python -c \"from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=True)\" to see why)"
   fi
 fi

@@ -432,6 +432,55 @@ def test_rollouts_file_is_cut_to_the_resumed_step(tmp_path):
     assert not path.exists()
 
 
+def test_a_torn_last_line_of_rollouts_is_cut_without_being_read(tmp_path):
+    """A kill or a full disk in the middle of a write leaves half a record past the checkpoint: the resume
+    cuts the file by step, up to the first line that is not a whole record, and parses nothing past it
+    (before: JSONDecodeError on every resume)."""
+    from finetune.training.objectives.grpo import keep_rollouts, read_rollouts, write_rollouts
+
+    path = tmp_path / "rollouts.jsonl"
+    ds = {"prompt": ["p0", "p1"]}
+    for step in (1, 2, 3):
+        write_rollouts(path, step, step - 1, [0], _Rows(ds), 2, [[5], [6]], ["a", "b"], [True, False],
+                       ["f"], torch.tensor([[1.0], [float("nan")]]), torch.tensor([1.0, float("nan")]),
+                       torch.tensor([0.5, -0.5]))
+    whole = path.read_bytes()
+    torn = whole + b'{"step": 4, "rollout": 3, "row": 0, "prompt": "p0", "compl'
+    path.write_bytes(torn)
+    keep_rollouts(path, 3)
+    assert path.read_bytes() == whole
+    assert [r["step"] for r in read_rollouts(path)] == [1, 1, 2, 2, 3, 3]
+    assert read_rollouts(path)[1]["reward"] is None and read_rollouts(path)[1]["rewards"] == {"f": None}
+    path.write_bytes(torn)
+    keep_rollouts(path, 2)  # a torn line past an earlier checkpoint: cut at that checkpoint's step
+    assert path.read_bytes() == whole[:whole.index(b'{"step": 3')]
+    path.write_bytes(whole[:-1])  # a last line without its end: a cut write, even if it parses
+    keep_rollouts(path, 3)
+    assert path.read_bytes() == whole[:whole.rindex(b'{"step": 3')]
+
+
+def test_a_full_disk_writing_rollouts_names_the_file(tmp_path):
+    """/dev/full fails every write with ENOSPC, as a full disk does: one line naming the file (before: a
+    bare OSError: [Errno 28] No space left on device)."""
+    from finetune.recipe import RecipeError
+    from finetune.training.objectives.grpo import write_rollouts
+
+    with pytest.raises(RecipeError, match=r"cannot write /dev/full at step 7: No space left on device; the run "
+                                          r"stopped before step 7's update, its last checkpoint is intact"):
+        write_rollouts("/dev/full", 7, 6, [0], _Rows({"prompt": ["p"]}), 1, [[5]], ["a"], [True], ["f"],
+                       torch.tensor([[1.0]]), torch.tensor([1.0]), torch.tensor([0.0]))
+
+
+class _Rows:
+    """A dataset's rows as write_rollouts reads them (ds[rows]["prompt"])."""
+
+    def __init__(self, columns):
+        self.columns = columns
+
+    def __getitem__(self, rows):
+        return {k: [v[i] for i in rows] for k, v in self.columns.items()}
+
+
 def test_char_rewards():
     from finetune.rewards import answer_chars, char_match
 

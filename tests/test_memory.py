@@ -642,3 +642,20 @@ def test_grpo_plan_table_and_dry_run_report():
             "14.96, KV cache 8.00, prefill 4.25; a peak of 42.17 GiB per GPU (with the model states)") in report
     sft = M.plan_table(resolve("llama7b_zero3", []), 8, name="llama7b_zero3")
     assert "rollout" not in sft and "kv cache" not in sft
+
+
+def test_a_dry_run_without_a_gpu_checks_this_machines_memory(monkeypatch):
+    """On a machine without a GPU the run trains on the CPU: the dry run says whether every process's
+    estimated peak fits the memory available (tiny_grpo at max_completion_len=2000 was OOM-killed at
+    24 GiB with no word before; that memory was an autograd graph generation kept by mistake, see
+    tests/test_generation.py, and the estimate is what it takes now)."""
+    monkeypatch.setattr(M, "_gpu_memory", lambda: None)
+    r = resolve("tiny_grpo", ["max_completion_len=2000", "max_seq_len=2048"])
+    monkeypatch.setattr(M, "_host_memory", lambda: 64 * 2**30)
+    line = next(x for x in M.memory_report(r, 2, "tiny_grpo").splitlines() if x.startswith("this machine's"))
+    assert line.startswith("this machine's memory, if it trains here on the CPU: 2 process(es) x ")
+    assert " of 64.00 GiB available; the estimate fits with 10% headroom" in line
+    monkeypatch.setattr(M, "_host_memory", lambda: 2**20)
+    assert "the estimate does NOT fit" in M.memory_report(r, 2, "tiny_grpo")
+    monkeypatch.setattr(M, "_host_memory", lambda: None)
+    assert "this machine's memory" not in M.memory_report(r, 2, "tiny_grpo")

@@ -97,3 +97,22 @@ def test_fp16_gradient_overflow_is_the_loss_scalers_business(tmp_path):
 
 def test_loop_state_of_older_checkpoints_still_loads():
     assert LoopState(**{"step": 4, "tokens": 10, "samples": 16, "best_eval_loss": None}).nonfinite_steps == 0
+
+
+def test_metrics_file_writes_null_for_nan_and_inf(tmp_path):
+    """metrics.jsonl wrote a bare NaN (a step whose every reward was None, a NaN loss), which is not JSON:
+    strict readers refuse the whole file. Non-finite values are null now, in lists too."""
+    import json
+
+    from finetune.training.metrics import MetricsFile, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    MetricsFile(path, enabled=True).write({"step": 1, "loss": 0.0, "reward": math.nan, "reward_std": math.inf,
+                                           "peak_memory_gib": [1.5, -math.inf], "tokens": 3})
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    strict = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    assert strict == read_metrics(path) == [{"step": 1, "loss": 0.0, "reward": None, "reward_std": None,
+                                             "peak_memory_gib": [1.5, None], "tokens": 3}]

@@ -293,21 +293,90 @@ def test_deepspeed_on_cpu_counts_its_devices_without_a_subprocess(monkeypatch):
 
 
 def test_stale_build_lock_is_named_with_its_fix(tmp_path):
-    """A killed DeepSpeed op build leaves `<op>/lock`; every later run would sleep on it forever."""
+    """torch 2.13's FileBaton: a killed DeepSpeed op build leaves `<op>/lock`, and every later build or load
+    of that op would sleep on it forever. Only the ops the run builds or loads are checked."""
     import os
 
-    from finetune.plan import STALE_BUILD_LOCK_S, stale_build_lock_problems
+    from torch.utils.file_baton import FileBaton
 
-    fresh, stale = tmp_path / "cpu_adam" / "lock", tmp_path / "async_io" / "lock"
-    for lock in (fresh, stale):
-        lock.parent.mkdir()
-        lock.touch()
+    from finetune.plan import STALE_BUILD_LOCK_S, build_lock_scheme, stale_build_lock_problems
+
+    assert build_lock_scheme() == "baton", "the torch installed here is 2.13's (pyproject allows 2.14 too)"
+    batons = {op: FileBaton(str(tmp_path / op / "lock")) for op in ("deepspeed_shm_comm", "cpu_adam", "async_io")}
+    for baton in batons.values():
+        os.makedirs(os.path.dirname(baton.lock_file_path))
+        assert baton.try_acquire()  # as a build takes it; a kill leaves the file behind
+    stale = batons["deepspeed_shm_comm"].lock_file_path
     now = os.stat(stale).st_mtime + STALE_BUILD_LOCK_S + 60
+    fresh = batons["cpu_adam"].lock_file_path
     os.utime(fresh, (now - 60, now - 60))  # a build that is running now
     zero3 = validate(Recipe(strategy="zero3"))
-    problems = stale_build_lock_problems(zero3, now=now, root=str(tmp_path))
-    assert len(problems) == 1 and "async_io op was interrupted" in problems[0] and f"rm {stale}" in problems[0]
-    assert stale_build_lock_problems(validate(Recipe(strategy="fsdp")), now=now, root=str(tmp_path)) == []
+    problems = stale_build_lock_problems(zero3, now=now, root=str(tmp_path), scheme="baton")
+    assert len(problems) == 1 and "deepspeed_shm_comm op was interrupted" in problems[0] and f"rm {stale}" in problems[0]
+    # async_io's lock is as old, but a run without NVMe never builds or loads that op (before: refused)
+    assert stale_build_lock_problems(zero3, now=now, root=str(tmp_path), scheme="baton", cuda_available=True) == []
+    os.utime(fresh, (now - STALE_BUILD_LOCK_S - 60,) * 2)
+    offload = validate(Recipe(strategy="zero3", offload_optimizer="cpu"))
+    assert len(stale_build_lock_problems(offload, now=now, root=str(tmp_path), scheme="baton", cuda_available=True)) == 1
+    assert stale_build_lock_problems(validate(Recipe(strategy="fsdp")), now=now, root=str(tmp_path),
+                                     scheme="baton") == []
+
+
+def test_torch_2_14_build_lock_left_behind_or_held_is_no_problem(tmp_path):
+    """torch 2.14 (torch/utils/cpp_extension.py _jit_compile: `with FileLock(os.path.join(build_directory,
+    'lock'))`, filelock's flock) leaves `<op>/lock` after every build and load, blocking nobody: an
+    old file no one holds, or one a build holds now, refuses nothing (before: every ZeRO run refused 30
+    minutes after any op build), and clearing stale locks never deletes either."""
+    import os
+    import types
+
+    from filelock import FileLock
+
+    from finetune.plan import (STALE_BUILD_LOCK_S, build_lock_scheme, clear_stale_build_locks, lock_is_held,
+                               stale_build_lock_problems)
+
+    def jit_compile_2_14(build_directory):  # the lock torch 2.14 takes around a build or load
+        with FileLock(os.path.join(build_directory, "lock")):
+            pass
+
+    assert build_lock_scheme(types.SimpleNamespace(_jit_compile=jit_compile_2_14)) == "os_lock"
+    left, held = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (left, held):
+        lock.parent.mkdir()
+    jit_compile_2_14(str(left.parent))
+    assert left.exists() and not lock_is_held(str(left)), "2.14 leaves the file behind, unlocked"
+    holder = FileLock(str(held))
+    holder.acquire()
+    try:
+        assert lock_is_held(str(held)) and lock_is_held(str(held)), "the probe lets go of its own try"
+        now = os.stat(left).st_mtime + 10 * STALE_BUILD_LOCK_S
+        offload = validate(Recipe(strategy="zero3", offload_optimizer="cpu"))
+        assert stale_build_lock_problems(offload, now=now, root=str(tmp_path), scheme="os_lock") == []
+        assert len(stale_build_lock_problems(offload, now=now, root=str(tmp_path), scheme="baton")) == 2
+    finally:
+        holder.release()
+    assert held.exists() and not lock_is_held(str(held))
+
+
+def test_clearing_stale_build_locks_follows_the_scheme(tmp_path, monkeypatch):
+    """scripts/setup.sh clears stale locks through clear_stale_build_locks: under 2.13's scheme the old
+    ones, under 2.14's none (removing a held one would let a second build start beside it)."""
+    import os
+
+    from finetune import plan
+
+    monkeypatch.setattr(plan, "extensions_root", lambda: str(tmp_path))
+    old, young = tmp_path / "async_io" / "lock", tmp_path / "cpu_adam" / "lock"
+    for lock in (old, young):
+        lock.parent.mkdir()
+        lock.touch()
+    os.utime(old, (os.stat(old).st_mtime - plan.STALE_BUILD_LOCK_S - 60,) * 2)
+    monkeypatch.setattr(plan, "build_lock_scheme", lambda: "os_lock")
+    assert plan.clear_stale_build_locks() == [] and old.exists() and young.exists()
+    monkeypatch.setattr(plan, "build_lock_scheme", lambda: "baton")
+    assert plan.clear_stale_build_locks() == [str(old)] and not old.exists() and young.exists()
+    assert plan.clear_stale_build_locks(0, ["async_io"]) == [] and young.exists()
+    assert plan.clear_stale_build_locks(0, ["cpu_adam"]) == [str(young)] and not young.exists()
 
 
 @pytest.mark.parametrize("kind", ["constant", "constant_with_warmup", "linear", "cosine"])

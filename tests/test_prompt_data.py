@@ -151,3 +151,36 @@ recipe = Recipe(
     for r in shown:
         assert r["prompt"].startswith("What is ") and {"answer", "level", "prompt_input_ids"} <= set(r)
         assert r["prompt_input_ids"] == mistral(r["prompt"]).input_ids
+
+
+def test_a_too_long_prompt_is_named_by_its_file_line(mistral, tmp_path):
+    """After the eval split a row's index is no one's ("row 139" before): the error names the prompt's
+    line in its file, in the training part and in the held-out part alike."""
+    long = " ".join(["word"] * 80)
+    rows = [{"prompt": f"short {i}", "answer": "a"} for i in range(40)]
+    rows[29]["prompt"] = long
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows[:10]) + "\n\n" + "\n".join(json.dumps(r) for r in rows[10:]))
+    for fraction in (0.05, 0.95):  # the long row in the training part, then in the eval part
+        recipe = Recipe(**GRPO, dataset=str(path), eval_fraction=fraction)
+        with pytest.raises(D.DataError) as e:
+            D.build_datasets(recipe, mistral)
+        assert str(e.value).startswith(f"{path} line 31: the prompt has "), str(e.value)
+
+
+def test_a_lone_surrogate_in_a_prompt_is_named_with_its_cause(mistral, tmp_path):
+    """A JSON escape of half a UTF-16 pair decodes to a lone surrogate, which the tokenizer cannot encode
+    (before: a traceback from inside the tokenizer, no row, no cause)."""
+    from finetune.data.sources import prevalidate
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "fine", "answer": "a"}\n{"prompt": "smile \\ud83d", "answer": "a"}\n'
+                    '{"prompt": [{"role": "user", "content": "x\\udc00"}], "answer": "a"}\n')
+    with pytest.raises(D.DataError, match=rf"{path} line 2: the prompt holds a lone surrogate \('\\ud83d' at "
+                                          r"character 6: half of a UTF-16 pair"):
+        prevalidate(str(path), "prompt", "dataset")  # before the model loads, from the file itself
+    # rows that reach tokenizing without prevalidation (a hub dataset's) are checked there, row by row
+    with pytest.raises(D.DataError, match=r"d row 1: the prompt holds a lone surrogate"):
+        D.check_row({"prompt": "smile \ud83d"}, "prompt", "d row 1")
+    with pytest.raises(D.DataError, match=r"d row 0: the prompt's message 0 holds a lone surrogate"):
+        D.check_row({"prompt": [{"role": "user", "content": "x\udc00"}]}, "prompt", "d row 0")

@@ -111,3 +111,17 @@ def test_a_checkpoint_from_before_a_data_key_existed_still_fits(tmp_path):
     check_fits(resumed, SAVED, allow_data_change=False)
     with pytest.raises(RecipeError, match="chat_template"):
         check_fits(resumed, dataclasses.replace(SAVED, chat_template="{{ messages }}"), allow_data_change=False)
+
+
+@pytest.mark.parametrize("key,value", [("num_generations", 4), ("num_iterations", 2)])
+def test_grpo_rollout_keys_are_refused_with_the_route(key, value):
+    """GRPO's prompt schedule is global batch / num_generations prompts a step, a rollout serving
+    num_iterations steps: either changed, a resumed step would train on other prompts."""
+    grpo = dataclasses.replace(SAVED, objective="grpo", reward_funcs=("finetune.rewards:exact_match",),
+                               num_generations=8)
+    with pytest.raises(RecipeError) as e:
+        resume_changes(point(grpo), dataclasses.replace(grpo, **{key: value}))
+    assert f"{key}: {getattr(grpo, key)} -> {value}" in str(e.value)
+    assert "start a new run with model=OUT" in str(e.value) and "\n" not in str(e.value)
+    assert resume_changes(point(grpo), dataclasses.replace(grpo, temperature=0.5)) == [
+        "temperature: 1.0 -> 0.5 (applies from this step on)"]

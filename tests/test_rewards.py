@@ -136,7 +136,7 @@ def test_reward_model_directory_scores_prompt_and_completion(tmp_path):
 
 
 def test_reward_model_directory_is_checked_before_the_policy_loads(tmp_path, tiny_tokenizer):
-    """GRPO's before_model (the loop calls it before the policy loads) refuses, in one line, a reward
+    """GRPO's check_reward_models (its before_model, which the loop calls before the policy loads) refuses, in one line, a reward
     model directory that is missing, whose weights are cut short, or that has no score head (a causal LM's
     final/ given by mistake: transformers would add a random head, and the run train on random rewards);
     it passes a real sequence-classification directory."""
@@ -158,7 +158,7 @@ def test_reward_model_directory_is_checked_before_the_policy_loads(tmp_path, tin
     def before_model(path):
         objective = GRPO(Recipe(objective="grpo", reward_funcs=(R.RewardModel(str(path)),), num_generations=4,
                                 micro_batch_size=4))
-        objective.before_model(None)
+        objective.check_reward_models()
 
     before_model(good)
     for path, words in ((tmp_path / "missing", "no such directory"),
@@ -211,3 +211,104 @@ def test_recipe_grpo_fields_with_another_objective(key, value):
     for objective in ("sft", "dpo"):
         with pytest.raises(RecipeError, match=f"{key}=.* applies to objective=grpo only; set objective=grpo"):
             validate(Recipe(objective=objective, **{key: value}))
+
+
+def test_the_reward_model_class_is_refused_with_how_to_configure_it():
+    """reward_funcs=finetune.rewards:RewardModel (the class) passed validation and failed at step 1 with
+    an empty function name: it is one line at validation now, for a name and for the class itself."""
+    for spec, shown in (("finetune.rewards:RewardModel", "finetune.rewards:RewardModel"),
+                        (R.RewardModel, "finetune.rewards:RewardModel")):
+        with pytest.raises(RecipeError) as e:
+            validate(Recipe(**(GRPO | {"reward_funcs": (spec,)})))
+        assert str(e.value) == (f"reward_funcs={shown} is the class, not a reward function: give one with its model "
+                                "directory, RewardModel(\"path/to/reward_run/final\"), in the recipe file's reward_funcs "
+                                "(or as a module:name bound to one)")
+    with pytest.raises(RecipeError, match=r"reward_funcs=collections:Counter is a class, not a reward function"):
+        validate(Recipe(**(GRPO | {"reward_funcs": ("collections:Counter",)})))
+    validate(Recipe(**(GRPO | {"reward_funcs": (R.RewardModel("any/dir"),)})))  # an instance is a function
+
+
+def test_bools_count_alike_from_python_torch_and_numpy():
+    """A numpy bool array was refused ("not a finite number") where Python and torch bools pass."""
+    import numpy as np
+
+    def python(completions, **kw):
+        return [c == "4" for c in completions]
+
+    def torch_bools(completions, **kw):
+        return torch.tensor([c == "4" for c in completions])
+
+    def numpy_bools(completions, **kw):
+        return np.array([c == "4" for c in completions])
+
+    def numpy_numbers(completions, **kw):
+        return np.array([1.5, 2.0], dtype=np.float32)
+
+    per_func = step_rewards(python, torch_bools, numpy_bools, numpy_numbers).score(1, PROMPTS, ["4", "9"], [[1], [2]], {})
+    assert per_func.tolist() == [[1.0, 1.0, 1.0, 1.5], [0.0, 0.0, 0.0, 2.0]]
+
+
+def test_huge_rewards_keep_their_advantages():
+    """Rewards near 1e30 overflowed the std's float32 squares to inf and made every advantage 0 without a
+    word; beyond float32's range a reward cannot be kept and is refused in one line."""
+    from finetune.training.objectives.grpo import rollout_metrics
+
+    per_func = torch.tensor([[1e30], [3e30], [-1e30], [1e30]])
+    advantages, zero_std = group_advantages(per_func, torch.ones(1), 2)
+    small, _ = group_advantages(per_func / 1e30, torch.ones(1), 2)
+    assert torch.allclose(advantages, small, rtol=1e-4) and advantages.abs().min() > 0.7 and not zero_std.any()
+    metrics = rollout_metrics(per_func, torch.ones(1), ["r"], zero_std, torch.tensor([1, 2, 3, 4]),
+                              torch.zeros(4, dtype=torch.bool))
+    assert math.isfinite(metrics["reward_std"]) and math.isfinite(metrics["rewards/r/std"])
+
+    def beyond(completions, **kw):
+        return [1.0, 1e39]
+
+    with pytest.raises(R.RewardError, match=r"step 2: reward function beyond returned 1e\+39 for completion 1, beyond "
+                                            r"the float32 range rewards are kept in"):
+        step_rewards(beyond).score(2, PROMPTS, ["4", "9"], [[1], [2]], {})
+
+
+def test_a_reward_function_needing_a_missing_column_is_found_before_the_model():
+    """Called once on the first row with an empty completion: a column looked up (KeyError) or a keyword
+    argument missing (TypeError) is one line naming the function and the rows' columns; any other
+    failure on an empty completion is left to the run."""
+    row = {"prompt": "2+2=", "level": 1}
+    problem = R.missing_column_problem(step_rewards(R.exact_match), row, ["level"])
+    assert problem.startswith("reward function exact_match, called on the first training row with an empty "
+                              "completion before the model loads, raised KeyError: ")
+    assert "the prompt rows have the columns prompt, level: map the one it reads with columns=" in problem
+    assert "raised TypeError: char_match() missing 1 required positional argument: 'answer'" in \
+        R.missing_column_problem(step_rewards(R.char_match), row, ["level"])
+
+    def picky(completions, **kw):
+        return [float(completions[0])]  # ValueError on an empty completion: not a column
+
+    assert R.missing_column_problem(step_rewards(picky, R.RewardModel("not/loaded")), row, ["level"]) is None
+    assert R.missing_column_problem(step_rewards(R.exact_match), row | {"answer": "4"}, ["level", "answer"]) is None
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"temperature": 1e-40}, "temperature=1e-40: a temperature this small divides the logits beyond float range"),
+    ({"top_p": 0.0}, "top_p=0 keeps no token to sample from; use a value in (0, 1]"),
+])
+def test_sampling_that_cannot_run_is_refused_at_validation(changes, message):
+    """Both passed validation and raised tracebacks after the model loaded."""
+    with pytest.raises(RecipeError) as e:
+        validate(Recipe(**(GRPO | changes)))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+    validate(Recipe(**(GRPO | {"temperature": 0.0})))  # greedy: allowed, with a warning (below)
+
+
+@pytest.mark.parametrize("changes, why", [
+    ({"temperature": 0.0}, "temperature=0 samples greedily"),
+    ({"top_k": 1}, "top_k=1 keeps only the likeliest token"),
+    ({"top_p": 1e-9}, "top_p=1e-09 (not above 1/32000, one over the vocabulary) keeps only the likeliest token"),
+])
+def test_sampling_without_a_learning_signal_is_said(changes, why):
+    from finetune import grpo_rules
+
+    line = grpo_rules.no_signal(validate(Recipe(**(GRPO | changes))), 32000)
+    assert line.startswith(why + ": the num_generations=4 completions of a prompt are all the same") and \
+        "every advantage is 0: no learning signal" in line
+    assert grpo_rules.no_signal(validate(Recipe(**(GRPO | {"top_p": 0.5, "top_k": 2}))), 32000) is None

@@ -37,6 +37,9 @@ from finetune.strategy import strategy_for
 STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
               "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
               "lora_alpha", "lora_dropout", "load_in_4bit")
+# GRPO's keys that make its prompt schedule and rollouts: a change would make a resumed step train on other
+# prompts (or retrain a finished rollout's), so it is refused.
+ROLLOUT_KEYS = ("num_generations", "num_iterations")
 # What a change of these does on resume (any other key not named above applies as it would in a new run).
 RESUME_EFFECTS = {
     "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",
@@ -206,6 +209,14 @@ def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
         raise RecipeError(f"checkpoint {point.path} was trained with objective={old}, this run has objective={new}: "
                           f"{why}; export the checkpoint (python -m finetune.export {point.path} OUT) and start a new objective={new} "
                           "run with model=OUT in another output_dir")
+    schedule = [k for k in ROLLOUT_KEYS if k in changed] if recipe.objective == "grpo" else []
+    if schedule:
+        what = ", ".join(f"{k}: {changed[k][0]} -> {changed[k][1]}" for k in schedule)
+        raise RecipeError(f"checkpoint {point.path} cannot continue with {what}: the checkpoint's prompt schedule and "
+                          "rollouts were made with the old value (a step's prompts are its global batch of "
+                          "completions / num_generations, a rollout serves num_iterations steps), so its steps "
+                          f"would train on other prompts; restore it, or export the checkpoint (python -m "
+                          f"finetune.export {point.path} OUT) and start a new run with model=OUT in another output_dir")
     refused = [k for k in changed if k in STATE_KEYS]
     batch = _global_batch_change(point, recipe, changed)
     if batch:

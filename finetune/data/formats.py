@@ -193,7 +193,7 @@ def check_prompt_row(row: dict, where: str) -> None:
     if isinstance(prompt, str):
         if not prompt:
             raise DataError(f"{where}: the prompt is empty")
-        return
+        return check_text(prompt, where, "the prompt")
     if not isinstance(prompt, list):
         raise DataError(f"{where}: field 'prompt' must be a string or a list of {{role, content}} messages, got "
                         f"{'nothing' if prompt is None else 'a ' + type(prompt).__name__}")
@@ -201,3 +201,17 @@ def check_prompt_row(row: dict, where: str) -> None:
     if prompt[-1]["role"] == "assistant":
         raise DataError(f"{where}: the prompt's last message is the assistant's; a prompt ends with the turn the "
                         "model answers (user, or tool), and its completion is generated")
+    for i, message in enumerate(prompt):
+        if isinstance(message.get("content"), str):
+            check_text(message["content"], where, f"the prompt's message {i}")
+
+
+def check_text(text: str, where: str, what: str) -> None:
+    """Text a tokenizer can read: no lone surrogate (half of a UTF-16 pair, as a JSON escape like
+    \\ud83d without its other half decodes), which is not a character and cannot be encoded as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{where}: {what} holds a lone surrogate ({text[e.start]!r} at character {e.start}: half of a "
+                        "UTF-16 pair, not a character), which no tokenizer can read; write the whole character, or "
+                        "drop it") from None

@@ -70,8 +70,45 @@ def num_processes(recipe: Recipe, rows: int) -> int | None:
 COUNTS = ["n_tokens", "n_targets"]  # per-row columns kept while sources are mixed, dropped before training
 
 
+class RowNames:
+    """How an error in tokenizing names a row: by its file and line where the source is local JSON lines
+    (a prompt row's error comes after the eval split, whose row numbers are no one's), else as row N of
+    the source as loaded (before the split). Files are read only when a row is named."""
+
+    def __init__(self, where: str, original=None, files=()):
+        self.where = where
+        self.original = original  # each row's index in the source (numpy), None: the rows are the source's
+        self.files = [str(f) for f in files]  # the source's files, in its rows' order
+
+    @classmethod
+    def of(cls, ds, where: str, spec: DataSource | None = None) -> RowNames:
+        """ds: the source's rows as loaded, or a split of them (an indices mapping into them)."""
+        original = ds._indices.column(0).to_numpy() if getattr(ds, "_indices", None) is not None else None
+        files = []
+        if spec is not None and looks_local(spec.path) and not spec.path.startswith("builtin:"):
+            path = Path(spec.path).expanduser()
+            if not is_saved_dataset(path):
+                files = local_splits(path).get(spec.split, [])
+        return cls(where, original, files)
+
+    def __call__(self, index: int) -> str:
+        row = int(self.original[index]) if self.original is not None else index
+        for f in self.files:
+            if not f.lower().endswith((".jsonl", ".json")):
+                break  # rows of other files are not counted here
+            text = Path(f).read_text(encoding="utf-8", errors="replace")
+            if f.lower().endswith(".json") and text.lstrip().startswith("["):
+                break
+            lines = [n for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+            if row < len(lines):
+                return f"{f} line {lines[row]}"
+            row -= len(lines)
+        return f"{self.where} row {int(self.original[index]) if self.original is not None else index}"
+
+
 def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spec: DataSource | None = None,
-                     pack: bool | None = None, keep_counts: bool = False, dropped: dict | None = None):
+                     pack: bool | None = None, keep_counts: bool = False, dropped: dict | None = None,
+                     row_names: RowNames | None = None):
     """Map columns, format, tokenize (a batch of rows per tokenizer call, in num_proc processes), drop
     examples with no target token (and preference pairs whose sides are identical once cut), and pack;
     cached by content fingerprint. keep_counts: keep each row's n_tokens and n_targets (for mixing and
@@ -87,7 +124,7 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
         fmt = detect_format(names, where)
     need_fields(names, fmt, where)
     if fmt == "prompt":
-        return tokenize_prompts(ds, tokenizer, recipe, where, spec)
+        return tokenize_prompts(ds, tokenizer, recipe, where, spec, row_names or RowNames(where))
     optional = {"alpaca": {"input"}, "preference": {"prompt"}}.get(fmt, set())
     needed = set(FORMAT_FIELDS[fmt]) | optional
     used = [c for c in ds.column_names if c in {top_level_columns(spec.columns).get(f, f) for f in needed}]
@@ -150,18 +187,22 @@ def count_identical(ds) -> int:
     return int(pc.sum(pc.equal(ds.data.column("n_targets"), IDENTICAL)).as_py() or 0)
 
 
-def tokenize_prompts(ds, tokenizer, recipe: Recipe, where: str, spec: DataSource):
+def tokenize_prompts(ds, tokenizer, recipe: Recipe, where: str, spec: DataSource, row_names: RowNames):
     """Prompt rows (objective=grpo, finetune/data/prompts.py): each row's prompt (mapped by spec.columns)
-    checked and tokenized into prompt_input_ids and n_tokens; every other column kept for the rewards."""
+    checked and tokenized into prompt_input_ids and n_tokens; every other column kept for the rewards.
+    A bad row is named by row_names (its file line where there is one)."""
     source = top_level_columns(spec.columns).get("prompt", "prompt")
     room = max(recipe.max_seq_len - recipe.max_completion_len, 1)
 
     def encode(batch, indices):
         rows = [map_row({k: batch[k][i] for k in batch}, spec, f"{where} row {index}")
                 for i, index in enumerate(indices)]
-        names = [f"{where} row {index}" for index in indices]
-        for row, name in zip(rows, names):
-            check_row(row, "prompt", name)
+        for row, index in zip(rows, indices):
+            try:
+                check_row(row, "prompt", f"{where} row {index}")
+            except DataError:
+                check_row(row, "prompt", row_names(index))  # the same error, the row named where it is
+        names = _Named(row_names, indices)
         out = encode_prompts(rows, tokenizer, max_prompt_len=recipe.max_prompt_len, room=room, where=names)
         return {"prompt": [r["prompt"] for r in rows], **out}
 
@@ -169,6 +210,19 @@ def tokenize_prompts(ds, tokenizer, recipe: Recipe, where: str, spec: DataSource
                            recipe.max_prompt_len, room, spec.columns, spec.roles)
     return ds.map(encode, batched=True, with_indices=True, remove_columns=[source], new_fingerprint=fp,
                   num_proc=num_processes(recipe, len(ds)), desc=f"tokenize prompts {where}")
+
+
+class _Named:
+    """A batch's row names, made when one is asked for (an error)."""
+
+    def __init__(self, row_names: RowNames, indices):
+        self.row_names, self.indices = row_names, indices
+
+    def __getitem__(self, k: int) -> str:
+        return self.row_names(self.indices[k])
+
+    def __len__(self) -> int:
+        return len(self.indices)
 
 
 def budget_note(recipe: Recipe) -> str:

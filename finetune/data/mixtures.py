@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from finetune.data.formats import DataError, detect_format
-from finetune.data.loading import (COUNTS, budget_note, cache_fingerprint, load_source, pack_dataset,
+from finetune.data.loading import (COUNTS, RowNames, budget_note, cache_fingerprint, load_source, pack_dataset,
                                    tokenize_dataset)
 from finetune.data.sources import (check_columns, check_objective, eval_source, first_row_of, map_row,
                                    train_sources, with_sharegpt)
@@ -88,6 +88,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         if evaluated is None and recipe.eval_fraction > 0 and len(raw) >= 2:
             split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
             raw, raw_held = split["train"], split["test"]
+        names = RowNames.of(raw, where, spec)
         raw_rows.append(len(raw))
         formats.append(fmt)
         drops.append({})
@@ -97,10 +98,10 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         else:
             pairs.append(None)
         parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True,
-                                      dropped=drops[-1]))
+                                      dropped=drops[-1], row_names=names))
         if raw_held is not None:
             held.append(tokenize_dataset(raw_held, fmt, tokenizer, recipe, where + " (eval)", spec=spec,
-                                         pack=False, keep_counts=True))
+                                         pack=False, keep_counts=True, row_names=RowNames.of(raw_held, where, spec)))
     specs = [spec for _, _, spec in sources]
     available = [len(p) for p in parts]
     counts = mixture_counts(available, specs, [key for key, _, _ in sources])
@@ -146,7 +147,8 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
             eval_fmt = detect_format(check_columns(raw_eval.column_names, spec, where), where)
         check_objective(recipe, eval_fmt, key, spec.path)
         evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,
-                                 pack=False, keep_counts=True)
+                                 pack=False, keep_counts=True,
+                                 row_names=RowNames.of(raw_eval, f"{spec.path} (eval)", spec))
     elif held:
         evals = held[0] if len(held) == 1 else hf.concatenate_datasets(held)
     if evals is not None:

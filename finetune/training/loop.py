@@ -339,10 +339,11 @@ class StepResult:
     stopping: bool  # a rank was asked to stop: save and stop after this step
 
 
-def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Throughput) -> StepResult:
+def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Throughput) -> StepResult | None:
     """One optimizer step over the global batch of step state.step: the objective's rollout (if it has
     one), forward and backward of this rank's micro-batches, the update unless the loss or gradient
-    norm is not finite, and the state advanced."""
+    norm is not finite, and the state advanced. None where a stop request ended the rollout: the step
+    is not taken."""
     r, accelerator, model, objective = run.recipe, run.accelerator, run.model, run.objective
     device, world = accelerator.device, accelerator.num_processes
     pad_id = run.tokenizer.pad_token_id
@@ -351,7 +352,10 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
         D.fetch(run.datasets.train, rows, pad_id, r.packing, r.padding_free)
         for rows in run.schedule.rows(state.step, sp.dp_rank)]
     # an objective that generates before its step (a rollout) makes the step's batches from these
-    micro_batches = [sp.shard(b) for b in objective.rollout(run, state.step, fetched)]
+    made = objective.rollout(run, state.step, fetched, stop)
+    if made is None:  # a stop request during the rollout (agreed by the ranks): no step
+        return None
+    micro_batches = [sp.shard(b) for b in made]
     # The global batch's counts, summed on the device and not read back here: the host queues the
     # forward without waiting for the previous step to finish (see one_sync_per_step)
     counts = run.reduce_sum(to_device(objective.counts(micro_batches), device))
@@ -485,8 +489,16 @@ def train(plan: Plan) -> dict:
             return finish(run, state, meter, last_eval, last_metrics, stopped=True)
     run.model.train()
     stopping = False
+    saved = state.step if plan.resume is not None else None  # the step of the newest checkpoint
     while state.step < run.total_steps:
         result = optimizer_step(run, state, stop, meter)
+        if result is None:  # stopped within the step's rollout: the step before it is the one saved
+            stopping = True
+            if state.step and state.step != saved:
+                with meter.paused("checkpoint") as saving:
+                    path = run.checkpoints.save(state)
+                reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
+            break
         stopping = result.stopping
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
         end = state.step == run.total_steps
@@ -501,6 +513,7 @@ def train(plan: Plan) -> dict:
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
             with meter.paused("checkpoint") as saving:
                 path = run.checkpoints.save(state)
+            saved = state.step
             reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
         if stopping:
             break

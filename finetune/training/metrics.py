@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 import time
 import warnings
@@ -62,12 +63,24 @@ class MetricsFile:
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(json_values(record)) + "\n")
         if self.accelerator is not None and self.accelerator.trackers:
             values = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
             if values and "resumed_from" not in record:
                 self.accelerator.log(values, step=record["step"])
+
+
+def json_values(value):
+    """value with every NaN or infinite float as None: JSON has no NaN (json.dumps would write a bare NaN,
+    which strict JSON readers refuse), and a value that is not a number is no value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_values(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_values(v) for v in value]
+    return value
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -158,6 +171,10 @@ def start_trackers(accelerator, recipe, output_dir: Path) -> None:
 # ---------------------------------------------------------------- the loss plot
 
 
+def nan_for_none(value):
+    return float("nan") if value is None else value
+
+
 def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     """loss.png: training and eval loss, and the learning rate on a second axis, against steps."""
     records = run_history(read_metrics(metrics_path)) if Path(metrics_path).exists() else []
@@ -172,10 +189,10 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     FigureCanvasAgg(fig)
     ax = fig.subplots()
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue",
+        ax.plot([r["step"] for r in train], [nan_for_none(r["loss"]) for r in train], label="train loss", color="tab:blue",
                 linewidth=1.2)
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss",
+        ax.plot([r["step"] for r in evals], [nan_for_none(r["eval_loss"]) for r in evals], "o-", label="eval loss",
                 color="tab:orange", linewidth=1.5, markersize=4)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (mean per target token)")

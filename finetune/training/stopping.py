@@ -8,8 +8,15 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 
 from finetune.lock import release_all
+
+
+class Interrupted(BaseException):
+    """A stop request that came during a call the run can abandon (StopRequest.interrupting): raised out of
+    it at once. A BaseException, as KeyboardInterrupt, so that the call's own `except Exception` (a reward
+    function's, or the scoring's around it) does not take it for a failure."""
 
 
 class StopRequest:
@@ -30,6 +37,7 @@ class StopRequest:
     def __init__(self):
         self.requested = 0
         self._interrupted_at = None
+        self._interrupting = False
         for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
             signal.signal(sig, self._handle)
 
@@ -47,6 +55,22 @@ class StopRequest:
                 _say("interrupted: stopping with a checkpoint within a step (Ctrl-C again to stop at once, "
                      "without saving)")
         self.requested = self.requested or signum
+        if self._interrupting:
+            self._interrupting = False
+            raise Interrupted()
+
+    @contextmanager
+    def interrupting(self):
+        """Within it, a stop request (one made before, or one that comes) raises Interrupted at once, out of
+        whatever runs: for a call whose result the run can drop and which may never return by itself (a
+        reward function that hangs: GRPO's rollout drops the step and saves the one before)."""
+        if self.requested:
+            raise Interrupted()
+        self._interrupting = True
+        try:
+            yield
+        finally:
+            self._interrupting = False
 
 
 def stop_with_front() -> None:

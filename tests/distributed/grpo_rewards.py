@@ -7,10 +7,10 @@ CALLS = {"n": 0}
 
 
 def broken(completions, **kwargs):
-    """Scores like a reward function for two steps, then raises on rank 1 only: the other rank is then
-    waiting for it in a collective."""
+    """Scores like a reward function for two rollouts, then raises on rank 1 only: the other rank is then
+    waiting for it in a collective. (The first call is the check before the model loads.)"""
     CALLS["n"] += 1
-    if CALLS["n"] >= 3 and os.environ.get("RANK", "0") == "1":
+    if CALLS["n"] >= 4 and os.environ.get("RANK", "0") == "1":
         raise ZeroDivisionError("division by zero")
     return [float(len(c)) for c in completions]
 
@@ -26,3 +26,22 @@ def reward_model(prompts, completions, **kwargs):
     if "model" not in SCORER:
         SCORER["model"] = RewardModel(os.environ["GRPO_REWARD_MODEL"])
     return SCORER["model"](prompts, completions)
+
+
+def hangs(completions, **kwargs):
+    """Scores for two steps, then never returns (a reward function stuck on a network call): before it
+    blocks, it writes hanging.RANK into GRPO_HANG_DIR, so that a test knows when to signal."""
+    CALLS["n"] += 1
+    if CALLS["n"] >= 3:
+        import time
+        from pathlib import Path
+
+        Path(os.environ["GRPO_HANG_DIR"], f"hanging.{os.environ.get('RANK', '0')}").touch()
+        while True:
+            time.sleep(3600)
+    return [float(len(c)) for c in completions]
+
+
+def unscored(completions, **kwargs):
+    """Scores no completion (None for each): a step with no learning signal."""
+    return [None] * len(completions)

@@ -142,6 +142,45 @@ def test_resume_on_another_process_count(grpo_run, launch, killed_zero3, tmp_pat
     assert_same_run(resumed, want)
 
 
+def test_resume_refuses_another_num_generations_or_num_iterations(killed_zero3, run_in_process, tmp_path):
+    """The killed run's step-3 checkpoint resumed with num_generations 4 -> 2 and num_iterations 2 -> 1 is
+    refused in one line before any model loads (before: `num_generations: 4 -> 2 (applies from this
+    step on)`, then other prompts at every step, and step 4 retrained on a new rollout)."""
+    out = tmp_path / "run"
+    shutil.copytree(killed_zero3[1], out)
+    run = run_in_process("strategy=zero3", *GRPO, "num_generations=2", "num_iterations=1", "--resume", "auto",
+                         output_dir=out, recipe="tiny_grpo")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-3000:]
+    assert "cannot continue with num_generations: 4 -> 2, num_iterations: 2 -> 1: the checkpoint's prompt " \
+           "schedule and rollouts were made with the old value" in errors[0]
+    assert "restore it, or export the checkpoint (python -m finetune.export" in errors[0]
+    assert (out / "rollouts.jsonl").read_bytes() == (killed_zero3[1] / "rollouts.jsonl").read_bytes()
+
+
+def test_sampling_and_rewards_without_a_learning_signal_are_said(launch, tmp_path_factory):
+    """One process, one step: top_k=1 samples greedily (said before the model loads), and a reward
+    function that scores nothing (None for every completion) is said at the step; metrics.jsonl stays
+    JSON, the reward null (before: no word at all, and a bare NaN in metrics.jsonl)."""
+    out = tmp_path_factory.mktemp("grpo-unscored")
+    run = launch(1, "strategy=ddp", "global_batch_size=2", "num_generations=2", "micro_batch_size=4", "max_steps=1",
+                 "warmup_steps=0", "max_completion_len=4", "eval_max_samples=2", "top_k=1", "reward_funcs=grpo_rewards:unscored",
+                 output_dir=out, recipe="tiny_grpo",
+                 extra_env={"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}"})
+    assert run.stderr.count("top_k=1 keeps only the likeliest token: the num_generations=2 completions of a prompt "
+                            "are all the same") == 1, run.stderr[-3000:]
+    assert run.stderr.count("step 1: no reward function scored any of the 4 completions (every reward None)") == 1
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    records = [json.loads(line, parse_constant=refuse)
+               for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step = next(r for r in records if "loss" in r)
+    assert step["reward"] is None and step["rewards/unscored/mean"] is None and step["loss"] == 0.0
+    assert next(r for r in records if "eval_reward" in r)["eval_reward"] is None
+
+
 def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-bad-reward")
     run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "eval_dataset=", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
@@ -150,7 +189,8 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_fa
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, run.stderr[-3000:]
-    # num_iterations=2: the function's third call is at step 5's rollout
+    # num_iterations=2: the function's fourth call (the first is the check before the model loads) is at step
+    # 5's rollout
     assert errors[0].startswith("error: step 5: reward function broken raised ZeroDivisionError: division by zero "
                                 "(prompt: '"), errors[0]
     assert "its last checkpoint is intact" in errors[0]

@@ -288,3 +288,60 @@ def test_sigterm_during_a_long_eval_and_its_samples_stops_there_with_a_checkpoin
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records if "loss" in r) == 2  # no step after the signal
     assert not (out / LOCK_NAME).exists() and not (out / "final").exists()
+
+
+# tiny_grpo's prompts, 4 completions each, no eval; a reward function that never returns from its third
+# call (the first is the check before the model loads: step 2's rollout)
+HANGING_GRPO = ["--recipe", "tiny_grpo", "global_batch_size=4", "num_generations=4", "micro_batch_size=4",
+                "max_steps=100", "save_every=100", "eval_every=0", "eval_at_start=false", "log_every=1",
+                "max_completion_len=4", "reward_funcs=grpo_rewards:hangs"]
+
+
+def hang_then_signal(cmd, env, out: Path, signum, ranks: int) -> tuple[subprocess.Popen, str, float]:
+    """Starts cmd, waits until every rank is inside the hanging reward function, sends signum to the
+    process cmd started; returns the process, its stderr and the seconds from the signal to its exit."""
+    env = dict(env, PYTHONPATH=f"{REPO}:{REPO / 'tests' / 'distributed'}", GRPO_HANG_DIR=str(out.parent))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not all((out.parent / f"hanging.{rank}").exists() for rank in range(ranks)):
+            assert proc.poll() is None, f"the launch ended early ({proc.returncode}):\n{proc.communicate()[1][-4000:]}"
+            assert time.monotonic() < deadline, "the reward function was never called a third time"
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        os.kill(proc.pid, signum)
+        _, stderr = proc.communicate(timeout=120)
+        return proc, stderr, time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_hanging_reward_function_stops_at_the_first_signal(launch_env, tmp_path):
+    """SIGTERM to the launcher while both ranks hang inside a reward function (step 2's rollout): the
+    workers drop the step, save step 1's checkpoint, let go of output_dir and exit well before torchrun's
+    30 s grace ends (before: they never read the request there; torchrun killed both after about 31 s and
+    finetune.lock stayed). One process, one Ctrl-C: the same (before: a second Ctrl-C was needed, no
+    checkpoint)."""
+    out = tmp_path / "two" / "run"
+    out.parent.mkdir()
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+                free_port(), "finetune/run.py", *HANGING_GRPO, "strategy=ddp", f"output_dir={out}"]
+    proc, stderr, took = hang_then_signal(launcher, launch_env, out, signal.SIGTERM, 2)
+    lines = worker_lines(stderr, proc.pid)
+    assert took < 25, (took, stderr[-3000:])
+    assert stopped_at(lines) == [1], stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000001"]
+    assert not (out / LOCK_NAME).exists() and not (out / "final").exists()
+    assert not any(re.search(r'File ".*/finetune/', line) for line in lines), stderr[-3000:]
+
+    out = tmp_path / "one" / "run"
+    out.parent.mkdir()
+    proc, stderr, took = hang_then_signal([sys.executable, "finetune/run.py", *HANGING_GRPO, "strategy=ddp",
+                                           f"output_dir={out}"], launch_env, out, signal.SIGINT, 1)
+    assert "Traceback" not in stderr and took < 25, (proc.returncode, took, stderr[-3000:])
+    assert stopped_at(stderr.splitlines()) == [1], stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000001"]
+    assert not (out / LOCK_NAME).exists()

@@ -11,10 +11,11 @@ An objective's life in a run, in the loop's order:
                                   what recipe.json and every checkpoint record of it
     schedule(plan, rows, ranks)   which training rows each step reads (SFT, DPO: micro_batch_size x
                                   grad_accum rows per rank; GRPO: the step's prompts)
-    rollout(run, step, batches)   each step, before its micro-batches' forward: the batches the step
+    rollout(run, step, batches, stop)
+                                  each step, before its micro-batches' forward: the batches the step
                                   trains on, made from the schedule's rows (an objective that generates
-                                  before its step: GRPO's completions, rewards and advantages); as given
-                                  for SFT and DPO
+                                  before its step: GRPO's completions, rewards and advantages; None
+                                  where a stop request ended it); as given for SFT and DPO
     counts, loss, take_metrics    each step: how the global batch is counted, each micro-batch's summed
                                   loss, the metrics' sums since last asked
     means(sums, count)            the metrics' values from their sums reduced over ranks (a step's or an
@@ -73,7 +74,7 @@ class Objective(Protocol):
 
     def schedule(self, plan, num_rows: int, ranks: int): ...
 
-    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]: ...
+    def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None: ...
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor: ...
 
@@ -113,7 +114,7 @@ class Basic:
         r = plan.recipe
         return BatchSchedule(num_rows, r.micro_batch_size, plan.grad_accum, ranks, r.seed)
 
-    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
+    def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None:
         return micro_batches
 
     def evaluate(self, run, step: int, stop, loss_eval: Callable[[], tuple[float, dict] | None]

@@ -52,6 +52,7 @@ reduces metrics by sum. The rollout's own metrics (rewards per function, complet
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -62,6 +63,7 @@ from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
 from finetune.training.metrics import log
+from finetune.training.stopping import Interrupted
 from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
@@ -90,7 +92,9 @@ def group_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generati
     and whether each one's std was zero (TRL's frac_reward_zero_std): TRL's sum_then_normalize."""
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r}: must be one of {', '.join(SCALE_REWARDS)}")
-    rewards = weighted_rewards(per_func, weights)
+    # in float64: the squares of float32 rewards beyond about 1e19 overflow float32 (an inf std would make
+    # every advantage 0); the advantages themselves are of order 1, float32 again
+    rewards = weighted_rewards(per_func.double(), weights)
     mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     if scale_rewards == "batch":
         std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
@@ -100,7 +104,7 @@ def group_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generati
     if scale_rewards != "none":
         advantages = advantages / (std + 1e-4)
     zero_std = torch.isclose(std, torch.zeros_like(std))
-    return torch.nan_to_num(advantages, nan=0.0), zero_std
+    return torch.nan_to_num(advantages, nan=0.0).float(), zero_std
 
 
 def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[str], zero_std: torch.Tensor,
@@ -109,6 +113,7 @@ def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[s
     all and per function (over the completions it scored), the share of completions in a group of
     equal rewards, completion lengths (mean, min, max, and the share cut at max_completion_len)."""
     out = {}
+    per_func = per_func.double()  # as group_advantages: float32 squares of large rewards overflow
     for i, name in enumerate(names):
         out[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, i]).item()
         out[f"rewards/{name}/std"] = nanstd(per_func[:, i]).item()
@@ -218,16 +223,16 @@ class GRPO(Basic):
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
+        self.said_unscored = False  # a step whose completions no function scored was said
 
     def schedule(self, plan, num_rows: int, ranks: int):
         """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
         list and takes its share: rank_prompts)."""
         return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
 
-    def before_model(self, context) -> None:
-        """Reward models (RewardModel among the reward functions) checked before the policy loads: a
-        directory that is missing, cut short or without a score head (which would score at random) is
-        one line before any expensive work."""
+    def check_reward_models(self) -> None:
+        """Reward models among the reward functions, read before the policy loads: a directory that is
+        missing, cut short or without a score head (which would score at random) is one line."""
         from finetune.rewards import RewardModel, RewardSpecError
 
         for func in self.rewards.funcs:
@@ -236,6 +241,23 @@ class GRPO(Basic):
                     func.check()
                 except RewardSpecError as e:
                     raise RecipeError(f"reward_funcs: {e}") from None
+
+    def before_model(self, context) -> None:
+        """Checked before the policy loads, so each is one line before any expensive work: the reward
+        models (check_reward_models), a reward function that needs a column the prompt rows lack; and
+        sampling that gives no learning signal (a warning)."""
+        from finetune import grpo_rules
+        from finetune.rewards import missing_column_problem
+
+        self.check_reward_models()
+        train = context.datasets.train
+        columns = [c for c in train.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
+        problem = missing_column_problem(self.rewards, train[0], columns) if len(train) else None
+        if problem:
+            raise RecipeError(problem)
+        warning = grpo_rules.no_signal(self.recipe, getattr(context.config, "vocab_size", None))
+        if warning and context.accelerator.is_main_process:
+            log.warning(warning)
 
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
@@ -253,31 +275,41 @@ class GRPO(Basic):
             keep_rollouts(Path(context.recipe.output_dir) / ROLLOUTS, resume.step if resume is not None else 0)
         return {}
 
-    def rollout(self, run, step: int, micro_batches: list[dict]) -> list[dict]:
+    def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None:
         """This rank's micro-batches of step `step` (0-based): rollout step // num_iterations, generated
         now at its first step, kept for the next num_iterations - 1, read back from its cache file when a
-        resumed run starts inside it."""
+        resumed run starts inside it. None where a stop request (stop: finetune.training.stopping.StopRequest)
+        ended the generation or the reward functions on any rank: the step is dropped."""
         k = step // self.num_iterations
         if self.cached is None or self.cached[0] != k:
-            self.cached = (k, *(self.read_rollout(run, k, step) if step % self.num_iterations
-                                else self.new_rollout(run, k, step)))
+            made = self.read_rollout(run, k, step) if step % self.num_iterations else self.new_rollout(run, k, step, stop)
+            if made is None:
+                return None
+            self.cached = (k, *made)
         self.rollout_values = self.cached[2]
         return self.cached[1]
 
-    def new_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
+    def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
         r, accelerator = run.recipe, run.accelerator
         sp, g = run.parallel.sp, self.num_generations
         rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
         seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
-        prompt_ids, tokens, stopped, per_func, error, seconds = self.sample(run, run.datasets.train, mine, seeds,
-                                                                            step + 1)
-        parts = gather_objects((tokens, stopped, per_func.tolist(), error))
+        prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
+                                                                                 step + 1, stop)
+        parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
+        if any(p[4] for p in parts):
+            return None
         failed = first_failure(parts)
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
         all_tokens, all_stopped, all_rewards = joined(parts, len(self.rewards.names))
+        if torch.isnan(all_rewards).all() and not self.said_unscored and accelerator.is_main_process:
+            self.said_unscored = True
+            log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
+                        "reward None): their advantages are 0 and the step trains on nothing (its reward is null in "
+                        "metrics.jsonl); said once")
         advantages, zero_std = group_advantages(all_rewards, self.rewards.weights, g, r.scale_rewards)
         values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
                                  torch.tensor([len(t) for t in all_tokens]),
@@ -300,28 +332,35 @@ class GRPO(Basic):
                            self.rewards.names, all_rewards, weighted, advantages)
         return batches, values
 
-    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int) -> tuple:
+    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, stop=None) -> tuple:
         """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
         collective: the weights gathered once for all of them, every rank calls it, with no prompts too),
         scored here by the reward functions: (the prompts' ids, one per completion, the completions'
         tokens, whether each stopped, [completions, functions] rewards, a reward function's failure as
-        one line or None, the generation's seconds). `step` names the step in a failure's line."""
+        one line or None, the generation's seconds, whether a stop request cut the generation or the
+        scoring short). `step` names the step in a failure's line. A stop request (stop) ends the
+        generation before its next token and a reward function's call at once (it may never return):
+        read as the eval reads it, so that a signal is acted on within a rollout."""
         t0, g = time.perf_counter(), self.num_generations
         cols = ds[mine] if mine else {c: [] for c in ds.column_names}
         prompt_ids = [p for p in cols["prompt_input_ids"] for _ in range(g)]
-        outs = generate_completions(run, prompt_ids, seeds)
+        outs = generate_completions(run, prompt_ids, seeds, stop)
         tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
         texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         seconds = time.perf_counter() - t0
         extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
         error, per_func = None, torch.full((len(tokens), len(self.rewards.names)), float("nan"))
-        if tokens:
+        cut = stop is not None and bool(stop.requested)
+        if tokens and not cut:
             try:
-                per_func = self.rewards.score(step, [p for p in cols["prompt"] for _ in range(g)], texts, tokens,
-                                              extra)
+                with stop.interrupting() if stop is not None else contextlib.nullcontext():
+                    per_func = self.rewards.score(step, [p for p in cols["prompt"] for _ in range(g)], texts,
+                                                  tokens, extra)
             except RewardError as e:
                 error = str(e)
-        return prompt_ids, tokens, stopped, per_func, error, seconds
+            except Interrupted:
+                cut = True
+        return prompt_ids, tokens, stopped, per_func, error, seconds, cut
 
     def evaluate(self, run, step: int, stop, loss_eval) -> tuple[None, dict] | None:
         """TRL's GRPO eval: each eval prompt (the first eval_max_samples eval rows, all if 0) gets
@@ -348,8 +387,10 @@ class GRPO(Basic):
                 return None
             mine = eval_share(rows, sp.dp_rank, sp.dp_size)
             seeds = [eval_seed(r.seed, row, j) for row in mine for j in range(g)]
-            _, tokens, stopped, per_func, error, _ = self.sample(run, ds, mine, seeds, step)
-            parts = gather_objects((tokens, stopped, per_func.tolist(), error))
+            _, tokens, stopped, per_func, error, _, cut = self.sample(run, ds, mine, seeds, step, stop)
+            parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
+            if any(p[4] for p in parts):
+                return None
             failed = first_failure(parts)
             if failed is not None:
                 raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, its last "
@@ -462,8 +503,8 @@ def gather_objects(obj) -> list:
 
 
 def first_failure(parts: list) -> str | None:
-    """The first rank's reward failure (the last item of each rank's gathered part), or None."""
-    return next((p[-1] for p in parts if p[-1] is not None), None)
+    """The first rank's reward failure (the fourth item of each rank's gathered part), or None."""
+    return next((p[3] for p in parts if p[3] is not None), None)
 
 
 def joined(parts: list, functions: int) -> tuple[list, list, torch.Tensor]:
@@ -488,24 +529,32 @@ def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g
                            ~torch.tensor(stopped, dtype=torch.bool))
 
 
-def generate_completions(run, prompts: list[list[int]], seeds: list[int]) -> list:
+def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=None) -> list:
     """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
     once for the whole batch (a collective: every rank calls it), in eval mode, back to train after. A
     rank without prompts (an eval batch's uneven split) runs one forward of a one-token prompt, its token
-    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join."""
+    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join. A
+    stop request (stop) ends the generation before its next token, from the second on (the first
+    forward is that collective)."""
     r, model, accelerator = run.recipe, run.model, run.accelerator
     sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
     idle = not prompts
     if idle:
         prompts, seeds, sampling = [[pad_id_for(run.tokenizer)]], None, Sampling(1)
     was_training = model.training
+    asked = []  # should_stop's calls: none before the first token
+
+    def should_stop() -> bool:
+        asked.append(True)
+        return stop is not None and len(asked) > 1 and bool(stop.requested)
+
     model.eval()
     try:
         with torch.compiler.set_stance("force_eager"), \
                 run.parallel.strategy.whole_weights(accelerator, model) as whole:
             out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                           seeds=seeds if sampling.temperature > 0 else None)
+                           seeds=seeds if sampling.temperature > 0 else None, should_stop=should_stop)
             return [] if idle else out
     finally:
         model.train(was_training)
@@ -525,12 +574,18 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
         x = float(x)
         return None if math.isnan(x) else x
 
-    with open(path, "a") as f:
-        for i, (t, text) in enumerate(zip(tokens, texts)):
-            f.write(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
+    lines = "".join(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
                                 "completion": text, "completion_ids": t, "stopped": stopped[i],
                                 "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
-                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n")
+                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"
+                    for i, (t, text) in enumerate(zip(tokens, texts)))
+    try:
+        with open(path, "a") as f:
+            f.write(lines)
+    except OSError as e:  # a full disk: what it left past the last checkpoint is cut on resume (keep_rollouts)
+        raise RecipeError(f"cannot write {path} at step {step}: {e.strerror or e}; the run stopped before step {step}'s "
+                          "update, its last checkpoint is intact: free space there and continue with --resume "
+                          "auto") from None
 
 
 def save_rollout(out, k: int, record: dict) -> None:
@@ -622,10 +677,26 @@ def read_rollouts(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def kept_length(lines, step: int) -> int:
+    """How many bytes at the start of rollouts.jsonl (`lines`: the file opened in binary) hold the records
+    of steps up to `step`: the lines up to the first one of a later step, or the first one that is not
+    a whole record line (a write cut short by a kill or a full disk). Each line is read only as far as
+    its step ({"step": N, ... as write_rollouts starts it); nothing past the cut is parsed."""
+    import re
+
+    head = re.compile(rb'\{"step": (\d+), .*\}\n\Z', re.DOTALL)
+    end = 0
+    for line in lines:
+        match = head.match(line)
+        if match is None or int(match.group(1)) > step:
+            break
+        end += len(line)
+    return end
+
+
 def keep_rollouts(path, step: int) -> None:
     """rollouts.jsonl cut to the records of steps up to `step` (a resumed run writes the rest again), or
     removed (step 0: a fresh run)."""
-    import json
     import os
     from pathlib import Path
 
@@ -635,7 +706,7 @@ def keep_rollouts(path, step: int) -> None:
     if step == 0:
         path.unlink()
         return
-    kept = [r for r in read_rollouts(path) if r["step"] <= step]
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    os.replace(tmp, path)
+    with path.open("rb") as lines:
+        end = kept_length(lines, step)
+    if end < path.stat().st_size:
+        os.truncate(path, end)
