@@ -172,11 +172,11 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
         dropped = dropped or ", none dropped"
         cut = f", {s['at_max_seq_len']} cut at max_seq_len" if s["at_max_seq_len"] else ""
         lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
-                     f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {s['tokens']} tokens, "
-                     f"{s['target_tokens']} target tokens")
+                     f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {token_counts(s, recipe)}")
     t = data.summary
-    line = (f"data train: {t['rows']} rows, {t['tokens']} tokens, {t['target_tokens']} target tokens "
-            f"({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)")
+    line = f"data train: {t['rows']} rows, {token_counts(t, recipe)}"
+    if recipe.objective != "grpo":
+        line += f" ({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)"
     if "packed_rows" in t:
         line += (f"; packed into {t['packed_rows']} rows of {recipe.max_seq_len}: "
                  f"{100 * t['packing_efficiency']:.1f}% of their tokens are real")
@@ -185,5 +185,12 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
     lines.append(line)
     if "eval" in t:
         e = t["eval"]
-        lines.append(f"data eval: {e['rows']} rows, {e['tokens']} tokens, {e['target_tokens']} target tokens")
+        lines.append(f"data eval: {e['rows']} rows, {token_counts(e, recipe)}")
     return lines
+
+
+def token_counts(counts: dict, recipe: Recipe) -> str:
+    """Tokens and target tokens; prompts alone for GRPO, whose targets are the completions it samples."""
+    if recipe.objective == "grpo":
+        return f"{counts['tokens']} prompt tokens (the completions are sampled)"
+    return f"{counts['tokens']} tokens, {counts['target_tokens']} target tokens"
