@@ -94,6 +94,9 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         if fmt == "preference":  # how its prompts were rendered, for `finetune chat` (recipe.json's data.sources)
             first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
             pairs.append("conversational" if isinstance(first.get("chosen"), list) else "text")
+        elif fmt == "prompt":  # GRPO's prompts: text (BOS + text) or conversations (the chat template)
+            first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
+            pairs.append("conversational" if isinstance(first.get("prompt"), list) else "text")
         else:
             pairs.append(None)
         parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True,
@@ -115,7 +118,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
                       "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())}
-                     | ({"pairs": pairs[i]} if pairs[i] else {}))
+                     | ({("pairs" if formats[i] == "preference" else "prompts"): pairs[i]} if pairs[i] else {}))
     train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
     offsets = np.cumsum([0] + available[:-1])
     order = np.concatenate([pick + off for pick, off in zip(picks, offsets)])
