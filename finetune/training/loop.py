@@ -540,6 +540,7 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
                "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary(),
                **{f"last_step_{k}": reporter.last[k] for k in run.objective.shown if k in reporter.last}}
     if is_main:
+        summary |= run.objective.summary(out)
         summary["loss_plot"] = str(reporter.final_plot() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary, run.objective.shown))

@@ -155,45 +155,98 @@ def start_trackers(accelerator, recipe, output_dir: Path) -> None:
     accelerator.init_trackers("finetune", config=config, init_kwargs=init_kwargs)
 
 
-# ---------------------------------------------------------------- the loss plot
+# ---------------------------------------------------------------- the run's plot (loss.png)
+
+# What each objective's plot shows, one panel each: (title, y-axis label, [(label, record key, eval?)]).
+# The objective is read off the records themselves (the metrics it logs), so the plot needs nothing else.
+PANELS = {
+    "sft": [("loss", "cross-entropy (mean per target token)",
+             [("train", "loss", False), ("eval", "eval_loss", True)])],
+    "grpo": [("reward", "reward (weighted sum of the functions, mean per completion)",
+              [("train (rollout)", "reward", False), ("eval", "eval_reward", True)]),
+             ("completion length", "tokens per completion (mean)",
+              [("train (rollout)", "completions/mean_length", False), ("eval", "eval_completions/mean_length", True)]),
+             ("KL to the reference", "KL (mean per completion token)",
+              [("train", "kl", False)])],
+    "dpo": [("loss", "preference loss (mean per pair)",
+             [("train", "loss", False), ("eval", "eval_loss", True)]),
+            ("accuracy", "share of pairs with reward(chosen) > reward(rejected)",
+             [("train", "rewards/accuracies", False), ("eval", "eval_rewards/accuracies", True)]),
+            ("margin", "reward(chosen) - reward(rejected) (mean per pair)",
+             [("train", "rewards/margins", False), ("eval", "eval_rewards/margins", True)])],
+    "reward": [("loss", "Bradley-Terry loss (mean per pair)",
+                [("train", "loss", False), ("eval", "eval_loss", True)]),
+               ("accuracy", "share of pairs scored chosen > rejected",
+                [("train", "accuracy", False), ("eval", "eval_accuracy", True)])],
+}
+
+
+def plotted_objective(records: list[dict]) -> str:
+    """Which objective's panels fit the records: the metrics each objective logs and no other does."""
+    keys = {k for r in records for k in r}
+    if "reward" in keys or "eval_reward" in keys:
+        return "grpo"
+    if "rewards/accuracies" in keys or "eval_rewards/accuracies" in keys:
+        return "dpo"
+    if "accuracy" in keys or "eval_accuracy" in keys:
+        return "reward"
+    return "sft"
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
-    """loss.png: training and eval loss, and the learning rate on a second axis, against steps."""
+    """loss.png: the objective's curves against optimizer steps, one panel each (PANELS: SFT the loss;
+    GRPO the reward, the completion length and the KL when beta > 0; DPO the loss, accuracy and margin;
+    a reward model the loss and accuracy), train and eval; the learning rate in a small panel below
+    when it changes, in the title when it is constant."""
     records = run_history(read_metrics(metrics_path)) if Path(metrics_path).exists() else []
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
-    if not train and not evals:
+    records = [r for r in records if "resumed_from" not in r]
+    if not records:
         return None
+    objective = plotted_objective(records)
+    panels = []
+    for title, ylabel, series in PANELS[objective]:
+        drawn = [(label, key, is_eval, [(r["step"], r[key]) for r in records
+                                        if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)])
+                 for label, key, is_eval in series]
+        drawn = [d for d in drawn if d[3]]
+        if drawn:
+            panels.append((title, ylabel, drawn))
+    if not panels:
+        return None
+    lrs = [(r["step"], r["lr"]) for r in records if isinstance(r.get("lr"), (int, float))]
+    lr_changes = len({v for _, v in lrs}) > 1
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend, a faster import
 
-    fig = Figure(figsize=(9, 5), dpi=110)
+    heights = [3] * len(panels) + ([1] if lr_changes else [])
+    fig = Figure(figsize=(9, 1.2 + 2.6 * len(panels) + (1.0 if lr_changes else 0)), dpi=110)
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", color="tab:blue",
-                linewidth=1.2)
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss",
-                color="tab:orange", linewidth=1.5, markersize=4)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (mean per target token)")
-    ax.grid(alpha=0.3)
-    lines, labels = ax.get_legend_handles_labels()
-    if train:
-        lr_ax = ax.twinx()
-        lr_ax.plot([r["step"] for r in train], [r["lr"] for r in train], label="learning rate", color="tab:green",
-                   linestyle="--", linewidth=1)
-        lr_ax.set_ylabel("learning rate")
+    axes = fig.subplots(len(heights), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    points = {}
+    for ax, (title, ylabel, drawn) in zip(axes, panels):
+        for label, key, is_eval, xy in drawn:
+            style = dict(marker="o", markersize=4, linewidth=1.5, color="tab:orange") if is_eval else \
+                dict(linewidth=1.2, color="tab:blue")
+            ax.plot([x for x, _ in xy], [y for _, y in xy], label=label, **style)
+            points[f"{'eval' if is_eval else 'train'}_{key.removeprefix('eval_')}"] = len(xy)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    if lr_changes:
+        lr_ax = axes[-1]
+        lr_ax.plot([x for x, _ in lrs], [y for _, y in lrs], color="tab:green", linewidth=1)
+        lr_ax.set_ylabel("learning rate", fontsize=8)
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-        more_lines, more_labels = lr_ax.get_legend_handles_labels()
-        lines, labels = lines + more_lines, labels + more_labels
-    ax.legend(lines, labels, loc="upper right")
-    ax.set_title(f"{Path(metrics_path).parent.name}: loss and learning rate")
+        lr_ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("optimizer step")
+    lr_note = "" if lr_changes or not lrs else f", constant learning rate {lrs[0][1]:.2g}"
+    fig.suptitle(f"{Path(metrics_path).parent.name} ({objective}){lr_note}", fontsize=11)
     fig.tight_layout()
     tmp = Path(png_path).with_suffix(".tmp.png")
-    points = {"train_loss": len(train), "eval_loss": len(evals), "last_step": max(r["step"] for r in records)}
+    if objective == "sft":  # the SFT plot's record as it always was: the points of each curve
+        points = {"train_loss": points.get("train_loss", 0), "eval_loss": points.get("eval_loss", 0)}
+    points["last_step"] = max(r["step"] for r in records)
     fig.savefig(tmp, metadata={"Description": json.dumps(points)})  # lets a test count what was drawn
     tmp.replace(png_path)
     return Path(png_path)
@@ -389,7 +442,10 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),
         ("checkpoints", summary.get("checkpoints") or "none written"),
-        ("loss plot", summary.get("loss_plot") or "n/a"),
+        *([("undecodable", f"{summary['undecodable_completions']} of {summary['completions']} completions hold "
+                            f"{summary['undecodable_ids']} ids the tokenizer cannot decode (rollouts.jsonl: "
+                            "undecodable_ids)")] if summary.get("undecodable_ids") else []),
+        ("plot", summary.get("loss_plot") or "n/a"),
         ("metrics", summary.get("metrics", "")),
     ]
     for sample in summary.get("samples") or []:  # the last eval's, as samples.jsonl has them

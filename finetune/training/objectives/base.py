@@ -86,6 +86,8 @@ class Objective(Protocol):
 
     def take_metrics(self) -> torch.Tensor | None: ...
 
+    def summary(self, out) -> dict: ...
+
     def means(self, sums: torch.Tensor, count: torch.Tensor) -> list[float]: ...
 
 
@@ -120,6 +122,10 @@ class Basic:
                  ) -> tuple[float | None, dict] | None:
         """The eval: the loop's mean loss over the eval batches and the metrics' means (loss_eval)."""
         return loss_eval()
+
+    def summary(self, out) -> dict:
+        """Fields the objective adds to the run summary (summary.json), from what the run wrote in `out`."""
+        return {}
 
     def take_metrics(self) -> torch.Tensor | None:
         """The metrics' sums since the last call (a step's, or an eval's), or None where none were kept."""
