@@ -162,21 +162,21 @@ def start_trackers(accelerator, recipe, output_dir: Path) -> None:
 PANELS = {
     "sft": [("loss", "cross-entropy (mean per target token)",
              [("train", "loss", False), ("eval", "eval_loss", True)])],
-    "grpo": [("reward", "reward (weighted sum of the functions, mean per completion)",
+    "grpo": [("reward: the weighted sum of the reward functions", "reward (mean per completion)",
               [("train (rollout)", "reward", False), ("eval", "eval_reward", True)]),
              ("completion length", "tokens per completion (mean)",
               [("train (rollout)", "completions/mean_length", False), ("eval", "eval_completions/mean_length", True)]),
-             ("KL to the reference", "KL (mean per completion token)",
+             ("KL to the reference (beta > 0)", "KL (mean per completion token)",
               [("train", "kl", False)])],
     "dpo": [("loss", "preference loss (mean per pair)",
              [("train", "loss", False), ("eval", "eval_loss", True)]),
-            ("accuracy", "share of pairs with reward(chosen) > reward(rejected)",
+            ("accuracy: the share of pairs whose implicit reward ranks chosen above rejected", "accuracy",
              [("train", "rewards/accuracies", False), ("eval", "eval_rewards/accuracies", True)]),
-            ("margin", "reward(chosen) - reward(rejected) (mean per pair)",
+            ("margin: implicit reward of chosen minus rejected, beta x log-ratio to the reference", "reward margin (mean per pair)",
              [("train", "rewards/margins", False), ("eval", "eval_rewards/margins", True)])],
     "reward": [("loss", "Bradley-Terry loss (mean per pair)",
                 [("train", "loss", False), ("eval", "eval_loss", True)]),
-               ("accuracy", "share of pairs scored chosen > rejected",
+               ("accuracy: the share of pairs scored chosen above rejected", "accuracy",
                 [("train", "accuracy", False), ("eval", "eval_accuracy", True)])],
 }
 
@@ -244,8 +244,9 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
     fig.suptitle(f"{Path(metrics_path).parent.name} ({objective}){lr_note}", fontsize=11)
     fig.tight_layout()
     tmp = Path(png_path).with_suffix(".tmp.png")
-    if objective == "sft":  # the SFT plot's record as it always was: the points of each curve
+    if objective == "sft":  # both curves named, drawn or not
         points = {"train_loss": points.get("train_loss", 0), "eval_loss": points.get("eval_loss", 0)}
+    points["learning_rate"] = len(lrs) if lr_changes else 0  # 0: constant, named in the title instead
     points["last_step"] = max(r["step"] for r in records)
     fig.savefig(tmp, metadata={"Description": json.dumps(points)})  # lets a test count what was drawn
     tmp.replace(png_path)
