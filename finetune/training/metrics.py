@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 import warnings
@@ -33,6 +34,9 @@ def setup_logging(level: str, rank: int) -> None:
         warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed", "accelerate", "transformers", "datasets", "torch.distributed"):
         logging.getLogger(name).setLevel(noisy)
+    load_reports = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(f, OneLineLoadReport) for f in load_reports.filters):
+        load_reports.addFilter(OneLineLoadReport())
     try:
         from deepspeed.utils import logger as ds_logger
 
@@ -49,6 +53,31 @@ def setup_logging(level: str, rank: int) -> None:
         datasets.disable_progress_bars()
     except ImportError:
         pass
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class OneLineLoadReport(logging.Filter):
+    """transformers' LOAD REPORT (a table with terminal colour codes, and notes) as one line: the keys by
+    status. A reward model's score head is MISSING (new, as it should be) and the causal LM's lm_head
+    UNEXPECTED (unused) on every such run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = ANSI.sub("", record.getMessage())
+        if "LOAD REPORT" not in text:
+            return True
+        head, _, table = text.partition("\n")
+        by_status: dict[str, list[str]] = {}
+        for row in table.splitlines():
+            cells = [c.strip() for c in row.split("|")]
+            if len(cells) >= 2 and cells[0] and cells[1] and cells[0] != "Key" and not set(cells[0]) <= set("-+"):
+                by_status.setdefault(cells[1], []).append(cells[0])
+        notes = {"MISSING": "newly initialized", "UNEXPECTED": "in the checkpoint, unused"}
+        keys = "; ".join(f"{status} ({notes.get(status, status.lower())}): {', '.join(names)}"
+                         for status, names in by_status.items())
+        record.msg, record.args = f"{head.replace(' LOAD REPORT', ' loaded')}: {keys}", None
+        return True
 
 
 class MetricsFile:
