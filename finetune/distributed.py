@@ -11,8 +11,6 @@ Imports no torch at load time.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 import socket
@@ -67,22 +65,6 @@ def deepspeed_cpu_local_size() -> None:
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-@contextlib.contextmanager
-def op_build_lines_once():
-    """DeepSpeed's communication backend prints `DeepSpeed deepspeed_shm_comm_op built successfully` on
-    every rank as it starts (deepspeed/comm/torch.py build_shm_op): that line on the first rank only,
-    everything else printed meanwhile as it was."""
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            yield
-    finally:
-        first = os.environ.get("RANK", "0") == "0"
-        sys.stdout.write("".join(line for line in printed.getvalue().splitlines(keepends=True)
-                                 if first or not line.startswith("DeepSpeed ") or " built successfully" not in line))
-        sys.stdout.flush()
-
-
 def build_accelerator(plan, config):
     """Create the process group and the Accelerator for the recipe's strategy, from the model's config
     (its hidden size sizes DeepSpeed's buckets; its decoder-layer class is FSDP's unit).
@@ -101,18 +83,17 @@ def build_accelerator(plan, config):
     plugins = strategy.plugins(plan, config)
     if on_cpu:
         strategy.start_cpu_group()
-    with op_build_lines_once():
-        accelerator = Accelerator(
-            cpu=strategy.accelerator_cpu(on_cpu),
-            kwargs_handlers=strategy.autocast_handlers(r),
-            mixed_precision=r.mixed_precision,
-            gradient_accumulation_plugin=GradientAccumulationPlugin(
-                num_steps=plan.grad_accum, sync_with_dataloader=False, adjust_scheduler=False),
-            step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
-            log_with=[t for t in r.report_to if t != "none"] or None,
-            project_dir=r.output_dir,
-            **plugins,
-        )
+    accelerator = Accelerator(
+        cpu=strategy.accelerator_cpu(on_cpu),
+        kwargs_handlers=strategy.autocast_handlers(r),
+        mixed_precision=r.mixed_precision,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=plan.grad_accum, sync_with_dataloader=False, adjust_scheduler=False),
+        step_scheduler_with_optimizer=False,  # the loop steps the scheduler once per optimizer step
+        log_with=[t for t in r.report_to if t != "none"] or None,
+        project_dir=r.output_dir,
+        **plugins,
+    )
     if accelerator.num_processes != plan.world_size:
         raise RuntimeError(f"Accelerate formed a group of {accelerator.num_processes} processes but the launcher "
                            f"started {plan.world_size}; see docs on launching")

@@ -217,8 +217,10 @@ def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
         with safe_loading(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
             state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model",
                                                              exclude_frozen_parameters=template is None)
-        done = [line for line in printed.getvalue().splitlines() if line.startswith("Reconstructed fp32 state dict")]
-        print(f"zero_to_fp32: {done[-1][0].lower()}{done[-1][1:]}" if done else "zero_to_fp32: done", file=sys.stderr)
+        done = [line.split(" with ", 1)[-1] for line in printed.getvalue().splitlines()
+                if line.startswith("Reconstructed ") and "fp32 state dict with" in line]
+        print(f"zero_to_fp32: the fp32 state dict rebuilt from the ZeRO shards ({'; '.join(done) or 'done'})",
+              file=sys.stderr)
         return state
     if (ckpt / "model.safetensors").is_file():
         from safetensors.torch import load_file

@@ -19,6 +19,8 @@ def setup_logging(level: str, rank: int) -> None:
     """Our messages at `level` on rank 0 (warnings on every rank, prefixed); dependencies' chatter
     (DeepSpeed, Accelerate, Transformers, Datasets) at warning unless the user asks for debug."""
     fmt = f"[rank{rank}] %(levelname)s %(message)s" if rank else "%(message)s"
+    if rank and not isinstance(sys.stdout, OtherRankStdout):
+        sys.stdout = OtherRankStdout(sys.stdout)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
     log.handlers[:] = [handler]
@@ -78,6 +80,34 @@ class OneLineLoadReport(logging.Filter):
                          for status, names in by_status.items())
         record.msg, record.args = f"{head.replace(' LOAD REPORT', ' loaded')}: {keys}", None
         return True
+
+
+class OtherRankStdout:
+    """Standard output of the ranks after the first, less the lines every rank prints alike: DeepSpeed's
+    backend prints `DeepSpeed ... deepspeed_shm_comm_op built successfully` on each rank as it starts
+    (deepspeed/comm/torch.py build_shm_op); rank 0's says it once."""
+
+    REPEATED = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not self.REPEATED.match(line):
+                self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not self.REPEATED.match(self.pending):
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...: the stream's
+        return getattr(self.stream, name)
 
 
 class MetricsFile:
