@@ -51,6 +51,12 @@ def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
     return D.bos_ids(tokenizer) + D.text_ids(tokenizer, text)
 
 
+def answer_length(recipe) -> int:
+    """The most tokens a run's own answers get, in its samples at eval (and `finetune chat`'s default): a
+    GRPO run's completions are max_completion_len long; other runs' samples sample_max_new_tokens."""
+    return recipe.max_completion_len if recipe.objective == "grpo" else recipe.sample_max_new_tokens
+
+
 def stop_ids(tokenizer, model, generation_config=None) -> set[int]:
     """Where an answer ends: the tokenizer's EOS and the generation config's (a chat model's end of turn).
     generation_config: the one the run writes into final/ (finetune/end_of_turn.py), so that samples at

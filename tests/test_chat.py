@@ -321,7 +321,16 @@ def test_chat_on_a_grpo_run_answers_piped_multi_line_prompts(tmp_path, capsys, m
 
 
 def test_chat_answers_as_long_as_the_runs_own_answers():
+    """chat's default answer length is the run's samples' (finetune.generation.answer_length, which the
+    loop gives the samples at eval): a GRPO run's max_completion_len, not the 32 tokens of an SFT sample."""
     from finetune.chat import DEFAULT_MAX_NEW_TOKENS, max_new_tokens_of
+    from finetune.generation import answer_length
+    from finetune.recipe import load_recipe_module
+
+    for name in ("tiny_grpo", "tiny_dpo", "tiny"):
+        recipe = load_recipe_module(name)
+        assert max_new_tokens_of(json.loads(json.dumps(recipe.to_dict()))) == answer_length(recipe)
+    assert answer_length(load_recipe_module("tiny_grpo")) == 8
 
     assert max_new_tokens_of({"objective": "grpo", "max_completion_len": 8, "sample_max_new_tokens": 32}) == 8
     assert max_new_tokens_of({"objective": "sft", "max_completion_len": 256, "sample_max_new_tokens": 32}) == 32

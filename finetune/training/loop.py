@@ -29,6 +29,7 @@ from finetune.model import (concatenation_problem, context_length, load_config, 
 from finetune.training.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
 from finetune.offload import activation_offload
+from finetune.generation import answer_length
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.checkpointing.identity import model_identity
@@ -461,7 +462,7 @@ def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple
             return None, "", True
         with SP.whole_sequences():
             shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer,
-                                   r.sample_max_new_tokens, run.samples, step, run.generation_config, stop)
+                                   answer_length(r), run.samples, step, run.generation_config, stop)
     if shown is None:
         run.reporter.note(f"step {step}: samples stopped by a stop request; not written")
     return result, shown or "", shown is None
