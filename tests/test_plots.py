@@ -1,4 +1,5 @@
-"""loss.png by objective (finetune/training/metrics.py plot_losses), from metrics.jsonl as runs write it:
+"""loss.png by objective (finetune/training/metrics.py plot_losses with the objective's panels,
+Objective.panels), from metrics.jsonl as runs write it:
 SFT the loss; GRPO the reward, the completion length and the KL when beta > 0 (not the policy loss,
 about 0 whatever the policy); DPO the loss, accuracy and margin; a reward model the loss and accuracy;
 train and eval each; the learning rate in a panel of its own only when it changes. The PNG records how
@@ -9,7 +10,15 @@ import json
 import pytest
 from PIL import Image
 
+from finetune.recipe import apply_overrides, load_recipe_module
 from finetune.training.metrics import plot_losses
+from finetune.training.objectives import objective_for
+
+RECIPES = {"sft": "tiny", "grpo": "tiny_grpo", "dpo": "tiny_dpo", "reward": "tiny_reward"}
+
+
+def panels(objective: str, *overrides: str):
+    return objective_for(apply_overrides(load_recipe_module(RECIPES[objective]), list(overrides))).panels
 
 
 def records(objective: str, lr_constant: bool, beta: float = 0.0) -> list[dict]:
@@ -52,7 +61,7 @@ def test_each_objective_plots_what_it_optimizes(tmp_path, objective, lr_constant
     metrics = tmp_path / "run" / "metrics.jsonl"
     metrics.parent.mkdir()
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records(objective, lr_constant)))
-    png = plot_losses(metrics, tmp_path / "run" / "loss.png")
+    png = plot_losses(metrics, tmp_path / "run" / "loss.png", panels(objective))
     drawn = json.loads(Image.open(png).text["Description"])
     assert drawn == EXPECTED[objective] | {"learning_rate": 0 if lr_constant else 10, "last_step": 10}
     if objective == "grpo":
@@ -62,5 +71,8 @@ def test_each_objective_plots_what_it_optimizes(tmp_path, objective, lr_constant
 def test_grpo_plots_the_kl_when_beta_is_set(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records("grpo", True, beta=0.04)))
-    drawn = json.loads(Image.open(plot_losses(metrics, tmp_path / "loss.png")).text["Description"])
+    drawn = json.loads(Image.open(plot_losses(metrics, tmp_path / "loss.png", panels("grpo", "beta=0.04")))
+                       .text["Description"])
     assert drawn["train_kl"] == 10 and drawn["train_reward"] == 10
+    drawn = json.loads(Image.open(plot_losses(metrics, tmp_path / "loss.png", panels("grpo"))).text["Description"])
+    assert "train_kl" not in drawn  # beta 0: no reference, no KL panel

@@ -390,7 +390,7 @@ class Reporter:
         self.metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process, accelerator)
         start_trackers(accelerator, recipe, out)
         self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
-                             enabled=accelerator.is_main_process and recipe.plot_loss)
+                             enabled=accelerator.is_main_process and recipe.plot_loss, panels=objective.panels)
         self.progress = None
         self.last: dict = {}  # the last step's record: the summary keeps the objective's shown metrics of it
 

@@ -216,62 +216,31 @@ def start_trackers(accelerator, recipe, output_dir: Path) -> None:
 
 # ---------------------------------------------------------------- the run's plot (loss.png)
 
-# What each objective's plot shows, one panel each: (title, y-axis label, [(label, record key, eval?)]).
-# The objective is read off the records themselves (the metrics it logs), so the plot needs nothing else.
-PANELS = {
-    "sft": [("loss", "cross-entropy (mean per target token)",
-             [("train", "loss", False), ("eval", "eval_loss", True)])],
-    "grpo": [("reward: the weighted sum of the reward functions", "reward (mean per completion)",
-              [("train (rollout)", "reward", False), ("eval", "eval_reward", True)]),
-             ("completion length", "tokens per completion (mean)",
-              [("train (rollout)", "completions/mean_length", False), ("eval", "eval_completions/mean_length", True)]),
-             ("KL to the reference (beta > 0)", "KL (mean per completion token)",
-              [("train", "kl", False)])],
-    "dpo": [("loss", "preference loss (mean per pair)",
-             [("train", "loss", False), ("eval", "eval_loss", True)]),
-            ("accuracy: the share of pairs whose implicit reward ranks chosen above rejected", "accuracy",
-             [("train", "rewards/accuracies", False), ("eval", "eval_rewards/accuracies", True)]),
-            ("margin: implicit reward of chosen minus rejected, beta x log-ratio to the reference", "reward margin (mean per pair)",
-             [("train", "rewards/margins", False), ("eval", "eval_rewards/margins", True)])],
-    "reward": [("loss", "Bradley-Terry loss (mean per pair)",
-                [("train", "loss", False), ("eval", "eval_loss", True)]),
-               ("accuracy: the share of pairs scored chosen above rejected", "accuracy",
-                [("train", "accuracy", False), ("eval", "eval_accuracy", True)])],
-}
+# A panel of the plot: (title, y-axis label, the metric's key): its train values under the key, its eval
+# values under "eval_" + key. Each objective names its own (Objective.panels); the loss's is the default.
+LOSS_PANELS = (("loss", "cross-entropy (mean per target token)", "loss"),)
 
 
-def plotted_objective(records: list[dict]) -> str:
-    """Which objective's panels fit the records: the metrics each objective logs and no other does."""
-    keys = {k for r in records for k in r}
-    if "reward" in keys or "eval_reward" in keys:
-        return "grpo"
-    if "rewards/accuracies" in keys or "eval_rewards/accuracies" in keys:
-        return "dpo"
-    if "accuracy" in keys or "eval_accuracy" in keys:
-        return "reward"
-    return "sft"
-
-
-def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
-    """loss.png: the objective's curves against optimizer steps, one panel each (PANELS: SFT the loss;
-    GRPO the reward, the completion length and the KL when beta > 0; DPO the loss, accuracy and margin;
-    a reward model the loss and accuracy), train and eval; the learning rate in a small panel below
-    when it changes, in the title when it is constant."""
+def plot_losses(metrics_path: Path, png_path: Path, panels=LOSS_PANELS) -> Path | None:
+    """loss.png: the curves the objective optimizes against optimizer steps, one panel each (`panels`,
+    Objective.panels: SFT the loss; GRPO the reward, the completion length and the KL when beta > 0; DPO
+    the loss, accuracy and margin; a reward model the loss and accuracy), train and eval; the learning
+    rate in a small panel below when it changes, in the title when it is constant."""
     records = run_history(read_metrics(metrics_path)) if Path(metrics_path).exists() else []
     records = [r for r in records if "resumed_from" not in r]
     if not records:
         return None
-    objective = plotted_objective(records)
-    panels = []
-    for title, ylabel, series in PANELS[objective]:
-        drawn = [(label, key, is_eval, [(r["step"], r[key]) for r in records
-                                        if isinstance(r.get(key), (int, float)) and not isinstance(r[key], bool)])
-                 for label, key, is_eval in series]
+    panels_given, drawn_panels = panels, []
+    for title, ylabel, key in panels:
+        drawn = [(label, name, is_eval, [(r["step"], r[name]) for r in records
+                                         if isinstance(r.get(name), (int, float)) and not isinstance(r[name], bool)])
+                 for label, name, is_eval in (("train", key, False), ("eval", f"eval_{key}", True))]
         drawn = [d for d in drawn if d[3]]
         if drawn:
-            panels.append((title, ylabel, drawn))
-    if not panels:
+            drawn_panels.append((title, ylabel, drawn))
+    if not drawn_panels:
         return None
+    panels = drawn_panels
     lrs = [(r["step"], r["lr"]) for r in records if isinstance(r.get("lr"), (int, float))]
     lr_changes = len({v for _, v in lrs}) > 1
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -300,10 +269,10 @@ def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
         lr_ax.grid(alpha=0.3)
     axes[-1].set_xlabel("optimizer step")
     lr_note = "" if lr_changes or not lrs else f", constant learning rate {lrs[0][1]:.2g}"
-    fig.suptitle(f"{Path(metrics_path).parent.name} ({objective}){lr_note}", fontsize=11)
+    fig.suptitle(f"{Path(metrics_path).parent.name}{lr_note}", fontsize=11)
     fig.tight_layout()
     tmp = Path(png_path).with_suffix(".tmp.png")
-    if objective == "sft":  # both curves named, drawn or not
+    if tuple(panels_given) == LOSS_PANELS:  # both curves named, drawn or not
         points = {"train_loss": points.get("train_loss", 0), "eval_loss": points.get("eval_loss", 0)}
     points["learning_rate"] = len(lrs) if lr_changes else 0  # 0: constant, named in the title instead
     points["last_step"] = max(r["step"] for r in records)
@@ -317,8 +286,10 @@ class LossPlot:
     `every_s` seconds (a redraw costs rank 0 about half a second, and the other ranks wait for it at
     the next collective), and always at the end."""
 
-    def __init__(self, metrics_path: Path, png_path: Path, enabled: bool, every_s: float = 60.0):
+    def __init__(self, metrics_path: Path, png_path: Path, enabled: bool, every_s: float = 60.0,
+                 panels=LOSS_PANELS):
         self.metrics_path, self.png_path, self.enabled, self.every_s = metrics_path, png_path, enabled, every_s
+        self.panels = panels
         self.last = time.monotonic()  # the first eval's plot waits too: a short run draws once, at its end
 
     def update(self) -> None:
@@ -329,7 +300,7 @@ class LossPlot:
         if not self.enabled:
             return None
         self.last = time.monotonic()
-        return plot_losses(self.metrics_path, self.png_path)
+        return plot_losses(self.metrics_path, self.png_path, self.panels)
 
 
 # ---------------------------------------------------------------- training speed

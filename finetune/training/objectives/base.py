@@ -37,6 +37,8 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from finetune.training.metrics import LOSS_PANELS
+
 
 @dataclass
 class Context:
@@ -62,6 +64,7 @@ class Objective(Protocol):
     name: str
     metrics: tuple[str, ...]
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
+    panels: tuple  # loss.png's panels: (title, y label, metric key), train and eval (training/metrics.py)
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
     makes_batches: bool  # rollout() makes the step's batches itself (GRPO): the loop fetches no rows
     evaluates: bool  # the loop evaluates the eval split (evaluate)
@@ -96,6 +99,7 @@ class Basic:
     with metrics adds their sums to self.sums in loss()."""
     metrics: tuple[str, ...] = ()
     shown: dict[str, str] = {}
+    panels = LOSS_PANELS  # loss.png: the loss
     generates = True
     identifies_model = False
     makes_batches = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows

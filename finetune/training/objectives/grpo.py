@@ -200,6 +200,10 @@ class GRPO(Basic):
         self.loss_metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
         self.metrics = self.loss_metrics + self.rollout_names
         self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
+        # loss.png: not the policy loss, which is about 0 whatever the policy
+        self.panels = (("reward: the weighted sum of the reward functions", "reward (mean per completion)", "reward"),
+                       ("completion length", "tokens per completion (mean)", "completions/mean_length"),
+                       *([("KL to the reference", "KL (mean per completion token)", "kl")] if self.beta else []))
         self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
         self.reference = None
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
