@@ -254,7 +254,7 @@ def plot_losses(metrics_path: Path, png_path: Path, panels=LOSS_PANELS) -> Path 
     for ax, (title, ylabel, drawn) in zip(axes, panels):
         for label, key, is_eval, xy in drawn:
             style = dict(marker="o", markersize=4, linewidth=1.5, color="tab:orange") if is_eval else \
-                dict(linewidth=1.2, color="tab:blue")
+                dict(linewidth=1.2, color="tab:blue", marker="." if len(xy) < 4 else None)  # a lone point shows
             ax.plot([x for x, _ in xy], [y for _, y in xy], label=label, **style)
             points[f"{'eval' if is_eval else 'train'}_{key.removeprefix('eval_')}"] = len(xy)
         ax.set_title(title, fontsize=10, loc="left")
@@ -268,7 +268,7 @@ def plot_losses(metrics_path: Path, png_path: Path, panels=LOSS_PANELS) -> Path 
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
         lr_ax.grid(alpha=0.3)
     axes[-1].set_xlabel("optimizer step")
-    lr_note = "" if lr_changes or not lrs else f", constant learning rate {lrs[0][1]:.2g}"
+    lr_note = f", constant learning rate {lrs[0][1]:.2g}" if len(lrs) > 1 and not lr_changes else ""
     fig.suptitle(f"{Path(metrics_path).parent.name}{lr_note}", fontsize=11)
     fig.tight_layout()
     tmp = Path(png_path).with_suffix(".tmp.png")
