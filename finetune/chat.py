@@ -26,8 +26,44 @@ from finetune.strategy import final_in_training_dtype
 # The run's data format -> how chat renders a prompt (finetune.generation.render_prompt). Preference pairs
 # (objective=dpo) by their kind, recorded in recipe.json's data.sources as "pairs": string prompts are
 # tokenized as prompt_completion rows are, conversations with the chat template (finetune.data.preference)
-RUN_FORMATS = {"messages": "chat", "alpaca": "alpaca", "prompt_completion": "prompt_completion"}
+RUN_FORMATS = {"messages": "chat", "alpaca": "alpaca", "prompt_completion": "prompt_completion", "prompt": "prompt"}
 PAIR_FORMATS = {"text": "prompt_completion", "conversational": "chat"}
+# GRPO's prompt rows (recipe.json's data.sources "prompts"): text is BOS + text, conversations the chat template
+PROMPT_ROW_FORMATS = {"text": "prompt", "conversational": "chat"}
+DEFAULT_MAX_NEW_TOKENS = 256  # a model without a recipe.json of its run
+
+
+def source_format(source: dict) -> str | None:
+    if source.get("format") == "preference":
+        return PAIR_FORMATS.get(source.get("pairs"))
+    if source.get("format") == "prompt" and source.get("prompts"):
+        return PROMPT_ROW_FORMATS.get(source["prompts"])
+    return RUN_FORMATS.get(source.get("format"))
+
+
+def max_new_tokens_of(recipe: dict) -> int:
+    """How long the run's own answers were (finetune.generation.answer_length, read from recipe.json): a
+    GRPO run's completions (max_completion_len), else its samples at eval (sample_max_new_tokens);
+    DEFAULT_MAX_NEW_TOKENS without a recipe.json."""
+    key = "max_completion_len" if recipe.get("objective") == "grpo" else "sample_max_new_tokens"
+    value = recipe.get(key)
+    return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_NEW_TOKENS
+
+
+def refuse_reward_model(path: Path, recipe: dict) -> None:
+    """A reward model scores a whole sequence; it has no output layer over the vocabulary, and a causal LM
+    built from it would answer from a random one."""
+    configs = [path / "config.json", path / HF_DIR / "config.json"]
+    architectures = []
+    for config in configs:
+        try:
+            architectures += json.loads(config.read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            pass
+    if recipe.get("objective") == "reward" or any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise RecipeError(f"{path} is a reward model (objective=reward): it scores sequences and does not generate; "
+                          f"score completions with finetune.rewards.RewardModel({str(path)!r}), or chat with a "
+                          "policy's final/")
 
 
 def run_recipe(path: Path) -> dict:
@@ -46,8 +82,7 @@ def run_format(recipe: dict) -> str | None:
     """The prompt format of the run's data, when it has one (a text run has none; nor has a preference
     run whose recipe.json does not say which kind its pairs were)."""
     sources = (recipe.get("data") or {}).get("sources") or []
-    formats = {PAIR_FORMATS.get(s.get("pairs")) if s.get("format") == "preference" else RUN_FORMATS.get(s.get("format"))
-               for s in sources}
+    formats = {source_format(s) for s in sources}
     if not sources and recipe.get("dataset_format") not in (None, "auto"):
         formats = {RUN_FORMATS.get(recipe["dataset_format"])}
     return formats.pop() if len(formats) == 1 else None
@@ -141,6 +176,7 @@ def load(path: Path, base: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     recipe = run_recipe(path)
+    refuse_reward_model(path, recipe)
     if (path / "adapter_config.json").is_file():
         adapter_config = json.loads((path / "adapter_config.json").read_text())
         base = base or recipe.get("model") or adapter_config.get("base_model_name_or_path")

@@ -26,7 +26,7 @@ from finetune.recipe import RecipeError
 
 # How a prompt typed by a user becomes the tokens the model continues (render_prompt): the chat
 # template with its generation prompt, a run's alpaca or prompt_completion prompt, or the text as is.
-PROMPT_FORMATS = ("chat", "alpaca", "prompt_completion", "raw")
+PROMPT_FORMATS = ("chat", "alpaca", "prompt_completion", "prompt", "raw")
 
 
 def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
@@ -46,9 +46,15 @@ def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
         return (bos if ids[:len(bos)] != bos else []) + ids
     if fmt == "alpaca":
         text = (D.ALPACA_PROMPT_WITH_INPUT if input else D.ALPACA_PROMPT).format(instruction=text, input=input)
-    elif fmt != "prompt_completion":
+    elif fmt not in ("prompt_completion", "prompt"):  # prompt: GRPO's text prompts, BOS + text as well
         raise RecipeError(f"prompt format {fmt!r}; allowed: {', '.join(PROMPT_FORMATS)}")
     return D.bos_ids(tokenizer) + D.text_ids(tokenizer, text)
+
+
+def answer_length(recipe) -> int:
+    """The most tokens a run's own answers get, in its samples at eval (and `finetune chat`'s default): a
+    GRPO run's completions are max_completion_len long; other runs' samples sample_max_new_tokens."""
+    return recipe.max_completion_len if recipe.objective == "grpo" else recipe.sample_max_new_tokens
 
 
 def stop_ids(tokenizer, model, generation_config=None) -> set[int]:

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from finetune import loss
@@ -12,7 +10,7 @@ from finetune.arch import is_default_lora_target
 from finetune.assets import resolve_model
 from finetune.recipe import Recipe, RecipeError, chat_template_text
 from finetune.strategy import strategy_for
-from finetune.unwrap import hf_model
+from finetune.unwrap import hf_model, without_zero3_init  # noqa: F401 (export.py imports it from here)
 
 
 def load_config(recipe: Recipe):
@@ -443,17 +441,3 @@ def loss_sum(model, batch: dict, impl: str = "chunked", chunk: int = 0, aux: lis
     impl and chunk are the recipe's loss_impl and loss_chunk_tokens; finetune/loss.py says how each works;
     aux collects a mixture of experts' router loss (see loss.router_aux_loss)."""
     return loss.loss_sum(model, batch, impl, chunk or None, aux)
-
-
-@contextmanager
-def without_zero3_init():
-    """Inside a ZeRO-3 run, transformers builds every model under deepspeed.zero.Init, which partitions
-    it with collectives; a load on the main process alone would then wait for the other ranks forever."""
-    from transformers.integrations import deepspeed as hf_deepspeed
-
-    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved

@@ -62,8 +62,12 @@ class Plan:
         sp = r.sequence_parallel
         ranks = (f"{self.data_parallel_size} data-parallel (sequence_parallel={sp}: each sequence split across {sp} "
                  "ranks)" if sp > 1 else f"{self.world_size}")
+        batch = f"{self.global_batch_size}"
+        if r.objective == "grpo":  # the batch trains on completions; a step reads global / num_generations prompts
+            batch = (f"{self.global_batch_size // r.num_generations} prompts x {r.num_generations} = "
+                     f"{self.global_batch_size} completions")
         return (f"{r.strategy} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
-                f"global batch {self.global_batch_size} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
+                f"global batch {batch} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
                 f"{ranks}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}{notes}")
 
 

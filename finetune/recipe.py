@@ -165,7 +165,9 @@ class Recipe:
     # sampled completions, scored by reward functions (finetune/rewards.py); the global batch counts prompts
     reward_funcs: tuple[object, ...] = _opt((), help="grpo: reward functions: callables in the recipe file, or module:function "
                                "names, comma-separated (built in: finetune.rewards:exact_match, "
-                               "finetune.rewards:math_answer, finetune.rewards:think_format)")
+                               "finetune.rewards:char_match, finetune.rewards:answer_chars, "
+                               "finetune.rewards:math_answer, finetune.rewards:think_format; in a recipe file also "
+                               "exact_match_on(column), regex_reward(pattern), RewardModel(directory))")
     reward_weights: tuple[object, ...] = _opt((), help="grpo: one weight per reward function, comma-separated; empty: 1 each")
     num_generations: int = _opt(8, help="grpo: completions sampled per prompt (a group), at least 2")
     temperature: float = _opt(1.0, min=0.0, help="grpo: sampling temperature (0: greedy)")

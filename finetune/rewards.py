@@ -422,7 +422,7 @@ class RewardModel:
         if self._model is None:
             from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-            from finetune.model import without_zero3_init
+            from finetune.unwrap import without_zero3_init
 
             self._tokenizer = self._tokenizer or AutoTokenizer.from_pretrained(self.path)
             # outside ZeRO-3's zero.Init: partitioned, its weights would be empty on this process

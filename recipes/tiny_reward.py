@@ -7,7 +7,7 @@ finetune.rewards.RewardModel (a GRPO reward function).
     accelerate launch --multi_gpu --num_processes 2 finetune/run.py --recipe tiny_reward
     python finetune/run.py --recipe tiny_reward strategy=ddp          # one process
 
-tiny_dpo's data and settings, objective=reward (no reference, no samples: a reward model does not generate).
+tiny_dpo's data and settings with objective=reward and lr=1e-2 (no reference, no samples: a reward model does not generate).
 """
 
 from dataclasses import replace
@@ -15,4 +15,4 @@ from dataclasses import replace
 from finetune.recipe import Recipe
 from recipes.tiny_dpo import recipe as tiny_dpo
 
-recipe = replace(tiny_dpo, objective="reward", dpo_beta=Recipe().dpo_beta, output_dir="runs/tiny_reward")
+recipe = replace(tiny_dpo, objective="reward", dpo_beta=Recipe().dpo_beta, lr=1e-2, output_dir="runs/tiny_reward")

@@ -1,27 +1,49 @@
 #!/usr/bin/env bash
 # Set up .venv for finetune on a fresh machine (idempotent; re-running is cheap).
+#   bash scripts/setup.sh          the environment: enough for every strategy and CPU offload
+#   bash scripts/setup.sh --nvme   also NVMe offload: libaio and DeepSpeed's async_io op (minutes to compile)
 # On a machine without an NVIDIA GPU the CPU build of torch is installed first; a bare `torch`
 # requirement would otherwise pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+nvme=0
+for arg in "$@"; do
+  case "$arg" in
+    --nvme) nvme=1 ;;
+    -h|--help) sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown option $arg (scripts/setup.sh [--nvme])" >&2; exit 2 ;;
+  esac
+done
+say() { echo "setup: $*"; }
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  say "creating .venv/ (a virtual environment of $("$PY" --version 2>&1)): everything installs there, nothing system-wide"
+  "$PY" -m venv .venv
+fi
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
-  python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
+  if ! python -c "import torch" 2>/dev/null; then
+    say "installing torch 2.13.0, CPU build (no NVIDIA GPU here; a plain 'torch' would pull a multi-GB CUDA build)"
+    python -m pip install -q "torch==2.13.0"
+  fi
 fi
+say "installing finetune and its dependencies (transformers, accelerate, deepspeed, datasets, peft, pytest, ...) at the versions in scripts/constraints.txt: a minute or two on a fresh machine"
 python -m pip install -q -c scripts/constraints.txt -e ".[dev]"
 python -c "import torch, transformers, accelerate, deepspeed, datasets; print('finetune env ready: torch', torch.__version__, '| transformers', transformers.__version__, '| accelerate', accelerate.__version__, '| deepspeed', deepspeed.__version__)" 2>/dev/null
+
+say "done: activate it with 'source .venv/bin/activate' (or call .venv/bin/finetune, .venv/bin/python)"
+[ "$nvme" = 1 ] || say "NVMe offload (offload_*=nvme) not prepared: 'bash scripts/setup.sh --nvme' installs libaio and compiles DeepSpeed's async_io op (about 4 minutes on 2 cores), or the first nvme run compiles it"
 
 # NVMe offload (offload_optimizer/offload_params=nvme) needs DeepSpeed's async_io op, which needs
 # libaio; finetune checks for it at validation (finetune/plan.py async_io_problem).
 nvme_problem() {
   python -c "import sys, torch; from finetune.plan import async_io_problem; p = async_io_problem(torch.cuda.is_available()); print(p or ''); sys.exit(1 if p else 0)" 2>/dev/null | tail -1
 }
-if ! problem=$(nvme_problem); then
+problem=
+if [ "$nvme" = 1 ] && ! problem=$(nvme_problem); then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "installing libaio-dev (apt-get) for NVMe offload"
+    say "installing libaio-dev (apt-get): the Linux asynchronous I/O library NVMe offload reads and writes through"
     (timeout 300 apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 300 apt-get install -y -qq libaio-dev) >/dev/null 2>&1 || true
   fi
   problem=$(nvme_problem) || echo "NVMe offload will be unavailable: $problem"
@@ -43,7 +65,9 @@ for lock in clear_stale_build_locks(older_than, sys.argv[2:] or None):
 PY
 }
 clear_build_locks
-if [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+ext_root=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
+if [ "$nvme" = 1 ] && [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+  say "compiling DeepSpeed's async_io op for NVMe offload (about 4 minutes on 2 cores, once: cached in $ext_root)"
   start=$(date +%s)
   if DS_ACCELERATOR=cpu timeout 1200 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then
     echo "DeepSpeed async_io op (NVMe offload) ready ($(( $(date +%s) - start )) s)"

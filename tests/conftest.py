@@ -37,3 +37,24 @@ def tiny_tokenizer(finetune_cache):
     from finetune.assets import tiny_model_dir
 
     return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+def _runs_state(runs: Path) -> dict:
+    """The repository's runs/ as the README's commands leave it: every directory to two levels down, with
+    its modification time (a run creates its lock file there, so any run into it changes one)."""
+    if not runs.is_dir():
+        return {}
+    dirs = [runs, *(p for p in runs.iterdir() if p.is_dir()),
+            *(q for p in runs.iterdir() if p.is_dir() for q in p.iterdir() if q.is_dir())]
+    return {str(p): p.stat().st_mtime_ns for p in dirs}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def repository_runs_untouched():
+    """Tests write into temporary directories only, never into the repository's runs/, which holds what a
+    user ran (the README's first command fills runs/tiny; a test that reused it failed after it)."""
+    runs = Path(__file__).resolve().parents[1] / "runs"
+    before = _runs_state(runs)
+    yield
+    after = _runs_state(runs)
+    assert after == before, f"a test wrote into {runs}: {sorted(set(after.items()) ^ set(before.items()))[:5]}"

@@ -247,3 +247,119 @@ def test_a_prompt_longer_than_the_runs_rows_is_warned():
     assert context_warnings(model, {"max_seq_len": 128}, 100) == []
     assert "max_seq_len=128: the model never saw one this long" in context_warnings(model, {"max_seq_len": 128}, 200)[0]
     assert "context is 1024 positions" in context_warnings(model, {"max_seq_len": 128}, 1024)[0]
+
+
+# ---------------------------------------------------------------- a GRPO run's prompts, and a reward model
+
+
+def test_chat_renders_a_grpo_runs_prompts_as_its_samples(tmp_path, capsys):
+    """Issue 38 defect 8: chat rendered a GRPO run's text prompts through the chat template, so its answers
+    differed from samples.jsonl's. recipe.json's data.sources says the prompts were text; chat gives the
+    prompt the run's samples gave the model (BOS + text), token for token, not the template's."""
+    from finetune.assets import resolve_model
+    from finetune.chat import prompt_format
+    from finetune.data import build_datasets
+    from finetune.generation import render_prompt
+    from finetune.model import load_tokenizer
+    from finetune.recipe import resolve
+    from finetune.training.samples import eval_prompts
+
+    recipe = resolve("tiny_grpo", ["eval_fraction=0.02", f"output_dir={tmp_path / 'out'}"])
+    tokenizer = load_tokenizer(recipe, resolve_model(recipe.model))
+    data = build_datasets(recipe, tokenizer)
+    run = json.loads(json.dumps({"objective": "grpo", "data": {"sources": data.sources}}))  # as recipe.json holds it
+    assert run["data"]["sources"][0]["prompts"] == "text"
+    fmt = prompt_format(None, tokenizer, run, tmp_path)
+    assert fmt == "prompt"
+    for sample, row in zip(eval_prompts(data.eval, 3, tokenizer), data.eval.select(range(3))):
+        assert "\n" in row["prompt"]  # GRPO prompts span lines
+        assert render_prompt(tokenizer, row["prompt"], fmt) == sample.ids
+        assert render_prompt(tokenizer, row["prompt"], "chat") != sample.ids  # what chat gave before
+    assert "note:" not in capsys.readouterr().err
+
+
+GRPO_PROMPTS = ["Copy: abc\nAnswer: ", "Capitals: dog\nAnswer: "]
+
+
+def test_chat_on_a_grpo_run_answers_piped_multi_line_prompts(tmp_path, capsys, monkeypatch):
+    """Two multi-line prompts piped in, separated by '---': each is printed ('> ' before each of its lines)
+    with its answer under it, an answer of at most the run's max_completion_len tokens (the default), from
+    the prompt as the run rendered it (BOS + text). Before: one prompt per line (each prompt became two),
+    256 tokens, the chat template."""
+    import io
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from finetune.assets import tiny_model_dir
+    from finetune.chat import load
+    from finetune.data import encode_prompts
+    from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+    from finetune.model import context_length
+
+    run = {"model": str(tiny_model_dir()), "mixed_precision": "no", "objective": "grpo", "max_completion_len": 5,
+           "sample_max_new_tokens": 32, "dataset_format": "prompt",
+           "data": {"sources": [{"format": "prompt", "prompts": "text"}]}}
+    ckpt = write_checkpoint(tmp_path / "step_000000004", recipe=run)
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{GRPO_PROMPTS[0]}\n---\n{GRPO_PROMPTS[1]}\n"))
+    code, out, err = chat(capsys, ckpt)
+    assert code == 0, err
+    items = out.split("---\n")
+    assert len(items) == 3 and items[2] == "", out
+    model, tokenizer, _ = load(ckpt)
+    trained = encode_prompts([{"prompt": p} for p in GRPO_PROMPTS], tokenizer)["prompt_input_ids"]
+    for text, ids, item in zip(GRPO_PROMPTS, trained, items):
+        lines = item.split("\n")
+        assert lines[:2] == [f"> {line}" for line in text.split("\n")], item
+        printed = "\n".join(lines[2:]).removesuffix("\n")
+        with torch.no_grad():
+            [want] = generate(model, [ids], Sampling(5), stop_ids=stop_ids(tokenizer, model),
+                              pad_id=pad_id_for(tokenizer), context=context_length(model.config))
+        assert len(want.tokens) <= 5
+        assert printed == tokenizer.decode(want.tokens, skip_special_tokens=True)
+    assert isinstance(AutoTokenizer.from_pretrained(tiny_model_dir()).chat_template, str)
+
+
+def test_chat_answers_as_long_as_the_runs_own_answers():
+    """chat's default answer length is the run's samples' (finetune.generation.answer_length, which the
+    loop gives the samples at eval): a GRPO run's max_completion_len, not the 32 tokens of an SFT sample."""
+    from finetune.chat import DEFAULT_MAX_NEW_TOKENS, max_new_tokens_of
+    from finetune.generation import answer_length
+    from finetune.recipe import load_recipe_module
+
+    for name in ("tiny_grpo", "tiny_dpo", "tiny"):
+        recipe = load_recipe_module(name)
+        assert max_new_tokens_of(json.loads(json.dumps(recipe.to_dict()))) == answer_length(recipe)
+    assert answer_length(load_recipe_module("tiny_grpo")) == 8
+
+    assert max_new_tokens_of({"objective": "grpo", "max_completion_len": 8, "sample_max_new_tokens": 32}) == 8
+    assert max_new_tokens_of({"objective": "sft", "max_completion_len": 256, "sample_max_new_tokens": 32}) == 32
+    assert max_new_tokens_of({}) == DEFAULT_MAX_NEW_TOKENS
+
+
+def test_split_prompts_keeps_each_prompts_lines():
+    from finetune.commands.chat import split_prompts
+
+    text = "Copy: ab\nAnswer: \n---\n\n---\nline one\n\nline three\n---\n"
+    assert split_prompts(text.splitlines(keepends=True), "---") == ["Copy: ab\nAnswer: ", "line one\n\nline three"]
+    assert split_prompts(["one prompt\n", "of two lines\n"], "---") == ["one prompt\nof two lines"]
+
+
+@pytest.mark.parametrize("how", ["recipe", "config"])
+def test_chat_refuses_a_reward_model_in_one_line(tmp_path, capsys, how):
+    """A reward model has a score head, no output layer over the vocabulary: loaded as a causal LM it
+    answered from a random one. Refused before any weight is read (the directory holds none here)."""
+    from finetune.assets import tiny_model_dir
+
+    path = tmp_path / "final"
+    path.mkdir()
+    config = json.loads((tiny_model_dir() / "config.json").read_text())
+    if how == "config":
+        config["architectures"] = ["LlamaForSequenceClassification"]
+    else:
+        (tmp_path / "recipe.json").write_text(json.dumps({"objective": "reward"}))
+    (path / "config.json").write_text(json.dumps(config))
+    code, out, err = chat(capsys, path, "Say hi")
+    line = one_error_line(err)
+    assert code == 2 and out == "", err
+    assert line.startswith(f"error: {path} is a reward model (objective=reward)") and "RewardModel(" in line, line

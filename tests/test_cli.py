@@ -43,7 +43,7 @@ def _files(root: Path) -> dict:
     for run, step in ((other, 5), (mine, 10)):
         (run / "checkpoints" / f"step_{step:09d}").mkdir(parents=True)
         (run / "checkpoints" / f"step_{step:09d}" / "manifest.json").write_text("{}")
-    return {"good": good, "bad": bad, "empty": empty, "missing": root / "missing" / "train.jsonl",
+    return {"root": root, "good": good, "bad": bad, "empty": empty, "missing": root / "missing" / "train.jsonl",
             "finished": finished, "latin1": latin1, "binary": binary, "gaps": gaps, "a_file": a_file,
             "readonly": root / "readonly", "nvme_missing": root / "no_nvme_here", "busy": busy, "mine": mine,
             "other_ckpt": other / "checkpoints" / "step_000000005"}
@@ -160,16 +160,22 @@ def runs(tmp_path_factory, finetune_cache):
     _make_read_only(files["readonly"])
     before = {key: _snapshot(files[key]) for key in ("busy", "mine")}
 
-    def run(args):
+    def argv_of(name, args):
+        """The case's arguments, with an output_dir of its own in the temporary directory where it names
+        none: the recipe's relative one (runs/tiny) may hold the README's first run, or any user's."""
         argv = [a.format(**files) for a in args]
+        if not any(a.startswith("output_dir=") for a in argv):
+            argv.append(f"output_dir={files['root']}/out/{name}")
+        return argv
+
+    def run(argv):
         return subprocess.run([sys.executable, "finetune/run.py", *argv], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=180)
 
     try:
         with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {name: pool.submit(run, args) for name, args in cases.items() if name in SUBPROCESS}
-            results = {name: in_process([a.format(**files) for a in args])
-                       for name, args in cases.items() if name not in SUBPROCESS}
+            futures = {name: pool.submit(run, argv_of(name, args)) for name, args in cases.items() if name in SUBPROCESS}
+            results = {name: in_process(argv_of(name, args)) for name, args in cases.items() if name not in SUBPROCESS}
             results |= {name: f.result() for name, f in futures.items()}
         files["unchanged"] = {key: _snapshot(files[key]) == snap for key, snap in before.items()}
     finally:

@@ -476,6 +476,7 @@ class _Rows:
 
     def __init__(self, columns):
         self.columns = columns
+        self.column_names = list(columns)
 
     def __getitem__(self, rows):
         return {k: [v[i] for i in rows] for k, v in self.columns.items()}

@@ -32,6 +32,13 @@ def test_world_size_and_global_batch_from_env(world):
     assert f"global batch {15 * world} = micro 3 x accum 5 x {world}" in p.describe()
 
 
+def test_grpo_global_batch_is_told_in_prompts_and_completions():
+    """A GRPO step reads global_batch_size / num_generations prompts and trains on global_batch_size
+    completions: the start line says both."""
+    p = make_plan(load_recipe_module("tiny_grpo"), env={"WORLD_SIZE": "2"}, cuda_available=False)
+    assert "global batch 16 prompts x 8 = 128 completions = micro 16 x accum 4 x 2" in p.describe()
+
+
 def test_no_world_size_means_one_process():
     p = plan()
     assert p.world_size == 1 and p.num_machines == 1

@@ -145,6 +145,8 @@ recipe = Recipe(
         i = int(lines[0].split("What is ")[1].split(" ")[0])
         assert lines[1] == f"answer:   {i + 1}" and lines[2] == f"level:    {i % 3}"
     assert "trained tokens in" not in out and "(prompt, split train)" in out
+    # prompts have no target tokens: the data lines count prompt tokens, not "0 target tokens (0.0%)"
+    assert "target tokens" not in out and "prompt tokens (the completions are sampled)" in out
     assert data_command.main(["--recipe", str(recipe), "--show", "2", "--json"]) == 0
     shown = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(shown) == 2

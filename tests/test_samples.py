@@ -170,7 +170,7 @@ def test_chat_answers_with_greedy_tokens(plain_model, capsys):
     (["{model}", "hi", "--max-new-tokens", "0"], "error: --max-new-tokens 0: must be at least 1"),
     (["{model}", "hi", "--temperature", "-1"], "error: --temperature -1.0: must be 0 (greedy) or more"),
     (["{model}", "hi", "--format", "yaml"], "error: argument --format: invalid choice: 'yaml' (choose from 'chat', "
-                                            "'alpaca', 'prompt_completion', 'raw') (see finetune chat --help)"),
+                                            "'alpaca', 'prompt_completion', 'prompt', 'raw') (see finetune chat --help)"),
 ])
 def test_chat_bad_input_is_one_line_exit_2(argv, message, plain_model, tmp_path, capsys):
     fill = {"tmp": tmp_path, "model": plain_model}

@@ -12,6 +12,8 @@ Either way the directory is written under a temporary name and renamed, so it is
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 import sys
@@ -210,9 +212,16 @@ def checkpoint_state_dict(ckpt: Path, template: dict | None) -> dict:
     if zero_dir.is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with safe_loading():
-            return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model",
-                                                            exclude_frozen_parameters=template is None)
+        # DeepSpeed's reader prints a dozen lines and two progress bars: kept to its one line of result
+        printed = io.StringIO()
+        with safe_loading(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+            state = get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model",
+                                                             exclude_frozen_parameters=template is None)
+        done = [line.split(" with ", 1)[-1] for line in printed.getvalue().splitlines()
+                if line.startswith("Reconstructed ") and "fp32 state dict with" in line]
+        print(f"zero_to_fp32: the fp32 state dict rebuilt from the ZeRO shards ({'; '.join(done) or 'done'})",
+              file=sys.stderr)
+        return state
     if (ckpt / "model.safetensors").is_file():
         from safetensors.torch import load_file
 

@@ -9,7 +9,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from finetune.chat import answer, context_warnings, load, prompt_format
+from finetune.chat import DEFAULT_MAX_NEW_TOKENS, answer, context_warnings, load, max_new_tokens_of, prompt_format
 from finetune.training.metrics import setup_logging
 from finetune.recipe import RecipeError
 from finetune.generation import PROMPT_FORMATS, render_prompt
@@ -20,29 +20,64 @@ class _Parser(argparse.ArgumentParser):
         raise RecipeError(f"{message} (see finetune chat --help)")
 
 
+SEPARATOR = "---"  # the default line between prompts on standard input
+
+
 def parse_args(argv):
-    parser = _Parser(prog="finetune chat", description="Answers from a trained model: final/, final_merged/, a "
-                     "LoRA adapter folder or a checkpoint. Without PROMPT: a prompt per line on a terminal, or "
-                     "each line of standard input.")
+    parser = _Parser(prog="finetune chat", formatter_class=argparse.RawDescriptionHelpFormatter,
+                     description="Answers from a trained model: final/, final_merged/, a LoRA adapter folder or a "
+                     "checkpoint, with its prompts rendered as the run rendered them and its answers as long as the "
+                     "run's own.", epilog=f"""prompts:
+  PROMPT            one prompt; only its answer is printed
+  standard input    prompts separated by a line holding only the separator ({SEPARATOR!r} by default, --separator);
+                    a prompt may span lines (GRPO prompts often do). Each prompt is printed, every line
+                    prefixed with '> ', then its answer, then the separator line
+  a terminal        one prompt per line; an empty line or Ctrl-D ends
+
+examples:
+  finetune chat runs/tiny/final "Reverse the word." --input stone
+  printf 'Copy: abc\nAnswer:\n---\nCapitals: dog\nAnswer:\n' | finetune chat runs/tiny_grpo/final""")
     parser.add_argument("path", type=Path, help="e.g. runs/tiny/final or runs/tiny/checkpoints/step_000000200")
-    parser.add_argument("prompt", nargs="?", help="one prompt; its answer is printed")
+    parser.add_argument("prompt", nargs="?", help="one prompt; its answer is printed (default: read standard input)")
     parser.add_argument("--format", choices=PROMPT_FORMATS,
-                        help="chat: the chat template; alpaca, prompt_completion: as the run wrote prompts; raw: the "
-                        "text as the model sees it (as samples.jsonl's prompt). Default: the run's data format, else "
-                        "the chat template")
-    parser.add_argument("--input", default="", help="alpaca: the input field (the prompt is the instruction)")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    parser.add_argument("--seed", type=int, default=0, help="for --temperature above 0")
-    parser.add_argument("--base", help="a LoRA adapter's or checkpoint's base model (default: the run's)")
+                        help="how a prompt becomes tokens. chat: the chat template with its generation prompt; "
+                        "alpaca, prompt_completion: as the run wrote such prompts; prompt: a GRPO run's text prompts "
+                        "(the tokenizer's BOS, then the text); raw: the text as the model sees it (as samples.jsonl's "
+                        "prompt). Default: the format the run trained on (its recipe.json), else chat")
+    parser.add_argument("--input", default="", help="alpaca: the input field (the prompt is the instruction); "
+                        "default: none")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="the longest answer, in tokens. Default: the run's own answer length: max_completion_len "
+                        "for a GRPO run, sample_max_new_tokens (32 unless the recipe set it) otherwise; "
+                        f"{DEFAULT_MAX_NEW_TOKENS} for a model without a recipe.json")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as the run's samples (default 0)")
+    parser.add_argument("--seed", type=int, default=0, help="for --temperature above 0 (default 0)")
+    parser.add_argument("--base", help="a LoRA adapter's or checkpoint's base model (default: the run's model)")
+    parser.add_argument("--separator", default=SEPARATOR,
+                        help=f"the line between prompts on standard input (default {SEPARATOR!r})")
     args = parser.parse_intermixed_args(argv)  # options before or after PROMPT
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise RecipeError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     if args.temperature < 0:
         raise RecipeError(f"--temperature {args.temperature}: must be 0 (greedy) or more")
     if not args.path.exists():
         raise RecipeError(f"{args.path} does not exist; give final/ of a run, an adapter folder or a checkpoint")
     return args
+
+
+def split_prompts(lines, separator: str) -> list[str]:
+    """The prompts of standard input: the text between lines that hold only `separator`, each kept whole
+    (its inner newlines included; the newline before a separator belongs to no prompt); blank ones
+    dropped."""
+    prompts, current = [], []
+    for line in lines:
+        if line.rstrip("\r\n") == separator:
+            prompts.append("".join(current))
+            current = []
+        else:
+            current.append(line)
+    prompts.append("".join(current))
+    return [p.removesuffix("\n") for p in prompts if p.strip()]
 
 
 def load_model_of(path: Path, base: str | None):
@@ -76,11 +111,12 @@ def main(argv=None) -> int:
         if torch.cuda.is_available():
             model = model.to("cuda")
         generator = torch.Generator().manual_seed(args.seed)
+        max_new_tokens = args.max_new_tokens or max_new_tokens_of(recipe)
 
         def reply(text: str) -> str:
             for line in context_warnings(model, recipe, len(render_prompt(tokenizer, text, fmt, args.input))):
                 print(line, file=sys.stderr, flush=True)
-            return answer(model, tokenizer, text, fmt, args.max_new_tokens, args.temperature, generator, args.input)
+            return answer(model, tokenizer, text, fmt, max_new_tokens, args.temperature, generator, args.input)
 
         if args.prompt is not None:
             print(reply(args.prompt), flush=True)
@@ -89,7 +125,8 @@ def main(argv=None) -> int:
             raise RecipeError("no PROMPT and no standard input to read prompts from; give a PROMPT, or prompts one "
                               "per line on standard input")
         if sys.stdin.isatty():
-            print(f"{args.path} ({fmt} prompts; empty line or Ctrl-D to quit)", file=sys.stderr)
+            print(f"{args.path} ({fmt} prompts, answers of at most {max_new_tokens} tokens; empty line or Ctrl-D to "
+                  "quit)", file=sys.stderr)
             while True:
                 try:
                     text = input("> ")
@@ -100,12 +137,14 @@ def main(argv=None) -> int:
                     return 0
                 print(reply(text), flush=True)
         try:
-            for line in sys.stdin:
-                if line.strip():
-                    print(reply(line.rstrip("\n")), flush=True)
+            prompts = split_prompts(sys.stdin, args.separator)
         except (OSError, UnicodeDecodeError) as e:  # a descriptor that cannot be read, a directory, not text
-            raise RecipeError(f"standard input cannot be read ({type(e).__name__}: {e}); give prompts one per line "
-                              "of text, or a PROMPT") from None
+            raise RecipeError(f"standard input cannot be read ({type(e).__name__}: {e}); give prompts as text, "
+                              f"separated by lines of {args.separator!r}, or a PROMPT") from None
+        for text in prompts:
+            print("\n".join(f"> {line}" for line in text.split("\n")), flush=True)
+            print(reply(text), flush=True)
+            print(args.separator, flush=True)
         return 0
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -114,6 +114,8 @@ def launch_command(options: dict, run_args: list[str], processes: int) -> list[s
     else:
         cmd += ["--multi_gpu", "--mixed_precision", "no", "--dynamo_backend", "no"]
     cmd += ["--num_processes", str(processes)]
+    if "--config_file" not in options and "--num_machines" not in options:
+        cmd += ["--num_machines", "1"]  # said, so that accelerate does not warn that it took the default
     for name in ("--num_machines", "--machine_rank", "--main_process_ip", "--main_process_port"):
         if name in options:
             cmd += [name, options[name]]
@@ -253,6 +255,19 @@ def _forwarding_notices(record) -> bool:
     return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
 
 
+def _defaults_notice(record: logging.LogRecord) -> bool:
+    """accelerate's "values were not passed to `accelerate launch`" warning (4 lines and advice to run
+    `accelerate config`) as one line: finetune takes precision and strategy from the recipe, not from
+    accelerate's config."""
+    text = record.getMessage()
+    if "were not passed to `accelerate launch`" in text:
+        values = [line.strip().replace("`", "").replace(" was set to a value of", "").replace(" was set to", "")
+                  for line in text.splitlines()[1:] if line.strip().startswith("`--")]
+        record.msg = f"accelerate launch defaults: {', '.join(v.split(' to improve')[0] for v in values)}"
+        record.args = None
+    return True
+
+
 def accelerate_launch(argv: list[str]) -> int:
     """`accelerate launch ARGS` in this process. Signalled, torch's launcher forwards the signal to the
     workers, waits for them and raises SignalException, whose traceback says nothing the workers did
@@ -267,6 +282,7 @@ def accelerate_launch(argv: list[str]) -> int:
     args = launch_command_parser().parse_args(argv)
     for name in ("torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.multiprocessing.api"):
         logging.getLogger(name).addFilter(_forwarding_notices)
+    logging.getLogger("accelerate.commands.launch").addFilter(_defaults_notice)
     try:
         accelerate_command(args)
     except SignalException as e:

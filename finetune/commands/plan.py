@@ -75,7 +75,11 @@ def main(argv=None) -> int:
     dp = data_parallel_size(recipe, args.gpus)
     ranks = f"{args.gpus} GPUs" if dp == args.gpus else \
         f"{dp} data-parallel ranks ({args.gpus} GPUs / sequence_parallel)"
-    print(f"global batch {recipe.micro_batch_size * accum * dp} = micro {recipe.micro_batch_size} x accum "
+    batch = f"{recipe.micro_batch_size * accum * dp}"
+    if recipe.objective == "grpo":  # completions; a step reads global / num_generations prompts
+        batch = (f"{recipe.micro_batch_size * accum * dp // recipe.num_generations} prompts x "
+                 f"{recipe.num_generations} = {batch} completions")
+    print(f"global batch {batch} = micro {recipe.micro_batch_size} x accum "
           f"{accum} x {ranks}")
     return 0
 

@@ -95,6 +95,9 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         if fmt == "preference":  # how its prompts were rendered, for `finetune chat` (recipe.json's data.sources)
             first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
             pairs.append("conversational" if isinstance(first.get("chosen"), list) else "text")
+        elif fmt == "prompt":  # GRPO's prompts: text (BOS + text) or conversations (the chat template)
+            first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
+            pairs.append("conversational" if isinstance(first.get("prompt"), list) else "text")
         else:
             pairs.append(None)
         parts.append(tokenize_dataset(raw, fmt, tokenizer, recipe, where, spec=spec, pack=False, keep_counts=True,
@@ -116,7 +119,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
                       "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())}
-                     | ({"pairs": pairs[i]} if pairs[i] else {}))
+                     | ({("pairs" if formats[i] == "preference" else "prompts"): pairs[i]} if pairs[i] else {}))
     train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
     offsets = np.cumsum([0] + available[:-1])
     order = np.concatenate([pick + off for pick, off in zip(picks, offsets)])
@@ -174,11 +177,11 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
         dropped = dropped or ", none dropped"
         cut = f", {s['at_max_seq_len']} cut at max_seq_len" if s["at_max_seq_len"] else ""
         lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
-                     f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {s['tokens']} tokens, "
-                     f"{s['target_tokens']} target tokens")
+                     f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {token_counts(s, recipe)}")
     t = data.summary
-    line = (f"data train: {t['rows']} rows, {t['tokens']} tokens, {t['target_tokens']} target tokens "
-            f"({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)")
+    line = f"data train: {t['rows']} rows, {token_counts(t, recipe)}"
+    if recipe.objective != "grpo":
+        line += f" ({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)"
     if "packed_rows" in t:
         line += (f"; packed into {t['packed_rows']} rows of {recipe.max_seq_len}: "
                  f"{100 * t['packing_efficiency']:.1f}% of their tokens are real")
@@ -187,5 +190,12 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
     lines.append(line)
     if "eval" in t:
         e = t["eval"]
-        lines.append(f"data eval: {e['rows']} rows, {e['tokens']} tokens, {e['target_tokens']} target tokens")
+        lines.append(f"data eval: {e['rows']} rows, {token_counts(e, recipe)}")
     return lines
+
+
+def token_counts(counts: dict, recipe: Recipe) -> str:
+    """Tokens and target tokens; prompts alone for GRPO, whose targets are the completions it samples."""
+    if recipe.objective == "grpo":
+        return f"{counts['tokens']} prompt tokens (the completions are sampled)"
+    return f"{counts['tokens']} tokens, {counts['target_tokens']} target tokens"

@@ -29,6 +29,7 @@ from finetune.model import (concatenation_problem, context_length, load_config, 
 from finetune.training.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
 from finetune.offload import activation_offload
+from finetune.generation import answer_length
 from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.checkpointing.identity import model_identity
@@ -393,7 +394,7 @@ class Reporter:
         self.metrics = MetricsFile(out / "metrics.jsonl", accelerator.is_main_process, accelerator)
         start_trackers(accelerator, recipe, out)
         self.plot = LossPlot(out / "metrics.jsonl", out / "loss.png",
-                             enabled=accelerator.is_main_process and recipe.plot_loss)
+                             enabled=accelerator.is_main_process and recipe.plot_loss, panels=objective.panels)
         self.progress = None
         self.last: dict = {}  # the last step's record: the summary keeps the objective's shown metrics of it
 
@@ -465,7 +466,7 @@ def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple
             return None, "", True
         with SP.whole_sequences():
             shown = sample_at_eval(run.accelerator, run.model, run.prompts, run.tokenizer,
-                                   r.sample_max_new_tokens, run.samples, step, run.generation_config, stop)
+                                   answer_length(r), run.samples, step, run.generation_config, stop)
     if shown is None:
         run.reporter.note(f"step {step}: samples stopped by a stop request; not written")
     return result, shown or "", shown is None
@@ -553,6 +554,7 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
                "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary(),
                **{f"last_step_{k}": reporter.last[k] for k in run.objective.shown if k in reporter.last}}
     if is_main:
+        summary |= run.objective.summary(out)
         summary["loss_plot"] = str(reporter.final_plot() or "") or None
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         log.info(format_summary(summary, run.objective.shown))

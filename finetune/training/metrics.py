@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import sys
 import time
 import warnings
@@ -19,6 +20,8 @@ def setup_logging(level: str, rank: int) -> None:
     """Our messages at `level` on rank 0 (warnings on every rank, prefixed); dependencies' chatter
     (DeepSpeed, Accelerate, Transformers, Datasets) at warning unless the user asks for debug."""
     fmt = f"[rank{rank}] %(levelname)s %(message)s" if rank else "%(message)s"
+    if rank and not isinstance(sys.stdout, OtherRankStdout):
+        sys.stdout = OtherRankStdout(sys.stdout)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
     log.handlers[:] = [handler]
@@ -34,6 +37,9 @@ def setup_logging(level: str, rank: int) -> None:
         warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
     for name in ("DeepSpeed", "deepspeed", "accelerate", "transformers", "datasets", "torch.distributed"):
         logging.getLogger(name).setLevel(noisy)
+    load_reports = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(f, OneLineLoadReport) for f in load_reports.filters):
+        load_reports.addFilter(OneLineLoadReport())
     try:
         from deepspeed.utils import logger as ds_logger
 
@@ -50,6 +56,59 @@ def setup_logging(level: str, rank: int) -> None:
         datasets.disable_progress_bars()
     except ImportError:
         pass
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class OneLineLoadReport(logging.Filter):
+    """transformers' LOAD REPORT (a table with terminal colour codes, and notes) as one line: the keys by
+    status. A reward model's score head is MISSING (new, as it should be) and the causal LM's lm_head
+    UNEXPECTED (unused) on every such run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = ANSI.sub("", record.getMessage())
+        if "LOAD REPORT" not in text:
+            return True
+        head, _, table = text.partition("\n")
+        by_status: dict[str, list[str]] = {}
+        for row in table.splitlines():
+            cells = [c.strip() for c in row.split("|")]
+            if len(cells) >= 2 and cells[0] and cells[1] and cells[0] != "Key" and not set(cells[0]) <= set("-+"):
+                by_status.setdefault(cells[1], []).append(cells[0])
+        notes = {"MISSING": "newly initialized", "UNEXPECTED": "in the checkpoint, unused"}
+        keys = "; ".join(f"{status} ({notes.get(status, status.lower())}): {', '.join(names)}"
+                         for status, names in by_status.items())
+        record.msg, record.args = f"{head.replace(' LOAD REPORT', ' loaded')}: {keys}", None
+        return True
+
+
+class OtherRankStdout:
+    """Standard output of the ranks after the first, less the lines every rank prints alike: DeepSpeed's
+    backend prints `DeepSpeed ... deepspeed_shm_comm_op built successfully` on each rank as it starts
+    (deepspeed/comm/torch.py build_shm_op); rank 0's says it once."""
+
+    REPEATED = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
+
+    def __init__(self, stream):
+        self.stream, self.pending = stream, ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if not self.REPEATED.match(line):
+                self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not self.REPEATED.match(self.pending):
+            self.stream.write(self.pending)
+            self.pending = ""
+        self.stream.flush()
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, ...: the stream's
+        return getattr(self.stream, name)
 
 
 class MetricsFile:
@@ -168,49 +227,68 @@ def start_trackers(accelerator, recipe, output_dir: Path) -> None:
     accelerator.init_trackers("finetune", config=config, init_kwargs=init_kwargs)
 
 
-# ---------------------------------------------------------------- the loss plot
+# ---------------------------------------------------------------- the run's plot (loss.png)
+
+# A panel of the plot: (title, y-axis label, the metric's key): its train values under the key, its eval
+# values under "eval_" + key. Each objective names its own (Objective.panels); the loss's is the default.
+LOSS_PANELS = (("loss", "cross-entropy (mean per target token)", "loss"),)
 
 
-def nan_for_none(value):
-    return float("nan") if value is None else value
-
-
-def plot_losses(metrics_path: Path, png_path: Path) -> Path | None:
-    """loss.png: training and eval loss, and the learning rate on a second axis, against steps."""
+def plot_losses(metrics_path: Path, png_path: Path, panels=LOSS_PANELS) -> Path | None:
+    """loss.png: the curves the objective optimizes against optimizer steps, one panel each (`panels`,
+    Objective.panels: SFT the loss; GRPO the reward, the completion length and the KL when beta > 0; DPO
+    the loss, accuracy and margin; a reward model the loss and accuracy), train and eval; the learning
+    rate in a small panel below when it changes, in the title when it is constant."""
     records = run_history(read_metrics(metrics_path)) if Path(metrics_path).exists() else []
-    train = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
-    if not train and not evals:
+    records = [r for r in records if "resumed_from" not in r]
+    if not records:
         return None
+    panels_given, drawn_panels = panels, []
+    for title, ylabel, key in panels:
+        drawn = [(label, name, is_eval, [(r["step"], r[name]) for r in records
+                                         if isinstance(r.get(name), (int, float)) and not isinstance(r[name], bool)])
+                 for label, name, is_eval in (("train", key, False), ("eval", f"eval_{key}", True))]
+        drawn = [d for d in drawn if d[3]]
+        if drawn:
+            drawn_panels.append((title, ylabel, drawn))
+    if not drawn_panels:
+        return None
+    panels = drawn_panels
+    lrs = [(r["step"], r["lr"]) for r in records if isinstance(r.get("lr"), (int, float))]
+    lr_changes = len({v for _, v in lrs}) > 1
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure  # not pyplot: no global state, no GUI backend, a faster import
 
-    fig = Figure(figsize=(9, 5), dpi=110)
+    heights = [3] * len(panels) + ([1] if lr_changes else [])
+    fig = Figure(figsize=(9, 1.2 + 2.6 * len(panels) + (1.0 if lr_changes else 0)), dpi=110)
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    if train:
-        ax.plot([r["step"] for r in train], [nan_for_none(r["loss"]) for r in train], label="train loss", color="tab:blue",
-                linewidth=1.2)
-    if evals:
-        ax.plot([r["step"] for r in evals], [nan_for_none(r["eval_loss"]) for r in evals], "o-", label="eval loss",
-                color="tab:orange", linewidth=1.5, markersize=4)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss (mean per target token)")
-    ax.grid(alpha=0.3)
-    lines, labels = ax.get_legend_handles_labels()
-    if train:
-        lr_ax = ax.twinx()
-        lr_ax.plot([r["step"] for r in train], [r["lr"] for r in train], label="learning rate", color="tab:green",
-                   linestyle="--", linewidth=1)
-        lr_ax.set_ylabel("learning rate")
+    axes = fig.subplots(len(heights), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
+    points = {}
+    for ax, (title, ylabel, drawn) in zip(axes, panels):
+        for label, key, is_eval, xy in drawn:
+            style = dict(marker="o", markersize=4, linewidth=1.5, color="tab:orange") if is_eval else \
+                dict(linewidth=1.2, color="tab:blue", marker="." if len(xy) < 4 else None)  # a lone point shows
+            ax.plot([x for x, _ in xy], [y for _, y in xy], label=label, **style)
+            points[f"{'eval' if is_eval else 'train'}_{key.removeprefix('eval_')}"] = len(xy)
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    if lr_changes:
+        lr_ax = axes[-1]
+        lr_ax.plot([x for x, _ in lrs], [y for _, y in lrs], color="tab:green", linewidth=1)
+        lr_ax.set_ylabel("learning rate", fontsize=8)
         lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-        more_lines, more_labels = lr_ax.get_legend_handles_labels()
-        lines, labels = lines + more_lines, labels + more_labels
-    ax.legend(lines, labels, loc="upper right")
-    ax.set_title(f"{Path(metrics_path).parent.name}: loss and learning rate")
+        lr_ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("optimizer step")
+    lr_note = f", constant learning rate {lrs[0][1]:.2g}" if len(lrs) > 1 and not lr_changes else ""
+    fig.suptitle(f"{Path(metrics_path).parent.name}{lr_note}", fontsize=11)
     fig.tight_layout()
     tmp = Path(png_path).with_suffix(".tmp.png")
-    points = {"train_loss": len(train), "eval_loss": len(evals), "last_step": max(r["step"] for r in records)}
+    if tuple(panels_given) == LOSS_PANELS:  # both curves named, drawn or not
+        points = {"train_loss": points.get("train_loss", 0), "eval_loss": points.get("eval_loss", 0)}
+    points["learning_rate"] = len(lrs) if lr_changes else 0  # 0: constant, named in the title instead
+    points["last_step"] = max(r["step"] for r in records)
     fig.savefig(tmp, metadata={"Description": json.dumps(points)})  # lets a test count what was drawn
     tmp.replace(png_path)
     return Path(png_path)
@@ -221,8 +299,10 @@ class LossPlot:
     `every_s` seconds (a redraw costs rank 0 about half a second, and the other ranks wait for it at
     the next collective), and always at the end."""
 
-    def __init__(self, metrics_path: Path, png_path: Path, enabled: bool, every_s: float = 60.0):
+    def __init__(self, metrics_path: Path, png_path: Path, enabled: bool, every_s: float = 60.0,
+                 panels=LOSS_PANELS):
         self.metrics_path, self.png_path, self.enabled, self.every_s = metrics_path, png_path, enabled, every_s
+        self.panels = panels
         self.last = time.monotonic()  # the first eval's plot waits too: a short run draws once, at its end
 
     def update(self) -> None:
@@ -233,7 +313,7 @@ class LossPlot:
         if not self.enabled:
             return None
         self.last = time.monotonic()
-        return plot_losses(self.metrics_path, self.png_path)
+        return plot_losses(self.metrics_path, self.png_path, self.panels)
 
 
 # ---------------------------------------------------------------- training speed
@@ -406,7 +486,10 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),
         ("checkpoints", summary.get("checkpoints") or "none written"),
-        ("loss plot", summary.get("loss_plot") or "n/a"),
+        *([("undecodable", f"{summary['undecodable_completions']} of {summary['completions']} completions hold "
+                            f"{summary['undecodable_ids']} ids the tokenizer cannot decode (rollouts.jsonl: "
+                            "undecodable_ids)")] if summary.get("undecodable_ids") else []),
+        ("plot", summary.get("loss_plot") or "n/a"),
         ("metrics", summary.get("metrics", "")),
     ]
     for sample in summary.get("samples") or []:  # the last eval's, as samples.jsonl has them

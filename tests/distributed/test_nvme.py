@@ -1,5 +1,5 @@
 """NVMe offload for real: ZeRO-3 with parameters and optimizer states swapped to files in nvme_path
-through DeepSpeed's async_io op (libaio; scripts/setup.sh installs it and builds the op), on 2
+through DeepSpeed's async_io op (libaio; scripts/setup.sh --nvme installs it and builds the op), on 2
 processes. The optimizer on NVMe steps as the optimizer on CPU does, bit for bit: both keep the fp32
 master weights and Adam states off the accelerator and step them with the same CPU Adam; NVMe only
 moves them through files.
@@ -31,7 +31,7 @@ STOP_AT_2 = {"FINETUNE_FAULT": "after_step:1:1:SIGTERM"}  # rank 1 gets SIGTERM 
 
 @pytest.fixture(scope="module")
 def async_io_built(launch_env) -> None:
-    """DeepSpeed's async_io op, built (scripts/setup.sh does it; minutes if not) before the launches,
+    """DeepSpeed's async_io op, built (scripts/setup.sh --nvme does it, as .ci/run asks; minutes if not) before the launches,
     which would otherwise each build it inside their time limit."""
     import subprocess
     import sys
@@ -43,7 +43,7 @@ def async_io_built(launch_env) -> None:
                            "AsyncIOBuilder().load(verbose=False)"],
                           env=dict(launch_env, DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, \
-        f"DeepSpeed's async_io op does not build here (bash scripts/setup.sh):\n{proc.stderr[-3000:]}"
+        f"DeepSpeed's async_io op does not build here (bash scripts/setup.sh --nvme):\n{proc.stderr[-3000:]}"
 
 
 @pytest.fixture(scope="module")

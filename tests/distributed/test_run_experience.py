@@ -43,7 +43,8 @@ def test_tensorboard_plot_and_summary(watched_run):
 
     png = Image.open(out / "loss.png")
     assert png.format == "PNG" and png.size[0] >= 600 and png.size[1] >= 400
-    assert json.loads(png.text["Description"]) == {"train_loss": 4, "eval_loss": 3, "last_step": 4}
+    # warmup: the learning rate changes, so it has a panel of its own
+    assert json.loads(png.text["Description"]) == {"train_loss": 4, "eval_loss": 3, "learning_rate": 4, "last_step": 4}
 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_model"] == str(out / "final") and (out / "final" / "config.json").is_file()
@@ -56,6 +57,10 @@ def test_tensorboard_plot_and_summary(watched_run):
     # quiet by default: no INFO chatter from DeepSpeed or Accelerate, no tracebacks
     noisy = [line for line in run.stderr.splitlines() if "[INFO]" in line or "Traceback" in line]
     assert not noisy, noisy[:5]
+    # one line at most each: accelerate's defaults (the front passes them), DeepSpeed's op built (rank 0's)
+    assert "were not passed to `accelerate launch`" not in run.stderr
+    built = [line for line in run.stdout.splitlines() if "built successfully" in line]
+    assert len(built) == len(set(built)), built
 
 
 def test_failing_rank_ends_the_launch(launch):

@@ -38,6 +38,8 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
+from finetune.training.metrics import LOSS_PANELS
+
 
 @dataclass
 class Context:
@@ -63,6 +65,7 @@ class Objective(Protocol):
     name: str
     metrics: tuple[str, ...]
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
+    panels: tuple  # loss.png's panels: (title, y label, metric key), train and eval (training/metrics.py)
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
     makes_batches: bool  # rollout() makes the step's batches itself (GRPO): the loop fetches no rows
     evaluates: bool  # the loop evaluates the eval split (evaluate)
@@ -87,6 +90,8 @@ class Objective(Protocol):
 
     def take_metrics(self) -> torch.Tensor | None: ...
 
+    def summary(self, out) -> dict: ...
+
     def means(self, sums: torch.Tensor, count: torch.Tensor) -> list[float]: ...
 
 
@@ -95,6 +100,7 @@ class Basic:
     with metrics adds their sums to self.sums in loss()."""
     metrics: tuple[str, ...] = ()
     shown: dict[str, str] = {}
+    panels = LOSS_PANELS  # loss.png: the loss
     generates = True
     identifies_model = False
     makes_batches = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows
@@ -121,6 +127,10 @@ class Basic:
                  ) -> tuple[float | None, dict] | None:
         """The eval: the loop's mean loss over the eval batches and the metrics' means (loss_eval)."""
         return loss_eval()
+
+    def summary(self, out) -> dict:
+        """Fields the objective adds to the run summary (summary.json), from what the run wrote in `out`."""
+        return {}
 
     def take_metrics(self) -> torch.Tensor | None:
         """The metrics' sums since the last call (a step's, or an eval's), or None where none were kept."""

@@ -77,6 +77,11 @@ class DPO(Basic):
     name = "dpo"
     metrics = METRICS
     shown = {"rewards/accuracies": "acc", "rewards/margins": "margin"}
+    panels = (("loss", "preference loss (mean per pair)", "loss"),
+              ("accuracy: the share of pairs whose implicit reward ranks chosen above rejected", "accuracy",
+               "rewards/accuracies"),
+              ("margin: implicit reward of chosen minus rejected, beta x log-ratio to the reference",
+               "reward margin (mean per pair)", "rewards/margins"))
     identifies_model = True  # the precomputed log-probs are keyed by it; a resume reads the frozen reference again
 
     def __init__(self, recipe, reference=None):

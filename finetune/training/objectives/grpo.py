@@ -218,12 +218,17 @@ class GRPO(Basic):
         self.loss_metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
         self.metrics = self.loss_metrics + self.rollout_names
         self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
+        # loss.png: not the policy loss, which is about 0 whatever the policy
+        self.panels = (("reward: the weighted sum of the reward functions", "reward (mean per completion)", "reward"),
+                       ("completion length", "tokens per completion (mean)", "completions/mean_length"),
+                       *([("KL to the reference", "KL (mean per completion token)", "kl")] if self.beta else []))
         self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
         self.reference = None
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
         self.said_unscored = False  # a step whose completions no function scored was said
+        self.warned = False  # completions with ids the tokenizer cannot decode were logged once
 
     def schedule(self, plan, num_rows: int, ranks: int):
         """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
@@ -327,9 +332,11 @@ class GRPO(Basic):
                                           "rewards": all_rewards, "advantages": advantages})
         if accelerator.is_main_process:
             weighted = weighted_rewards(all_rewards, self.rewards.weights)
+            vocab = len(run.tokenizer)
             write_rollouts(run.out / ROLLOUTS, step + 1, k, rows, run.datasets.train, g, all_tokens,
                            run.tokenizer.batch_decode(all_tokens, skip_special_tokens=True), all_stopped,
-                           self.rewards.names, all_rewards, weighted, advantages)
+                           self.rewards.names, all_rewards, weighted, advantages, vocab)
+            self.warned = warn_undecodable(step + 1, all_tokens, vocab, self.warned)
         return batches, values
 
     def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, stop=None) -> tuple:
@@ -468,6 +475,11 @@ class GRPO(Basic):
     def eval_count(self, batch: dict) -> int:
         return self.count(batch)
 
+    def summary(self, out) -> dict:
+        """The run summary's fields of this objective: completions holding ids the tokenizer could not
+        decode, counted over rollouts.jsonl (none: nothing)."""
+        return rollouts_summary(out / ROLLOUTS)
+
     def take_metrics(self) -> torch.Tensor | None:
         """The metrics' sums since the last call ([kl, clipped low, high, either, tokens]), or None."""
         sums, self.sums = self.sums, None
@@ -560,21 +572,68 @@ def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=N
         model.train(was_training)
 
 
+def undecodable(tokens: list[list[int]], vocab: int) -> tuple[int, int]:
+    """(completions holding ids the tokenizer has no token for, how many such ids): ids of the output
+    layer's rows past len(tokenizer) (a vocabulary padded to a multiple), which decode to nothing."""
+    counts = [sum(t >= vocab for t in ids) for ids in tokens]
+    return sum(c > 0 for c in counts), sum(counts)
+
+
+def warn_undecodable(step: int, tokens: list[list[int]], vocab: int, warned: bool) -> bool:
+    """One line, the first time a rollout holds ids the tokenizer cannot decode: the reward functions
+    see those completions shorter than the model wrote them (an empty text where all ids are such).
+    Whether that line has been written now."""
+    completions, ids = undecodable(tokens, vocab)
+    if completions and not warned:
+        log.warning(f"step {step}: {completions} of {len(tokens)} completions hold {ids} token ids past the "
+                    f"tokenizer's {vocab} tokens, which decode to nothing (the reward functions see the text "
+                    "without them); rollouts.jsonl counts them per completion (undecodable_ids), the run summary "
+                    "in all")
+    return warned or bool(completions)
+
+
+def rollouts_summary(path) -> dict:
+    """The run summary's count of completions whose ids the tokenizer could not decode (rollouts.jsonl,
+    the run's history, resumed attempts included): {} where there were none."""
+    import json
+    from pathlib import Path
+
+    completions = ids = total = 0
+    if Path(path).is_file():
+        with open(path) as f:
+            for line in f:
+                total += 1
+                if '"undecodable_ids": 0,' in line:  # the usual case, without parsing the line
+                    continue
+                try:
+                    n = json.loads(line).get("undecodable_ids") or 0
+                except ValueError:  # a torn last line
+                    continue
+                completions, ids = completions + (n > 0), ids + n
+    return {"undecodable_completions": completions, "undecodable_ids": ids, "completions": total} if ids else {}
+
+
 def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, tokens, texts, stopped,
-                   names: list[str], per_func: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor):
-    """One line per completion: the step that generated it, its prompt (dataset row and value), its
-    text and token ids, whether it stopped, each function's reward (None: not scored), the weighted
-    reward and the advantage."""
+                   names: list[str], per_func: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor,
+                   vocab: int | None = None):
+    """One line per completion: the step that generated it, its prompt (dataset row and value), the
+    row's other columns as the reward functions received them (`answer`, ...), its text and token ids,
+    how many of those ids the tokenizer cannot decode (past its `vocab` tokens), whether it stopped, each
+    function's reward (None: not scored), the weighted reward and the advantage."""
     import json
     import math
 
-    prompts = ds[rows]["prompt"]
+    data = ds[rows]
+    prompts = data["prompt"]
+    columns = [c for c in ds.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
 
     def number(x):
         x = float(x)
         return None if math.isnan(x) else x
 
     lines = "".join(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
+                                "columns": {c: data[c][i // g] for c in columns},
+                                "undecodable_ids": sum(x >= vocab for x in t) if vocab else 0,
                                 "completion": text, "completion_ids": t, "stopped": stopped[i],
                                 "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
                                 "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"

@@ -57,6 +57,8 @@ class Reward(Basic):
     name = "reward"
     metrics = METRICS
     shown = {"accuracy": "acc", "margin": "margin"}
+    panels = (("loss", "Bradley-Terry loss (mean per pair)", "loss"),
+              ("accuracy: the share of pairs scored chosen above rejected", "accuracy", "accuracy"))
     generates = False  # a sequence-classification model scores; eval samples are skipped
 
     def __init__(self, recipe):
