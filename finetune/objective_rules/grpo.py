@@ -1,0 +1,67 @@
+"""GRPO's recipe rules (the objective: finetune/training/objectives/grpo.py): its keys only with
+objective=grpo; with it, reward functions that import, one weight each, groups of 2 or more that split
+into the micro-batches, unpacked rows, a prompt and completion within max_seq_len, a reference the
+strategy can hold (beta > 0). Each failure is one RecipeError naming the key, its value and what is
+allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from finetune.errors import RecipeError
+
+
+def default(recipe, key: str):
+    """The recipe field's default (the schema's, read from the dataclass: this module sits below recipe.py)."""
+    field = next(f for f in dataclasses.fields(recipe) if f.name == key)
+    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
+
+
+GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
+               "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
+               "mask_truncated_completions")
+GRPO_LISTS = ("reward_funcs", "reward_weights")
+
+
+def check(r, strategy) -> None:
+    """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
+    if r.objective != "grpo":
+        changed = [k for k in GRPO_FIELDS if getattr(r, k) != default(r, k)]
+        if changed:
+            key = changed[0]
+            shown = ",".join(map(str, getattr(r, key))) if key in GRPO_LISTS else getattr(r, key)
+            raise RecipeError(f"{key}={shown} applies to objective=grpo only; set objective=grpo, or leave {key} out")
+        return
+    from finetune import rewards
+
+    if not r.reward_funcs:
+        raise RecipeError("objective=grpo needs reward functions: reward_funcs=module:function,... (or callables in "
+                          "the recipe file); built in: finetune.rewards:exact_match, finetune.rewards:math_answer, "
+                          "finetune.rewards:think_format")
+    try:
+        rewards.resolve_all(r.reward_funcs)
+        rewards.weights(r.reward_weights, len(r.reward_funcs))
+    except rewards.RewardSpecError as e:
+        raise RecipeError(str(e)) from None
+    if r.num_generations < 2:
+        raise RecipeError(f"num_generations={r.num_generations}: a group needs at least 2 completions (its advantages "
+                          "are rewards minus the group's mean); set num_generations=2 or more (TRL's default: 8)")
+    if r.global_batch_size and r.global_batch_size * r.num_generations % r.micro_batch_size:
+        raise RecipeError(f"global_batch_size={r.global_batch_size} prompts x num_generations={r.num_generations} = "
+                          f"{r.global_batch_size * r.num_generations} completions do not split into micro-batches of "
+                          f"micro_batch_size={r.micro_batch_size}; make micro_batch_size divide it")
+    if not r.global_batch_size and r.micro_batch_size * r.grad_accum % r.num_generations:
+        raise RecipeError(f"micro_batch_size={r.micro_batch_size} x grad_accum={r.grad_accum} completions per process "
+                          f"do not split into whole groups of num_generations={r.num_generations}; set "
+                          "global_batch_size=N (prompts per step), or make micro_batch_size x grad_accum a multiple "
+                          "of num_generations")
+    for key in ("packing", "padding_free", "train_on_prompt"):
+        if getattr(r, key):
+            raise RecipeError(f"{key}=true with objective=grpo: a completion is scored on its own tokens; set "
+                              f"{key}=false")
+    if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
+        raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
+                          f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")
+    problem = strategy.frozen_reference_problem(r) if r.beta and not r.lora else None
+    if problem:
+        raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
