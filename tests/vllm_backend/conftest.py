@@ -11,6 +11,7 @@ DISTRIBUTED = Path(__file__).resolve().parents[1] / "distributed"
 sys.path.insert(0, str(DISTRIBUTED))
 _spec = importlib.util.spec_from_file_location("distributed_conftest", DISTRIBUTED / "conftest.py")
 distributed = importlib.util.module_from_spec(_spec)
+sys.modules["distributed_conftest"] = distributed
 _spec.loader.exec_module(distributed)
 
 launch_env = distributed.launch_env
