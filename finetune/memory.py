@@ -807,6 +807,12 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
         lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
                         f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
                         "eval; where that does not fit, the run skips them with a warning (sample_prompts=0: off)")
+    if rollout is not None and rollout.engine:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            unchecked.append("vLLM, which is not installed here: generation_backend=vllm stops the run before the "
+                             "model loads (docs/vllm.md)")
     if arch.source.startswith(TABLE_SOURCE):
         unchecked.append(f"the model's own config.json (not in the local cache{', offline' if offline() else ''}; "
                          "the published numbers were used)")
