@@ -98,11 +98,11 @@ class EngineGenerator:
         watchdog.start()
         start = time.perf_counter()
         try:
-            fault_point("vllm_push", self.rank, updates)  # RAISE: a push that fails on this rank (tests)
             if injected("vllm_push", self.rank, updates) == "SKIP":  # a push that does not take (tests)
                 for _ in named:
                     pass
             else:
+                fault_point("vllm_push", self.rank, updates)  # RAISE: a push that fails on this rank (tests)
                 self.engine.push(named)
         except Exception as e:  # the rank's own failure; its gathers are finished below, then all ranks stop
             failure = f"rank {self.rank}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

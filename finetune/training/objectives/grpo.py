@@ -406,8 +406,12 @@ class GRPO(Basic):
             if keep_old or self.reference is not None:
                 device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
                 if keep_old and old_rows is None:
+                    # against an engine's: the policy that sampled, without dropout (LoRA's lora_dropout)
+                    was_training = model.training
+                    model.train(was_training and engine_logps is None)
                     with torch.no_grad():
                         b["old_logps"] = token_logps(model, device_batch, self.loss_impl, self.chunk).float().cpu()
+                    model.train(was_training)
                 elif keep_old:
                     b["old_logps"] = padded_rows(old_rows[a:a + m], b["labels"].shape)
                 if engine_logps is not None:
