@@ -50,6 +50,9 @@ class OwnGenerator:
     def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int) -> list:
         return self.generate(run, prompts, seeds)
 
+    def sleep(self) -> None:
+        """Nothing to give back: the weights gathered for generation were released after it."""
+
 
 class EngineGenerator:
     """A vLLM engine in this rank's process, kept in step with the policy (module docstring)."""
