@@ -71,9 +71,12 @@ def launch(work: Path, model: Path, strategy: str, backend: str, args) -> dict:
             raise SystemExit(f"{strategy}/{backend} failed:\n{proc.stderr[-4000:]}")
     wall = time.perf_counter() - start
     recs = [json.loads(line) for line in metrics.read_text().splitlines()]
-    recs = [r for r in recs if "loss" in r][1:]  # the first step warms up
+    recs = [r for r in recs if "loss" in r]
+    # a record's tokens count from the run's start; tokens_per_s is the step's (its rollout included)
+    seconds = [(r["tokens"] - (p["tokens"] if p else 0)) / r["tokens_per_s"] for p, r in zip([None] + recs, recs)]
+    recs, seconds = recs[1:], seconds[1:]  # the first step warms up
     return {"rollout": statistics.median(r["rollout_seconds"] for r in recs),
-            "step": statistics.median(r["tokens"] / r["tokens_per_s"] for r in recs),
+            "step": statistics.median(seconds),
             "length": statistics.mean(r["completions/mean_length"] for r in recs),
             "push": statistics.median(r.get("vllm/push_seconds", 0.0) for r in recs),
             "logp_diff": max(r.get("vllm/logp_diff/max", 0.0) for r in recs), "wall": wall}
