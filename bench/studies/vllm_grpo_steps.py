@@ -101,11 +101,13 @@ def main():
             print(strategy, backend, m, flush=True)
     print(f"\n{args.prompts} prompts x {args.generations} completions of {args.new_tokens} tokens a step, 2 processes; "
           f"medians of steps 2-{args.steps}\n")
-    print("| strategy | generator | rollout s | step s | mean completion tokens | push s | max logp diff | launch wall s |")
+    print("| strategy | generator | rollout s | step s | mean completion tokens | generated tokens/s | push s | "
+          "max logp diff |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for strategy, backend, m in rows:
-        print(f"| {strategy} | {backend} | {m['rollout']:.2f} | {m['step']:.2f} | {m['length']:.0f} | "
-              f"{m['push']:.3f} | {m['logp_diff']:.1e} | {m['wall']:.0f} |")
+        rate = args.prompts * args.generations * m["length"] / m["rollout"]
+        print(f"| {strategy} | {backend} | {m['rollout']:.1f} | {m['step']:.1f} | {m['length']:.0f} | {rate:.0f} | "
+              f"{m['push']:.2f} | {m['logp_diff']:.1e} |")
 
 
 if __name__ == "__main__":
