@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-BUILTIN_MODELS = {"tiny-llama": "tiny-llama"}
+BUILTIN_MODELS = {"tiny-llama": "tiny-llama", "tiny-llama-h64": "tiny-llama-h64"}
 BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-3.jsonl",
                     "tiny-prompts": "tiny-prompts-1.jsonl"}
 BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference", "tiny-prompts": "prompt"}  # what prevalidation knows of them
@@ -82,15 +82,21 @@ def build_tokenizer():
     return tok
 
 
-def tiny_model_dir() -> Path:
+def tiny_model_dir(name: str = "tiny-llama") -> Path:
+    """The builtin model `name` (BUILTIN_MODELS), built once in the cache. tiny-llama: 2 layers, hidden 64,
+    4 heads of 16; tiny-llama-h64: the same tokenizer and depth, hidden 128 in 2 query heads of 64 (one
+    key/value head): a head size vLLM's CPU attention serves (it refuses 16), for generation_backend=vllm."""
+    wide = name == "tiny-llama-h64"
+
     def build(tmp: Path) -> Path:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
         tok = build_tokenizer()
+        shape = (dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1) if wide
+                 else dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2))
         config = LlamaConfig(
-            vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            vocab_size=128, num_hidden_layers=2, max_position_embeddings=1024, **shape,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
             tie_word_embeddings=False, rms_norm_eps=1e-5,
         )
@@ -103,7 +109,7 @@ def tiny_model_dir() -> Path:
         tok.save_pretrained(out)
         return out
 
-    return _publish(build, cache_root() / ASSET_VERSION / "tiny-llama")
+    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_MODELS[name])
 
 
 def _task(rng: random.Random) -> dict:
@@ -181,8 +187,8 @@ def tiny_prompts_file(n: int = 4000) -> Path:
 def resolve_model(name: str) -> str:
     """builtin:NAME -> a local directory made on first use; anything else unchanged."""
     if name.startswith("builtin:"):
-        assert name[len("builtin:"):] == "tiny-llama", name
-        return str(tiny_model_dir())
+        assert name[len("builtin:"):] in BUILTIN_MODELS, name
+        return str(tiny_model_dir(name[len("builtin:"):]))
     return name
 
 

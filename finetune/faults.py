@@ -35,3 +35,13 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
                 next(w for w in updated_weights(optimizer) if w.numel()).view(-1)[0] = float("nan")
             return
         os.kill(os.getpid(), getattr(signal, how))
+
+
+def injected(where: str, rank: int, step: int) -> str | None:
+    """The fault FINETUNE_FAULT names for this place, rank and step (its SIGNAME part, SIGKILL when left
+    out), or None: for faults the caller acts out itself (vllm_push:RANK:STEP:SKIP, a weight push that
+    gathers but does not reach the engine)."""
+    parts = os.environ.get("FINETUNE_FAULT", "").split(":")
+    if parts[:3] == [where, str(rank), str(step)]:
+        return parts[3] if len(parts) > 3 else "SIGKILL"
+    return None

@@ -100,6 +100,15 @@ Estimate (no model loaded, no GPU needed)
        log-probs:   R * S * 4 per kept copy: the rollout's old log-probs (num_iterations > 1) and the
                     reference's (beta > 0), fp32, held from the rollout through the step's updates
 
+   With generation_backend=vllm (finetune/vllm_engine.py) the rank's vLLM engine generates instead: it holds
+   the whole model in the compute dtype and the KV cache of the rank's completions (the same bytes as above),
+   at least, and on a GPU the share vllm_gpu_memory_utilization of it while awake (vLLM fills the share
+   with KV blocks); during the step it keeps that much, or nothing with vllm_enable_sleep_mode (level 1:
+   weights to CPU memory, KV cache freed). A push gathers vllm_push_layers decoder layers at a time (fp32
+   masters) beside their copy in the engine's dtype: the push transient. Nothing is gathered for our
+   generator then, and the trainer keeps its log-probs of the rollout and the importance weights (two
+   fp32 copies). `finetune plan` with a budget counts the share; without one, the engine's minimum.
+
    The rollout's peak is model states + reference + gathered weights + KV cache + prefill + log-probs
    (the step's activations and buffers are freed then); the step's total adds the log-probs too. A setup
    fits when both do. beta > 0 holds the reference as DPO does (recipe.reference_kind): a frozen copy
@@ -335,6 +344,10 @@ class Estimate:
     kv_cache: int = 0  # GRPO: the KV cache of every completion this rank generates, in one batch
     prefill: int = 0  # GRPO: one layer's transients of the prompts' forward (no gradient)
     logps: int = 0  # GRPO: old (num_iterations > 1) and reference (beta > 0) log-probs, fp32, kept through the step
+    engine: int = 0  # generation_backend=vllm: the engine's weights and KV cache while it generates (its minimum)
+    engine_asleep: int = 0  # ... what it keeps during the step (0 with vllm_enable_sleep_mode)
+    engine_share: float = 0.0  # ... vllm_gpu_memory_utilization: on a GPU it takes that share while awake
+    push: int = 0  # ... a weight push's transient: a bucket of layers gathered, and its copy in the engine's dtype
 
     @property
     def model_states(self) -> int:
@@ -343,14 +356,14 @@ class Estimate:
     @property
     def total(self) -> int:
         """The training step's peak."""
-        return self.model_states + self.reference + self.logps + self.activations + self.buffers
+        return self.model_states + self.reference + self.logps + self.activations + self.buffers + self.engine_asleep
 
     @property
     def rollout_peak(self) -> int:
         """GRPO's rollout phase (0 for other objectives): the weights gathered for generation, the KV
         cache of every completion of the rank and the prompts' prefill, beside the model states, the
         reference and the kept log-probs; the step's activations and buffers are freed then."""
-        rollout = self.rollout_weights + self.kv_cache + self.prefill
+        rollout = self.rollout_weights + self.kv_cache + self.prefill + self.engine + self.push
         return self.model_states + self.reference + self.logps + rollout if rollout else 0
 
     @property
@@ -365,8 +378,14 @@ class Estimate:
         samples with a warning instead of running out of memory (finetune/training/samples.py samples_fit)."""
         return self.model_states + self.reference + self.samples
 
+    def peak_within(self, budget: int) -> int:
+        """peak, with a vLLM engine's share of a GPU of `budget` bytes (vllm_gpu_memory_utilization) where
+        that is more than its minimum: while it generates, and through the step unless it sleeps."""
+        extra = max(0, round(self.engine_share * budget) - self.engine) if self.engine else 0
+        return max(self.total + (extra if self.engine_asleep else 0), self.rollout_peak + extra)
+
     def fits(self, budget: int, headroom: float = HEADROOM) -> bool:
-        return self.peak <= budget * (1 - headroom)
+        return self.peak_within(budget) <= budget * (1 - headroom)
 
 
 def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precision: str = "bf16",
@@ -441,7 +460,14 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     if activation_offload and activation_checkpointing:
         off["cpu"] += offloaded_activation_bytes(arch, rows, seq_len, mixed_precision, sequence_parallel)
     phase = {}
-    if rollout is not None:
+    if rollout is not None and rollout.engine:
+        engine = base * lp + rollout.kv_cache(arch, lp)
+        layers = min(rollout.push_layers, arch.num_hidden_layers)
+        bucket = max(arch.layer_parameters() * layers, arch.vocab_size * arch.hidden_size) * (4 + lp)
+        phase = dict(engine=round(engine), engine_asleep=0 if rollout.engine_sleeps else round(engine),
+                     engine_share=rollout.engine_share, push=round(bucket),
+                     logps=rollout.rows * rollout.tokens * 4 * rollout.logp_copies)
+    elif rollout is not None:
         phase = dict(rollout_weights=round(whole), kv_cache=rollout.kv_cache(arch, lp),
                      prefill=34 * rollout.rows * rollout.prompt_tokens * arch.hidden_size * (1 if sixteen else 2),
                      logps=rollout.rows * rollout.tokens * 4 * rollout.logp_copies)
@@ -459,6 +485,10 @@ class Rollout:
     prompt_tokens: int
     tokens: int
     logp_copies: int
+    engine: bool = False  # generation_backend=vllm
+    engine_sleeps: bool = False  # vllm_enable_sleep_mode
+    engine_share: float = 0.0  # vllm_gpu_memory_utilization
+    push_layers: int = 4  # vllm_push_layers
 
     def kv_cache(self, arch: Architecture, compute_bytes: int) -> int:
         """Keys and values of every layer for every token of every row, in the compute dtype."""
@@ -481,8 +511,13 @@ class Rollout:
         completion = recipe.max_completion_len
         prompt = recipe.max_prompt_len or max(0, recipe.max_seq_len - completion)
         tokens = min(recipe.max_seq_len, prompt + completion)
-        copies = (recipe.num_iterations > 1) + (recipe.beta > 0)
-        return cls(rows=rows, prompt_tokens=min(prompt, tokens), tokens=tokens, logp_copies=copies)
+        engine = recipe.generation_backend == "vllm"
+        # the engine's rollouts keep the trainer's log-probs and their importance weights
+        copies = (recipe.num_iterations > 1 or engine) + (recipe.beta > 0) + engine
+        return cls(rows=rows, prompt_tokens=min(prompt, tokens), tokens=tokens, logp_copies=copies, engine=engine,
+                   engine_sleeps=engine and recipe.vllm_enable_sleep_mode,
+                   engine_share=recipe.vllm_gpu_memory_utilization if engine else 0.0,
+                   push_layers=recipe.vllm_push_layers)
 
 
 def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None) -> Estimate:
@@ -670,9 +705,11 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
     unit, unit_name = (GiB, "GiB") if max(e.peak + e.cpu + e.nvme for _, e in rows) >= GiB else (2**20, "MiB")
     with_reference = any(e.reference for _, e in rows) or holds_reference(recipe)
     with_rollout = recipe.objective == "grpo"
+    with_engine = with_rollout and recipe.generation_backend == "vllm"
     header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (["reference"] if with_reference else []) + (
         ["log-probs"] if with_rollout else []) + ["activations", "buffers", "total"] + (
-        ["gathered", "kv cache", "prefill", "rollout"] if with_rollout else []) + ["offloaded"]
+        (["engine", "push", "rollout"] if with_engine else ["gathered", "kv cache", "prefill", "rollout"])
+        if with_rollout else []) + ["offloaded"]
     if budget:
         header.append("fits")
     table = [header]
@@ -680,7 +717,8 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         mark = "* " if e.setup == own else "  "
         values = (e.params, e.grads, e.optimizer) + ((e.reference,) if with_reference else ()) + (
             (e.logps,) if with_rollout else ()) + (e.activations, e.buffers, e.total) + (
-            (e.rollout_weights, e.kv_cache, e.prefill, e.rollout_peak) if with_rollout else ())
+            ((e.engine, e.push, e.rollout_peak) if with_engine else (e.rollout_weights, e.kv_cache, e.prefill,
+                                                                     e.rollout_peak)) if with_rollout else ())
         row = [mark + e.setup.label] + [gib(x, unit) for x in values] + [_offloaded(e, unit)]
         if budget:
             row.append("yes" if e.fits(budget, headroom) else "no")
@@ -692,7 +730,13 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         if i == 0:
             lines.append("-" * len(lines[-1]))
     lines.append(f"* the recipe's own setup; offloaded: {unit_name} per GPU kept in CPU memory or on NVMe")
-    if with_rollout:
+    if with_engine:
+        lines.append("GRPO with a vLLM engine per GPU: engine is its weights and the KV cache of the GPU's "
+                     "completions (its minimum; with a budget, fits counts the share vllm_gpu_memory_utilization "
+                     "while it generates, and through the step unless vllm_enable_sleep_mode=true), push a weight "
+                     "push's transient (vllm_push_layers layers), rollout the generation phase's peak; total the "
+                     "step's, with what the engine keeps then")
+    elif with_rollout:
         lines.append("GRPO: total is the step's peak, rollout the generation phase's (model states, reference, "
                      "log-probs, the weights gathered for generation under zero3/fsdp, the KV cache of every "
                      "completion of the GPU, one layer's prefill); fits: both do")
@@ -705,7 +749,8 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         best = cheapest_fit(rows, budget, headroom, prefer=recipe.strategy)
         mine = next(e for _, e in rows if e.setup == own)
         verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
-        lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak, unit)} {unit_name} per GPU, {verdict}")
+        lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak_within(budget), unit)} {unit_name} per GPU, "
+                     f"{verdict}")
         if best is None:
             lora = recipe_lora(recipe)[0]
             lines.append(f"nothing fits in {gib(budget * (1 - headroom))} GiB per GPU: use more GPUs, a smaller "
@@ -745,7 +790,14 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
     rollout = Rollout.of(recipe, world_size)
-    if rollout is not None:
+    if rollout is not None and rollout.engine:
+        lines.insert(1, f"GRPO rollout per GPU by a vLLM engine ({rollout.rows} completions of up to {rollout.tokens} "
+                        f"tokens): engine weights and KV cache {gib(e.engine, unit)} at least (on a GPU the share "
+                        f"vllm_gpu_memory_utilization={recipe.vllm_gpu_memory_utilization:g} of it while awake), "
+                        f"push transient {gib(e.push, unit)}; a peak of {gib(e.rollout_peak, unit)} {name} per GPU "
+                        f"while it generates; during the step the engine keeps {gib(e.engine_asleep, unit)} {name}"
+                        + (" (asleep)" if rollout.engine_sleeps else " (vllm_enable_sleep_mode=true frees it on GPUs)"))
+    elif rollout is not None:
         lines.insert(1, f"GRPO rollout per GPU ({rollout.rows} completions of up to {rollout.tokens} tokens generated "
                         f"in one batch): gathered weights {gib(e.rollout_weights, unit)}, KV cache "
                         f"{gib(e.kv_cache, unit)}, prefill {gib(e.prefill, unit)}; a peak of "
@@ -755,6 +807,12 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
         lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
                         f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
                         "eval; where that does not fit, the run skips them with a warning (sample_prompts=0: off)")
+    if rollout is not None and rollout.engine:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            unchecked.append("vLLM, which is not installed here: generation_backend=vllm stops the run before the "
+                             "model loads (docs/vllm.md)")
     if arch.source.startswith(TABLE_SOURCE):
         unchecked.append(f"the model's own config.json (not in the local cache{', offline' if offline() else ''}; "
                          "the published numbers were used)")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from finetune.assets import BUILTIN_DATASETS, BUILTIN_MODELS
 from finetune.errors import RecipeError
+from finetune import objective_rules
+from finetune.objective_rules.grpo import GRPO_LISTS
 from finetune.strategy import NAMES as STRATEGIES, strategy_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -190,6 +192,31 @@ class Recipe:
                                         "unbiased reverse KL's gradient (TRL's default); false: the plain k3 term")
     mask_truncated_completions: bool = _opt(False, help="grpo: completions cut at max_completion_len count in no "
                                             "loss term (DAPO)")
+    # GRPO's generator (docs/vllm.md): finetune's own (finetune/generation.py), or a vLLM engine in each process
+    # (finetune/vllm_engine.py) built once from the model's directory and given the trained weights before each
+    # rollout; TRL's names and defaults for the vllm_ keys it has
+    generation_backend: str = _opt("finetune", choices=("finetune", "vllm"),
+                                   help="grpo: who generates the rollouts and the eval's completions: finetune's "
+                                   "own generator, or vllm (pip install vllm; docs/vllm.md)")
+    vllm_gpu_memory_utilization: float = _opt(0.3, min=0.0, max=1.0, help="vllm: the share of each GPU's memory the "
+                                              "engine takes for its weights and KV cache (TRL's default)")
+    vllm_enable_sleep_mode: bool = _opt(False, help="vllm, on GPUs: the engine sleeps between rollouts (weights to "
+                                        "CPU memory, KV cache freed) so that the step gets its memory back")
+    vllm_importance_sampling_correction: bool = _opt(True, help="vllm: weigh each token's loss by the trainer's "
+                                                     "probability over the engine's (TRL 1.16)")
+    vllm_importance_sampling_mode: str = _opt("sequence_mask", choices=("token_truncate", "token_mask",
+                                              "sequence_truncate", "sequence_mask"),
+                                              help="vllm: per token or per completion; ratios above "
+                                              "vllm_importance_sampling_clip_max clipped (truncate) or zeroed (mask)")
+    vllm_importance_sampling_clip_max: float = _opt(3.0, min=0.0, help="vllm: the importance ratio's upper bound "
+                                                    "(TRL 1.16's name; vllm_importance_sampling_cap before it)")
+    vllm_logp_tolerance: float = _opt(0.0, min=0.0, help="vllm: the most the mean |engine - trainer| log-prob of the "
+                                      "sampled tokens may be before the run stops (the push did not take); 0: 1e-3 "
+                                      "in fp32, 0.1 in bf16/fp16")
+    vllm_push_timeout: float = _opt(600.0, min=1.0, help="vllm: seconds a weight push may take before the run stops "
+                                    "with one line naming the rank")
+    vllm_push_layers: int = _opt(4, min=1, help="vllm: decoder layers gathered at a time for a push (the transient "
+                                 "on each rank)")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
     lora: bool = _opt(False)
     lora_r: int = _opt(16, min=1)
@@ -428,7 +455,7 @@ def _check_field(name: str, value) -> None:
             check_source_fields(f"datasets[{i}]", source)
         return
     if name in GRPO_LISTS:
-        return  # checked with the objective (_check_grpo): callables and numbers, not strings only
+        return  # checked with the objective (finetune/objective_rules/grpo.py): callables and numbers, not strings only
     if name == "eval_dataset":
         if isinstance(value, DataSource):
             check_source_fields("eval_dataset", value, weighted=False)
@@ -656,66 +683,6 @@ DPO_BETA_RANGE = (1e-3, 1e3)
 SIMPO_GAMMA_MAX = 1e3
 
 
-GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
-               "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
-               "mask_truncated_completions", "use_bias_correction_kl")
-GRPO_LISTS = ("reward_funcs", "reward_weights")
-
-
-def _check_grpo(r: Recipe, strategy) -> None:
-    """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
-    if r.objective != "grpo":
-        changed = [k for k in GRPO_FIELDS if getattr(r, k) != FIELDS[k].default]
-        if changed:
-            key = changed[0]
-            shown = ",".join(map(str, getattr(r, key))) if key in GRPO_LISTS else getattr(r, key)
-            raise RecipeError(f"{key}={shown} applies to objective=grpo only; set objective=grpo, or leave {key} out")
-        return
-    from finetune import rewards
-
-    if not r.reward_funcs:
-        raise RecipeError("objective=grpo needs reward functions: reward_funcs=module:function,... (or callables in "
-                          "the recipe file); built in: finetune.rewards:exact_match, finetune.rewards:math_answer, "
-                          "finetune.rewards:think_format")
-    try:
-        rewards.resolve_all(r.reward_funcs)
-        rewards.weights(r.reward_weights, len(r.reward_funcs))
-    except rewards.RewardSpecError as e:
-        raise RecipeError(str(e)) from None
-    if r.num_generations < 2:
-        raise RecipeError(f"num_generations={r.num_generations}: a group needs at least 2 completions (its advantages "
-                          "are rewards minus the group's mean); set num_generations=2 or more (TRL's default: 8)")
-    if r.global_batch_size and r.global_batch_size * r.num_generations % r.micro_batch_size:
-        raise RecipeError(f"global_batch_size={r.global_batch_size} prompts x num_generations={r.num_generations} = "
-                          f"{r.global_batch_size * r.num_generations} completions do not split into micro-batches of "
-                          f"micro_batch_size={r.micro_batch_size}; make micro_batch_size divide it")
-    if not r.global_batch_size and r.micro_batch_size * r.grad_accum % r.num_generations:
-        raise RecipeError(f"micro_batch_size={r.micro_batch_size} x grad_accum={r.grad_accum} completions per process "
-                          f"do not split into whole groups of num_generations={r.num_generations}; set "
-                          "global_batch_size=N (prompts per step), or make micro_batch_size x grad_accum a multiple "
-                          "of num_generations")
-    for key in ("packing", "padding_free", "train_on_prompt"):
-        if getattr(r, key):
-            raise RecipeError(f"{key}=true with objective=grpo: a completion is scored on its own tokens; set "
-                              f"{key}=false")
-    if r.sequence_parallel > 1:
-        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=grpo: GRPO's rollouts and per-token "
-                          "log-probs are not split across ranks yet (sequence parallelism serves sft and dpo); set "
-                          "sequence_parallel=1 (shorter max_completion_len, activation_checkpointing or a sharding "
-                          "strategy lower the memory instead)")
-    if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
-        raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
-                          f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")
-    problem = strategy.frozen_reference_problem(r) if r.beta and not r.lora else None
-    if problem:
-        raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
-    from finetune import grpo_rules
-
-    problem = grpo_rules.problem(r)
-    if problem:
-        raise RecipeError(problem)
-
-
 def _check_reward(r: Recipe) -> None:
     """A reward model's field only with it; with it, none of DPO's but max_prompt_len, whole unpacked pairs,
     and no samples (a sequence-classification model does not generate)."""
@@ -747,7 +714,7 @@ def _check_reward(r: Recipe) -> None:
 
 def _check_objective(r: Recipe, strategy) -> None:
     """The objective's own fields only with it, and the combinations a preference run cannot take."""
-    _check_grpo(r, strategy)
+    objective_rules.check(r, strategy)  # an objective that owns its rules checks them (finetune/objective_rules)
     _check_reward(r)
     if r.objective == "reward":
         return

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dataclasses import dataclass, field
+
 from finetune.generation import Completion, Sampling, check_request
 
 
@@ -42,6 +44,13 @@ ENVIRONMENT = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineCompletion(Completion):
+    """A Completion with the engine's log-probability of each of its tokens (raw logits' log-softmax, as
+    the trainer computes them: finetune.loss.token_logps), when generate was asked for them."""
+    logprobs: list[float] = field(default_factory=list)
 
 
 class VLLMUnavailable(RuntimeError):
@@ -96,7 +105,8 @@ class VLLMEngine:
     of a GPU's memory vLLM may take (weights and KV cache), on GPU machines only."""
 
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", max_model_len: int = 2048,
-                 seed: int = 0, kv_cache_gib: int | None = None, gpu_memory_utilization: float = 0.3):
+                 seed: int = 0, kv_cache_gib: int | None = None, gpu_memory_utilization: float = 0.3,
+                 sleep_mode: bool = False):
         if dtype not in DTYPES:
             raise ValueError(f"VLLMEngine dtype={dtype!r}; allowed: {', '.join(DTYPES)}")
         if problem := vllm_problem():
@@ -118,11 +128,29 @@ class VLLMEngine:
             with kept_random_state():
                 self.llm = LLM(model=str(model_dir), dtype=dtype, max_model_len=max_model_len, seed=seed,
                                enforce_eager=True, skip_tokenizer_init=True, generation_config="vllm",
-                               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True)
+                               gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=True,
+                               # the sampled tokens' log-probs at the temperature it sampled at, as the trainer
+                               # scores them (and as TRL asks its engine): vLLM's default is the raw logits'
+                               logprobs_mode="processed_logprobs",
+                               **({"enable_sleep_mode": True} if sleep_mode else {}))
         finally:
             torch.set_num_threads = set_num_threads
         self.build_seconds = time.perf_counter() - start
         self.pushes = 0
+        self.sleep_mode, self.asleep = sleep_mode, False
+
+    # Sleep mode is vLLM's GPU feature (LLM(enable_sleep_mode=True), LLM.sleep(level=1): weights to CPU memory,
+    # KV cache freed; LLM.wake_up()): no CPU test runs these two methods' vLLM calls (docs/vllm.md).
+    def sleep(self) -> None:
+        """Give the GPU memory back between rollouts (sleep_mode only; a no-op otherwise)."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
         """Replace the engine's weights by these (Hugging Face names, whole tensors, as the model's
@@ -130,6 +158,7 @@ class VLLMEngine:
         the same call). The tensors are copied; the caller may reuse or free them afterwards. Returns
         the seconds it took."""
         start = time.perf_counter()
+        self.wake_up()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _copies(named_tensors, self.dtype)})
         self.llm.apply_model(repack_lm_heads)
         self.llm.reset_prefix_cache()
@@ -137,10 +166,12 @@ class VLLMEngine:
         return time.perf_counter() - start
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int],
-                 context: int | None = None, seeds: list[int] | None = None, **_unused) -> list[Completion]:
+                 context: int | None = None, seeds: list[int] | None = None, logprobs: bool = False,
+                 **_unused) -> list[Completion]:
         """As finetune.generation.generate: each prompt's completion, ending at a stop id, at
         sampling.max_new_tokens, or where prompt and completion fill `context` (None: the engine's
-        max_model_len). seeds[i] seeds sequence i's sampling (needed when temperature > 0).
+        max_model_len). seeds[i] seeds sequence i's sampling (needed when temperature > 0). logprobs: also
+        each token's log-probability (EngineCompletion.logprobs).
         Completion.seconds is the whole call's duration (vLLM runs the batch together). Keyword
         arguments of the HF backend that do not apply here (pad_id) are accepted and ignored."""
         from vllm import SamplingParams
@@ -152,22 +183,25 @@ class VLLMEngine:
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
         budgets = [min(sampling.max_new_tokens, max(limit - len(p), 0)) for p in prompts]
         asked = [i for i, b in enumerate(budgets) if b > 0]
-        out = [Completion([], False) for _ in prompts]
+        out = [EngineCompletion([], False) for _ in prompts]
         if not asked:
             return out
+        self.wake_up()
         params = [SamplingParams(
             max_tokens=budgets[i], temperature=sampling.temperature if sampled else 0.0,
             top_p=sampling.top_p if sampled else 1.0, top_k=sampling.top_k if sampled else 0,
             seed=seeds[i] if sampled else None, stop_token_ids=sorted(stop_ids), ignore_eos=True,
-            detokenize=False) for i in asked]
+            detokenize=False, logprobs=0 if logprobs else None) for i in asked]
         start = time.perf_counter()
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in asked], params,
                                     use_tqdm=False)
         seconds = time.perf_counter() - start
         stop = set(stop_ids)
         for i, result in zip(asked, results):
-            tokens = list(result.outputs[0].token_ids)
-            out[i] = Completion(tokens, bool(tokens) and tokens[-1] in stop, seconds)
+            sequence = result.outputs[0]
+            tokens = list(sequence.token_ids)
+            logps = [float(step[t].logprob) for t, step in zip(tokens, sequence.logprobs)] if logprobs else []
+            out[i] = EngineCompletion(tokens, bool(tokens) and tokens[-1] in stop, seconds, logps)
         return out
 
 

@@ -14,6 +14,12 @@ Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b
     rollout: model states 3.90 + gathered weights 15.04 + KV cache 4.00 + prefill 2.12 = rollout peak 25.06 GiB
 (the planner's cheapest fit here is strategy=ddp, 21.71 GiB: the bf16 base whole on each GPU is no more
 than the gathered one; fsdp is the setup whose model states shrink with more GPUs)
+With vLLM generating the rollouts (pip install vllm; docs/vllm.md): one engine per GPU built from the base,
+pushed the merged weights (base + B @ A x scale; the adapter itself untouched) before each rollout:
+    accelerate launch --multi_gpu --num_processes 4 finetune/run.py --recipe llama8b_grpo_lora_fsdp generation_backend=vllm vllm_enable_sleep_mode=true
+planner (python -m finetune.plan --recipe llama8b_grpo_lora_fsdp --gpus 4 --gpu-mem 48GB generation_backend=vllm vllm_enable_sleep_mode=true):
+    step total 8.77 GiB (the engine asleep); rollout: model states 3.90 + engine 18.96 (bf16 weights 14.96 + KV
+    cache 4.00) + push 4.88 = 27.73 GiB per GPU; 27.73 without sleep mode too (the step is smaller)
 compile stays off: LoRA with a rollout phase (generation through the gathered, adapted model) was not
 measured compiled on a GPU.
 """

@@ -12,6 +12,13 @@ format reward for a \\boxed{} answer (Llama 3.1's habit on math). beta=0: no ref
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_grpo_zero3 --gpus 8 --gpu-mem 80GB):
     params 1.87 + grads 1.87 + optimizer 11.22 + activations 4.64 + buffers 6.12 = total 25.72 GiB
     rollout: model states 14.96 + gathered weights 14.96 + KV cache 8.00 + prefill 4.25 = rollout peak 42.17 GiB
+With vLLM generating the rollouts (pip install vllm; docs/vllm.md): one engine per GPU, bf16, pushed the
+trained weights 4 layers at a time before each rollout, asleep during the step:
+    accelerate launch --multi_gpu --num_processes 8 finetune/run.py --recipe llama8b_grpo_zero3 generation_backend=vllm vllm_enable_sleep_mode=true
+planner (python -m finetune.plan --recipe llama8b_grpo_zero3 --gpus 8 --gpu-mem 80GB generation_backend=vllm vllm_enable_sleep_mode=true):
+    step total 25.72 GiB (the engine asleep); rollout: model states 14.96 + engine 22.96 (bf16 weights 14.96 +
+    KV cache 8.00; vllm_gpu_memory_utilization=0.3 of the GPU while awake) + push 4.88 = 42.79 GiB per GPU;
+    without sleep mode the engine keeps its share through the step: 48.68 GiB
 compile stays off: finetune refuses compile=true under zero3 (ZeRO-3's gather hook before each Linear
 and norm breaks a compiled layer into pieces).
 """

@@ -306,7 +306,7 @@ def test_sampling_that_cannot_run_is_refused_at_validation(changes, message):
     ({"top_p": 1e-9}, "top_p=1e-09 (not above 1/32000, one over the vocabulary) keeps only the likeliest token"),
 ])
 def test_sampling_without_a_learning_signal_is_said(changes, why):
-    from finetune import grpo_rules
+    from finetune.objective_rules import grpo as grpo_rules
 
     line = grpo_rules.no_signal(validate(Recipe(**(GRPO | changes))), 32000)
     assert line.startswith(why + ": the num_generations=4 completions of a prompt are all the same") and \

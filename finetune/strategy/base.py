@@ -217,6 +217,15 @@ class Strategy:
         """What whole_weights adds on each rank; 0 where the weights are whole already."""
         return 0
 
+    def weight_buckets(self, accelerator, model, layers: int):
+        """The model's parameters as whole tensors, `layers` decoder layers at a time (the rest, embeddings,
+        final norm, output layer, in buckets of their own): yields lists of (name, tensor) as the unwrapped
+        model names them, each tensor valid until the next bucket is asked for, so that no second whole
+        copy of the model is ever held (a vLLM push, finetune/training/generators.py). A collective where
+        the weights are sharded: every rank iterates to the end. Whole already here (ddp, zero1, zero2)."""
+        for bucket in layer_buckets(list(accelerator.unwrap_model(model).named_parameters()), layers):
+            yield [(name, p.detach()) for name, p in bucket]
+
     def gather_trainable(self, accelerator, named: list) -> dict:
         """Full tensors of the given (name, parameter) pairs on the main process. Collective."""
         import torch
@@ -235,3 +244,19 @@ class Strategy:
         return model.to(accelerator.device)
 
     reference_sharded = False  # the planner: the reference's weights are divided over the ranks
+
+
+def layer_buckets(named: list, layers: int) -> list[list]:
+    """(name, parameter) pairs in their order, cut into buckets: each run of `layers` decoder layers (a
+    name's ".layers.N." part) is one, and so is each run of parameters outside the layers."""
+    import re
+
+    buckets, key_of_last = [], None
+    for name, p in named:
+        found = re.search(r"\.layers\.(\d+)\.", name)
+        key = int(found.group(1)) // layers if found else -1
+        if key != key_of_last or not buckets:
+            buckets.append([])
+        buckets[-1].append((name, p))
+        key_of_last = key
+    return buckets

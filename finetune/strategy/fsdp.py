@@ -145,6 +145,16 @@ class Fsdp(Strategy):
             return
         yield accelerator.unwrap_model(model)
 
+    def weight_buckets(self, accelerator, model, layers: int):
+        """FSDP2: each parameter of a bucket gathered from its shards (DTensor.full_tensor, a collective),
+        in the parameters' own dtype (the fp32 masters), one bucket at a time."""
+        from torch.distributed.tensor import DTensor
+
+        from finetune.strategy.base import layer_buckets
+
+        for bucket in layer_buckets(list(accelerator.unwrap_model(model).named_parameters()), layers):
+            yield [(name, p.full_tensor().detach() if isinstance(p, DTensor) else p.detach()) for name, p in bucket]
+
     def gathered_bytes(self, model):
         """FSDP2: the whole model in the mixed-precision policy's param_dtype, else the parameters' own."""
         import torch

@@ -185,6 +185,22 @@ class Zero3(Zero):
                 offload.fwd_pre_hook = module.register_forward_pre_hook(start_of_forward)
                 offload._register_deepspeed_module(module)
 
+    def weight_buckets(self, accelerator, model, layers: int):
+        """ZeRO-3: a bucket's partitions gathered (deepspeed.zero.GatheredParameters, a collective) while it is
+        read, then released; the parameters an eval prefetched released first, as in whole_weights."""
+        engine = _deepspeed_engine(model)
+        if engine is None:
+            yield from super().weight_buckets(accelerator, model, layers)
+            return
+        import deepspeed
+
+        from finetune.strategy.base import layer_buckets
+
+        engine.optimizer.parameter_offload.empty_partition_cache()
+        for bucket in layer_buckets(list(engine.module.named_parameters()), layers):
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket], modifier_rank=None):
+                yield [(name, p.data) for name, p in bucket]
+
     def gathered_bytes(self, model):
         """The whole model in its partitions' dtype."""
         engine = _deepspeed_engine(model)

@@ -53,6 +53,7 @@ reduces metrics by sum. The rollout's own metrics (rewards per function, complet
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import torch
@@ -62,6 +63,8 @@ from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, generator_for,
+                                          importance_weights)
 from finetune.training.metrics import log
 from finetune.training.stopping import Interrupted
 from finetune.model import context_length
@@ -131,8 +134,8 @@ def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[s
 
 def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, old_logps=None,
                 ref_logps=None, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
-                beta: float = 0.0, max_completion_len: int = 1,
-                bias_correction_kl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                beta: float = 0.0, max_completion_len: int = 1, bias_correction_kl: bool = True,
+                is_ratio=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss terms of some completions ([rows, length] per-token log-probs, their rows'
     advantages [rows], the tokens that count [rows, length]) and the sums of the metrics over their
     counted tokens: [kl, clipped low, clipped high, clipped either, tokens], float64. The sum's unit is
@@ -146,6 +149,8 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
     ratio = torch.exp(logps - old)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     per_token = -torch.min(ratio * advantages, clipped * advantages)
+    if is_ratio is not None:  # vLLM's completions: TRL's importance-sampling correction (generators.importance_weights)
+        per_token = per_token * is_ratio.to(per_token)
     kl = None
     if beta != 0.0:
         if ref_logps is None:
@@ -214,7 +219,10 @@ class GRPO(Basic):
         self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
         self.rewards = Rewards.from_recipe(recipe)
-        self.rollout_names = rollout_metric_names(self.rewards.names)
+        self.rollout_names = rollout_metric_names(self.rewards.names) + (
+            ENGINE_METRICS if recipe.generation_backend == "vllm" else ())
+        self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
+        self.sampled_logps: list = []  # the engine's log-probs of the last sample()'s completions
         self.loss_metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
         self.metrics = self.loss_metrics + self.rollout_names
         self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
@@ -249,11 +257,12 @@ class GRPO(Basic):
 
     def before_model(self, context) -> None:
         """Checked before the policy loads, so each is one line before any expensive work: the reward
-        models (check_reward_models), a reward function that needs a column the prompt rows lack; and
+        models (check_reward_models), vLLM where generation_backend=vllm, a reward function that needs a column the prompt rows lack; and
         sampling that gives no learning signal (a warning)."""
-        from finetune import grpo_rules
+        from finetune.objective_rules import grpo as grpo_rules
         from finetune.rewards import missing_column_problem
 
+        check_installed(context.recipe)  # generation_backend=vllm where vLLM imports, before the model loads
         self.check_reward_models()
         train = context.datasets.train
         columns = [c for c in train.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
@@ -278,6 +287,12 @@ class GRPO(Basic):
 
             resume = context.plan.resume
             keep_rollouts(Path(context.recipe.output_dir) / ROLLOUTS, resume.step if resume is not None else 0)
+            if resume is None:  # a fresh run: an earlier run's recorded rollouts are not this run's
+                import shutil
+
+                shutil.rmtree(Path(context.recipe.output_dir) / CACHE_DIR, ignore_errors=True)
+        self.generator = generator_for(context, generate_completions)
+        self.resumed = context.plan.resume is not None
         return {}
 
     def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None:
@@ -287,7 +302,12 @@ class GRPO(Basic):
         ended the generation or the reward functions on any rank: the step is dropped."""
         k = step // self.num_iterations
         if self.cached is None or self.cached[0] != k:
-            made = self.read_rollout(run, k, step) if step % self.num_iterations else self.new_rollout(run, k, step, stop)
+            # a resumed run whose engine generated rollout k before the interruption trains on those completions
+            recorded = self.resumed and self.generator.logprobs and (run.out / CACHE_DIR / f"{k}.pt").is_file()
+            if step % self.num_iterations or recorded:
+                made = self.read_rollout(run, k, step, first=not step % self.num_iterations)
+            else:
+                made = self.new_rollout(run, k, step, stop)
             if made is None:
                 return None
             self.cached = (k, *made)
@@ -301,7 +321,7 @@ class GRPO(Basic):
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
         seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
         prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
-                                                                                 step + 1, stop)
+                                                                                 step + 1, updates=step, stop=stop)
         parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
         if any(p[4] for p in parts):
             return None
@@ -321,15 +341,26 @@ class GRPO(Basic):
                                  ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
         share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
-        batches = self.batches(run, prompt_ids, tokens, stopped, advantages[share])
-        if self.num_iterations > 1:
-            old = [[b["old_logps"][i, :int(b["attention_mask"][i].sum())].tolist() for i in range(len(b["real"]))]
-                   for b in batches]
-            olds = gather_objects([row for rows_ in old for row in rows_])
+        engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
+        batches = self.batches(run, prompt_ids, tokens, stopped, advantages[share],
+                               engine_logps=self.sampled_logps if engine else None)
+        if engine:
+            values |= self.engine_values(batches, k)
+            values["vllm/push_seconds"] = self.generator.push_seconds
+        if self.num_iterations > 1 or engine:  # kept for a run resumed inside (or, with the engine, at) rollout k
+            def rows_of(key):
+                kept = [[b[key][i, :int(b["attention_mask"][i].sum())].tolist() for i in range(len(b["real"]))]
+                        for b in batches]
+                return [x for part in gather_objects([row for rows_ in kept for row in rows_]) for x in part]
+
+            olds = rows_of("old_logps")
+            ratios = rows_of("is_ratio") if "is_ratio" in batches[0] else None
             if accelerator.is_main_process:
-                save_rollout(run.out, k, {"values": values, "old_logps": [x for p in olds for x in p],
+                # the engine's rollouts back to the last checkpoint's: a resumed run trains on them, not on new ones
+                keep = 2 if not engine else max(2, -(-r.save_every // self.num_iterations) + 1)
+                save_rollout(run.out, k, {"values": values, "old_logps": olds, "is_ratio": ratios,
                                           "rows": rows, "tokens": all_tokens, "stopped": all_stopped,
-                                          "rewards": all_rewards, "advantages": advantages})
+                                          "rewards": all_rewards, "advantages": advantages}, keep)
         if accelerator.is_main_process:
             weighted = weighted_rewards(all_rewards, self.rewards.weights)
             vocab = len(run.tokenizer)
@@ -339,20 +370,24 @@ class GRPO(Basic):
             self.warned = warn_undecodable(step + 1, all_tokens, vocab, self.warned)
         return batches, values
 
-    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, stop=None) -> tuple:
+    def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, updates: int, stop=None) -> tuple:
         """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
         collective: the weights gathered once for all of them, every rank calls it, with no prompts too),
         scored here by the reward functions: (the prompts' ids, one per completion, the completions'
         tokens, whether each stopped, [completions, functions] rewards, a reward function's failure as
         one line or None, the generation's seconds, whether a stop request cut the generation or the
-        scoring short). `step` names the step in a failure's line. A stop request (stop) ends the
-        generation before its next token and a reward function's call at once (it may never return):
-        read as the eval reads it, so that a signal is acted on within a rollout."""
+        scoring short). `step` names the step in a failure's line; `updates`: the optimizer steps the policy
+        has taken (a vLLM engine is given its weights when it holds older ones). A stop request (stop) ends
+        our generator before its next token and a reward function's call at once (it may never return):
+        read as the eval reads it, so that a signal is acted on within a rollout. The engine's log-probs of
+        the completions are left in self.sampled_logps."""
         t0, g = time.perf_counter(), self.num_generations
         cols = ds[mine] if mine else {c: [] for c in ds.column_names}
         prompt_ids = [p for p in cols["prompt_input_ids"] for _ in range(g)]
-        outs = generate_completions(run, prompt_ids, seeds, stop)
+        outs = self.generator(run, prompt_ids, seeds, updates, stop)
+        self.generator.sleep()  # a vLLM engine on GPUs gives its memory back to the step (vllm_enable_sleep_mode)
         tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
+        self.sampled_logps = [o.logprobs for o in outs] if self.generator.logprobs else []
         texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         seconds = time.perf_counter() - t0
         extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
@@ -394,7 +429,7 @@ class GRPO(Basic):
                 return None
             mine = eval_share(rows, sp.dp_rank, sp.dp_size)
             seeds = [eval_seed(r.seed, row, j) for row in mine for j in range(g)]
-            _, tokens, stopped, per_func, error, _, cut = self.sample(run, ds, mine, seeds, step, stop)
+            _, tokens, stopped, per_func, error, _, cut = self.sample(run, ds, mine, seeds, step, updates=step, stop=stop)
             parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
             if any(p[4] for p in parts):
                 return None
@@ -405,9 +440,11 @@ class GRPO(Basic):
             batches.append(parts)
         return None, eval_metrics(batches, self.rewards.weights, self.rewards.names, g, r.scale_rewards)
 
-    def read_rollout(self, run, k: int, step: int) -> tuple[list[dict], dict]:
-        """A resumed run starting inside rollout k: its completions, advantages and old log-probs from the
-        cache file the run wrote when it generated them (the policy has moved since)."""
+    def read_rollout(self, run, k: int, step: int, first: bool = False) -> tuple[list[dict], dict]:
+        """A resumed run starting inside rollout k: its completions, advantages and old log-probs (and a vLLM
+        engine's importance weights) from the cache file the run wrote when it generated them (the policy has
+        moved since). first: the resumed run starts at rollout k's first step, which the engine had generated
+        before the interruption; its rollouts.jsonl records are written again."""
         sp, g = run.parallel.sp, self.num_generations
         saved = load_rollout(run.out, k, step)
         rows = saved["rows"]
@@ -415,29 +452,47 @@ class GRPO(Basic):
         n = len(mine) * g
         share = slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
         prompt_ids = run.datasets.train[mine]["prompt_input_ids"]
+        ratios = saved.get("is_ratio")
         batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], saved["tokens"][share],
-                               saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share])
+                               saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share],
+                               is_rows=ratios[share] if ratios is not None else None)
+        if first and run.accelerator.is_main_process:
+            weighted = weighted_rewards(saved["rewards"], self.rewards.weights)
+            write_rollouts(run.out / ROLLOUTS, step + 1, k, rows, run.datasets.train, g, saved["tokens"],
+                           run.tokenizer.batch_decode(saved["tokens"], skip_special_tokens=True), saved["stopped"],
+                           self.rewards.names, saved["rewards"], weighted, saved["advantages"])
         return batches, saved["values"]
 
-    def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None) -> list[dict]:
+    def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None, engine_logps=None,
+                is_rows=None) -> list[dict]:
         """This rank's completions as micro-batches of micro_batch_size, with the old log-probs
-        (num_iterations > 1: computed now, or the saved rows) and the reference's (beta > 0)."""
+        (num_iterations > 1 or a vLLM engine's completions: computed now, or the saved rows) and the
+        reference's (beta > 0). engine_logps: the engine's log-probs of the completions (one list each), for
+        the importance weights (is_ratio, vllm_importance_sampling_correction) and the push check
+        (self.engine_sums); is_rows: the weights saved with a recorded rollout."""
         r, model = run.recipe, run.model
         m = r.micro_batch_size
+        keep_old = self.num_iterations > 1 or engine_logps is not None or is_rows is not None
+        self.engine_sums = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
         out = []
         for a in range(0, len(tokens), m):
             b = rollout_batch(prompts[a:a + m], tokens[a:a + m], stopped[a:a + m], advantages[a:a + m],
                               run.tokenizer.pad_token_id, mask_truncated=r.mask_truncated_completions)
-            if self.num_iterations > 1 or self.reference is not None:
+            if keep_old or self.reference is not None:
                 device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
-                if self.num_iterations > 1 and old_rows is None:
+                if keep_old and old_rows is None:
+                    # against an engine's: the policy that sampled, without dropout (LoRA's lora_dropout)
+                    was_training = model.training
+                    model.train(was_training and engine_logps is None)
                     with torch.no_grad():
                         b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
-                elif self.num_iterations > 1:
-                    old = torch.zeros(b["labels"].shape, dtype=torch.float32)
-                    for i, row in enumerate(old_rows[a:a + m]):
-                        old[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-                    b["old_logps"] = old
+                    model.train(was_training)
+                elif keep_old:
+                    b["old_logps"] = padded_rows(old_rows[a:a + m], b["labels"].shape)
+                if engine_logps is not None:
+                    self.weigh(b, engine_logps_rows(engine_logps[a:a + m], prompts[a:a + m], b["labels"].shape))
+                elif is_rows is not None:
+                    b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
                 if self.reference is not None:
                     b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature).float().cpu()
             out.append(b)
@@ -448,6 +503,46 @@ class GRPO(Basic):
         the old ones kept at the rollout)."""
         return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature)
 
+    def weigh(self, b: dict, sampled: torch.Tensor) -> None:
+        """A micro-batch of the engine's completions: its importance weights (TRL's correction, when on) and
+        the push check's sums (|engine - trainer| log-prob sum, tokens, largest; the weights' min, sum,
+        count, max)."""
+        r = self.recipe
+        mask = (b["labels"] != IGNORE).float()
+        delta = (b["old_logps"] - sampled).abs() * mask
+        sums = self.engine_sums
+        sums[0] += delta.sum().item()
+        sums[1] += mask.sum().item()
+        sums[2] = max(sums[2].item(), delta.max().item() if delta.numel() else 0.0)
+        if not r.vllm_importance_sampling_correction:
+            return
+        ratio = importance_weights(b["old_logps"], sampled, mask, r.vllm_importance_sampling_mode,
+                                   r.vllm_importance_sampling_clip_max)
+        b["is_ratio"] = ratio
+        # TRL's metrics: over the sequences (sequence_* modes) or the completion tokens (token_*)
+        seen = ratio[:, :1][mask.sum(-1) > 0].flatten() if r.vllm_importance_sampling_mode.startswith("sequence") \
+            else ratio[mask.bool()]
+        if seen.numel():
+            sums[3] = min(sums[3].item(), seen.min().item())
+            sums[4] += seen.sum().item()
+            sums[5] += seen.numel()
+            sums[6] = max(sums[6].item(), seen.max().item())
+
+    def engine_values(self, batches: list[dict], k: int) -> dict:
+        """The push check over every rank's completions of rollout k (vllm/logp_diff: the mean and largest
+        |engine - trainer| log-prob of the sampled tokens) and TRL's importance-ratio metrics; stops the run
+        when the engine does not hold the trained weights (EngineGenerator.check)."""
+        parts = torch.stack([torch.as_tensor(p) for p in gather_objects(self.engine_sums.tolist())])
+        tokens = parts[:, 1].sum().item()
+        mean, largest = parts[:, 0].sum().item() / max(tokens, 1.0), parts[:, 2].max().item()
+        self.generator.check(mean, largest, k)
+        values = {"vllm/logp_diff/mean": mean, "vllm/logp_diff/max": largest}
+        if self.recipe.vllm_importance_sampling_correction and parts[:, 5].sum() > 0:
+            values |= {"sampling/importance_sampling_ratio/min": parts[:, 3].min().item(),
+                       "sampling/importance_sampling_ratio/mean": parts[:, 4].sum().item() / parts[:, 5].sum().item(),
+                       "sampling/importance_sampling_ratio/max": parts[:, 6].max().item()}
+        return values
+
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch of completions; its metrics' sums are kept for take_metrics."""
         logps = self.token_logps(model, batch)
@@ -455,7 +550,8 @@ class GRPO(Basic):
         loss, sums = policy_loss(
             logps, batch["advantages"], mask, old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
             loss_type=self.loss_type, epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
-            max_completion_len=self.max_completion_len, bias_correction_kl=self.bias_correction_kl)
+            max_completion_len=self.max_completion_len, bias_correction_kl=self.bias_correction_kl,
+            is_ratio=batch.get("is_ratio"))
         self.sums = sums if self.sums is None else self.sums + sums
         return loss
 
@@ -503,6 +599,14 @@ def rollout_metric_names(reward_names: list[str]) -> tuple[str, ...]:
     return per_func + ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                        "completions/min_length", "completions/max_length", "completions/clipped_ratio",
                        "rollout_seconds")
+
+
+def padded_rows(rows: list[list[float]], shape, fill: float = 0.0) -> torch.Tensor:
+    """Saved per-row values (each row's first tokens) back into a [rows, length] fp32 tensor."""
+    out = torch.full(shape, fill, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 def gather_objects(obj) -> list:
@@ -647,9 +751,10 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
                           "auto") from None
 
 
-def save_rollout(out, k: int, record: dict) -> None:
-    """num_iterations > 1: rollout k kept on disk (the main process), so that a run resumed inside it
-    trains on the same completions with the same old log-probs; older rollouts' files removed."""
+def save_rollout(out, k: int, record: dict, keep: int = 2) -> None:
+    """num_iterations > 1 or a vLLM engine: rollout k kept on disk (the main process), so that a run resumed
+    inside it (or, with the engine, at it) trains on the same completions with the same old log-probs; the
+    files of rollouts before the last `keep` removed."""
     import os
 
     folder = out / CACHE_DIR
@@ -658,7 +763,7 @@ def save_rollout(out, k: int, record: dict) -> None:
     torch.save(record, tmp)
     os.replace(tmp, folder / f"{k}.pt")
     for old in folder.glob("*.pt"):
-        if old.stem.isdigit() and int(old.stem) < k - 1:
+        if old.stem.isdigit() and int(old.stem) <= k - keep:
             old.unlink()
 
 

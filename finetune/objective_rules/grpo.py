@@ -1,0 +1,141 @@
+"""GRPO's recipe rules (the objective: finetune/training/objectives/grpo.py): its keys only with
+objective=grpo; with it, reward functions that import, one weight each, groups of 2 or more that split
+into the micro-batches, unpacked rows, a prompt and completion within max_seq_len, a reference the
+strategy can hold (beta > 0). Each failure is one RecipeError naming the key, its value and what is
+allowed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from finetune.errors import RecipeError
+
+
+def default(recipe, key: str):
+    """The recipe field's default (the schema's, read from the dataclass: this module sits below recipe.py)."""
+    field = next(f for f in dataclasses.fields(recipe) if f.name == key)
+    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
+
+
+GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
+               "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
+               "mask_truncated_completions", "use_bias_correction_kl")
+GRPO_LISTS = ("reward_funcs", "reward_weights")
+
+
+def check(r, strategy) -> None:
+    """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
+    check_generation_backend(r)
+    if r.objective != "grpo":
+        changed = [k for k in GRPO_FIELDS if getattr(r, k) != default(r, k)]
+        if changed:
+            key = changed[0]
+            shown = ",".join(map(str, getattr(r, key))) if key in GRPO_LISTS else getattr(r, key)
+            raise RecipeError(f"{key}={shown} applies to objective=grpo only; set objective=grpo, or leave {key} out")
+        return
+    from finetune import rewards
+
+    if not r.reward_funcs:
+        raise RecipeError("objective=grpo needs reward functions: reward_funcs=module:function,... (or callables in "
+                          "the recipe file); built in: finetune.rewards:exact_match, finetune.rewards:math_answer, "
+                          "finetune.rewards:think_format")
+    try:
+        rewards.resolve_all(r.reward_funcs)
+        rewards.weights(r.reward_weights, len(r.reward_funcs))
+    except rewards.RewardSpecError as e:
+        raise RecipeError(str(e)) from None
+    if r.num_generations < 2:
+        raise RecipeError(f"num_generations={r.num_generations}: a group needs at least 2 completions (its advantages "
+                          "are rewards minus the group's mean); set num_generations=2 or more (TRL's default: 8)")
+    if r.global_batch_size and r.global_batch_size * r.num_generations % r.micro_batch_size:
+        raise RecipeError(f"global_batch_size={r.global_batch_size} prompts x num_generations={r.num_generations} = "
+                          f"{r.global_batch_size * r.num_generations} completions do not split into micro-batches of "
+                          f"micro_batch_size={r.micro_batch_size}; make micro_batch_size divide it")
+    if not r.global_batch_size and r.micro_batch_size * r.grad_accum % r.num_generations:
+        raise RecipeError(f"micro_batch_size={r.micro_batch_size} x grad_accum={r.grad_accum} completions per process "
+                          f"do not split into whole groups of num_generations={r.num_generations}; set "
+                          "global_batch_size=N (prompts per step), or make micro_batch_size x grad_accum a multiple "
+                          "of num_generations")
+    for key in ("packing", "padding_free", "train_on_prompt"):
+        if getattr(r, key):
+            raise RecipeError(f"{key}=true with objective=grpo: a completion is scored on its own tokens; set "
+                              f"{key}=false")
+    if r.sequence_parallel > 1:
+        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=grpo: GRPO's rollouts and per-token "
+                          "log-probs are not split across ranks yet (sequence parallelism serves sft and dpo); set "
+                          "sequence_parallel=1 (shorter max_completion_len, activation_checkpointing or a sharding "
+                          "strategy lower the memory instead)")
+    if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
+        raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
+                          f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")
+    problem = strategy.frozen_reference_problem(r) if r.beta and not r.lora else None
+    if problem:
+        raise RecipeError(f"objective=grpo with beta > 0 and {problem}, or beta=0 (no reference held)")
+    problem = sampling_problem(r)
+    if problem:
+        raise RecipeError(problem)
+
+
+VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",
+               "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max", "vllm_logp_tolerance",
+               "vllm_push_timeout", "vllm_push_layers")
+
+
+def check_generation_backend(r) -> None:
+    """generation_backend and the vllm_ keys: only with objective=grpo, the vllm_ keys only with the engine;
+    the engine only with what it can serve (a 16-bit or fp32 base, no sequence parallelism). Whether vLLM is
+    installed is the run's check (a recipe plans on any machine): generators.check_installed."""
+    vllm = r.generation_backend == "vllm"
+    if r.objective != "grpo" and vllm:
+        raise RecipeError("generation_backend=vllm applies to objective=grpo only (the rollouts and the eval's "
+                          "completions); set objective=grpo, or leave generation_backend out")
+    changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)]
+    if changed and not vllm:
+        key = changed[0]
+        raise RecipeError(f"{key}={getattr(r, key)} applies to generation_backend=vllm only; set "
+                          f"generation_backend=vllm, or leave {key} out")
+    if not vllm:
+        return
+    if r.load_in_4bit:
+        raise RecipeError("generation_backend=vllm with load_in_4bit=true: the engine loads the base from the "
+                          "model's directory in 16-bit and takes merged 16-bit weights, which a 4-bit base does not "
+                          "give (bitsandbytes pushes were not tried); set load_in_4bit=false (lora=true keeps the "
+                          "base frozen) or generation_backend=finetune")
+    if r.sequence_parallel > 1:
+        raise RecipeError(f"generation_backend=vllm with sequence_parallel={r.sequence_parallel}: not tried (each "
+                          "rank of a sequence-parallel group would run its own engine on the same prompts); set "
+                          "sequence_parallel=1 or generation_backend=finetune")
+
+
+# ---------------------------------------------------------------- sampling (temperature, top_p, top_k)
+
+# Below this the logits divided by the temperature leave float32's range (inf - inf: NaN probabilities)
+# while sampling as greedy already would; 0 is greedy itself.
+MIN_TEMPERATURE = 1e-3
+
+
+def sampling_problem(recipe) -> str | None:
+    """Why the recipe's sampling cannot run (one line), or None."""
+    if 0 < recipe.temperature < MIN_TEMPERATURE:
+        return (f"temperature={recipe.temperature:g}: a temperature this small divides the logits beyond float range "
+                f"(NaN probabilities) and samples as greedy would; use temperature=0 (greedy) or at least "
+                f"{MIN_TEMPERATURE:g}")
+    if recipe.top_p <= 0:
+        return f"top_p={recipe.top_p:g} keeps no token to sample from; use a value in (0, 1] (1: off)"
+    return None
+
+
+def no_signal(recipe, vocab_size: int | None = None) -> str | None:
+    """Why every completion of a prompt would be the same (greedy sampling), which makes each group's
+    rewards equal and every advantage 0: the run would train on nothing. None when it samples."""
+    if recipe.temperature == 0:
+        why = "temperature=0 samples greedily"
+    elif recipe.top_k == 1:
+        why = "top_k=1 keeps only the likeliest token"
+    elif vocab_size and recipe.top_p <= 1 / vocab_size:  # the likeliest token alone always reaches it
+        why = f"top_p={recipe.top_p:g} (not above 1/{vocab_size}, one over the vocabulary) keeps only the likeliest token"
+    else:
+        return None
+    return (f"{why}: the num_generations={recipe.num_generations} completions of a prompt are all the same, so each "
+            "group's rewards are equal and every advantage is 0: no learning signal; sample with temperature > 0 "
+            "(TRL's default: 1), top_k=0 or above 1, top_p near 1")
