@@ -288,12 +288,16 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     problem = world_problem(recipe, world_size)
     if problem:
         problems.append(problem)
+    machines = int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1)
+    problem = strategy_for(recipe.strategy).layout_problem(recipe, world_size, machines)
+    if problem:
+        raise RecipeError(problem)
     if problems and not dry_run:
         raise RecipeError(problems[0])
     return Plan(
         recipe=recipe,
         world_size=world_size,
-        num_machines=int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1),
+        num_machines=machines,
         grad_accum=derive_grad_accum(recipe, world_size),
         device="cuda" if cuda_available else "cpu",
         unchecked=tuple(problems),

@@ -29,7 +29,7 @@ from finetune.files import publish
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
 from finetune.recipe import Recipe, RecipeError, reference_kind
-from finetune.strategy import strategy_for
+from finetune.strategy import NAMES as STRATEGY_NAMES, strategy_for
 
 
 # Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
@@ -176,6 +176,9 @@ def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> N
     for key in HARD_KEYS:
         if key == "model":
             continue  # compared as resolved paths once the model is located (see loop)
+        if key == "strategy" and saved.get(key) in STRATEGY_NAMES and current.get(key) in STRATEGY_NAMES and \
+                strategy_for(saved[key]).checkpoint_format == strategy_for(current[key]).checkpoint_format:
+            continue  # the same shards (fsdp and hsdp: DCP, loaded on any mesh)
         if saved.get(key) != current.get(key):
             raise RecipeError(f"checkpoint {point.path} was written with {key}={saved.get(key)}, this run has "
                               f"{key}={current.get(key)}: its shards cannot be loaded; set {key}={saved.get(key)}, "

@@ -33,6 +33,7 @@ from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.checkpointing.identity import model_identity
 from finetune.training.samples import SampleWriter, eval_prompts, sample_at_eval
+from finetune.collectives import counted_step
 from finetune.faults import fault_point
 from finetune.training.stopping import StopRequest
 from finetune.distributed import accumulate, build_accelerator, prepare
@@ -486,7 +487,8 @@ def train(plan: Plan) -> dict:
     run.model.train()
     stopping = False
     while state.step < run.total_steps:
-        result = optimizer_step(run, state, stop, meter)
+        with counted_step(state.step + 1):  # FINETUNE_COUNT_COLLECTIVES (finetune/collectives.py)
+            result = optimizer_step(run, state, stop, meter)
         stopping = result.stopping
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
         end = state.step == run.total_steps
