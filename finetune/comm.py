@@ -101,6 +101,7 @@ class StepShape:
     root: int  # R: FSDP2's root unit, the embedding and the final norm
     micro_batches: int  # A, per GPU per optimizer step
     compute_bytes: int  # the dtype weights are gathered in (2 in bf16/fp16, 4 in fp32)
+    weight_bytes: float = 0  # the whole model as gathered: P in the compute dtype, a 4-bit base's weights packed
     shard_size: int = 0  # hsdp's shard group (0: a node)
     hpz_size: int = 1  # zero3's hpZ secondary partition group (1: none)
     # per optimizer step, averaged over GRPO's rollout cycle (a rollout every num_iterations steps):
@@ -112,6 +113,15 @@ class StepShape:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def whole(self) -> float:
+        """The bytes of one gather of every parameter."""
+        return self.weight_bytes or self.params * self.compute_bytes
+
+    @property
+    def root_bytes(self) -> float:
+        return self.root * self.compute_bytes
 
     def spans_nodes(self, group: int) -> bool:
         """Whether a group of `group` consecutive ranks (a shard group, or the whole world) spans nodes."""
@@ -154,7 +164,7 @@ def step_shape_of(recipe, arch: Architecture, nodes: int, gpus_per_node: int, se
     trained parameters, and the forwards without a backward: a DPO run's frozen reference in each
     micro-batch; a GRPO run's rollout, every num_iterations steps: the model gathered once, the old
     log-probs (num_iterations > 1) and the reference's (beta > 0) in micro-batches."""
-    from finetune.memory import holds_reference, lora_parameters, recipe_lora
+    from finetune.memory import QUANT_PACKED, holds_reference, lora_parameters, recipe_lora
     from finetune.plan import derive_grad_accum
 
     accum = derive_grad_accum(recipe, nodes * gpus_per_node)
@@ -166,11 +176,12 @@ def step_shape_of(recipe, arch: Architecture, nodes: int, gpus_per_node: int, se
         cycle = recipe.num_iterations
         gathers, reference = 1 / cycle, reference / cycle
         policy = accum / cycle if cycle > 1 else 0.0
-    return StepShape(nodes=nodes, gpus_per_node=gpus_per_node, params=p,
+    lp = 2 if recipe.mixed_precision != "no" else 4
+    packed = arch.decoder_linear_weights() if lora and recipe.load_in_4bit else 0  # NF4: half a byte a weight
+    return StepShape(nodes=nodes, gpus_per_node=gpus_per_node, params=p, weight_bytes=(p - packed) * lp + packed * QUANT_PACKED,
                      trained=lora_parameters(arch, r, targets) if lora else p,
                      root=arch.embedding_parameters + arch.hidden_size, micro_batches=accum,
-                     compute_bytes=2 if recipe.mixed_precision != "no" else 4,
-                     shard_size=getattr(setup, "shard_size", 0), hpz_size=getattr(setup, "hpz_size", 1),
+                     compute_bytes=lp, shard_size=getattr(setup, "shard_size", 0), hpz_size=getattr(setup, "hpz_size", 1),
                      reference_forwards=reference, policy_forwards=policy, whole_gathers=gathers)
 
 
@@ -181,6 +192,16 @@ def layout_traffic(recipe, arch: Architecture, setup, nodes: int, gpus_per_node:
     shape = step_shape_of(recipe, arch, nodes, gpus_per_node, setup)
     links = [Link(*c) for c in strategy_for(setup.strategy).step_collectives(shape)]
     return Traffic(tuple(l for l in links if l.group > 1))
+
+
+def resolved(setup, gpus: int, gpus_per_node: int):
+    """The setup with its shard group written out (hsdp's shard_size=0: a node's GPUs)."""
+    from dataclasses import replace
+
+    from finetune.strategy import strategy_for
+
+    shard = strategy_for(setup.strategy).sharding_group(setup, gpus, gpus_per_node)
+    return replace(setup, shard_size=shard) if shard < gpus and not setup.shard_size else setup
 
 
 def cluster_setups(recipe, nodes: int, gpus_per_node: int) -> list:
@@ -196,9 +217,7 @@ def cluster_setups(recipe, nodes: int, gpus_per_node: int) -> list:
         setups.append(Setup("zero3", hpz_size=gpus_per_node))
     if recipe.load_in_4bit:
         setups = [s for s in setups if strategy_for(s.strategy).takes_4bit_base]
-    own = Setup.of(recipe)
-    if own.strategy == "hsdp" and not own.shard_size:
-        own = Setup(**{**own.__dict__, "shard_size": gpus_per_node})
+    own = resolved(Setup.of(recipe), nodes * gpus_per_node, gpus_per_node)
     if own not in setups:
         setups.append(own)
     return setups
@@ -216,31 +235,47 @@ def layouts(recipe, arch: Architecture, nodes: int, gpus_per_node: int, intra_gb
     return out
 
 
-def one_node_layouts(recipe, arch: Architecture, gpus: int, estimates: list) -> list[Layout]:
-    """The single-node planner's rows (memory.all_estimates) with their traffic on one node's links."""
-    out = []
-    for e in estimates:
-        t = layout_traffic(recipe, arch, e.setup, 1, gpus)
-        out.append(Layout(e, t, t.seconds(INTRA_GBPS, INTER_GBPS)))
-    return out
+def one_node_choice(recipe, arch: Architecture, gpus: int, budget: int, headroom: float):
+    """memory.plan_table's choose: of its estimates on one node of `gpus` GPUs, the one `choose` picks,
+    and what to say of it (its bytes, the rule)."""
+    def pick(estimates):
+        rows = []
+        for e in estimates:
+            t = layout_traffic(recipe, arch, e.setup, 1, gpus)
+            rows.append(Layout(e, t, t.seconds(INTRA_GBPS, INTER_GBPS)))
+        best = choose(rows, budget, headroom)
+        if best is None:
+            return None, []
+        rule = CHOICE_RULE.replace("the links above", f"{INTRA_GBPS:g} Gb/s links (NVLink 4)")
+        return best.estimate, [f"each GPU sending {_bytes(best.traffic.inside)} per step",
+                               f"why: {rule}; more than one node: --nodes N --gpus-per-node G"]
+
+    return pick
 
 
-# Layouts whose communication times are this close count as equally fast; the one with more memory left wins.
+# Layouts whose communication times are this close count as equally fast; the earlier in the table (the
+# simpler: ddp, zero1, zero2, fsdp, hsdp, zero3, zero3 + hpZ) wins.
 SAME_TIME = 0.05
+
+
+def offload_level(setup) -> int:
+    """How much a setup moves off the GPU: 0 nothing, 1 the optimizer to the CPU, 2 the parameters too
+    (fsdp's offload_params=cpu moves all three), 3 anything to NVMe."""
+    moved = (setup.offload_optimizer, setup.offload_params)
+    return 3 if "nvme" in moved else 2 if setup.offload_params != "none" else 1 if setup.offload_optimizer != "none" else 0
 
 
 def choose(rows: list[Layout], budget: int, headroom: float) -> Layout | None:
     """The fastest that fits: of the layouts whose memory per GPU fits the budget (less the headroom),
-    those that offload nothing if any does; among them the least communication time per step; within
-    SAME_TIME of it, the one with the least memory per GPU. None if nothing fits."""
-    fitting = [r for r in rows if r.estimate.fits(budget, headroom)]
-    in_memory = [r for r in fitting if r.setup.offload_optimizer == "none" and r.setup.offload_params == "none"]
-    pool = in_memory or fitting
-    if not pool:
+    those that offload least (nothing, if any such fits); among them the least communication time per
+    step; within SAME_TIME of it, the first in the table. None if nothing fits."""
+    fitting = [(i, r) for i, r in enumerate(rows) if r.estimate.fits(budget, headroom)]
+    if not fitting:
         return None
-    fastest = min(r.seconds for r in pool)
-    near = [r for r in pool if r.seconds <= fastest * (1 + SAME_TIME) + 1e-12]
-    return min(near, key=lambda r: (r.estimate.peak, r.seconds))
+    least = min(offload_level(r.setup) for _, r in fitting)
+    pool = [(i, r) for i, r in fitting if offload_level(r.setup) == least]
+    fastest = min(r.seconds for _, r in pool)
+    return min((i, r) for i, r in pool if r.seconds <= fastest * (1 + SAME_TIME) + 1e-12)[1] if pool else None
 
 
 def _bytes(n: float) -> str:
@@ -254,9 +289,9 @@ def _seconds(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if s < 10 else f"{s:.1f} s"
 
 
-CHOICE_RULE = ("the fastest that fits: of the layouts whose memory per GPU fits, those that offload nothing "
-               "(if any does), and among them the least communication time per step on the links above, "
-               f"nothing overlapped; within {SAME_TIME:.0%} of that time, the least memory per GPU")
+CHOICE_RULE = ("the fastest that fits: of the layouts whose memory per GPU fits, those that offload least "
+               "(nothing, if any such fits), and among them the least communication time per step on the links "
+               f"above, nothing overlapped; within {SAME_TIME:.0%} of that time, the first in the table (the simpler)")
 
 
 def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, budget: int, headroom: float,
@@ -276,9 +311,7 @@ def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, bu
              f"headroom: {gib(budget * (1 - headroom))} GiB"]
     header = ["layout", "GiB per GPU", "fits", "sent inside node", "sent across nodes", "comm per step"]
     table = [header]
-    own = Setup.of(recipe)
-    if own.strategy == "hsdp" and not own.shard_size:
-        own = Setup(**{**own.__dict__, "shard_size": gpus_per_node})
+    own = resolved(Setup.of(recipe), n, gpus_per_node)
     for r in rows:
         mark = "* " if r.setup == own else "  "
         table.append([mark + r.setup.label, gib(r.estimate.peak), "yes" if r.estimate.fits(budget, headroom) else "no",

@@ -649,9 +649,10 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
 
 
 def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headroom: float = HEADROOM,
-               name: str = "", arch: Architecture | None = None, budget_text: str = "") -> str:
-    """The planner's report: every setup's per-GPU estimate, and the one it would run within `budget`
-    (comm.choose: the fastest that fits)."""
+               name: str = "", arch: Architecture | None = None, budget_text: str = "", choose=None) -> str:
+    """The planner's report: every setup's per-GPU estimate, and the one it would run within `budget`:
+    choose(estimates) -> (the Estimate chosen or None, what to say of it), the command's rule
+    (finetune/comm.py one_node_choice: the fastest that fits)."""
     arch = arch or load_architecture(recipe.model)
     rows = all_estimates(recipe, world_size, arch)
     own = Setup.of(recipe)
@@ -699,10 +700,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                      "zero1 and zero2 (none with LoRA, " + ("beta=0" if with_rollout else
                                                             "dpo_loss=simpo or precompute_reference=true") + ")")
     if budget:
-        from finetune.comm import CHOICE_RULE, INTRA_GBPS, choose, one_node_layouts
-
-        choice = choose(one_node_layouts(recipe, arch, world_size, [e for _, e in rows]), budget, headroom)
-        best = choice.estimate if choice is not None else None
+        best, said = choose([e for _, e in rows]) if choose else (None, [])
         mine = next(e for _, e in rows if e.setup == own)
         verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
         lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak, unit)} {unit_name} per GPU, {verdict}")
@@ -718,11 +716,10 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
             how = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
             note = " (and nvme_path=...)" if "nvme" in (best.setup.offload_optimizer, best.setup.offload_params) \
                 and not recipe.nvme_path else ""
-            lines.append(f"would run: {best.setup.label} ({gib(best.peak, unit)} {unit_name} per GPU, each GPU sending "
-                         f"{choice.traffic.inside / 1e9:.2f} GB per step)"
+            lines.append(f"would run: {best.setup.label} ({gib(best.peak, unit)} {unit_name} per GPU"
+                         + "".join(f", {x}" for x in said[:1]) + ")"
                          + (f"; override with {how}{note}" if how else "; the recipe's own"))
-            lines.append(f"why: {CHOICE_RULE.replace('the links above', f'{INTRA_GBPS:g} Gb/s links (NVLink 4)')}; "
-                         "more than one node: --nodes N --gpus-per-node G")
+            lines += said[1:]
     lines.append("estimates: ZeRO paper model states + activations counted per tensor of a Llama layer; see finetune/memory.py")
     return "\n".join(lines)
 

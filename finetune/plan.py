@@ -63,7 +63,8 @@ class Plan:
         sp = r.sequence_parallel
         ranks = (f"{self.data_parallel_size} data-parallel (sequence_parallel={sp}: each sequence split across {sp} "
                  "ranks)" if sp > 1 else f"{self.world_size}")
-        return (f"{r.strategy} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
+        layout = self.strategy.layout_text(r, self.world_size, self.num_machines)
+        return (f"{r.strategy}{layout} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
                 f"global batch {self.global_batch_size} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
                 f"{ranks}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}{notes}")
 

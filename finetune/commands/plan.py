@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from finetune.arch import load_architecture
-from finetune.comm import INTER_GBPS, INTRA_GBPS, cluster_table
+from finetune.comm import INTER_GBPS, INTRA_GBPS, cluster_table, one_node_choice
 from finetune.memory import max_seq_len_table, parse_size, plan_table
 from finetune.plan import data_parallel_size, derive_grad_accum
 from finetune.recipe import RecipeError, resolve
@@ -96,7 +96,8 @@ def main(argv=None) -> int:
                                     budget_text=args.gpu_mem))
             return 0
         table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe, arch=arch,
-                           budget_text=args.gpu_mem or "")
+                           budget_text=args.gpu_mem or "",
+                           choose=one_node_choice(recipe, arch, args.gpus, budget, args.headroom) if budget else None)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -85,6 +85,10 @@ class Strategy:
                         f"strategy={owner} only; use strategy={owner} or {key}={default}")
         return None
 
+    def layout_text(self, recipe, world_size: int, machines: int) -> str:
+        """How the ranks are laid out, where it is more than "all of them" (plan.describe)."""
+        return ""
+
     def layout_problem(self, recipe, world_size: int, machines: int) -> str | None:
         """What this strategy cannot do on world_size processes over `machines` nodes (plan.make_plan asks)."""
         return None

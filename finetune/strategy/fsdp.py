@@ -68,9 +68,8 @@ class Fsdp(Strategy):
         # a frozen reference's forwards: every unit once but its root, which stays gathered from the first
         # (never resharded: no backward); the rollout's gathered model and the policy's forwards without
         # a backward (GRPO's old log-probs): every unit once
-        once = s.reference_forwards * (s.params - s.root) + (s.whole_gathers + s.policy_forwards) * s.params
-        out = [("all_gather", n, s.spans_nodes(n),
-                (s.micro_batches * (2 * s.params - s.root) + once) * s.compute_bytes),
+        once = s.reference_forwards * (s.whole - s.root_bytes) + (s.whole_gathers + s.policy_forwards) * s.whole
+        out = [("all_gather", n, s.spans_nodes(n), s.micro_batches * (2 * s.whole - s.root_bytes) + once),
                ("reduce_scatter", n, s.spans_nodes(n), s.trained * 4)]
         if n < s.gpus:  # hsdp: the gradient shard all-reduced among the replicas
             out.append(("all_reduce", s.gpus // n, s.nodes > 1, s.trained * 4 / n))
@@ -304,6 +303,10 @@ class Hsdp(Fsdp):
             return (f"strategy=hsdp with sequence_parallel={recipe.sequence_parallel}: not tried together; use "
                     "strategy=fsdp or sequence_parallel=1")
         return None
+
+    def layout_text(self, recipe, world_size, machines):
+        shard = hsdp_shard_size(recipe, world_size, machines)
+        return f" ({world_size // shard} replicas, each sharded over {shard} GPUs)"
 
     def sharding_group(self, setup, world_size, gpus_per_node):
         return min(world_size, getattr(setup, "shard_size", 0) or gpus_per_node)

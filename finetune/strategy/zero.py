@@ -123,12 +123,12 @@ class Zero3(Zero):
         fills the secondary copy, from which every later gather of the step comes, within its group
         (counted: finetune/collectives.py)."""
         n, lp, a = s.gpus, s.compute_bytes, s.micro_batches
-        again = a * max(0, s.params - s.max_live) * lp
+        again = a * max(0, s.params - s.max_live) / s.params * s.whole
         # the reference's forwards, the rollout's gathered model, the policy's forwards without a backward
-        once = (s.reference_forwards + s.whole_gathers + s.policy_forwards) * s.params * lp
-        gathers = a * s.params * lp + once + again
+        once = (s.reference_forwards + s.whole_gathers + s.policy_forwards) * s.whole
+        gathers = a * s.whole + once + again
         if s.hpz_size > 1:
-            first = s.params * lp
+            first = s.whole
             out = [("all_gather", n, s.spans_nodes(n), first),
                    ("all_gather", s.hpz_size, s.spans_nodes(s.hpz_size), gathers - first)]
         else:
