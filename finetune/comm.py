@@ -22,9 +22,8 @@ in its engine's dtype):
     hsdp          fsdp's all-gathers and reduce-scatter within a shard group of S GPUs (a node: inside),
                   then an all-reduce of each GPU's T/S gradient shard (fp32) among the N/S GPUs holding
                   the same shard (across nodes)
-    zero3         per micro-batch, an all-gather of P in the forward, again in the backward for what the
-                  forward released (P beyond stage3_max_live_parameters), a reduce-scatter of T gradients;
-                  all over N
+    zero3         per micro-batch, an all-gather of P in the forward and again in the backward, a
+                  reduce-scatter of T gradients; all over N
     zero3 + hpZ   the step's first all-gather (P) over N, from the updated primary partition; every later
                   gather of the step (the other micro-batches, the backward's) from the secondary copy
                   within S (inside); the reduce-scatter over N
@@ -40,9 +39,6 @@ from dataclasses import dataclass
 
 from finetune.arch import Architecture
 
-# finetune/strategy/zero.py Zero3.zero_optimization: stage3_max_live_parameters. A ZeRO-3 forward keeps
-# up to this many gathered parameters for the backward; beyond them the backward gathers again.
-ZERO3_MAX_LIVE = 10**9
 # Link rates per GPU and direction, in Gbit/s (the defaults of `finetune plan --nodes`): NVLink 4 (H100:
 # 450 GB/s a direction) inside a node; one 400 Gb/s InfiniBand NDR NIC per GPU across nodes.
 INTRA_GBPS = 3600.0
@@ -108,7 +104,6 @@ class StepShape:
     reference_forwards: float = 0  # micro-batches of a frozen reference's forward (DPO; GRPO with beta > 0)
     policy_forwards: float = 0  # the policy's forwards without a backward (GRPO's old log-probs)
     whole_gathers: float = 0  # the whole model gathered for generation (GRPO's rollout)
-    max_live: int = ZERO3_MAX_LIVE
 
     @property
     def gpus(self) -> int:
@@ -328,7 +323,8 @@ def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, bu
         lines.append(f"nothing fits in {gib(budget * (1 - headroom))} GiB per GPU: use more GPUs, a smaller "
                      "micro_batch_size or max_seq_len, LoRA, or offload (python -m finetune.plan --gpus N lists them)")
     else:
-        changes = {k: v for k, v in best.setup.overrides().items() if getattr(recipe, k) != v}
+        changes = {} if best.setup == own else {
+            k: v for k, v in best.setup.overrides().items() if getattr(recipe, k) != v}
         how = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
         others = sorted((r for r in rows if r is not best and r.estimate.fits(budget, headroom)), key=lambda r: r.seconds)
         runner_up = f"; next: {others[0].setup.label} ({_seconds(others[0].seconds)})" if others else ""

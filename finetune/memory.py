@@ -525,7 +525,8 @@ def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[t
     rows = [(rank, recipe_estimate(recipe, world_size, arch, setup)) for rank, setup in setups]
     own = Setup.of(recipe)
     if all(e.setup != own for _, e in rows):
-        rank = max(rank for rank, s in SETUPS if strategy_for(s.strategy) == strategy_for(own.strategy))
+        rank = max((rank for rank, s in SETUPS if strategy_for(s.strategy) == strategy_for(own.strategy)),
+                   default=max(rank for rank, _ in SETUPS))  # hsdp, and zero3 with hpZ, are none of them
         rows.append((rank, recipe_estimate(recipe, world_size, arch, own)))
     return rows
 

@@ -292,7 +292,7 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     machines = int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1)
     problem = strategy_for(recipe.strategy).layout_problem(recipe, world_size, machines)
     if problem:
-        raise RecipeError(problem)
+        problems.append(problem)  # a dry run plans for another machine's processes
     if problems and not dry_run:
         raise RecipeError(problems[0])
     return Plan(

@@ -306,6 +306,8 @@ class Hsdp(Fsdp):
 
     def layout_text(self, recipe, world_size, machines):
         shard = hsdp_shard_size(recipe, world_size, machines)
+        if shard >= world_size:
+            return f" (one copy sharded over all {world_size} process(es): flat fsdp)"
         return f" ({world_size // shard} replicas, each sharded over {shard} GPUs)"
 
     def sharding_group(self, setup, world_size, gpus_per_node):

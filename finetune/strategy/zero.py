@@ -117,23 +117,23 @@ class Zero3(Zero):
         super().__init__(3)
 
     def step_collectives(self, s):
-        """Per micro-batch: the forward gathers every parameter; the backward gathers again what the
-        forward released (beyond stage3_max_live_parameters); the gradients are reduce-scattered over all
-        GPUs. With hpZ only the step's first gather reads the primary partition (over all GPUs); it also
-        fills the secondary copy, from which every later gather of the step comes, within its group
-        (counted: finetune/collectives.py)."""
-        n, lp, a = s.gpus, s.compute_bytes, s.micro_batches
-        again = a * max(0, s.params - s.max_live) / s.params * s.whole
+        """Per micro-batch the forward gathers every parameter and the backward gathers them again; the
+        gradients are reduce-scattered over all GPUs. With hpZ only the step's first gather reads the
+        primary partition (over all GPUs); it also fills the secondary copy, from which every later gather
+        of the step comes, within its group. (Counted, finetune/collectives.py: a run that never evaluates
+        may keep a small model gathered from the forward to the backward, stage3_max_live_parameters
+        allowing; the first step after an eval re-records the fetch trace and gathers twice from the
+        secondary copy; neither is modelled.)"""
+        n, a = s.gpus, s.micro_batches
         # the reference's forwards, the rollout's gathered model, the policy's forwards without a backward
         once = (s.reference_forwards + s.whole_gathers + s.policy_forwards) * s.whole
-        gathers = a * s.whole + once + again
+        gathers = 2 * a * s.whole + once
         if s.hpz_size > 1:
-            first = s.whole
-            out = [("all_gather", n, s.spans_nodes(n), first),
-                   ("all_gather", s.hpz_size, s.spans_nodes(s.hpz_size), gathers - first)]
+            out = [("all_gather", n, s.spans_nodes(n), s.whole),
+                   ("all_gather", s.hpz_size, s.spans_nodes(s.hpz_size), gathers - s.whole)]
         else:
             out = [("all_gather", n, s.spans_nodes(n), gathers)]
-        return out + [("reduce_scatter", n, s.spans_nodes(n), a * s.trained * lp)]
+        return out + [("reduce_scatter", n, s.spans_nodes(n), a * s.trained * s.compute_bytes)]
 
     def extra_param_bytes(self, setup, params, compute_bytes):
         """hpZ keeps a second copy of the parameters, sharded within its group (in the compute dtype)."""

@@ -57,8 +57,9 @@ def records(run):
     return [(r["step"], r.get("loss"), r.get("eval_loss"), r.get("tokens")) for r in run.train_records + run.eval_records]
 
 
-def assert_close_after(run, reference, step=0):
-    want = [r for r in records(reference) if r[0] > step]
+def assert_close_after(run, reference, step=0, last=12):
+    """run's records after `step` up to its `last` equal reference's (a leg stopped early ends sooner)."""
+    want = [r for r in records(reference) if step < r[0] <= last]
     got = [r for r in records(run) if r[0] > step]
     assert [(r[0], r[3]) for r in got] == [(r[0], r[3]) for r in want], "same steps, same global batches"
     for g, w in zip(got, want):
@@ -105,7 +106,9 @@ def test_zero3_hpz_2x2_equals_one_process_and_the_planner(four, strategy_run):
     and #6926 report it not converging elsewhere (bf16, larger models), which this cannot rule out."""
     run, counts = four("hpz")
     assert_close_after(run, strategy_run("zero3", nprocs=1))
-    got = assert_planner_matches(run, counts, "tiny", HPZ, steps=range(2, 13))
+    # steady steps: not the first after an eval (0, 6), whose gathers re-record ZeRO-3's fetch trace (all
+    # from the secondary copy: finetune/strategy/zero.py Zero3.step_collectives)
+    got = assert_planner_matches(run, counts, "tiny", HPZ, steps=[2, 3, 4, 5, 6, 8, 9, 10, 11, 12])
     assert ("all_gather", 2, False) in got and ("all_gather", 4, True) in got  # the secondary copy within a node
 
 
@@ -130,13 +133,13 @@ def test_resume_across_layouts(four, launch, tmp_path_factory):
         assert f"at step {step}" in run.stderr, run.stderr[-3000:]
         if moved.split()[0] != moved.split()[2]:
             assert moved in run.stderr, run.stderr[-3000:]
-        assert_close_after(run, hybrid, step)
+        stopped = 12 if last else newest_step(run)
+        assert_close_after(run, hybrid, step, stopped)
         if i == 0:  # flat fsdp over 2 nodes x 2: one group of 4 for everything
             assert_planner_matches(run, counts, "tiny", ["strategy=fsdp"], steps=[r[0] for r in records(run)
                                                                                     if r[1] is not None])
         if last:
             assert [r[0] for r in records(run) if r[1] is not None][-1] == 12
         else:
-            stopped = newest_step(run)
             assert step < stopped < 12, stopped
             source, step = run, stopped
