@@ -725,13 +725,13 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
     return "\n".join(lines)
 
 
-def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str:
+def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "", gpus_per_node: int | None = None) -> str:
     """Lines for `run.py --dry-run`: per-GPU memory of the recipe's own setup, and what was not checked.
     Never raises for an unreadable config: it says so instead."""
     unchecked = []
     try:
         arch = load_architecture(recipe.model)
-        e = recipe_estimate(recipe, world_size, arch)
+        e = recipe_estimate(recipe, world_size, arch, gpus_per_node=gpus_per_node)
     except EstimateError as err:
         return f"memory per GPU: not estimated: {err}"
     unit, name = (GiB, "GiB") if e.peak + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")

@@ -182,3 +182,21 @@ def test_plan_nodes_errors_are_one_line(args, words):
     proc = _plan("--recipe", "llama7b_zero3", *args)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert words in proc.stderr
+
+
+def test_finetune_train_passes_the_node_count_through(capsys, monkeypatch):
+    """`finetune train --num_machines 2 --num_processes 4`: the run's plan (checked in this process, as
+    the launched ranks will check it) shards within each machine's 2 processes, and the launcher gets
+    --num_machines (cli.launch_command)."""
+    from finetune.commands import cli
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert cli.main(["train", "tiny", "strategy=hsdp", "--num_processes", "4", "--num_machines", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "hsdp (2 replicas, each sharded over 2 GPUs) on 4 cpu process(es), 2 machine(s)" in out
+    shard_of_2 = M.recipe_estimate(resolve("tiny", ["strategy=hsdp"]), 4, load_architecture(resolve("tiny", []).model),
+                                   gpus_per_node=2)
+    assert f"params {M.gib(shard_of_2.params, 2**20)}" in out
+    cmd = cli.launch_command({"--num_machines": "2", "--machine_rank": "1", "--main_process_ip": "10.0.0.1"},
+                             ["--recipe", "tiny"], 4)
+    assert cmd[cmd.index("--num_machines") + 1] == "2" and cmd[cmd.index("--machine_rank") + 1] == "1"

@@ -11,7 +11,9 @@ NODES, GPUS_PER_NODE = 2, 2  # 4 processes; ranks 0-1 are node 0, ranks 2-3 node
 HYBRID = ["strategy=hsdp", "shard_size=2"]  # shard within a node, replicate across the two
 HPZ = ["strategy=zero3", "zero_hpz_partition_size=2"]
 PLANNER_RTOL = 0.10  # the planner's bytes against the counted ones
-SMALL = 1024  # bytes per step: the loss and token counts, the gradient norm; the planner leaves them out
+# Left out of the planner: what moves data, not the model (the loss and token counts, the gradient norm,
+# GRPO's gathered completions and rewards): below 1% of a step's bytes here, and far less on real models.
+SMALL = 0.01
 
 
 def counting(tmp_path_factory) -> dict:
@@ -29,7 +31,8 @@ def counted(directory, steps) -> dict:
             nodes = {rank // GPUS_PER_NODE for rank in call["group"]}
             key = (call["op"], len(call["group"]), len(nodes) > 1)
             out[key] = out.get(key, 0) + call["bytes"] / len(steps)
-    return {k: v for k, v in out.items() if v >= SMALL}
+    total = sum(out.values())
+    return {k: v for k, v in out.items() if v >= SMALL * total}
 
 
 def assert_planner_matches(run, counts: dict, recipe_name: str, overrides: list[str], steps) -> dict:
