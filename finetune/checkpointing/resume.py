@@ -43,6 +43,9 @@ RESUME_EFFECTS = {
     "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
     "micro_batch_size": "the global batch is kept, accumulation is recomputed",
     "sequence_parallel": "each sequence split across this many ranks from this step on; the same global batches",
+    "shard_size": "the DCP shards loaded on the new mesh: hybrid sharding over groups of this size from this step on",
+    "zero_hpz_partition_size": "hpZ's secondary copy within groups of this size from this step on (the checkpoint "
+                               "holds the primary partitions)",
     "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
                     "(false) from this step on",
 }
