@@ -248,6 +248,31 @@ def one_node_choice(recipe, arch: Architecture, gpus: int, budget: int, headroom
     return pick
 
 
+def with_wider_hybrid(rows: list[Layout], recipe, arch: Architecture, nodes: int, gpus_per_node: int, budget: int,
+                      headroom: float, intra_gbps: float, inter_gbps: float) -> list[Layout]:
+    """Where one node cannot hold a copy (hsdp over a node does not fit), also hsdp over the fewest nodes
+    that can (2, 4, ... nodes a copy, fewer than all), after the node-wide row."""
+    from dataclasses import replace
+
+    from finetune.memory import recipe_estimate
+
+    at = next((i for i, r in enumerate(rows) if r.setup.shard_size == gpus_per_node and r.setup.hpz_size == 1
+               and r.setup.shard_size), None)
+    if at is None or rows[at].estimate.fits(budget, headroom):
+        return rows
+    shard = 2 * gpus_per_node
+    while shard < nodes * gpus_per_node and (nodes * gpus_per_node) % shard == 0:
+        setup = replace(rows[at].setup, shard_size=shard)
+        estimate = recipe_estimate(recipe, nodes * gpus_per_node, arch, setup, gpus_per_node=gpus_per_node)
+        if estimate.fits(budget, headroom):
+            if any(r.setup == setup for r in rows):
+                return rows
+            t = layout_traffic(recipe, arch, setup, nodes, gpus_per_node)
+            return rows[:at + 1] + [Layout(estimate, t, t.seconds(intra_gbps, inter_gbps))] + rows[at + 1:]
+        shard *= 2
+    return rows
+
+
 # Layouts whose communication times are this close count as equally fast; the earlier in the table (the
 # simpler: ddp, zero1, zero2, fsdp, hsdp, zero3, zero3 + hpZ) wins.
 SAME_TIME = 0.05
@@ -298,6 +323,7 @@ def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, bu
 
     rows = layouts(recipe, arch, nodes, gpus_per_node, intra_gbps, inter_gbps)
     n = nodes * gpus_per_node
+    rows = with_wider_hybrid(rows, recipe, arch, nodes, gpus_per_node, budget, headroom, intra_gbps, inter_gbps)
     accum = step_shape_of(recipe, arch, nodes, gpus_per_node).micro_batches
     lines = [f"recipe {name or '(given)'}: {describe_run(recipe, n, arch)}",
              f"cluster: {nodes} node(s) x {gpus_per_node} GPUs; links per GPU: {intra_gbps:g} Gb/s inside a node, "

@@ -200,3 +200,15 @@ def test_finetune_train_passes_the_node_count_through(capsys, monkeypatch):
     cmd = cli.launch_command({"--num_machines": "2", "--machine_rank": "1", "--main_process_ip": "10.0.0.1"},
                              ["--recipe", "tiny"], 4)
     assert cmd[cmd.index("--num_machines") + 1] == "2" and cmd[cmd.index("--machine_rank") + 1] == "1"
+
+
+def test_where_a_node_cannot_hold_a_copy_hybrid_over_more_nodes_is_offered():
+    """A full fine-tune of 70B: 16 bytes a parameter over a node's 8 GPUs does not fit 80 GB, over 2 nodes
+    neither, over 4 it does: the table adds hsdp over 32 GPUs after the node-wide row."""
+    recipe = resolve("llama70b_lora_hsdp", ["lora=false"])
+    arch = load_architecture(recipe.model)
+    text = comm.cluster_table(recipe, arch, 8, 8, M.parse_size("80GB"), M.HEADROOM)
+    labels = [line[2:].split("  ")[0] for line in text.splitlines() if line[:2] in ("  ", "* ")]
+    assert labels[labels.index("hsdp shard 8") + 1] == "hsdp shard 32" and "hsdp shard 16" not in labels
+    small = comm.cluster_table(resolve("llama70b_lora_hsdp", []), arch, 8, 8, M.parse_size("80GB"), M.HEADROOM)
+    assert "hsdp shard 16" not in small and "hsdp shard 32" not in small  # LoRA: a node holds a copy
