@@ -17,6 +17,7 @@ import socket
 import sys
 from pathlib import Path
 
+from finetune.collectives import install_if_asked
 from finetune.optim import build_optimizer_and_scheduler
 
 
@@ -77,6 +78,7 @@ def build_accelerator(plan, config):
     from accelerate.utils import GradientAccumulationPlugin
 
     ensure_process_env()
+    install_if_asked()  # FINETUNE_COUNT_COLLECTIVES (finetune/collectives.py)
     r = plan.recipe
     strategy = plan.strategy
     on_cpu = plan.device == "cpu"

@@ -195,10 +195,14 @@ class Setup:
     ddp_shard_optimizer: bool = False
     offload_optimizer: str = "none"
     offload_params: str = "none"
+    shard_size: int = 0  # hsdp: the shard group (0: a node)
+    hpz_size: int = 1  # zero3: hpZ's secondary partition group (1: none)
 
     @property
     def label(self) -> str:
-        parts = [self.strategy + (" + sharded optimizer" if self.ddp_shard_optimizer else "")]
+        parts = [self.strategy + (" + sharded optimizer" if self.ddp_shard_optimizer else "")
+                 + (f" shard {self.shard_size}" if self.shard_size else "")
+                 + (f" + hpZ {self.hpz_size}" if self.hpz_size > 1 else "")]
         if self.offload_optimizer != "none":
             parts.append(f"optimizer->{self.offload_optimizer}")
         if self.offload_params != "none":
@@ -207,11 +211,13 @@ class Setup:
 
     def overrides(self) -> dict:
         return {"strategy": self.strategy, "ddp_shard_optimizer": self.ddp_shard_optimizer,
-                "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params}
+                "offload_optimizer": self.offload_optimizer, "offload_params": self.offload_params,
+                "shard_size": self.shard_size, "zero_hpz_partition_size": self.hpz_size}
 
     @classmethod
     def of(cls, recipe: Recipe) -> "Setup":
-        return cls(recipe.strategy, recipe.ddp_shard_optimizer, recipe.offload_optimizer, recipe.offload_params)
+        return cls(recipe.strategy, recipe.ddp_shard_optimizer, recipe.offload_optimizer, recipe.offload_params,
+                   recipe.shard_size, recipe.zero_hpz_partition_size)
 
 
 # Cheapest first: least communication, then least offload. Setups with the same rank cost about the
@@ -393,7 +399,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
              pairs: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
-             activation_offload: bool = False, rollout: "Rollout | None" = None) -> Estimate:
+             activation_offload: bool = False, rollout: "Rollout | None" = None,
+             gpus_per_node: int | None = None) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -408,9 +415,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     in one forward. reference: it also holds a frozen reference (a full fine-tune without
     precompute_reference or SimPO), in the compute dtype: sharded by fsdp and zero3 (and offloaded with
     the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded).
-    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5)."""
-    n = world_size
+    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5). gpus_per_node: a
+    node's GPUs (default world_size), hsdp's default shard group."""
     strategy = strategy_for(setup.strategy)
+    n = strategy.sharding_group(setup, world_size, gpus_per_node or world_size)  # hsdp: its shard group
     base = arch.num_parameters()
     trained = lora_params or base
     total_params = base + lora_params
@@ -432,6 +440,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     gathered = whole if samples else 0
     if quantized:
         params += quantized * QUANT_CONSTANTS + arch.decoder_linears() * QUANT_TABLES
+    params += strategy.extra_param_bytes(setup, total_params, lp)
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 
@@ -520,7 +529,8 @@ class Rollout:
                    push_layers=recipe.vllm_push_layers)
 
 
-def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None) -> Estimate:
+def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None,
+                    gpus_per_node: int | None = None) -> Estimate:
     lora, r, targets = recipe_lora(recipe)
     return estimate(arch, setup or Setup.of(recipe), world_size=world_size, mixed_precision=recipe.mixed_precision,
                     micro_batch_size=recipe.micro_batch_size, seq_len=recipe.max_seq_len,
@@ -532,7 +542,8 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
                     reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
                     sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
-                    activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size))
+                    activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size),
+                    gpus_per_node=gpus_per_node)
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -549,24 +560,10 @@ def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[t
     rows = [(rank, recipe_estimate(recipe, world_size, arch, setup)) for rank, setup in setups]
     own = Setup.of(recipe)
     if all(e.setup != own for _, e in rows):
-        rank = max(rank for rank, s in SETUPS if strategy_for(s.strategy) == strategy_for(own.strategy))
+        rank = max((rank for rank, s in SETUPS if strategy_for(s.strategy) == strategy_for(own.strategy)),
+                   default=max(rank for rank, _ in SETUPS))  # hsdp, and zero3 with hpZ, are none of them
         rows.append((rank, recipe_estimate(recipe, world_size, arch, own)))
     return rows
-
-
-def cheapest_fit(rows: list[tuple[int, Estimate]], budget: int, headroom: float = HEADROOM,
-                 prefer: str | None = None) -> Estimate | None:
-    """The lowest-cost setup whose total fits budget*(1-headroom); among equal costs, the one of the
-    framework of `prefer` (a strategy name), then the order of SETUPS. None if nothing fits."""
-    deepspeed = prefer is not None and strategy_for(prefer).is_deepspeed
-
-    def key(item):
-        index, (rank, est) = item
-        same_framework = strategy_for(est.setup.strategy).is_deepspeed == deepspeed
-        return rank, 0 if prefer is None or same_framework else 1, index
-
-    fitting = [(i, row) for i, row in enumerate(rows) if row[1].fits(budget, headroom)]
-    return min(fitting, key=key)[1][1] if fitting else None
 
 
 def longest_sequence(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup, budget: int,
@@ -688,8 +685,10 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
 
 
 def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headroom: float = HEADROOM,
-               name: str = "", arch: Architecture | None = None, budget_text: str = "") -> str:
-    """The planner's report: every setup's per-GPU estimate, and the cheapest that fits `budget`."""
+               name: str = "", arch: Architecture | None = None, budget_text: str = "", choose=None) -> str:
+    """The planner's report: every setup's per-GPU estimate, and the one it would run within `budget`:
+    choose(estimates) -> (the Estimate chosen or None, what to say of it), the command's rule
+    (finetune/comm.py one_node_choice: the fastest that fits)."""
     arch = arch or load_architecture(recipe.model)
     rows = all_estimates(recipe, world_size, arch)
     own = Setup.of(recipe)
@@ -746,7 +745,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                      "zero1 and zero2 (none with LoRA, " + ("beta=0" if with_rollout else
                                                             "dpo_loss=simpo or precompute_reference=true") + ")")
     if budget:
-        best = cheapest_fit(rows, budget, headroom, prefer=recipe.strategy)
+        best, said = choose([e for _, e in rows]) if choose else (None, [])
         mine = next(e for _, e in rows if e.setup == own)
         verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
         lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak_within(budget), unit)} {unit_name} per GPU, "
@@ -763,19 +762,21 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
             how = " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in changes.items())
             note = " (and nvme_path=...)" if "nvme" in (best.setup.offload_optimizer, best.setup.offload_params) \
                 and not recipe.nvme_path else ""
-            lines.append(f"cheapest that fits: {best.setup.label} ({gib(best.peak, unit)} {unit_name} per GPU)"
+            lines.append(f"would run: {best.setup.label} ({gib(best.peak, unit)} {unit_name} per GPU"
+                         + "".join(f", {x}" for x in said[:1]) + ")"
                          + (f"; override with {how}{note}" if how else "; the recipe's own"))
+            lines += said[1:]
     lines.append("estimates: ZeRO paper model states + activations counted per tensor of a Llama layer; see finetune/memory.py")
     return "\n".join(lines)
 
 
-def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str:
+def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "", gpus_per_node: int | None = None) -> str:
     """Lines for `run.py --dry-run`: per-GPU memory of the recipe's own setup, and what was not checked.
     Never raises for an unreadable config: it says so instead."""
     unchecked = []
     try:
         arch = load_architecture(recipe.model)
-        e = recipe_estimate(recipe, world_size, arch)
+        e = recipe_estimate(recipe, world_size, arch, gpus_per_node=gpus_per_node)
     except EstimateError as err:
         return f"memory per GPU: not estimated: {err}"
     unit, name = (GiB, "GiB") if e.peak + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")

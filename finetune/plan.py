@@ -66,7 +66,8 @@ class Plan:
         if r.objective == "grpo":  # the batch trains on completions; a step reads global / num_generations prompts
             batch = (f"{self.global_batch_size // r.num_generations} prompts x {r.num_generations} = "
                      f"{self.global_batch_size} completions")
-        return (f"{r.strategy} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
+        layout = self.strategy.layout_text(r, self.world_size, self.num_machines)
+        return (f"{r.strategy}{layout} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
                 f"global batch {batch} = micro {r.micro_batch_size} x accum {self.grad_accum} x "
                 f"{ranks}; precision {r.mixed_precision}; offload {', '.join(offload) or 'none'}{notes}")
 
@@ -377,12 +378,16 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     problem = world_problem(recipe, world_size)
     if problem:
         problems.append(problem)
+    machines = int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1)
+    problem = strategy_for(recipe.strategy).layout_problem(recipe, world_size, machines)
+    if problem:
+        problems.append(problem)  # a dry run plans for another machine's processes
     if problems and not dry_run:
         raise RecipeError(problems[0])
     return Plan(
         recipe=recipe,
         world_size=world_size,
-        num_machines=int(env.get("ACCELERATE_NUM_MACHINES", env.get("GROUP_WORLD_SIZE", "1")) or 1),
+        num_machines=machines,
         grad_accum=derive_grad_accum(recipe, world_size),
         device="cuda" if cuda_available else "cpu",
         unchecked=tuple(problems),

@@ -111,6 +111,13 @@ class Recipe:
     # How
     strategy: str = _opt("zero3", choices=STRATEGIES)
     fsdp_version: int = _opt(2, choices=(1, 2))
+    shard_size: int = _opt(0, min=0, help="strategy=hsdp: the GPUs that shard one copy of the model (FSDP2 on a 2-D "
+                           "mesh), the copies replicated across the groups; 0: one node's GPUs (docs/multi-node.md)")
+    zero_hpz_partition_size: int = _opt(1, min=1, help="strategy=zero3: ZeRO++ hpZ, a secondary copy of the "
+                                        "parameters sharded within groups of this many GPUs (a node's), from "
+                                        "which all but the step's first all-gather read (docs/multi-node.md)")
+    mics_shard_size: int = _opt(0, min=0, help="strategy=zero3: MiCS sharding groups (refused: removed from "
+                                "DeepSpeed 0.19)")
     ddp_shard_optimizer: bool = _opt(False, help="ddp only: torch ZeroRedundancyOptimizer")
     offload_optimizer: str = _opt("none", choices=("none", "cpu", "nvme"))
     offload_params: str = _opt("none", choices=("none", "cpu", "nvme"))

@@ -81,7 +81,7 @@ ERROR_CASES = {
     "unknown_recipe": (["--recipe", "tiyn"], ["unknown recipe 'tiyn'", "did you mean tiny?", "available: ", "tiny,"]),
     "unknown_key": (["--recipe", "tiny", "lrr=1e-3"], ["unknown recipe key 'lrr'", "did you mean lr?"]),
     "bad_value": (["--recipe", "tiny", "max_steps=abc"], ["max_steps=abc: expected an integer"]),
-    "bad_choice": (["--recipe", "tiny", "strategy=zero4"], ["strategy=zero4", "ddp, fsdp, zero1, zero2, zero3"]),
+    "bad_choice": (["--recipe", "tiny", "strategy=zero4"], ["strategy=zero4", "ddp, fsdp, hsdp, zero1, zero2, zero3"]),
     "impossible_combination": (["--recipe", "tiny", "strategy=ddp", "offload_params=cpu"],
                                ["offload_params=cpu with strategy=ddp"]),
     "missing_dataset": (["--recipe", "tiny", "dataset={missing}"], ["dataset={missing}: no such file or directory"]),

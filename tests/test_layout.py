@@ -106,7 +106,7 @@ def private_imports(trees: dict[str, ast.Module]) -> list[str]:
     return found
 
 
-STRATEGY_NAMES = {"ddp", "fsdp", "zero", "zero1", "zero2", "zero3"}
+STRATEGY_NAMES = {"ddp", "fsdp", "hsdp", "zero", "zero1", "zero2", "zero3"}
 STRATEGY_PACKAGE = "finetune.strategy"
 
 

@@ -167,7 +167,7 @@ def test_wrong_type(override, expected):
 def test_out_of_choices_names_allowed_values():
     msg = error_of(["strategy=zero4"])
     assert "strategy=zero4" in msg
-    assert "ddp, fsdp, zero1, zero2, zero3" in msg
+    assert "ddp, fsdp, hsdp, zero1, zero2, zero3" in msg
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -29,7 +29,7 @@ from finetune.files import publish
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
 from finetune.recipe import Recipe, RecipeError, reference_kind
-from finetune.strategy import strategy_for
+from finetune.strategy import NAMES as STRATEGY_NAMES, strategy_for
 
 
 # Keys whose values live on in the checkpoint's optimizer and scheduler state (or its tensors' layout):
@@ -46,6 +46,9 @@ RESUME_EFFECTS = {
     "epochs": "the run's length; the lr schedule is recomputed for it from this step on",
     "micro_batch_size": "the global batch is kept, accumulation is recomputed",
     "sequence_parallel": "each sequence split across this many ranks from this step on; the same global batches",
+    "shard_size": "the DCP shards loaded on the new mesh: hybrid sharding over groups of this size from this step on",
+    "zero_hpz_partition_size": "hpZ's secondary copy within groups of this size from this step on (the checkpoint "
+                               "holds the primary partitions)",
     "padding_free": "the same rows at every step, laid out as one row per micro-batch (true) or padded rows "
                     "(false) from this step on",
 }
@@ -179,6 +182,9 @@ def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> N
     for key in HARD_KEYS:
         if key == "model":
             continue  # compared as resolved paths once the model is located (see loop)
+        if key == "strategy" and saved.get(key) in STRATEGY_NAMES and current.get(key) in STRATEGY_NAMES and \
+                strategy_for(saved[key]).checkpoint_format == strategy_for(current[key]).checkpoint_format:
+            continue  # the same shards (fsdp and hsdp: DCP, loaded on any mesh)
         if saved.get(key) != current.get(key):
             raise RecipeError(f"checkpoint {point.path} was written with {key}={saved.get(key)}, this run has "
                               f"{key}={current.get(key)}: its shards cannot be loaded; set {key}={saved.get(key)}, "

@@ -23,7 +23,8 @@ commands:
   train RECIPE [key=value ...] [--resume auto|PATH] [--dry-run] [--num_processes N] [--config_file YAML]
                          check everything cheap in one process, then launch the run
   plan --recipe RECIPE --gpus N --gpu-mem 80GB [key=value ...]
-                         per-GPU memory under every strategy, and the cheapest setup that fits
+  plan --recipe RECIPE --nodes N --gpus-per-node G [--inter-node-gbps B] [--intra-node-gbps B]
+                         per-GPU memory and communication under every strategy, and the fastest that fits
   data --recipe RECIPE [key=value ...] --show N [--json]
                          the rows a run trains on, trained tokens marked, and a per-source summary
   export CHECKPOINT OUT_DIR

@@ -1,4 +1,5 @@
-"""`python -m finetune.plan --recipe NAME --gpus N --gpu-mem 80GB [key=value ...]`: the memory planner."""
+"""`python -m finetune.plan --recipe NAME --gpus N --gpu-mem 80GB [key=value ...]`: the memory planner;
+with `--nodes N --gpus-per-node G`, the layouts of a cluster and the one it would run (finetune/comm.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from finetune.arch import load_architecture
+from finetune.comm import INTER_GBPS, INTRA_GBPS, cluster_table, one_node_choice
 from finetune.memory import max_seq_len_table, parse_size, plan_table
 from finetune.plan import data_parallel_size, derive_grad_accum
 from finetune.recipe import RecipeError, resolve
@@ -20,8 +22,10 @@ def _parse_planner_args(argv):
     parser = Parser(
         prog="python -m finetune.plan",
         description="Per-GPU memory of a recipe under every strategy and offload setting (the ZeRO paper's "
-                    "model states plus an activation estimate; see finetune/memory.py), and the cheapest "
-                    "setup that fits a GPU. Needs no GPU and no hub access for the models it knows.")
+                    "model states plus an activation estimate; see finetune/memory.py), the bytes each GPU sends per "
+                    "step (finetune/comm.py), and the setup it would run: the fastest that fits (the least "
+                    "communication time per step of those that fit, offload only when nothing fits without). "
+                    "Needs no GPU and no hub access for the models it knows.")
     parser.add_argument("--recipe", required=True, help="name in recipes/ or path to a .py file")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel processes in all (default 1)")
     parser.add_argument("--gpu-mem", help="memory of one GPU: 80GB (10^9 bytes), 40GiB, 24G (2^30)")
@@ -31,15 +35,35 @@ def _parse_planner_args(argv):
                         help="instead: the longest max_seq_len that fits --gpu-mem per setup, without sequence "
                              "parallelism and with the recipe's sequence_parallel (or every size the GPUs and heads "
                              "take); needs --gpu-mem")
+    parser.add_argument("--nodes", type=int,
+                        help="instead: the layouts of a cluster of this many nodes (with --gpus-per-node): memory "
+                             "per GPU, bytes each GPU sends per step inside and across nodes, their time, and the "
+                             "layout it would run (docs/multi-node.md)")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="GPUs in each node, with --nodes (8)")
+    parser.add_argument("--intra-node-gbps", type=float, default=INTRA_GBPS,
+                        help=f"link rate inside a node per GPU and direction, Gbit/s ({INTRA_GBPS:g}: NVLink 4)")
+    parser.add_argument("--inter-node-gbps", type=float, default=INTER_GBPS,
+                        help=f"network rate across nodes per GPU, Gbit/s ({INTER_GBPS:g}: a 400G NIC per GPU)")
     parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
     args = parser.parse_args(argv)
     if args.gpus < 1:
         raise RecipeError(f"--gpus {args.gpus}: must be at least 1")
+    if args.nodes is not None:
+        for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
+                            ("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps)):
+            if value <= 0:
+                raise RecipeError(f"{flag} {value:g}: must be more than zero")
+        if args.max_seq_len:
+            raise RecipeError("--max-seq-len and --nodes: one question at a time; drop one of them")
+        args.gpus = args.nodes * args.gpus_per_node
     if args.max_seq_len and args.gpu_mem is None:
         raise RecipeError("--max-seq-len needs --gpu-mem (the memory of one GPU, like 80GB)")
     if not 0 <= args.headroom < 1:
         raise RecipeError(f"--headroom {args.headroom}: must be at least 0 and below 1")
     return args
+
+
+CLUSTER_GPU_MEM = "80GB"  # --nodes without --gpu-mem: an H100's
 
 
 def refused(recipe, gpus: int, arch) -> None:
@@ -62,12 +86,18 @@ def main(argv=None) -> int:
         accum = derive_grad_accum(recipe, args.gpus)
         arch = load_architecture(recipe.model)
         refused(recipe, args.gpus, arch)
+        if args.nodes is not None:
+            print(cluster_table(recipe, arch, args.nodes, args.gpus_per_node, budget or parse_size(CLUSTER_GPU_MEM),
+                                args.headroom, args.intra_node_gbps, args.inter_node_gbps, name=args.recipe,
+                                budget_text=args.gpu_mem or f"{CLUSTER_GPU_MEM}, the default"))
+            return 0
         if args.max_seq_len:
             print(max_seq_len_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe, arch=arch,
                                     budget_text=args.gpu_mem))
             return 0
         table = plan_table(recipe, args.gpus, budget, headroom=args.headroom, name=args.recipe, arch=arch,
-                           budget_text=args.gpu_mem or "")
+                           budget_text=args.gpu_mem or "",
+                           choose=one_node_choice(recipe, arch, args.gpus, budget, args.headroom) if budget else None)
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -197,7 +197,7 @@ def print_dry_run(plan, recipe_name: str) -> None:
     from finetune.memory import memory_report
 
     print(plan.describe())
-    print(memory_report(plan.recipe, plan.world_size, recipe_name))
+    print(memory_report(plan.recipe, plan.world_size, recipe_name, gpus_per_node=plan.world_size // plan.num_machines))
 
 
 def check_model_and_data(plan) -> None:

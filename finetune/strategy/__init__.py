@@ -18,10 +18,10 @@ from finetune.optim import (build_optimizer_and_scheduler, build_scheduler, lr_f
                             updated_weights)
 from finetune.strategy.base import Strategy
 from finetune.strategy.ddp import Ddp
-from finetune.strategy.fsdp import Fsdp, adapter_only_fsdp, fsdp2_mixed_precision, fsdp_plugin, no_split_modules
+from finetune.strategy.fsdp import Fsdp, Hsdp, adapter_only_fsdp, fsdp2_mixed_precision, fsdp_plugin, no_split_modules
 from finetune.strategy.zero import Zero, Zero3, deepspeed_config
 
-NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3")  # recipe.strategy's choices
+NAMES = ("ddp", "fsdp", "hsdp", "zero1", "zero2", "zero3")  # recipe.strategy's choices
 
 
 def strategy_for(name: str) -> Strategy:
@@ -30,6 +30,8 @@ def strategy_for(name: str) -> Strategy:
         return Ddp()
     if name == "fsdp":
         return Fsdp()
+    if name == "hsdp":
+        return Hsdp()
     if name == "zero3":
         return Zero3()
     if name in ("zero1", "zero2"):
@@ -51,11 +53,12 @@ def running_strategy(accelerator) -> Strategy:
     if plugin is not None:
         return strategy_for(f"zero{int(plugin.zero_stage)}")
     if getattr(accelerator.state, "fsdp_plugin", None) is not None:
-        return Fsdp()
+        config = getattr(accelerator.state, "parallelism_config", None)
+        return Hsdp() if config is not None and config.dp_replicate_enabled else Fsdp()
     return Ddp()
 
 
-__all__ = ["NAMES", "Strategy", "Ddp", "Zero", "Zero3", "Fsdp", "strategy_for", "final_in_training_dtype", "running_strategy",
+__all__ = ["NAMES", "Strategy", "Ddp", "Zero", "Zero3", "Fsdp", "Hsdp", "strategy_for", "final_in_training_dtype", "running_strategy",
            "deepspeed_config", "fsdp_plugin", "fsdp2_mixed_precision", "no_split_modules", "adapter_only_fsdp",
            "accumulate", "build_accelerator", "ensure_process_env", "prefer_environment_ninja", "prepare",
            "reads_weights", "build_optimizer_and_scheduler", "build_scheduler", "lr_factor", "param_groups",

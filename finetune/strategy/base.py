@@ -73,7 +73,30 @@ class Strategy:
         if recipe.ddp_shard_optimizer:
             return (f"ddp_shard_optimizer=true with strategy={recipe.strategy}: it applies to strategy=ddp only "
                     "(ZeRO and FSDP shard the optimizer already)")
+        return self.layout_option_problem(recipe)
+
+    # the multi-node layout keys (docs/multi-node.md) and the strategy each belongs to
+    layout_options = {"shard_size": (0, "hsdp"), "zero_hpz_partition_size": (1, "zero3"), "mics_shard_size": (0, "zero3")}
+
+    def layout_option_problem(self, recipe) -> str | None:
+        for key, (default, owner) in self.layout_options.items():
+            if getattr(recipe, key) != default and self.name != owner:
+                return (f"{key}={getattr(recipe, key)} with strategy={recipe.strategy}: it applies to "
+                        f"strategy={owner} only; use strategy={owner} or {key}={default}")
         return None
+
+    def layout_text(self, recipe, world_size: int, machines: int) -> str:
+        """How the ranks are laid out, where it is more than "all of them" (plan.describe)."""
+        return ""
+
+    def layout_problem(self, recipe, world_size: int, machines: int) -> str | None:
+        """What this strategy cannot do on world_size processes over `machines` nodes (plan.make_plan asks)."""
+        return None
+
+    # Checkpoints of the strategies with the same format load into one another (fsdp and hsdp: DCP shards).
+    @property
+    def checkpoint_format(self) -> str:
+        return self.name
 
     def quantized_base_problem(self, recipe) -> str | None:
         """load_in_4bit=true: whether this strategy places a 4-bit (QLoRA) base (takes_4bit_base)."""
@@ -118,6 +141,20 @@ class Strategy:
                 world_size: int) -> tuple[float, float, float, dict]:
         """(params, grads, optimizer) left on the GPU and {"cpu": bytes, "nvme": bytes} moved off it."""
         return params, grads, optimizer, {"cpu": 0.0, "nvme": 0.0}
+
+    def sharding_group(self, setup, world_size: int, gpus_per_node: int) -> int:
+        """The GPUs the sharded states are divided over (hsdp: its shard group; the others: all)."""
+        return world_size
+
+    def extra_param_bytes(self, setup, params: int, compute_bytes: int) -> float:
+        """Parameter bytes per GPU beyond the sharded states (zero3 hpZ: its secondary copy)."""
+        return 0.0
+
+    def step_collectives(self, s) -> list[tuple[str, int, bool, float]]:
+        """One optimizer step's collectives on one GPU, for the planner (finetune/comm.py, its docstring
+        gives each strategy's): (op, GPUs in the group, whether the group spans nodes, the buffer bytes
+        summed over the step's calls). s: a comm.StepShape."""
+        raise NotImplementedError
 
     def buffers(self, arch, setup, trained: int, grad_bytes: int, world_size: int, compute_bytes: int,
                 sixteen: bool, layer: float, layer_trained: float) -> float:

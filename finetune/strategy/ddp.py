@@ -13,10 +13,15 @@ class Ddp(Strategy):
     name = "ddp"
 
     def option_problem(self, recipe):
-        return None
+        return self.layout_option_problem(recipe)
 
     def paper_model_states(self, mixed_precision, params, world_size):
         return 16 * params
+
+    def step_collectives(self, s):
+        n = s.gpus
+        out = [("all_reduce", n, s.spans_nodes(n), s.trained * 4)]  # fp32 gradients, once per step
+        return out
 
     def buffers(self, arch, setup, trained, grad_bytes, world_size, compute_bytes, sixteen, layer, layer_trained):
         buffers = trained * grad_bytes  # DDP's reduction buckets hold a copy of every gradient

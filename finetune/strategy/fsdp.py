@@ -18,6 +18,7 @@ class Fsdp(Strategy):
 
     tiles_mlp = True
     optimizer_offload_fix = "offload_params=cpu (FSDP then runs the optimizer on the CPU)"
+    checkpoint_format = "fsdp"  # DCP shards, for hsdp too: they load on any mesh
 
     def offload_problem(self, recipe):
         if recipe.offload_params == "nvme":
@@ -58,6 +59,21 @@ class Fsdp(Strategy):
         if setup.offload_params == "none":
             buffers += 4 * trained / world_size  # torch AdamW's foreach temporary (on the CPU when offloaded)
         return buffers
+
+    def step_collectives(self, s):
+        """Each micro-batch gathers every unit in its forward and again in its backward, but the root
+        (kept gathered between the two); the fp32 gradients are reduce-scattered once per step (the other
+        micro-batches accumulate unsharded: Accelerate's no_sync)."""
+        n = self.sharding_group(s, s.gpus, s.gpus_per_node)
+        # a frozen reference's forwards: every unit once but its root, which stays gathered from the first
+        # (never resharded: no backward); the rollout's gathered model and the policy's forwards without
+        # a backward (GRPO's old log-probs): every unit once
+        once = s.reference_forwards * (s.whole - s.root_bytes) + (s.whole_gathers + s.policy_forwards) * s.whole
+        out = [("all_gather", n, s.spans_nodes(n), s.micro_batches * (2 * s.whole - s.root_bytes) + once),
+               ("reduce_scatter", n, s.spans_nodes(n), s.trained * 4)]
+        if n < s.gpus:  # hsdp: the gradient shard all-reduced among the replicas
+            out.append(("all_reduce", s.gpus // n, s.nodes > 1, s.trained * 4 / n))
+        return out
 
     def gpu_only_problem(self, recipe):
         if recipe.fsdp_version == 1:
@@ -267,3 +283,56 @@ def _point_optimizer_at(optimizer, model) -> None:
     named = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"] = [named[name] for name in group["param_names"]]
+
+
+class Hsdp(Fsdp):
+    """FSDP2 hybrid sharding: the model sharded within groups of `shard_size` GPUs (one node's by
+    default) and replicated across the groups, on a 2-D device mesh (replicate x shard) that
+    Accelerate's ParallelismConfig(dp_replicate_size, dp_shard_size) builds. Each layer's all-gathers
+    and reduce-scatters stay inside a group (a node's fast links); what crosses nodes is one
+    all-reduce per step of each GPU's gradient shard among the GPUs holding the same shard.
+
+    Everything else is fsdp's (offload, LoRA/QLoRA, the sharded DPO reference on the same mesh, the
+    gathered GRPO rollout) and so are its checkpoints: DCP shards, which load on any layout (fsdp or
+    hsdp, any number of processes; checkpoint_format)."""
+    name = "hsdp"
+
+    def layout_problem(self, recipe, world_size, machines):
+        shard = hsdp_shard_size(recipe, world_size, machines)
+        where = f"shard_size={recipe.shard_size}" if recipe.shard_size else \
+            f"shard_size=0 (one node's GPUs: {world_size} processes / {machines} machine(s) = {shard})"
+        if shard < 1 or world_size % shard:
+            return (f"strategy=hsdp with {where}: the shard groups must divide the {world_size} processes; use a "
+                    f"shard_size that divides {world_size}")
+        if shard == 1 and world_size > 1:
+            return (f"strategy=hsdp with {where}: groups of one GPU shard nothing (that is ddp); use a shard_size "
+                    "of at least 2, or strategy=ddp")
+        if recipe.fsdp_version != 2:
+            return "strategy=hsdp with fsdp_version=1: hybrid sharding is built on FSDP2's 2-D mesh; use fsdp_version=2"
+        if recipe.sequence_parallel > 1:
+            return (f"strategy=hsdp with sequence_parallel={recipe.sequence_parallel}: not tried together; use "
+                    "strategy=fsdp or sequence_parallel=1")
+        return None
+
+    def layout_text(self, recipe, world_size, machines):
+        shard = hsdp_shard_size(recipe, world_size, machines)
+        if shard >= world_size:
+            return f" (one copy sharded over all {world_size} process(es): flat fsdp)"
+        return f" ({world_size // shard} replicas, each sharded over {shard} GPUs)"
+
+    def sharding_group(self, setup, world_size, gpus_per_node):
+        return min(world_size, getattr(setup, "shard_size", 0) or gpus_per_node)
+
+    def plugins(self, plan, config):
+        from accelerate.parallelism_config import ParallelismConfig
+
+        shard = hsdp_shard_size(plan.recipe, plan.world_size, plan.num_machines)
+        kwargs = super().plugins(plan, config)
+        kwargs["parallelism_config"] = ParallelismConfig(dp_replicate_size=plan.world_size // shard,
+                                                         dp_shard_size=shard)
+        return kwargs
+
+
+def hsdp_shard_size(recipe, world_size: int, machines: int) -> int:
+    """The GPUs that shard one copy of the model: recipe.shard_size, or 0 for one node's GPUs."""
+    return recipe.shard_size or max(1, world_size // max(1, machines))

@@ -39,6 +39,16 @@ class Zero(Strategy):
         sharded = optimizer + (grads if self.shards_grads else 0) + (weights if self.shards_params else 0)
         return (weights + grads + optimizer - sharded) * params + sharded * params / world_size
 
+    def step_collectives(self, s):
+        """The gradients all-reduced in buckets (DeepSpeed's use_multi_rank_bucket_allreduce, on by default),
+        each rank keeping its partition: ZeRO-2 in each micro-batch's backward, ZeRO-1 once at the step's
+        end (counted: finetune/collectives.py); after the step the updated weights all-gathered. In the
+        engine's dtype."""
+        n, lp = s.gpus, s.compute_bytes
+        reductions = s.micro_batches if self.shards_grads else 1
+        return [("all_reduce", n, s.spans_nodes(n), reductions * s.trained * lp),
+                ("all_gather", n, s.spans_nodes(n), s.trained * lp)]
+
     def offload(self, setup, params, grads, optimizer, trained, grad_bytes, world_size):
         off = {"cpu": 0.0, "nvme": 0.0}
         if setup.offload_optimizer != "none" and self.shards_grads:  # counted from stage 2 on
@@ -106,6 +116,30 @@ class Zero3(Zero):
     def __init__(self):
         super().__init__(3)
 
+    def step_collectives(self, s):
+        """Per micro-batch the forward gathers every parameter and the backward gathers them again; the
+        gradients are reduce-scattered over all GPUs. With hpZ only the step's first gather reads the
+        primary partition (over all GPUs); it also fills the secondary copy, from which every later gather
+        of the step comes, within its group. (Counted, finetune/collectives.py: a run that never evaluates
+        may keep a small model gathered from the forward to the backward, stage3_max_live_parameters
+        allowing; the first step after an eval re-records the fetch trace and gathers twice from the
+        secondary copy; neither is modelled.)"""
+        n, a = s.gpus, s.micro_batches
+        # the reference's forwards, the rollout's gathered model, the policy's forwards without a backward
+        once = (s.reference_forwards + s.whole_gathers + s.policy_forwards) * s.whole
+        gathers = 2 * a * s.whole + once
+        if s.hpz_size > 1:
+            out = [("all_gather", n, s.spans_nodes(n), s.whole),
+                   ("all_gather", s.hpz_size, s.spans_nodes(s.hpz_size), gathers - s.whole)]
+        else:
+            out = [("all_gather", n, s.spans_nodes(n), gathers)]
+        return out + [("reduce_scatter", n, s.spans_nodes(n), a * s.trained * s.compute_bytes)]
+
+    def extra_param_bytes(self, setup, params, compute_bytes):
+        """hpZ keeps a second copy of the parameters, sharded within its group (in the compute dtype)."""
+        size = getattr(setup, "hpz_size", 1)
+        return params * compute_bytes / size if size > 1 else 0.0
+
     def compile_problem(self, recipe):
         return ("compile=true with strategy=zero3: ZeRO-3 gathers every weight in a hook before each "
                 "Linear and norm, which breaks the compiled layer into pieces at each of them (no fusion, "
@@ -129,9 +163,18 @@ class Zero3(Zero):
             buffers += 4 * min(trained / world_size, 10**9)  # fp32 gradient of one optimizer sub-group
         return buffers
 
+    def option_problem(self, recipe):
+        if recipe.mics_shard_size:
+            return (f"mics_shard_size={recipe.mics_shard_size}: MiCS was removed from DeepSpeed in 0.19 "
+                    "(deepspeedai/DeepSpeed#8489; 0.19.8 refuses the key); use strategy=hsdp (shard within a node, "
+                    "replicate across nodes) or mics_shard_size=0")
+        return super().option_problem(recipe)
+
     def zero_optimization(self, plan, hidden_size):
         h2 = hidden_size * hidden_size
         section = super().zero_optimization(plan, hidden_size)
+        if plan.recipe.zero_hpz_partition_size > 1:
+            section["zero_hpz_partition_size"] = plan.recipe.zero_hpz_partition_size
         section["allgather_bucket_size"] = h2
         section.update({
             "stage3_prefetch_bucket_size": int(0.9 * h2),

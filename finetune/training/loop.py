@@ -34,6 +34,7 @@ from finetune.plan import Plan
 from finetune.recipe import RecipeError
 from finetune.checkpointing.identity import model_identity
 from finetune.training.samples import SampleWriter, eval_prompts, sample_at_eval
+from finetune.collectives import counted_step
 from finetune.faults import fault_point
 from finetune.training.stopping import StopRequest
 from finetune.distributed import accumulate, build_accelerator, prepare
@@ -492,7 +493,8 @@ def train(plan: Plan) -> dict:
     stopping = False
     saved = state.step if plan.resume is not None else None  # the step of the newest checkpoint
     while state.step < run.total_steps:
-        result = optimizer_step(run, state, stop, meter)
+        with counted_step(state.step + 1):  # FINETUNE_COUNT_COLLECTIVES (finetune/collectives.py)
+            result = optimizer_step(run, state, stop, meter)
         if result is None:  # stopped within the step's rollout: the step before it is the one saved
             stopping = True
             if state.step and state.step != saved:

@@ -330,3 +330,16 @@ def test_sigkill_and_exact_resume_under_sp(dpo_run, launch, tmp_path_factory):
     a, b = load_file(str(out / "final" / "model.safetensors")), load_file(
         str(reference.output_dir / "final" / "model.safetensors"))
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_hybrid_2x2_on_four_processes_equals_one(dpo_run, launch, tmp_path_factory):
+    """hsdp over 2 nodes x 2 (4 processes: the model and its frozen reference sharded within [0, 1] and
+    [2, 3], replicated across): the 1-process curve within 1e-6, and the planner's bytes per step within
+    10% of the collectives counted (tests/distributed/layouts.py)."""
+    from layouts import HYBRID, assert_planner_matches, counting
+
+    counts = counting(tmp_path_factory)
+    run = launch(4, *DPO, *HYBRID, recipe="tiny_dpo", extra_env=counts)
+    assert "hsdp (2 replicas, each sharded over 2 GPUs) on 4 cpu process(es)" in run.stderr
+    assert_equal_to_one_process(run, dpo_run("full", 1), HYBRID)
+    assert_planner_matches(run, counts, "tiny_dpo", [*DPO, *HYBRID], steps=range(1, 7))

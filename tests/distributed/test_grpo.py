@@ -248,3 +248,17 @@ def test_lora_under_fsdp_with_a_reward_model_as_one_reward(launch, reward_model_
     recs = records(one)
     assert "rewards/reward_model/mean" in recs[0], sorted(recs[0])
     assert recs[1]["kl"] > 0, "the adapter moved the policy from its reference (the adapter disabled)"
+
+
+def test_hybrid_2x2_on_four_processes_equals_one(grpo_run, launch, tmp_path_factory):
+    """hsdp over 2 nodes x 2 (4 processes, one prompt's group each): the same completions and metrics as 1
+    process within 1e-6 (the rollout gathers the hybrid-sharded model whole on each rank), and the planner's
+    bytes per step, averaged over the rollout cycles (a rollout every num_iterations=2 steps), within 10%
+    of the collectives counted (tests/distributed/layouts.py)."""
+    from layouts import HYBRID, assert_planner_matches, counting
+
+    counts = counting(tmp_path_factory)
+    run = launch(4, *HYBRID, *GRPO, recipe="tiny_grpo", extra_env=counts)
+    assert "hsdp (2 replicas, each sharded over 2 GPUs) on 4 cpu process(es)" in run.stderr
+    assert_same_run(run, grpo_run("ddp", 1), tolerance=1e-6)
+    assert_planner_matches(run, counts, "tiny_grpo", [*HYBRID, *GRPO], steps=range(1, 7))
