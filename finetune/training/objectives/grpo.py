@@ -53,7 +53,7 @@ from finetune import data as D
 from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
-from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.training.metrics import log
 from finetune.model import context_length
 from finetune.recipe import RecipeError
@@ -474,7 +474,8 @@ def generate_completions(run, prompts: list[list[int]], seeds: list[int]) -> lis
                 run.parallel.strategy.whole_weights(accelerator, model) as whole:
             out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                           seeds=seeds if sampling.temperature > 0 else None)
+                           seeds=seeds if sampling.temperature > 0 else None, vocab_size=len(run.tokenizer),
+                           compiled=decode_compiled(r.generation_compile, accelerator.device))
             return [] if idle else out
     finally:
         model.train(was_training)
