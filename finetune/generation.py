@@ -7,11 +7,20 @@ model once around the call (Strategy.whole_weights), never per token. Prompts of
 left-padded into one batch (an attention mask hides the padding, position ids count each prompt's own
 tokens from 0), so every sequence's next token comes from one forward. Each sequence ends at its own
 stop token, at max_new_tokens, or where its prompt and answer fill the model's context; a finished
-sequence rides along on padding until the batch ends. Sampling draws each sequence's tokens from its own
-torch.Generator (seeded per sequence), so a sequence's tokens do not depend on what else is in the batch.
-Greedy tokens equal those of one sequence at a time (tests/test_generation.py, real tokenizers); a batch
-of one, or of prompts of one length, runs exactly the forwards one sequence would (no mask, no position
-ids: the model's own)."""
+sequence rides along on padding until the batch ends.
+
+Each token is chosen for the whole batch at once, on the model's device (next_tokens): greedy, the
+argmax; sampled, one Gumbel-max draw, argmax(logits / temperature, top_k and top_p applied row by row,
++ Gumbel noise), whose noise is a pure function of (the sequence's seed, the token's position in its
+completion, the token id) computed by a counter-based generator in integer ops (noise_bits). So a
+sequence's tokens do not depend on what else is in the batch, on the rank or process count, nor on a
+resume, and the host reads the batch's state once per token (once per 8 on a GPU), never per row.
+Ids past the tokenizer's vocabulary (vocab_size: embedding rows padded for speed) are never chosen.
+
+Greedy tokens equal those of one sequence at a time (tests/test_generation.py, real tokenizers); a
+batch of one, or of prompts of one length, runs exactly the forwards one sequence would (no mask, no
+position ids: the model's own). compiled=True: the same tokens from a preallocated StaticCache and a
+compiled one-token step (CUDA graphs on a GPU); the default on a GPU through generation_compile=auto."""
 
 from __future__ import annotations
 

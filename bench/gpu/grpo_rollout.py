@@ -50,6 +50,7 @@ def before_module():
         return None
     spec = importlib.util.spec_from_file_location("before_generation", BEFORE_FILE)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["before_generation"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
@@ -178,7 +179,7 @@ def measure_generation(a, deadline: float | None) -> dict:
         e = G.generate(model, rows[:16], smp, seeds=sd, **kw)
         c = G.generate(model, rows[:16], smp, seeds=sd, compiled=True, **kw)
         res["checks"][f"compiled_equals_eager_{label}"] = sum(x.tokens == y.tokens for x, y in zip(e, c))
-    res["checks"]["rows_compared"] = 16
+    res["checks"]["rows_compared"] = len(rows[:16])
     return res
 
 
@@ -324,7 +325,8 @@ def main(argv: list[str]) -> int:
         from bench.parts.common import git_state, versions
 
         deadline = time.time() + a.deadline if a.deadline else None
-        res = {"command": "python bench/gpu/grpo_rollout.py " + " ".join(x for x in argv if not x.startswith("/")),
+        shown = [x for i, x in enumerate(argv) if x != "--out" and (i == 0 or argv[i - 1] != "--out")]
+        res = {"command": "python bench/gpu/grpo_rollout.py " + " ".join(shown),
                "git": git_state(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "versions": versions()}
         res["generation"] = measure_generation(a, deadline)

@@ -8,6 +8,7 @@ the builtin 108-token character tokenizer), fp32, completions of max_completion_
     python bench/studies/rollout_speed.py --trl                    # also TRL's GRPOTrainer (its own generation)
     python bench/studies/rollout_speed.py --doc docs/benchmarks.md # also writes the section
     python bench/studies/rollout_speed.py --render results.json --doc docs/benchmarks.md
+    ... --work DIR again: the rows DIR/results.json holds as ok are kept, the others run
 
 "before" is finetune as it was at --before (default ba2306b, the last commit with the per-row sampler),
 taken with `git archive` into the work folder and run with its own finetune/run.py; "after" is this
@@ -45,6 +46,7 @@ STRATEGIES = ("zero3", "fsdp")
 WARMUP = 1
 MODEL = "llama-100m"
 RECIPE = "tiny_grpo"
+TRL_ROW = "TRL GRPOTrainer (model.generate)"
 
 
 def overrides(strategy: str, steps: int, model_dir: str, new_tokens: int) -> list[str]:
@@ -127,7 +129,9 @@ def measure(a) -> dict:
                "machine": machine(), "versions": versions(), "model": spec.describe(),
                "parameters": spec.num_parameters(), "steps": a.steps, "warmup": WARMUP,
                "new_tokens": a.new_tokens, "rows": []}
-    t0 = time.time()
+    earlier = json.loads((work / "results.json").read_text()) if (work / "results.json").is_file() else {}
+    kept = {(r["strategy"], r["variant"]): r for r in earlier.get("rows", []) if r.get("ok")}  # --work again: reused
+    t0 = time.time() - 60 * earlier.get("minutes", 0)
     old = before_tree(work, a.before)
     for strategy in a.strategies.split(","):
         over = overrides(strategy, a.steps, str(model_dir), a.new_tokens)
@@ -135,19 +139,30 @@ def measure(a) -> dict:
         if a.compile:
             variants.append(("after, generation_compile=true", REPO, [*over, "generation_compile=true"]))
         for variant, tree, args in variants:
+            if (strategy, variant) in kept:
+                results["rows"].append(kept[strategy, variant])
+                continue
             wait_quiet(30)
             res = run_ours(f"{strategy}-{variant.split(',')[0]}{'-compiled' if ',' in variant else ''}", tree, args,
                            work)
             results["rows"].append({"strategy": strategy, "variant": variant, **res})
             print(f"{strategy} {variant}: rollout {res.get('rollout')} s, step {res.get('step')} s"
                   + ("" if res["ok"] else f"; failed: {res.get('error')}"), flush=True)
-        if a.trl and strategy == "zero3":
+            save(work, results, t0)
+        if a.trl and strategy == "zero3" and (strategy, TRL_ROW) in kept:
+            results["rows"].append(kept[strategy, TRL_ROW])
+        elif a.trl and strategy == "zero3":
             res = run_trl(strategy, over, work)
-            results["rows"].append({"strategy": strategy, "variant": "TRL GRPOTrainer (model.generate)", **res})
+            results["rows"].append({"strategy": strategy, "variant": TRL_ROW, **res})
             print(f"{strategy} TRL: {res}", flush=True)
+            save(work, results, t0)
+    save(work, results, t0)
+    return results
+
+
+def save(work: Path, results: dict, t0: float) -> None:
     results["minutes"] = (time.time() - t0) / 60
     (work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return results
 
 
 def section(results: dict) -> str:

@@ -535,9 +535,9 @@ def load_rollout(out, k: int, step: int) -> dict:
 # are the k-th global batch of prompts of the prompt schedule (finetune/data/batches.py BatchSchedule over
 # the prompt rows, one "micro-batch" of all the step's prompts), split into contiguous equal shares, one
 # per data-parallel rank: every prompt's whole group on one rank. Completion j of the prompt at dataset row
-# i in rollout k samples from its own generator seeded by completion_seed(seed, k, i, j), so the tokens do
-# not depend on the process count nor on the other sequences in the batch, and a resumed run samples what
-# the uninterrupted one did.
+# i in rollout k samples with its own seed completion_seed(seed, k, i, j), which keys the noise of its every
+# token (finetune/generation.py next_tokens), so the tokens do not depend on the process count nor on the
+# other sequences in the batch, and a resumed run samples what the uninterrupted one did.
 
 
 def completion_seed(seed: int, rollout: int, row: int, completion: int) -> int:
