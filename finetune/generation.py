@@ -299,16 +299,18 @@ def _one_step(model, **inputs):
     return model(**inputs)
 
 
-# one compiled step for every model (dynamo guards on the model it is given and compiles once per model
-# and shape; the weights are the graph's inputs, so regathered weights reuse it); CUDA graphs on a GPU
-_STEP = {"cpu": torch.compile(_one_step, dynamic=False),
-         "cuda": torch.compile(_one_step, mode="reduce-overhead", dynamic=False)}
+# one compiled step for every model, per device type, built at first use (dynamo guards on the model it
+# is given and compiles once per model and shape; the weights are the graph's inputs, so regathered
+# weights reuse it); CUDA graphs on a GPU
+_STEP: dict = {}
 
 
 def _compiled_forward(model):
     """The compiled one-token forward for the model's device type."""
-    device = next(model.parameters()).device.type
-    return lambda **inputs: _STEP["cuda" if device == "cuda" else "cpu"](model, **inputs)
+    kind = "cuda" if next(model.parameters()).device.type == "cuda" else "cpu"
+    if kind not in _STEP:
+        _STEP[kind] = torch.compile(_one_step, mode="reduce-overhead" if kind == "cuda" else None, dynamic=False)
+    return lambda **inputs: _STEP[kind](model, **inputs)
 
 
 def decode_compiled(setting: str, device: torch.device) -> bool:
