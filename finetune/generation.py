@@ -270,7 +270,9 @@ class _Decoder:
 
         device = next(model.parameters()).device
         self.model, self.width, self.n = model, width, n
-        self.length = width + new_tokens
+        # the cache's length rounded up to a multiple of 256, so that rollouts whose longest prompts differ
+        # a little replay the same graph (its shapes include this length)
+        self.length = -(-(width + new_tokens) // 256) * 256
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.mask = torch.ones(n, self.length, dtype=torch.long, device=device)
         if mask is not None:

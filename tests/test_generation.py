@@ -284,3 +284,22 @@ def test_the_compiled_static_cache_loop_gives_the_eager_tokens(sampling):
     want = generate(model, prompts[::-1], sampling, **{**kw, "seeds": seeds and seeds[::-1]})
     assert [(c.tokens, c.stopped) for c in cut] == [(c.tokens, c.stopped) for c in want]
     assert any(c.stopped for c in cut)
+
+
+def test_the_compiled_step_is_traced_once_for_new_weights_and_prompt_widths():
+    """A rollout regathers the weights (new storage under ZeRO-3 and FSDP) and its longest prompt varies:
+    the compiled step is reused, not traced again, and still gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny_llama()
+    kw = dict(stop_ids=(), pad_id=0, context=None)
+    generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], Sampling(6), compiled=True, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone() * 1.01
+    prompts = [[9] * 11, [1]]
+    again = generate(model, prompts, Sampling(6, temperature=1.0), compiled=True, seeds=[5, 6], **kw)
+    assert counters["stats"]["unique_graphs"] == graphs
+    eager = generate(model, prompts, Sampling(6, temperature=1.0), seeds=[5, 6], **kw)
+    assert [c.tokens for c in again] == [c.tokens for c in eager]
