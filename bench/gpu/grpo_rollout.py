@@ -15,7 +15,11 @@ Before the call, here (the device has no git history):
 
 On the device (run(carry=["bench/gpu/before_generation.py"], timeout_s=...)):
 
-    python bench/gpu/grpo_rollout.py --out $OUT/rollout.json --deadline 420
+    python bench/gpu/grpo_rollout.py --out /tmp/gr/rollout.json --deadline 400; cp /tmp/gr/rollout.json $OUT/
+    # call 2, the same warm machine (its /tmp kept; $OUT is new each call), with the wheels of
+    # bench/README.md installed (finetune/run.py needs datasets and deepspeed; TRL's row needs trl):
+    python bench/gpu/grpo_rollout.py --out /tmp/gr/rollout.json --no-generation --steps 4 --deadline 400; \
+        cp /tmp/gr/rollout.json $OUT/
     python bench/gpu/grpo_rollout.py --render $OUT/rollout.json --doc docs/benchmarks.md   # here, afterwards
     python bench/gpu/grpo_rollout.py --smoke       # CPU, a tiny model, 8 x 16 tokens: checks the pipeline only
 
@@ -145,6 +149,7 @@ def measure_generation(a, deadline: float | None) -> dict:
         "after, compiled": lambda: G.generate(model, rows, sampling, seeds=seeds, compiled=True, **kw),
         "TRL generate": lambda: trl_generate(model, rows, 0, a.new_tokens, 1.0, 1.0, 0),
     }
+    outputs = {}
     for name in VARIANTS:
         if calls[name] is None:
             res["variants"][name] = {"skipped": f"{BEFORE_FILE.relative_to(REPO)} missing (git show ba2306b:...)"}
@@ -159,6 +164,7 @@ def measure_generation(a, deadline: float | None) -> dict:
                     torch.cuda.reset_peak_memory_stats()
                 s, out = time_call(calls[name], cuda)
                 seconds.append(s)
+                outputs[name] = out
                 tokens = int(out.numel()) if isinstance(out, torch.Tensor) else sum(len(c.tokens) for c in out)
         except Exception as e:  # a variant that fails is a row with its error; the others still run
             res["variants"][name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
@@ -174,12 +180,16 @@ def measure_generation(a, deadline: float | None) -> dict:
     bits = G.noise_bits(torch.tensor(seeds[:8]), 5, 4096)
     res["checks"]["noise_bits_equal_cpu"] = bool(torch.equal(G.noise_bits(torch.tensor(seeds[:8], device=device), 5,
                                                                           4096).cpu(), bits))
-    for label, smp in (("greedy", G.Sampling(32)), ("sampled", G.Sampling(32, temperature=1.0))):
-        sd = seeds[:16] if smp.temperature else None
-        e = G.generate(model, rows[:16], smp, seeds=sd, **kw)
-        c = G.generate(model, rows[:16], smp, seeds=sd, compiled=True, **kw)
-        res["checks"][f"compiled_equals_eager_{label}"] = sum(x.tokens == y.tokens for x, y in zip(e, c))
-    res["checks"]["rows_compared"] = len(rows[:16])
+    # sampled: the timed runs' own completions; greedy: one more run of each at the same shapes (the
+    # compiled graph is reused: no new trace)
+    eager, compiled = outputs.get("after, eager"), outputs.get("after, compiled")
+    if eager is not None and compiled is not None:
+        res["checks"]["compiled_equals_eager_sampled"] = sum(x.tokens == y.tokens for x, y in zip(eager, compiled))
+        greedy = G.Sampling(a.new_tokens)
+        e = G.generate(model, rows, greedy, **kw)
+        c = G.generate(model, rows, greedy, compiled=True, **kw)
+        res["checks"]["compiled_equals_eager_greedy"] = sum(x.tokens == y.tokens for x, y in zip(e, c))
+        res["checks"]["rows_compared"] = len(rows)
     return res
 
 
@@ -214,7 +224,7 @@ def measure_steps(a, work: Path, deadline: float | None) -> list[dict]:
         else:
             cmd = [*cmd_head, "--recipe", "tiny_grpo", *over, f"output_dir={out}"]
             done = (out / "summary.json").exists
-        launch = run(cmd, work / f"steps-{name.split()[0].lower()}.log", env=launch_env(BENCH_THREADS="8"),
+        launch = run(cmd, work / f"steps-{name.split()[0].lower()}.log", env=launch_env(OMP_NUM_THREADS="8"),
                      done=done, timeout=left or 900)
         row = {"variant": name, "command": shown(cmd), "ok": launch.ok}
         if cmd_head is not None and launch.ok:
@@ -291,8 +301,10 @@ def section(res: dict) -> str:
                 rows.append([r["variant"], "-", "-", r.get("error") or r.get("skipped") or "failed"])
                 continue
             rows.append([r["variant"], num(r.get("rollout")), num(r.get("step")), ""])
-        lines += ["", "Whole GRPO steps, one process, strategy ddp, bf16, the same model (recipes/tiny_grpo.py's "
-                  "prompts and rewards), medians after the first step:", "",
+        lines += ["", f"Whole GRPO steps (`{res.get('steps_command', res['command'])}`), one process, strategy ddp, "
+                  "bf16, the same model (recipes/tiny_grpo.py's prompts and rewards, the character tokenizer), the "
+                  "same completions a step; medians after the first step. before: finetune/run.py with ba2306b's "
+                  "generate (`grpo_rollout.py before-run`); TRL: its rollout is GRPOTrainer._generate:", "",
                   table(["trainer", "rollout s", "step s", "note"], rows)]
     return "\n".join(lines)
 
@@ -311,7 +323,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--prompt-low", type=int, default=64)
     p.add_argument("--prompt-high", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=0, help="also N whole GRPO steps per trainer")
+    p.add_argument("--steps", type=int, default=0, help="N whole GRPO steps per trainer (0: none)")
+    p.add_argument("--no-generation", action="store_true", help="steps only, the generation rows kept from --out")
     p.add_argument("--deadline", type=float, default=0, help="seconds from now: no new round or run after it")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--render", default="")
@@ -326,10 +339,14 @@ def main(argv: list[str]) -> int:
 
         deadline = time.time() + a.deadline if a.deadline else None
         shown = [x for i, x in enumerate(argv) if x != "--out" and (i == 0 or argv[i - 1] != "--out")]
-        res = {"command": "python bench/gpu/grpo_rollout.py " + " ".join(shown),
-               "git": git_state(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               "versions": versions()}
-        res["generation"] = measure_generation(a, deadline)
+        res = json.loads(Path(a.out).read_text()) if a.no_generation else {}
+        res.update({"git": git_state(), "versions": versions()})
+        if not a.no_generation:
+            res.update({"command": "python bench/gpu/grpo_rollout.py " + " ".join(shown),
+                        "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())})
+            res["generation"] = measure_generation(a, deadline)
+        else:
+            res["steps_command"] = "python bench/gpu/grpo_rollout.py " + " ".join(shown)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
         if a.steps:
