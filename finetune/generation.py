@@ -168,7 +168,6 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, seeds: torch.Tensor | 
     return scores.argmax(-1)
 
 
-@torch.no_grad()
 def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int] | None) -> bool:
     """A generation backend's checks of its arguments; whether it samples (temperature > 0)."""
     if any(not p for p in prompts):
@@ -179,6 +178,7 @@ def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int]
     return sampled
 
 
+@torch.no_grad()  # no autograd graph: a cache chained through every token's forward would hold them all
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None, vocab_size: int | None = None,
