@@ -130,7 +130,10 @@ def measure(a) -> dict:
                "parameters": spec.num_parameters(), "steps": a.steps, "warmup": WARMUP,
                "new_tokens": a.new_tokens, "rows": []}
     earlier = json.loads((work / "results.json").read_text()) if (work / "results.json").is_file() else {}
-    kept = {(r["strategy"], r["variant"]): r for r in earlier.get("rows", []) if r.get("ok")}  # --work again: reused
+    # --work again: the rows that finished are reused; with --only, every earlier row but those named
+    only = {tuple(x.split("/", 1)) for x in a.only.split(",") if x}
+    kept = {(r["strategy"], r["variant"]): r for r in earlier.get("rows", [])
+            if (r.get("ok") and not only) or (only and (r["strategy"], r["variant"]) not in only)}
     t0 = time.time() - 60 * earlier.get("minutes", 0)
     old = before_tree(work, a.before)
     for strategy in a.strategies.split(","):
@@ -231,6 +234,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--compile", action="store_true", help="also after with generation_compile=true")
     p.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer under zero3")
     p.add_argument("--work", default=f"/tmp/rollout-speed-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--only", default="", help="with --work again: run only these rows (strategy/variant, "
+                   "comma-separated, e.g. zero3/before), keep every other earlier row as it was")
     p.add_argument("--doc", default="")
     p.add_argument("--render", default="")
     a = p.parse_args(argv)
