@@ -135,6 +135,9 @@ def measure(a) -> dict:
     kept = {(r["strategy"], r["variant"]): r for r in earlier.get("rows", [])
             if (r.get("ok") and not only) or (only and (r["strategy"], r["variant"]) not in only)}
     t0 = time.time() - 60 * earlier.get("minutes", 0)
+    if earlier:
+        results["command"] = f"{earlier['command']}`, then `{results['command']}"
+        results["started"] = earlier["started"]
     old = before_tree(work, a.before)
     for strategy in a.strategies.split(","):
         over = overrides(strategy, a.steps, str(model_dir), a.new_tokens)
