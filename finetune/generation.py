@@ -260,7 +260,7 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
 
 
 class _Decoder:
-    """The compiled decode loop's state: a StaticCache of prompt width + the longest budget, filled by
+    """The compiled decode loop's state: a StaticCache of prompt width + the longest budget (rounded up), filled by
     an eager forward of the prompts, then one compiled one-token forward a step at fixed shapes (the
     cache's whole attention mask, the prompts' padding at 0, and the step's positions as tensors), so
     the graph is traced once per model and batch shape and replayed for every token."""
@@ -282,18 +282,20 @@ class _Decoder:
         self.positions = positions if positions is not None else \
             torch.arange(width, device=device).expand(n, width)
         self.forward = _compiled_forward(model)
+        # a mixture of experts' training-only router loss, whose mask cannot follow a cache
+        self.extra = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
 
     def __call__(self, ids: torch.Tensor, t: int) -> torch.Tensor:
         if t == 0:
             result = self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.positions,
                                 past_key_values=self.cache, cache_position=torch.arange(self.width, device=ids.device),
-                                use_cache=True, logits_to_keep=1)
+                                use_cache=True, logits_to_keep=1, **self.extra)
             return result.logits[:, -1]
         at = self.width + t - 1  # the cache slot of the token fed now
         with torch.compiler.set_stance("default"):  # callers hold compiled training layers eager around generation
             result = self.forward(input_ids=ids, attention_mask=self.mask, position_ids=self.start + (t - 1),
                                   past_key_values=self.cache,
-                                  cache_position=torch.tensor([at], device=ids.device), use_cache=True)
+                                  cache_position=torch.tensor([at], device=ids.device), use_cache=True, **self.extra)
         return result.logits[:, -1].clone()  # a CUDA graph's output is overwritten by its next replay
 
 
