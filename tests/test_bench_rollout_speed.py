@@ -35,7 +35,7 @@ def test_cpu_section_rows_speed_up_and_failure(tmp_path):
             or line.startswith("| fsdp")]
     assert rows[0][:6] == ["zero3", "before", "4.00", "5.00", "10.00", "-"]
     assert rows[1][:6] == ["zero3", "after", "2.00", "5.00", "10.00", "2.00x"]
-    assert rows[2][2] == "failed" and "RuntimeError: no" in rows[2][-1]
+    assert rows[2][2] == "failed" and "RuntimeError: no" in rows[2][-1] and rows[0][6] == "-"
     assert "106M parameters" in text and "ba2306b" in text
 
 

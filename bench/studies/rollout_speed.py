@@ -14,10 +14,12 @@ the builtin 108-token character tokenizer), fp32, completions of max_completion_
 taken with `git archive` into the work folder and run with its own finetune/run.py; "after" is this
 tree. Both run recipes/tiny_grpo.py with the same overrides (overrides()): the model above, 4 prompts x
 num_generations 4 = 16 completions a step (8 per rank, one micro-batch), max_completion_len 128,
-temperature 1, no eval, no checkpoints. The untrained model almost never emits its end token, so every
-completion runs to max_completion_len on both sides: the same tokens generated per step, whatever was
-drawn. The tokens differ (a new sampler; "before" also draws the ids past the tokenizer's 108, which
-"after" masks). Rollout seconds: metrics.jsonl's rollout_seconds (the weights gathered, generation,
+temperature 1, no eval, no checkpoints. The tokens differ (a new sampler; "before" also draws the ids
+past the tokenizer's 108, which "after" masks, so "before" almost never draws the end token and its
+completions run to max_completion_len, while "after"'s end at the end token 1 time in ~100 a token):
+a rollout still takes max_completion_len forwards of the rank's whole batch wherever one of its 8
+completions runs that long (finished ones ride along), and the table gives each row's completion
+tokens a step. Rollout seconds: metrics.jsonl's rollout_seconds (the weights gathered, generation,
 decoding; GRPO.sample's timer); step seconds: the record's window (tokens / tokens_per_s). Medians over
 the steps after the first WARMUP (the first rollout is also reported: it holds the compile with
 generation_compile=true).
@@ -183,12 +185,14 @@ def section(results: dict) -> str:
     for r in results["rows"]:
         b = base.get(r["strategy"])
         if not r.get("ok"):
-            body.append([r["strategy"], r["variant"], "failed", "-", "-", "-", "-", f"`{r.get('error')}`"])
+            body.append([r["strategy"], r["variant"], "failed", "-", "-", "-", "-", "-", f"`{r.get('error')}`"])
             continue
         speed = (f"{b['rollout'] / r['rollout']:.2f}x" if b and r is not b and r.get("rollout") and b.get("rollout")
                  else "-")
+        toks = [t for t in (r.get("completion_tokens") or [])[results["warmup"]:] if t]
         body.append([r["strategy"], r["variant"], num(r.get("rollout")), num(r.get("first_rollout")),
-                     num(r.get("step")), speed, num(r.get("other_load")), ""])
+                     num(r.get("step")), speed, f"{statistics.median(toks):.0f}" if toks else "-",
+                     num(r.get("other_load")), r.get("note", "")])
     n = results["parameters"]
     lines = [
         f"Measured by `{results['command']}` at git {results['git']} on {results['started']} "
@@ -201,8 +205,8 @@ def section(results: dict) -> str:
         f"finetune at {results['before']} (one completion at a time: filter, softmax, a host copy and "
         "torch.multinomial per row per token); after: this tree (one batched Gumbel-max draw per token on the "
         "device, counter-based noise keyed by (completion seed, position)).", "",
-        table(["strategy", "sampler", "rollout s", "first rollout s", "step s", "rollout speed-up", "other load",
-               "note"], body), "",
+        table(["strategy", "sampler", "rollout s", "first rollout s", "step s", "rollout speed-up",
+               "completion tokens/step", "other load", "note"], body), "",
         "rollout s: metrics.jsonl's rollout_seconds (gathering the weights, generating, decoding); step s: the "
         "whole optimizer step (rollout, rewards, forward and backward, update); other load: CPU cores the rest of "
         "the machine used meanwhile, on average (the noise). TRL's row: GRPOTrainer._generate per step "
