@@ -200,7 +200,7 @@ def section(results: dict) -> str:
         "shared with other jobs; " + ", ".join(f"{k} {v}" for k, v in results["versions"].items()) + ".", "",
         f"GRPO on 2 processes over gloo (`accelerate launch --multi_gpu --num_processes 2`), fp32, "
         f"recipes/{RECIPE}.py with {results['model']} ({n / 1e6:.0f}M parameters), 4 prompts x 4 completions a "
-        f"step (8 per rank), {results['new_tokens']} new tokens each (the untrained model never stops early), "
+        f"step (8 per rank), at most {results['new_tokens']} new tokens each, "
         f"{results['steps']} steps; medians over the steps after the first {results['warmup']}. before: "
         f"finetune at {results['before']} (one completion at a time: filter, softmax, a host copy and "
         "torch.multinomial per row per token); after: this tree (one batched Gumbel-max draw per token on the "
