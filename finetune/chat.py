@@ -236,5 +236,6 @@ def answer(model, tokenizer, text: str, fmt: str, max_new_tokens: int, temperatu
         seeds = [int(torch.randint(2**62, (1,), generator=generator or torch.Generator()))]
     [completion] = generate(model, [render_prompt(tokenizer, text, fmt, input)],
                             Sampling(max_new_tokens, temperature), stop_ids=stop_ids(tokenizer, model),
-                            pad_id=pad_id_for(tokenizer), context=context_length(model.config), seeds=seeds)
+                            pad_id=pad_id_for(tokenizer), context=context_length(model.config), seeds=seeds,
+                            vocab_size=len(tokenizer))
     return tokenizer.decode(completion.tokens, skip_special_tokens=True)

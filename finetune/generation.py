@@ -7,11 +7,20 @@ model once around the call (Strategy.whole_weights), never per token. Prompts of
 left-padded into one batch (an attention mask hides the padding, position ids count each prompt's own
 tokens from 0), so every sequence's next token comes from one forward. Each sequence ends at its own
 stop token, at max_new_tokens, or where its prompt and answer fill the model's context; a finished
-sequence rides along on padding until the batch ends. Sampling draws each sequence's tokens from its own
-torch.Generator (seeded per sequence), so a sequence's tokens do not depend on what else is in the batch.
-Greedy tokens equal those of one sequence at a time (tests/test_generation.py, real tokenizers); a batch
-of one, or of prompts of one length, runs exactly the forwards one sequence would (no mask, no position
-ids: the model's own)."""
+sequence rides along on padding until the batch ends.
+
+Each token is chosen for the whole batch at once, on the model's device (next_tokens): greedy, the
+argmax; sampled, one Gumbel-max draw, argmax(logits / temperature, top_k and top_p applied row by row,
++ Gumbel noise), whose noise is a pure function of (the sequence's seed, the token's position in its
+completion, the token id) computed by a counter-based generator in integer ops (noise_bits). So a
+sequence's tokens do not depend on what else is in the batch, on the rank or process count, nor on a
+resume, and the host reads the batch's state once per token (once per 8 on a GPU), never per row.
+Ids past the tokenizer's vocabulary (vocab_size: embedding rows padded for speed) are never chosen.
+
+Greedy tokens equal those of one sequence at a time (tests/test_generation.py, real tokenizers); a
+batch of one, or of prompts of one length, runs exactly the forwards one sequence would (no mask, no
+position ids: the model's own). compiled=True: the same tokens from a preallocated StaticCache and a
+compiled one-token step (CUDA graphs on a GPU); the default on a GPU through generation_compile=auto."""
 
 from __future__ import annotations
 
@@ -95,23 +104,74 @@ class Completion:
     seconds: float = 0.0  # from the call's start until this sequence ended
 
 
+# A counter-based generator (splitmix64's output function: Steele, Lea and Flood, "Fast splittable
+# pseudorandom number generators", 2014) in torch int64 ops, which wrap modulo 2**64 alike on CPU and
+# CUDA: the noise of token id v at completion position t of the completion seeded s is
+# mix64(key(s, t) + (v + 1) * GAMMA), a pure function of (s, t, v). Nothing depends on the other rows of
+# the batch, the device, the rank or how many tokens were drawn before.
+def _int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+GAMMA = _int64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x >> k as an unsigned 64-bit shift (torch's >> on int64 copies the sign bit)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer: a bijection of 64-bit integers (int64 tensors, wrapping)."""
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def noise_bits(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] int64: 64 random bits per token id for each row's completion seed (seeds: [rows]
+    int64) at completion position `position` (the token's index in its completion, from 0)."""
+    key = mix64(mix64(seeds + GAMMA) ^ mix64(torch.full_like(seeds, position + 1) * GAMMA))
+    ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=seeds.device)
+    return mix64(key[:, None] + ids * GAMMA)
+
+
+def gumbel_noise(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """[rows, vocab] float64 standard Gumbel noise, -log(-log(u)), u = the top 52 bits + 1/2 over 2**52
+    (in (0, 1), never 0 or 1)."""
+    u = (_shift_right(noise_bits(seeds, position, vocab), 12).double() + 0.5) * 2.0 ** -52
+    return -torch.log(-torch.log(u))
+
+
 def _filtered(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """One sequence's logits / temperature, with the tokens top_k and top_p leave out at -inf."""
+    """[rows, vocab] logits / temperature, with the tokens top_k and top_p leave out at -inf, row by row."""
     logits = logits / sampling.temperature
-    if sampling.top_k and sampling.top_k < logits.numel():
-        kth = torch.topk(logits, sampling.top_k).values[-1]
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
-        ordered, order = torch.sort(logits, descending=True)
-        before = torch.softmax(ordered, dim=-1).cumsum(-1) - torch.softmax(ordered, dim=-1)
-        drop = before >= sampling.top_p  # the tokens after the set reached top_p (the first always stays)
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(-1) - probs >= sampling.top_p  # after the set reached top_p (the first always stays)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     return logits
 
 
-def _sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    probs = torch.softmax(_filtered(logits, sampling), dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+def next_tokens(logits: torch.Tensor, sampling: Sampling, seeds: torch.Tensor | None, position: int,
+                vocab_size: int | None = None) -> torch.Tensor:
+    """Each row's next token from its [rows, vocab] logits, on their device, in one batched draw: greedy,
+    the argmax; sampled, the Gumbel-max draw argmax(filtered logits + Gumbel noise of (seed, position)),
+    a draw from softmax(filtered logits). Ids from vocab_size on (embedding rows past the tokenizer's
+    vocabulary) are never chosen."""
+    logits = logits.float()
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = torch.cat([logits[:, :vocab_size], logits.new_full((len(logits), logits.shape[-1] - vocab_size),
+                                                                    float("-inf"))], dim=-1)
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    scores = _filtered(logits, sampling).double() + gumbel_noise(seeds, position, logits.shape[-1])
+    return scores.argmax(-1)
 
 
 def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int] | None) -> bool:
@@ -124,20 +184,24 @@ def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int]
     return sampled
 
 
-@torch.no_grad()  # without it every token's forward stays in an autograd graph held by the KV cache
+@torch.no_grad()  # no autograd graph: a cache chained through every token's forward would hold them all
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
-             should_stop: Callable[[], bool] | None = None) -> list[Completion]:
+             should_stop: Callable[[], bool] | None = None, vocab_size: int | None = None,
+             compiled: bool = False) -> list[Completion]:
     """Batched KV-cache generation over left-padded prompts on an unwrapped HF causal LM whose weights are
-    already whole (the caller gathers them once around the call). seeds[i] seeds sequence i's own
-    torch.Generator, so its tokens do not depend on what else is in the batch. Greedy needs no seeds.
-    context: the model's positions (finetune.model.context_length; None: no bound): a sequence ends
-    where its prompt and answer fill it. should_stop: read before each token (a stop request); True
-    ends every sequence where it is."""
+    already whole (the caller gathers them once around the call). seeds[i] is sequence i's own seed: its
+    tokens are drawn with noise keyed by (seeds[i], position) (next_tokens), so they do not depend on
+    what else is in the batch. Greedy needs no seeds. context: the model's positions
+    (finetune.model.context_length; None: no bound): a sequence ends where its prompt and answer fill it.
+    should_stop: read before each token (a stop request); True ends every sequence where it is.
+    vocab_size: the tokenizer's vocabulary (len(tokenizer)); ids from it on are never generated.
+    compiled: the KV cache preallocated (transformers' StaticCache) and each one-token step a compiled
+    graph (torch.compile; CUDA graphs on a GPU): the same tokens as eager (tests/test_generation.py),
+    worth its compile time on a GPU (decode_compiled)."""
     if not prompts:
         return []
     sampled = check_request(prompts, sampling, seeds)
-    generators = [torch.Generator().manual_seed(s) for s in seeds] if sampled else []
     n, lengths = len(prompts), [len(p) for p in prompts]
     budget = [sampling.max_new_tokens if context is None else min(sampling.max_new_tokens, max(context - k, 0))
               for k in lengths]
@@ -145,44 +209,121 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     width = max(lengths)
     padded = width != min(lengths)
     ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+    seed_ids = torch.tensor(seeds, dtype=torch.int64, device=device) if sampled else None
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    left = torch.tensor(budget, device=device)  # tokens each sequence may still take
+    active, stopped = left > 0, torch.zeros(n, dtype=torch.bool, device=device)
     mask = positions = None
     if padded:  # otherwise the model's own mask and positions, as for one sequence
         mask = torch.tensor([[0] * (width - k) + [1] * k for k in lengths], device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    stop = set(stop_ids)
-    out = [Completion([], False) for _ in prompts]
-    active = [b > 0 for b in budget]
+    longest = max(budget)
+    step = _Decoder(model, n, width, longest, mask, positions) if compiled and longest < 2**20 else None
+    # is any sequence still going: read every token on CPU (free), every 8th on a GPU (a device sync)
+    check_every = 8 if device.type == "cuda" else 1
+    columns: list[torch.Tensor] = []
+    checked: list[tuple[int, float]] = []  # (tokens drawn, seconds since t0) where the host looked
     t0 = time.perf_counter()
     past = None
     router_logits = getattr(getattr(model, "config", None), "output_router_logits", False)
-    while any(active):
+    going = longest > 0
+    while going:
         if should_stop is not None and should_stop():
             break
-        extra = {"attention_mask": mask, "position_ids": positions} if padded else {}
-        if router_logits:  # a mixture of experts' training-only router loss, whose mask cannot follow a cache
-            extra["output_router_logits"] = False
-        result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1, **extra)
-        past = result.past_key_values
-        logits = result.logits[:, -1].float()
-        if sampled:
-            tokens = [_sample(logits[i], sampling, generators[i]) if active[i] else pad_id for i in range(n)]
+        t = len(columns)
+        if step is not None:
+            logits = step(ids, t)
         else:
-            tokens = logits.argmax(-1).tolist()
-        now = time.perf_counter() - t0
-        for i in range(n):
-            if not active[i]:
-                tokens[i] = pad_id
-                continue
-            out[i].tokens.append(tokens[i])
-            out[i].seconds = now
-            if tokens[i] in stop:
-                out[i].stopped, active[i] = True, False
-            elif len(out[i].tokens) >= budget[i]:
-                active[i] = False
-        if not any(active):
+            extra = {"attention_mask": mask, "position_ids": positions} if padded else {}
+            if router_logits:  # a mixture of experts' training-only router loss, whose mask cannot follow a cache
+                extra["output_router_logits"] = False
+            result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1, **extra)
+            past, logits = result.past_key_values, result.logits[:, -1]
+        tokens = torch.where(active, next_tokens(logits, sampling, seed_ids, t, vocab_size), pad_id)
+        columns.append(tokens)
+        hit = active & torch.isin(tokens, stop)
+        stopped |= hit
+        left = left - active.long()
+        active = active & ~hit & (left > 0)
+        if (t + 1) % check_every == 0:
+            going = bool(active.any())
+            checked.append((t + 1, time.perf_counter() - t0))
+        if not going or t + 1 == longest:
             break
-        ids = torch.tensor(tokens, device=device).view(n, 1)
-        if padded:
+        ids = tokens.view(n, 1)
+        if padded and step is None:
             mask = torch.cat([mask, mask.new_ones(n, 1)], dim=1)
             positions = positions[:, -1:] + 1
+    checked.append((len(columns), time.perf_counter() - t0))
+    drawn = torch.stack(columns, 1).cpu().tolist() if columns else [[] for _ in prompts]
+    lengths_out = (torch.tensor(budget, device=device) - left).cpu().tolist()
+    out = []
+    for row, count, hit in zip(drawn, lengths_out, stopped.cpu().tolist()):
+        # the seconds at the first look of the host once its last token was drawn
+        seconds = next((s for k, s in checked if k >= count), checked[-1][1]) if count else 0.0
+        out.append(Completion(row[:count], bool(hit), seconds))
     return out
+
+
+class _Decoder:
+    """The compiled decode loop's state: a StaticCache of prompt width + the longest budget (rounded up), filled by
+    an eager forward of the prompts, then one compiled one-token forward a step at fixed shapes (the
+    cache's whole attention mask, the prompts' padding at 0, and the step's positions as tensors), so
+    the graph is traced once per model and batch shape and replayed for every token."""
+
+    def __init__(self, model, n: int, width: int, new_tokens: int, mask, positions):
+        from transformers.cache_utils import StaticCache
+
+        device = next(model.parameters()).device
+        self.model, self.width, self.n = model, width, n
+        # the cache's length rounded up to a multiple of 256, so that rollouts whose longest prompts differ
+        # a little replay the same graph (its shapes include this length)
+        self.length = -(-(width + new_tokens) // 256) * 256
+        self.cache = StaticCache(config=model.config, max_cache_len=self.length)
+        self.mask = torch.ones(n, self.length, dtype=torch.long, device=device)
+        if mask is not None:
+            self.mask[:, :width] = mask
+        self.start = (positions[:, -1:] + 1) if positions is not None else \
+            torch.full((n, 1), width, dtype=torch.long, device=device)
+        self.positions = positions if positions is not None else \
+            torch.arange(width, device=device).expand(n, width)
+        self.forward = _compiled_forward(model)
+        # a mixture of experts' training-only router loss, whose mask cannot follow a cache
+        self.extra = {"output_router_logits": False} if getattr(model.config, "output_router_logits", False) else {}
+
+    def __call__(self, ids: torch.Tensor, t: int) -> torch.Tensor:
+        if t == 0:
+            result = self.model(input_ids=ids, attention_mask=self.mask, position_ids=self.positions,
+                                past_key_values=self.cache, cache_position=torch.arange(self.width, device=ids.device),
+                                use_cache=True, logits_to_keep=1, **self.extra)
+            return result.logits[:, -1]
+        at = self.width + t - 1  # the cache slot of the token fed now
+        with torch.compiler.set_stance("default"):  # callers hold compiled training layers eager around generation
+            result = self.forward(input_ids=ids, attention_mask=self.mask, position_ids=self.start + (t - 1),
+                                  past_key_values=self.cache,
+                                  cache_position=torch.tensor([at], device=ids.device), use_cache=True, **self.extra)
+        return result.logits[:, -1].clone()  # a CUDA graph's output is overwritten by its next replay
+
+
+def _one_step(model, **inputs):
+    return model(**inputs)
+
+
+# one compiled step for every model, per device type, built at first use (dynamo guards on the model it
+# is given and compiles once per model and shape; the weights are the graph's inputs, so regathered
+# weights reuse it); CUDA graphs on a GPU
+_STEP: dict = {}
+
+
+def _compiled_forward(model):
+    """The compiled one-token forward for the model's device type."""
+    kind = "cuda" if next(model.parameters()).device.type == "cuda" else "cpu"
+    if kind not in _STEP:
+        _STEP[kind] = torch.compile(_one_step, mode="reduce-overhead" if kind == "cuda" else None, dynamic=False)
+    return lambda **inputs: _STEP[kind](model, **inputs)
+
+
+def decode_compiled(setting: str, device: torch.device) -> bool:
+    """Whether generation runs the compiled decode loop: generation_compile=auto: on a GPU only (on CPU
+    the compile takes longer than it saves: docs/benchmarks.md, rollout section); true, false."""
+    return device.type == "cuda" if setting == "auto" else setting == "true"

@@ -182,6 +182,10 @@ class Recipe:
     temperature: float = _opt(1.0, min=0.0, help="grpo: sampling temperature (0: greedy)")
     top_p: float = _opt(1.0, min=0.0, max=1.0, help="grpo: nucleus sampling's probability mass (1: off)")
     top_k: int = _opt(0, min=0, help="grpo: sample among the k likeliest tokens (0: off)")
+    generation_compile: str = _opt("auto", choices=("auto", "true", "false"),
+                                   help="grpo: the rollout's decode loop in a static KV cache with its one-token step "
+                                   "compiled (CUDA graphs on a GPU); auto: on a GPU only (on CPU the compile costs "
+                                   "more than it saves)")
     max_completion_len: int = _opt(256, min=1, help="grpo: the most tokens a completion gets; also dr_grpo's "
                                    "normaliser")
     loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo"),

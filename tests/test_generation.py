@@ -171,3 +171,150 @@ def test_generation_keeps_no_autograd_graph():
     for sampling, seeds in ((Sampling(4), None), (Sampling(4, temperature=1.0), [1, 2])):
         generate(model, [[1, 2], [3, 4, 5]], sampling, stop_ids=(), pad_id=0, context=None, seeds=seeds)
     assert len(recorded) == 8 and not any(grad or needs for grad, needs in recorded)
+
+
+# ---------------------------------------------------------------- the sampler: counter-based noise, Gumbel-max
+
+def splitmix64(state: int) -> int:
+    """The published splitmix64 step's output (Steele et al. 2014; Vigna's C reference), in Python ints."""
+    mask = (1 << 64) - 1
+    z = (state + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def as_unsigned(x: torch.Tensor) -> list[int]:
+    return [v & ((1 << 64) - 1) for v in x.tolist()]
+
+
+def test_the_hash_is_splitmix64_and_its_values_are_fixed():
+    from finetune.generation import GAMMA, mix64, noise_bits
+
+    # splitmix64 seeded 0: its first outputs, as every implementation gives them
+    assert splitmix64(0) == 0xE220A8397B1DCDAF and splitmix64(0x9E3779B97F4A7C15) == 0x6E789E6AA1B965F4
+    states = [0, 1, 42, 2**63 - 1, 2**63, 2**64 - 1, 0x123456789ABCDEF0]
+    signed = torch.tensor([s - 2**64 if s >= 2**63 else s for s in states], dtype=torch.int64)
+    assert as_unsigned(mix64(signed + GAMMA)) == [splitmix64(s) for s in states]
+    # noise of (seed, position, token id): fixed values, which no change may move (the sampled tokens follow)
+    bits = noise_bits(torch.tensor([0, 7, 2**62 + 5]), 3, 4)
+    assert [as_unsigned(row) for row in bits] == NOISE_BITS
+    assert NOISE_BITS == [[reference_bits(s, 3, v) for v in range(4)] for s in (0, 7, 2**62 + 5)]
+    assert torch.equal(noise_bits(torch.tensor([7]), 3, 4)[0], bits[1])  # the same row alone
+
+
+def reference_bits(seed: int, position: int, token: int) -> int:
+    """noise_bits' definition in Python ints: splitmix64's finalizer over the counter (seed, position, id)."""
+    mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
+
+    def mix(z):
+        return splitmix64((z - gamma) & mask)
+
+    key = mix(mix((seed + gamma) & mask) ^ mix(((position + 1) * gamma) & mask))
+    return mix((key + (token + 1) * gamma) & mask)
+
+
+# noise_bits([0, 7, 2**62 + 5], position 3, 4 ids) as first computed; reference_bits gives the same
+NOISE_BITS = [[11504326061892920320, 14258287031011967747, 11059012597447608871, 10771978082784373745],
+              [9301308972040754525, 3926809467056848703, 8906762080995474721, 10448857664043669431],
+              [14039264565928181804, 6419270726637347647, 9032336944369089237, 9098362570781628847]]
+
+
+def test_noise_depends_on_seed_position_and_id_only():
+    from finetune.generation import gumbel_noise, noise_bits
+
+    seeds = torch.tensor([11, 22, 33, 11])
+    a = noise_bits(seeds, 0, 64)
+    assert torch.equal(a[0], a[3]) and not torch.equal(a[0], a[1])
+    assert not torch.equal(a[0], noise_bits(seeds, 1, 64)[0])
+    assert torch.equal(noise_bits(seeds, 5, 64), torch.cat([noise_bits(seeds[i:i + 1], 5, 64) for i in range(4)]))
+    assert len(set(a[:3].flatten().tolist())) == 3 * 64  # no repeats among 192 64-bit values
+    g = gumbel_noise(torch.arange(2000), 0, 50)
+    assert g.dtype == torch.float64 and torch.isfinite(g).all()
+    assert g.mean().item() == pytest.approx(0.5772, abs=0.01)  # the Euler-Mascheroni constant
+    assert g.var().item() == pytest.approx(torch.pi ** 2 / 6, rel=0.02)
+
+
+def test_gumbel_max_draws_follow_the_filtered_softmax():
+    """Over many seeds, each token's share of the draws is its probability under softmax(logits / T)
+    after top_k / top_p (and 0 for the ids past the tokenizer's vocabulary)."""
+    from finetune.generation import next_tokens
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0, 5.0, 5.0])  # the last two: padded embedding rows
+    seeds = torch.arange(40_000)
+    for sampling, want in [
+        (Sampling(1, temperature=1.0), torch.softmax(logits[:6], -1)),
+        (Sampling(1, temperature=0.5), torch.softmax(logits[:6] / 0.5, -1)),
+        (Sampling(1, temperature=1.0, top_k=3), torch.softmax(torch.tensor([2.0, 1.0, 3.0]), -1)),
+        (Sampling(1, temperature=1.0, top_p=0.8), None),
+    ]:
+        drawn = next_tokens(logits.expand(len(seeds), -1), sampling, seeds, 4, vocab_size=6)
+        share = torch.bincount(drawn, minlength=8).double() / len(seeds)
+        assert share[6:].sum() == 0, "the padded rows are never drawn"
+        if sampling.top_k == 3:
+            want = torch.zeros(6).index_put_((torch.tensor([0, 1, 5]),), want)
+        if sampling.top_p < 1:  # 3.0 (0.63) then 2.0 (0.23) reach 0.8: those two only
+            p = torch.softmax(logits[:6], -1)
+            want = torch.zeros(6).index_put_((torch.tensor([0, 5]),), p[[0, 5]] / p[[0, 5]].sum())
+        assert torch.allclose(share[:6], want.double(), atol=0.01), (sampling, share, want)
+    greedy = next_tokens(logits.expand(3, -1), Sampling(1), None, 0, vocab_size=6)
+    assert greedy.tolist() == [5, 5, 5] and next_tokens(logits[None], Sampling(1), None, 0).tolist() == [6]
+
+
+def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
+    """The tiny model's 128 embedding rows hold a 108-token vocabulary: rows made the likeliest by far are
+    still never generated, greedy or sampled, once vocab_size is given."""
+    model = _tiny_llama(vocab_size=128)
+    head = torch.nn.Linear(32, 128, bias=True)  # the same weights, with a bias that favours the padded rows
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight)
+        head.bias.zero_()
+        head.bias[108:] = 50.0
+    model.lm_head = head
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    free = generate(model, prompts, Sampling(6), stop_ids=(), pad_id=0, context=None)
+    assert all(t >= 108 for c in free for t in c.tokens), "the check: without the mask those rows win"
+    for sampling, seeds in [(Sampling(6), None), (Sampling(6, temperature=1.5), [1, 2]),
+                            (Sampling(6, temperature=1.0, top_k=3), [3, 4])]:
+        out = generate(model, prompts, sampling, stop_ids=(), pad_id=0, context=None, seeds=seeds, vocab_size=108)
+        assert all(len(c.tokens) == 6 and max(c.tokens) < 108 for c in out)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(12), Sampling(12, temperature=1.0, top_p=0.9)])
+def test_the_compiled_static_cache_loop_gives_the_eager_tokens(sampling):
+    """compiled=True (StaticCache, a torch.compile'd one-token step; what a GPU runs by default) on CPU:
+    the eager loop's tokens, prompts of different lengths left-padded, stop ids ending some early, a
+    context bound, and again (the compiled step reused for another batch)."""
+    model = _tiny_llama(positions=48)
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [4], [5 + i % 60 for i in range(40)]]
+    seeds = [11, 22, 33, 44] if sampling.temperature else None
+    kw = dict(stop_ids=(), pad_id=0, context=48, seeds=seeds)
+    eager = generate(model, prompts, sampling, **kw)
+    compiled = generate(model, prompts, sampling, compiled=True, **kw)
+    assert [c.tokens for c in compiled] == [c.tokens for c in eager]
+    assert [len(c.tokens) for c in eager] == [12, 12, 12, 8]
+    ends = {eager[0].tokens[4], eager[2].tokens[2]}
+    kw["stop_ids"] = ends
+    cut = generate(model, prompts[::-1], sampling, compiled=True, **{**kw, "seeds": seeds and seeds[::-1]})
+    want = generate(model, prompts[::-1], sampling, **{**kw, "seeds": seeds and seeds[::-1]})
+    assert [(c.tokens, c.stopped) for c in cut] == [(c.tokens, c.stopped) for c in want]
+    assert any(c.stopped for c in cut)
+
+
+def test_the_compiled_step_is_traced_once_for_new_weights_and_prompt_widths():
+    """A rollout regathers the weights (new storage under ZeRO-3 and FSDP) and its longest prompt varies:
+    the compiled step is reused, not traced again, and still gives the eager tokens."""
+    from torch._dynamo.utils import counters
+
+    model = _tiny_llama()
+    kw = dict(stop_ids=(), pad_id=0, context=None)
+    generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], Sampling(6), compiled=True, **kw)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone() * 1.01
+    prompts = [[9] * 11, [1]]
+    again = generate(model, prompts, Sampling(6, temperature=1.0), compiled=True, seeds=[5, 6], **kw)
+    assert counters["stats"]["unique_graphs"] == graphs
+    eager = generate(model, prompts, Sampling(6, temperature=1.0), seeds=[5, 6], **kw)
+    assert [c.tokens for c in again] == [c.tokens for c in eager]

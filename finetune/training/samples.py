@@ -131,7 +131,8 @@ def run_samples(accelerator, model, prompts: list[Prompt], tokenizer, max_new_to
         with torch.compiler.set_stance("force_eager"), running_strategy(accelerator).whole_weights(accelerator, model) as whole:
             answers = generate(whole, [p.ids for p in prompts], Sampling(max_new_tokens),
                                stop_ids=stop_ids(tokenizer, whole, generation_config), pad_id=pad_id_for(tokenizer),
-                               context=context_length(whole.config), should_stop=requested)
+                               context=context_length(whole.config), should_stop=requested,
+                               vocab_size=len(tokenizer))
     finally:
         model.train(was_training)
     if stop is not None and stop_agreed(accelerator, stop):

@@ -62,7 +62,7 @@ from finetune import data as D
 from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
-from finetune.generation import Sampling, generate, pad_id_for, stop_ids
+from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, generator_for,
                                           importance_weights)
 from finetune.training.metrics import log
@@ -670,7 +670,8 @@ def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=N
                 run.parallel.strategy.whole_weights(accelerator, model) as whole:
             out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                           seeds=seeds if sampling.temperature > 0 else None, should_stop=should_stop)
+                           seeds=seeds if sampling.temperature > 0 else None, should_stop=should_stop,
+                           vocab_size=len(run.tokenizer), compiled=decode_compiled(r.generation_compile, accelerator.device))
             return [] if idle else out
     finally:
         model.train(was_training)
@@ -784,9 +785,9 @@ def load_rollout(out, k: int, step: int) -> dict:
 # are the k-th global batch of prompts of the prompt schedule (finetune/data/batches.py BatchSchedule over
 # the prompt rows, one "micro-batch" of all the step's prompts), split into contiguous equal shares, one
 # per data-parallel rank: every prompt's whole group on one rank. Completion j of the prompt at dataset row
-# i in rollout k samples from its own generator seeded by completion_seed(seed, k, i, j), so the tokens do
-# not depend on the process count nor on the other sequences in the batch, and a resumed run samples what
-# the uninterrupted one did.
+# i in rollout k samples with its own seed completion_seed(seed, k, i, j), which keys the noise of its every
+# token (finetune/generation.py next_tokens), so the tokens do not depend on the process count nor on the
+# other sequences in the batch, and a resumed run samples what the uninterrupted one did.
 
 
 def completion_seed(seed: int, rollout: int, row: int, completion: int) -> int:
