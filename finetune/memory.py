@@ -335,6 +335,7 @@ class Estimate:
     kv_cache: int = 0  # GRPO: the KV cache of every completion this rank generates, in one batch
     prefill: int = 0  # GRPO: one layer's transients of the prompts' forward (no gradient)
     logps: int = 0  # GRPO: old (num_iterations > 1) and reference (beta > 0) log-probs, fp32, kept through the step
+    staging: int = 0  # async_save: the rank's part of a checkpoint staged in host memory (counted in cpu too)
 
     @property
     def model_states(self) -> int:
@@ -374,7 +375,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              lora_params: int = 0, quantized_base: bool = False, loss_impl: str = "full",
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
              pairs: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
-             activation_offload: bool = False, rollout: "Rollout | None" = None) -> Estimate:
+             activation_offload: bool = False, rollout: "Rollout | None" = None, async_save: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -389,7 +390,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     in one forward. reference: it also holds a frozen reference (a full fine-tune without
     precompute_reference or SimPO), in the compute dtype: sharded by fsdp and zero3 (and offloaded with
     the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded).
-    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5)."""
+    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5).
+    async_save: each save stages the rank's part of the checkpoint (its trained weights and optimizer
+    states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) in host memory, the cpu
+    column (finetune/checkpointing/background.py)."""
     n = world_size
     strategy = strategy_for(setup.strategy)
     base = arch.num_parameters()
@@ -416,7 +420,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 
+    staging = (trained * pb / (n if shard_params else 1) + trained * ob / (n if strategy.shards_optimizer else 1)
+               if async_save else 0)
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
+    off["cpu"] += staging
     held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0
     if held and setup.offload_params != "none" and strategy.reference_sharded:
         off[setup.offload_params] += held
@@ -448,7 +455,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
-                    reference=round(held), **phase)
+                    reference=round(held), staging=round(staging), **phase)
 
 
 @dataclass(frozen=True)
@@ -497,7 +504,8 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
                     reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
                     sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
-                    activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size))
+                    activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size),
+                    async_save=recipe.async_save)
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -751,6 +759,9 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "") -> str
                         f"{gib(e.kv_cache, unit)}, prefill {gib(e.prefill, unit)}; a peak of "
                         f"{gib(e.rollout_peak, unit)} {name} per GPU (with the model states"
                         + (", reference" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
+    if e.staging:
+        lines.insert(1, f"async_save=true: each save stages {gib(e.staging, unit)} {name} per rank in host memory "
+                        "(counted in the cpu column; docs/async-checkpoints.md)")
     if e.samples:
         lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
                         f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
@@ -787,3 +798,18 @@ def _gpu_memory() -> int | None:
     except Exception:
         return None
     return None
+
+
+def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> str | None:
+    """async_save=true where this node's host memory cannot stage its ranks' parts of a checkpoint: one
+    line with the numbers (None where it fits, or the model's size cannot be read here)."""
+    if not recipe.async_save:
+        return None
+    try:
+        e = recipe_estimate(recipe, world_size, load_architecture(recipe.model))
+    except EstimateError:
+        return None
+    from finetune.checkpointing.background import host_memory_problem
+
+    sharded = strategy_for(recipe.strategy).shards_optimizer
+    return host_memory_problem(e.staging * (min(local_processes, world_size) if sharded else 1))

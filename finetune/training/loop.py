@@ -437,6 +437,14 @@ class Reporter:
     def note(self, text: str) -> None:
         self.progress.note(text)
 
+    def saved(self, lines: list[str], records: list[dict]) -> None:
+        """What the checkpointer says of its saves: log lines, and per checkpoint its seconds blocking the
+        loop and in the background (metrics.jsonl)."""
+        for record in records:
+            self.metrics.write(record)
+        for line in lines:
+            self.progress.note(line)
+
     def close(self) -> None:
         self.progress.close()
 
@@ -469,6 +477,14 @@ def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple
 
 def train(plan: Plan) -> dict:
     run, state = setup(plan)
+    try:
+        return train_from(run, state)
+    except BaseException:  # a checkpoint's background write (async_save) finishes before the process ends
+        run.checkpoints.wait_after_error(log.warning)
+        raise
+
+
+def train_from(run: Run, state: LoopState) -> dict:
     r, reporter = run.recipe, run.reporter
     stop = StopRequest()
     reporter.begin(state.step)
@@ -486,6 +502,8 @@ def train(plan: Plan) -> dict:
     run.model.train()
     stopping = False
     while state.step < run.total_steps:
+        run.checkpoints.poll()  # async_save: publishes a finished background write, raises a failed one
+        reporter.saved(*run.checkpoints.take_saved())
         result = optimizer_step(run, state, stop, meter)
         stopping = result.stopping
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
@@ -499,11 +517,14 @@ def train(plan: Plan) -> dict:
                     state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
                 reporter.eval(state.step, last_eval, last_metrics, shown)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
-            with meter.paused("checkpoint") as saving:
-                path = run.checkpoints.save(state)
-            reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
+            with meter.paused("checkpoint"):
+                run.checkpoints.save(state)
+            reporter.saved(*run.checkpoints.take_saved())
         if stopping:
             break
+    with meter.paused("checkpoint"):
+        run.checkpoints.wait()  # async_save: the last background write published (bounded)
+    reporter.saved(*run.checkpoints.take_saved())
     return finish(run, state, meter, last_eval, last_metrics, stopping)
 
 
@@ -537,6 +558,7 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
                else "process resident",
                "final_model": str(final), "end_of_turn": run.stops,
                "checkpoints": f"{checkpoints_dir(out)} ({', '.join(saved)})" if saved else "",
+               **run.checkpoints.summary(),
                "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary(),
                **{f"last_step_{k}": reporter.last[k] for k in run.objective.shown if k in reporter.last}}
     if is_main:

@@ -388,7 +388,10 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),
-        ("checkpoints", summary.get("checkpoints") or "none written"),
+        ("checkpoints", (summary.get("checkpoints") or "none written") + (
+            f"; async_save: {summary['checkpoint_blocking_seconds']:.2f} s blocking, "
+            f"{summary['checkpoint_background_seconds'] or 0:.2f} s in the background"
+            if summary.get("async_save") and summary.get("checkpoint_saves") else "")),
         ("loss plot", summary.get("loss_plot") or "n/a"),
         ("metrics", summary.get("metrics", "")),
     ]
