@@ -68,6 +68,7 @@ class BackgroundWrite:
     staged: Path  # this rank's staging directory (tmpfs)
     partial: Path  # the checkpoint's shared .partial directory
     blocking_s: float  # what the save blocked the loop for (staging)
+    waited_s: float = 0.0  # what it blocked before staging, for the previous save's background write
     nbytes: int = 0
     error: str | None = None
     checksums: dict = field(default_factory=dict)

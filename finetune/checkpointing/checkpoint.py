@@ -627,11 +627,13 @@ class Checkpointer:
         """Waits for the previous background write (published, or its failure raised), stages this
         rank's part in host memory with the synchronous save's own code, and starts its writer."""
         acc = self.accelerator
+        waited = 0.0
         if self.pending is not None:
             t0 = time.perf_counter()
             previous = self.pending.name
             self.poll(wait=True)
-            self._lines.append(f"step {state.step}: waited {time.perf_counter() - t0:.2f}s for checkpoint "
+            waited = time.perf_counter() - t0
+            self._lines.append(f"step {state.step}: waited {waited:.2f}s for checkpoint "
                                f"{previous}'s background write before this save")
         t_start = time.perf_counter()
         name = checkpoint_name(state.step)
@@ -646,10 +648,14 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
 
-        self._together(start, tmp, state.step)
-        self._together(lambda: self._write(state, staged, sync=False), tmp, state.step)
+        try:
+            self._together(start, tmp, state.step)
+            self._together(lambda: self._write(state, staged, sync=False), tmp, state.step)
+        except SaveError:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
         self.pending = BackgroundWrite(state.step, name, acc.process_index, staged, tmp,
-                                       blocking_s=time.perf_counter() - t_start)
+                                       blocking_s=time.perf_counter() - t_start, waited_s=waited)
         self.pending.start()
         self._lines.append(f"step {state.step}: checkpoint {final} staged in {self.pending.blocking_s:.2f}s "
                            f"({self.pending.nbytes / 2**20:.1f} MiB on this rank); writing in the background")
@@ -676,8 +682,10 @@ class Checkpointer:
         status = "failed" if w.error else "done" if w.done else "running"
         states = _all_gather(self.accelerator)((status, w.error, w.checksums if status == "done" else None))
         failed = [(rank, error) for rank, (s, error, _) in enumerate(states) if s == "failed"]
-        if failed:
+        if failed:  # every rank's writer stopped before rank 0 removes the partial directory
             self.pending = None
+            w.join(WAIT_LIMIT_S)
+            _all_gather(self.accelerator)(None)
             if self.accelerator.is_main_process:
                 shutil.rmtree(w.partial, ignore_errors=True)
             raise SaveError(self.root, w.step, failed)
@@ -695,7 +703,7 @@ class Checkpointer:
 
         self.pending = None
         self._together(commit, w.partial, w.step)
-        self._saved(w.step, final, w.blocking_s, background)
+        self._saved(w.step, final, w.blocking_s, background, w.waited_s)
 
     def wait(self) -> None:
         """The end of a run (finished, or stopped by a signal): the write in flight finished and
@@ -733,12 +741,14 @@ class Checkpointer:
         if self.accelerator.is_local_main_process:
             shutil.rmtree(self.staging, ignore_errors=True)
 
-    def _saved(self, step: int, final: Path, blocking: float, background: float | None) -> None:
+    def _saved(self, step: int, final: Path, blocking: float, background: float | None, waited: float = 0.0) -> None:
+        """waited: what the save blocked for before staging, for the previous save's background write."""
         timing = {"step": step, "blocking_s": round(blocking, 3),
-                  "background_s": None if background is None else round(background, 3)}
+                  "background_s": None if background is None else round(background, 3), "waited_s": round(waited, 3)}
         self.timings.append(timing)
         self._records.append({"step": step, "checkpoint": str(final), "checkpoint_blocking_s": timing["blocking_s"],
-                              "checkpoint_background_s": timing["background_s"]})
+                              "checkpoint_background_s": timing["background_s"],
+                              "checkpoint_waited_s": timing["waited_s"]})
         self._lines.append(f"step {step}: checkpoint {final} ({blocking:.2f}s" + (
             ")" if background is None else f" blocking, {background:.2f}s in the background)"))
 
@@ -753,6 +763,7 @@ class Checkpointer:
         background = [t["background_s"] for t in self.timings if t["background_s"] is not None]
         return {"checkpoint_saves": len(self.timings), "async_save": self.async_save,
                 "checkpoint_blocking_seconds": round(sum(t["blocking_s"] for t in self.timings), 3),
+                "checkpoint_waited_seconds": round(sum(t["waited_s"] for t in self.timings), 3),
                 "checkpoint_background_seconds": round(sum(background), 3) if background else None}
 
     def _write(self, state: LoopState, tmp: Path, sync: bool = True) -> None:

@@ -32,8 +32,9 @@ CASES = {
     "zero3": ("async_before_publish:0:10", 5, 1),
     # a full disk in rank 1's background write of step 10: one error line, step 5 intact
     "zero1": ("async_mid_shard:1:10:ENOSPC", 5, 2),
-    # SIGTERM after step 6 while step 5 is still being written (a slow disk: 6 s on rank 0)
-    "zero2": ("async_mid_shard:0:5:SLEEP6,after_step:1:6:SIGTERM", 6, 2),
+    # SIGTERM after step 5 (all ranks stop after step 6) while step 5 is still being written (a slow
+    # disk: 10 s on rank 0)
+    "zero2": ("async_mid_shard:0:5:SLEEP10,after_step:1:5:SIGTERM", 6, 2),
 }
 STEPS = ["step_000000005", "step_000000010", "step_000000012"]
 
