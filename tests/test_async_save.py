@@ -120,3 +120,20 @@ def test_no_staging_directory_is_one_line(monkeypatch, tmp_path):
 def test_staging_directory_is_one_per_output_dir(tmp_path):
     assert B.run_staging_dir(tmp_path / "a") != B.run_staging_dir(tmp_path / "b")
     assert B.run_staging_dir(tmp_path / "a") == B.run_staging_dir(tmp_path / "x" / ".." / "a")
+
+
+# ---------------------------------------------------------------- the universal conversion's workers
+
+
+def test_conversion_workers_one_per_cpu_up_to_the_ranks_and_the_memory():
+    from finetune.checkpointing.resume import ResumePoint, conversion_workers
+
+    files = {f"pytorch_model/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 2**30 for r in range(8)}
+    point = ResumePoint(path=None, step=5, world_size=8, global_batch_size=16, strategy="zero2", recipe={},
+                        manifest={"files": files})
+    gib = 2**30
+    assert conversion_workers(point, cpus=16, available=100 * gib) == ["--num_extract_workers", "8",
+                                                                        "--num_merge_workers", "8"]
+    assert conversion_workers(point, cpus=2, available=100 * gib)[1] == "2"  # the CPUs
+    assert conversion_workers(point, cpus=16, available=7 * gib)[1] == "2"  # 3 GiB a worker
+    assert conversion_workers(point, cpus=16, available=gib)[1] == "1"  # never fewer than one

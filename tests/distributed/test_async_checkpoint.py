@@ -32,9 +32,9 @@ CASES = {
     "zero3": ("async_before_publish:0:10", 5, 1),
     # a full disk in rank 1's background write of step 10: one error line, step 5 intact
     "zero1": ("async_mid_shard:1:10:ENOSPC", 5, 2),
-    # SIGTERM after step 5 (all ranks stop after step 6) while step 5 is still being written (a slow
-    # disk: 10 s on rank 0)
-    "zero2": ("async_mid_shard:0:5:SLEEP10,after_step:1:5:SIGTERM", 6, 2),
+    # SIGTERM after step 7 (all ranks stop after step 8: no eval there for the stop to cut short) while
+    # step 5 is still being written (a slow disk: 15 s on rank 0)
+    "zero2": ("async_mid_shard:0:5:SLEEP15,after_step:1:7:SIGTERM", 8, 2),
 }
 STEPS = ["step_000000005", "step_000000010", "step_000000012"]
 
@@ -176,10 +176,10 @@ def test_sigterm_with_a_write_in_flight_saves_and_resumes_exactly(cut, resumed, 
     out = first.output_dir
     assert first.returncode == 0, first.stderr[-3000:]
     assert "waited" in first.stderr and "for checkpoint step_000000005's background write" in first.stderr
-    assert checkpoint_names(out) == ["step_000000005", "step_000000006"]
-    assert "stopped by signal at step 6" in first.stderr
+    assert checkpoint_names(out) == ["step_000000005", "step_000000008"]
+    assert "stopped by signal at step 8" in first.stderr
     second = resumed("zero2")
-    assert f"resumed from {out / 'checkpoints' / 'step_000000006'} at step 6" in second.stderr
+    assert f"resumed from {out / 'checkpoints' / 'step_000000008'} at step 8" in second.stderr
     assert records(second) == records(strategy_run("zero2"))
     assert_same_weights(out / "final", strategy_run("zero2").output_dir / "final")
 
@@ -193,3 +193,23 @@ def test_each_save_reports_blocking_and_background_seconds(resumed):
     assert summary["async_save"] is True and summary["checkpoint_saves"] == 2
     assert summary["checkpoint_background_seconds"] > 0
     assert "s blocking" in resumed("ddp").stderr and "s in the background" in resumed("ddp").stderr
+
+
+def test_a_user_error_with_a_write_in_flight_waits_and_publishes_it(launch, tmp_path):
+    """lr=1e30 diverges: steps 3 and 4 are skipped (max_nonfinite_steps=2), step 5 stops the run with one
+    error line on every rank alike, while the save of step 4 is still being written (15 s on rank 0).
+    Every rank waits for its own write on the way out; rank 0 publishes the checkpoint once every rank's
+    marker says its write finished (no collective: the ranks are leaving after an error)."""
+    out = tmp_path / "out"
+    run = launch(2, "strategy=fsdp", "lr=1e30", "save_every=2", "max_nonfinite_steps=2", "async_save=true",
+                 output_dir=out, check=False, extra_env={"FINETUNE_FAULT": "async_mid_shard:0:4:SLEEP15"})
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: step 5: loss nan"), run.stderr[-4000:]
+    assert "waiting (at most 1800s) for checkpoint step_000000004's background write before exiting" in run.stderr
+    assert f"checkpoint {out / 'checkpoints' / 'step_000000004'} published" in run.stderr
+    assert checkpoint_names(out) == ["step_000000002", "step_000000004"]
+    from finetune.checkpointing.checkpoint import verify
+
+    verify(out / "checkpoints" / "step_000000004", checksums=True)  # whole: every file, size and checksum
+    assert not staging_left(out)
