@@ -19,7 +19,7 @@ t0=$SECONDS
 python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
   --dynamo_backend no --main_process_port 29700 finetune/run.py --recipe tiny model=$M strategy=zero2 max_steps=1 \
   warmup_steps=0 save_every=1 eval_fraction=0 eval_at_start=false mixed_precision=no sample_prompts=0 \
-  plot_loss=false max_seq_len=64 micro_batch_size=1 global_batch_size=2 output_dir=/tmp/conv > "$OUT/train.log" 2>&1
+  plot_loss=false max_seq_len=256 micro_batch_size=1 global_batch_size=2 output_dir=/tmp/conv > "$OUT/train.log" 2>&1
 echo "train rc $? in $((SECONDS - t0)) s"
 grep '"seconds"' /tmp/conv/checkpoints/step_000000001/manifest.json
 python3 bench/studies/universal_conversion.py /tmp/conv/checkpoints/step_000000001 --workers ${WORKERS:-1,2}

@@ -30,7 +30,8 @@ def convert(checkpoint: Path, workers: int) -> float:
            "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+                              str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))))
     seconds = time.perf_counter() - t0
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode:
