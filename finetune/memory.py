@@ -809,7 +809,52 @@ def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> st
         e = recipe_estimate(recipe, world_size, load_architecture(recipe.model))
     except EstimateError:
         return None
-    from finetune.checkpointing.background import host_memory_problem
-
     sharded = strategy_for(recipe.strategy).shards_optimizer
     return host_memory_problem(e.staging * (min(local_processes, world_size) if sharded else 1))
+
+
+# Where async_save stages a checkpoint (finetune/checkpointing/background.py): RAM (a tmpfs) on Linux;
+# FINETUNE_STAGING_DIR overrides (a larger tmpfs).
+DEFAULT_STAGING_ROOT = "/dev/shm"
+
+
+def staging_root():
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("FINETUNE_STAGING_DIR", DEFAULT_STAGING_ROOT))
+
+
+def host_memory_problem(node_bytes: int, staging=None) -> str | None:
+    """async_save=true stages a node's whole share of a checkpoint in its tmpfs: refused (with the
+    numbers) where it does not fit the free space there or the memory the host has available."""
+    staging = staging or staging_root()
+    gib = 2**30
+    import shutil
+
+    try:
+        free = shutil.disk_usage(staging).free
+    except OSError:
+        return (f"async_save=true stages each checkpoint in host memory under {staging}, which does not exist here; "
+                "set FINETUNE_STAGING_DIR to a tmpfs directory, or async_save=false")
+    available = mem_available()
+    room = min(free, available) if available is not None else free
+    if node_bytes > room:
+        where = f"{staging} has {free / gib:.2f} GiB free" + (
+            f" and the host {available / gib:.2f} GiB of memory available" if available is not None else "")
+        return (f"async_save=true stages a checkpoint in host memory: {node_bytes / gib:.2f} GiB on this node, but "
+                f"{where}; use async_save=false, more nodes, or a larger tmpfs (FINETUNE_STAGING_DIR)")
+    return None
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None

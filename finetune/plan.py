@@ -288,11 +288,6 @@ def make_plan(recipe: Recipe, env=os.environ, cuda_available: bool | None = None
     problem = world_problem(recipe, world_size)
     if problem:
         problems.append(problem)
-    from finetune.memory import staging_problem
-
-    problem = staging_problem(recipe, world_size, int(env.get("LOCAL_WORLD_SIZE", world_size)))
-    if problem:
-        problems.append(problem)
     if problems and not dry_run:
         raise RecipeError(problems[0])
     return Plan(

@@ -13,10 +13,9 @@ import pytest
 from finetune import arch as A
 from finetune import memory as M
 from finetune.checkpointing import background as B
-from finetune.checkpointing.checkpoint import file_checksums
+from finetune.checkpointing.checkpoint import file_checksums, first_failure
 from finetune.faults import fault_point
-from finetune.plan import make_plan
-from finetune.recipe import RecipeError, apply_overrides, load_recipe_module
+from finetune.recipe import apply_overrides, load_recipe_module
 
 
 def staged_files(root):
@@ -31,7 +30,7 @@ def write(tmp_path, step=5):
     staged, partial = tmp_path / "stage" / "step.rank_0", tmp_path / "ckpt" / ".step.partial"
     content = staged_files(staged)
     partial.mkdir(parents=True)
-    w = B.BackgroundWrite(step, "step_000000005", 0, staged, partial, blocking_s=0.1)
+    w = B.BackgroundWrite(step, "step_000000005", 0, staged, partial, blocking_s=0.1, describe=first_failure)
     w.start()
     assert w.join(60)
     return w, content, staged, partial
@@ -96,25 +95,26 @@ def recipe(*overrides):
     return apply_overrides(load_recipe_module("tiny"), ["mixed_precision=no", *overrides])
 
 
-def test_async_save_that_does_not_fit_host_memory_is_refused_with_the_numbers():
-    big = recipe("model=meta-llama/Llama-2-70b-hf", "async_save=true", "strategy=ddp")
-    with pytest.raises(RecipeError) as e:
-        make_plan(big, env={}, cuda_available=False)
-    line = str(e.value)
-    assert line.startswith("async_save=true stages a checkpoint in host memory: ") and "GiB on this node" in line
-    assert "GiB free" in line and "async_save=false" in line
+def test_async_save_that_does_not_fit_host_memory_is_refused_with_the_numbers(tmp_path):
+    from in_process import run_main
+
+    args = ["--recipe", "tiny", "mixed_precision=no", "model=meta-llama/Llama-2-70b-hf", "async_save=true",
+            "strategy=ddp", f"output_dir={tmp_path / 'out'}"]
+    code, _, err = run_main(args)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("error: async_save=true stages a checkpoint in host memory: "), err[-2000:]
+    assert "GiB on this node" in line and "GiB free" in line and "async_save=false" in line
     staged = float(line.split("memory: ")[1].split(" GiB")[0])
     assert staged == pytest.approx(68_976_648_192 * 12 / 2**30, rel=1e-3)  # fp32 weights and Adam, whole on rank 0
-    dry = make_plan(big, env={}, cuda_available=False, dry_run=True)  # the dry run says it instead
-    assert any(p.startswith("async_save=true stages") for p in dry.unchecked)
-    assert "not runnable on this machine: async_save=true" in dry.describe()
-    assert make_plan(recipe("async_save=true"), env={}, cuda_available=False).recipe.async_save  # the tiny one fits
+    code, out, _ = run_main([*args, "--dry-run"])  # the dry run says it instead
+    assert code == 0 and "not runnable on this machine: async_save=true stages a checkpoint" in out
+    assert M.staging_problem(recipe("async_save=true"), 2, 2) is None  # the tiny model's fits
+    assert not (tmp_path / "out" / "checkpoints").exists()
 
 
 def test_no_staging_directory_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("FINETUNE_STAGING_DIR", str(tmp_path / "absent"))
-    with pytest.raises(RecipeError, match="FINETUNE_STAGING_DIR to a tmpfs directory"):
-        make_plan(recipe("async_save=true"), env={}, cuda_available=False)
+    assert "FINETUNE_STAGING_DIR to a tmpfs directory" in M.staging_problem(recipe("async_save=true"), 1, 1)
 
 
 def test_staging_directory_is_one_per_output_dir(tmp_path):

@@ -32,17 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.faults import fault_point
+from finetune.memory import staging_root
 
-# Where staging lives: RAM (a tmpfs) on Linux; FINETUNE_STAGING_DIR overrides (a test, or a larger tmpfs).
-DEFAULT_STAGING_ROOT = "/dev/shm"
 MARKER = ".written.rank_{rank}.json"
 BLOCK = 8 << 20
 # How long the end of a run (its last save, a stop by signal, an error) waits for a background write.
 WAIT_LIMIT_S = float(os.environ.get("FINETUNE_ASYNC_WAIT_S", "1800"))
-
-
-def staging_root() -> Path:
-    return Path(os.environ.get("FINETUNE_STAGING_DIR", DEFAULT_STAGING_ROOT))
 
 
 def run_staging_dir(output_dir) -> Path:
@@ -75,6 +70,8 @@ class BackgroundWrite:
     started: float = field(default_factory=time.perf_counter)
     finished: float | None = None
     thread: threading.Thread | None = None
+    # the one line an exception of the write becomes (checkpoint.first_failure: "the filesystem is full")
+    describe: object = lambda error, directory: f"{type(error).__name__}: {error}"
 
     def start(self) -> None:
         self.nbytes = staged_bytes(self.staged)
@@ -94,8 +91,6 @@ class BackgroundWrite:
         return self.done
 
     def _run(self) -> None:
-        from finetune.checkpointing.checkpoint import first_failure
-
         try:
             fault_point("async_before_shard", self.rank, self.step)
             files = sorted(p for p in self.staged.rglob("*") if p.is_file())
@@ -108,7 +103,7 @@ class BackgroundWrite:
             fault_point("async_before_publish", self.rank, self.step)
             write_json_synced(self.partial / MARKER.format(rank=self.rank), self.checksums)
         except BaseException as e:  # noqa: BLE001 - reported on every rank at the next boundary
-            self.error = first_failure(e, self.partial)
+            self.error = self.describe(e, self.partial)
         finally:
             shutil.rmtree(self.staged, ignore_errors=True)
             self.finished = time.perf_counter()
@@ -182,33 +177,3 @@ def read_markers(partial: Path, world: int) -> dict | None:
 def remove_markers(partial: Path) -> None:
     for p in partial.glob(".written.rank_*.json*"):
         p.unlink(missing_ok=True)
-
-
-def host_memory_problem(node_bytes: int, staging: Path | None = None) -> str | None:
-    """async_save=true stages a node's whole share of a checkpoint in its tmpfs: refused (with the
-    numbers) where it does not fit the free space there or the memory the host has available."""
-    staging = staging or staging_root()
-    gib = 2**30
-    try:
-        free = shutil.disk_usage(staging).free
-    except OSError:
-        return (f"async_save=true stages each checkpoint in host memory under {staging}, which does not exist here; "
-                "set FINETUNE_STAGING_DIR to a tmpfs directory, or async_save=false")
-    available = _mem_available()
-    room = min(free, available) if available is not None else free
-    if node_bytes > room:
-        where = f"{staging} has {free / gib:.2f} GiB free" + (
-            f" and the host {available / gib:.2f} GiB of memory available" if available is not None else "")
-        return (f"async_save=true stages a checkpoint in host memory: {node_bytes / gib:.2f} GiB on this node, but "
-                f"{where}; use async_save=false, more nodes, or a larger tmpfs (FINETUNE_STAGING_DIR)")
-    return None
-
-
-def _mem_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

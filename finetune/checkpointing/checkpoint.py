@@ -655,7 +655,8 @@ class Checkpointer:
             shutil.rmtree(staged, ignore_errors=True)
             raise
         self.pending = BackgroundWrite(state.step, name, acc.process_index, staged, tmp,
-                                       blocking_s=time.perf_counter() - t_start, waited_s=waited)
+                                       blocking_s=time.perf_counter() - t_start, waited_s=waited,
+                                       describe=first_failure)
         self.pending.start()
         self._lines.append(f"step {state.step}: checkpoint {final} staged in {self.pending.blocking_s:.2f}s "
                            f"({self.pending.nbytes / 2**20:.1f} MiB on this rank); writing in the background")

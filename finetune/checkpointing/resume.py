@@ -387,11 +387,11 @@ def conversion_workers(point: ResumePoint, cpus: int | None = None, available: i
     its peak). The conversion is per-rank and per-parameter work in parallel processes; on 2 cores a
     58M-parameter zero2 checkpoint of 2 ranks took 79.7 s with 1 worker and 42.8 s with 2
     (bench/studies/universal_conversion.py, docs/async-checkpoints.md)."""
-    from finetune.checkpointing.background import _mem_available
+    from finetune.memory import mem_available
 
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    available = available if available is not None else (_mem_available() or 0)
+    available = available if available is not None else (mem_available() or 0)
     shards = [size for rel, size in point.manifest["files"].items() if rel.endswith("optim_states.pt")]
     per_worker = 3 * max(shards, default=1)
     workers = max(1, min(cpus, point.world_size, available // per_worker if available else 1))
