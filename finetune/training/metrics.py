@@ -66,7 +66,8 @@ class MetricsFile:
         if self.accelerator is not None and self.accelerator.trackers:
             values = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if values and "resumed_from" not in record:
+            # a checkpoint's record comes when it is published, steps after its own (trackers want steps in order)
+            if values and "resumed_from" not in record and "checkpoint" not in record:
                 self.accelerator.log(values, step=record["step"])
 
 
