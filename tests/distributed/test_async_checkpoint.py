@@ -41,12 +41,17 @@ STEPS = ["step_000000005", "step_000000010", "step_000000012"]
 
 @pytest.fixture(scope="module")
 def cut(launch, tmp_path_factory):
-    """cut(strategy) -> the first launch, async_save=true, with the strategy's fault."""
+    """cut(strategy) -> the first launch, async_save=true, with the strategy's fault; its `left`: the
+    checkpoints directory as that launch left it, `finished` whether it wrote final/, `steps` the steps
+    it logged (the resume then writes into the same output_dir)."""
     def make(strategy):
         fault = CASES[strategy][0]
         out = tmp_path_factory.mktemp(f"async-{strategy}")
-        return launch(2, f"strategy={strategy}", *ASYNC, output_dir=out, check=False,
-                      extra_env={"FINETUNE_FAULT": fault})
+        run = launch(2, f"strategy={strategy}", *ASYNC, output_dir=out, check=False,
+                     extra_env={"FINETUNE_FAULT": fault})
+        run.left, run.finished = checkpoint_names(out), (out / "final").exists()
+        run.steps = [r["step"] for r in run.train_records]
+        return run
 
     return once(make)
 
@@ -139,7 +144,7 @@ def test_sigkill_in_the_background_write_leaves_the_previous_checkpoint(strategy
     out = first.output_dir
     assert first.returncode != 0, "a killed rank must fail the launch"
     # step 10 never became a checkpoint: its .partial directory is all there is of it
-    assert checkpoint_names(out) == [".step_000000010.partial", "step_000000005"]
+    assert first.left == [".step_000000010.partial", "step_000000005"]
     second = resumed(strategy)
     assert f"ignoring incomplete checkpoint {out / 'checkpoints' / '.step_000000010.partial'}" in second.stderr
     assert f"resumed from {out / 'checkpoints' / 'step_000000005'} at step 5" in second.stderr
@@ -162,11 +167,12 @@ def test_full_disk_in_the_background_write_is_one_line(cut, resumed, strategy_ru
     assert errors and all(e == errors[0] for e in errors), errors  # the same line on every rank
     assert "saving checkpoint step_000000010" in errors[0] and "the filesystem is full" in errors[0]
     assert f"{out / 'checkpoints' / 'step_000000005'}, is intact" in errors[0]
-    assert "Traceback" not in first.stderr
+    # no rank crashed (the one traceback is the launcher's report that its workers exited with 2)
+    assert "error: rank" not in first.stderr and first.stderr.count("Traceback") <= 1
     # the run stopped at a step boundary after the failed save: no later save, no final model
-    assert max(r["step"] for r in first.train_records) >= 10
-    assert checkpoint_names(out) == ["step_000000005"]
-    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    assert max(first.steps) >= 10
+    assert first.left == ["step_000000005"]
+    assert not first.finished
     second = resumed("zero1")
     assert records(second) == records(strategy_run("zero1"))
 
@@ -176,7 +182,7 @@ def test_sigterm_with_a_write_in_flight_saves_and_resumes_exactly(cut, resumed, 
     out = first.output_dir
     assert first.returncode == 0, first.stderr[-3000:]
     assert "waited" in first.stderr and "for checkpoint step_000000005's background write" in first.stderr
-    assert checkpoint_names(out) == ["step_000000005", "step_000000008"]
+    assert first.left == ["step_000000005", "step_000000008"]
     assert "stopped by signal at step 8" in first.stderr
     second = resumed("zero2")
     assert f"resumed from {out / 'checkpoints' / 'step_000000008'} at step 8" in second.stderr
