@@ -685,7 +685,8 @@ class Checkpointer:
         failed = [(rank, error) for rank, (s, error, _) in enumerate(states) if s == "failed"]
         if failed:  # every rank's writer stopped before rank 0 removes the partial directory
             self.pending = None
-            w.join(WAIT_LIMIT_S)
+            if not wait:  # (a wait that ran out has waited already)
+                w.join(WAIT_LIMIT_S)
             _all_gather(self.accelerator)(None)
             if self.accelerator.is_main_process:
                 shutil.rmtree(w.partial, ignore_errors=True)
