@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DeepSpeed's universal conversion of a ~0.55B zero2 checkpoint of 2 ranks, on a lent machine's CPUs
+# DeepSpeed's universal conversion of a 0.44B (438M parameters) zero2 checkpoint of 2 ranks, on a lent machine's CPUs
 # (the GPU hidden: 2 gloo processes), with 1 and 2 workers (docs/async-checkpoints.md):
 #   bash bench/gpu/universal_conversion.sh      # from the repository root; carry bench/wheels_gpu
 set -uo pipefail
@@ -12,7 +12,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nproc; free -g | head -2
 M=$(python3 -c "
 from bench.parts.common import ModelSpec, build_model
-spec = ModelSpec('llama-550m', 1536, 12, 16, 4096)
+spec = ModelSpec('llama-440m', 1536, 12, 16, 4096)
 print(build_model(spec)); print(spec.num_parameters())" | tail -2 | head -1)
 echo "model $M"
 t0=$SECONDS
