@@ -15,10 +15,14 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
     FINETUNE_FAULT=where:rank:step[:SIGNAME] sends SIGNAME (default SIGKILL) to that rank there;
     SIGNAME=RAISE raises an exception instead (an unexpected failure on one rank), ENOSPC the OSError of
     a full disk; NAN writes a NaN
-    into the first value of that rank's shard of what the optimizer updates (an update gone wrong)."""
-    spec = os.environ.get("FINETUNE_FAULT")
-    if not spec:
-        return
+    into the first value of that rank's shard of what the optimizer updates (an update gone wrong);
+    SLEEP<seconds> waits there (a slow disk, so that a background checkpoint write is still in flight
+    at a later fault). Several faults: separated by commas."""
+    for spec in filter(None, os.environ.get("FINETUNE_FAULT", "").split(",")):
+        _fault(spec, where, rank, step, optimizer)
+
+
+def _fault(spec: str, where: str, rank: int, step: int, optimizer) -> None:
     parts = spec.split(":")
     if parts[:3] == [where, str(rank), str(step)]:
         how = parts[3] if len(parts) > 3 else "SIGKILL"
@@ -28,6 +32,11 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
             import errno
 
             raise OSError(errno.ENOSPC, f"No space left on device (injected fault {spec})")
+        if how.startswith("SLEEP"):
+            import time
+
+            time.sleep(float(how[len("SLEEP"):]))
+            return
         if how == "NAN" and optimizer is not None:
             import torch
 

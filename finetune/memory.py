@@ -354,6 +354,7 @@ class Estimate:
     engine_asleep: int = 0  # ... what it keeps during the step (0 with vllm_enable_sleep_mode)
     engine_share: float = 0.0  # ... vllm_gpu_memory_utilization: on a GPU it takes that share while awake
     push: int = 0  # ... a weight push's transient: a bucket of layers gathered, and its copy in the engine's dtype
+    staging: int = 0  # async_save: the rank's part of a checkpoint staged in host memory (counted in cpu too)
 
     @property
     def model_states(self) -> int:
@@ -400,7 +401,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
              pairs: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
              activation_offload: bool = False, rollout: "Rollout | None" = None,
-             gpus_per_node: int | None = None) -> Estimate:
+             gpus_per_node: int | None = None, async_save: bool = False) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -416,7 +417,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     precompute_reference or SimPO), in the compute dtype: sharded by fsdp and zero3 (and offloaded with
     the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded).
     rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5). gpus_per_node: a
-    node's GPUs (default world_size), hsdp's default shard group."""
+    node's GPUs (default world_size), hsdp's default shard group.
+    async_save: each save stages the rank's part of the checkpoint (its trained weights and optimizer
+    states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) in host memory, the cpu
+    column (finetune/checkpointing/background.py)."""
     strategy = strategy_for(setup.strategy)
     n = strategy.sharding_group(setup, world_size, gpus_per_node or world_size)  # hsdp: its shard group
     base = arch.num_parameters()
@@ -444,7 +448,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 
+    staging = (trained * pb / (n if shard_params else 1) + trained * ob / (n if strategy.shards_optimizer else 1)
+               if async_save else 0)
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
+    off["cpu"] += staging
     held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0
     if held and setup.offload_params != "none" and strategy.reference_sharded:
         off[setup.offload_params] += held
@@ -483,7 +490,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
-                    reference=round(held), **phase)
+                    reference=round(held), staging=round(staging), **phase)
 
 
 @dataclass(frozen=True)
@@ -543,7 +550,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
                     sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
                     activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size),
-                    gpus_per_node=gpus_per_node)
+                    gpus_per_node=gpus_per_node, async_save=recipe.async_save)
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -804,6 +811,9 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "", gpus_p
                         f"{gib(e.kv_cache, unit)}, prefill {gib(e.prefill, unit)}; a peak of "
                         f"{gib(e.rollout_peak, unit)} {name} per GPU (with the model states"
                         + (", reference" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
+    if e.staging:
+        lines.insert(1, f"async_save=true: each save stages {gib(e.staging, unit)} {name} per rank in host memory "
+                        "(counted in the cpu column; docs/async-checkpoints.md)")
     if e.samples:
         lines.insert(1, f"samples at eval (sample_prompts={recipe.sample_prompts}) gather the whole model on each GPU: "
                         f"{gib(e.samples, unit)} {name}, a peak of {gib(e.samples_peak, unit)} {name} per GPU at each "
@@ -863,4 +873,64 @@ def _gpu_memory() -> int | None:
             return int(torch.cuda.get_device_properties(0).total_memory)
     except Exception:
         return None
+    return None
+
+
+def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> str | None:
+    """async_save=true where this node's host memory cannot stage its ranks' parts of a checkpoint: one
+    line with the numbers (None where it fits, or the model's size cannot be read here)."""
+    if not recipe.async_save:
+        return None
+    try:
+        e = recipe_estimate(recipe, world_size, load_architecture(recipe.model))
+    except EstimateError:
+        return None
+    sharded = strategy_for(recipe.strategy).shards_optimizer
+    return host_memory_problem(e.staging * (min(local_processes, world_size) if sharded else 1))
+
+
+# Where async_save stages a checkpoint (finetune/checkpointing/background.py): RAM (a tmpfs) on Linux;
+# FINETUNE_STAGING_DIR overrides (a larger tmpfs).
+DEFAULT_STAGING_ROOT = "/dev/shm"
+
+
+def staging_root():
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("FINETUNE_STAGING_DIR", DEFAULT_STAGING_ROOT))
+
+
+def host_memory_problem(node_bytes: int, staging=None) -> str | None:
+    """async_save=true stages a node's whole share of a checkpoint in its tmpfs: refused (with the
+    numbers) where it does not fit the free space there or the memory the host has available."""
+    staging = staging or staging_root()
+    gib = 2**30
+    import shutil
+
+    try:
+        free = shutil.disk_usage(staging).free
+    except OSError:
+        return (f"async_save=true stages each checkpoint in host memory under {staging}, which does not exist here; "
+                "set FINETUNE_STAGING_DIR to a tmpfs directory, or async_save=false")
+    available = mem_available()
+    room = min(free, available) if available is not None else free
+    if node_bytes > room:
+        where = f"{staging} has {free / gib:.2f} GiB free" + (
+            f" and the host {available / gib:.2f} GiB of memory available" if available is not None else "")
+        return (f"async_save=true stages a checkpoint in host memory: {node_bytes / gib:.2f} GiB on this node, but "
+                f"{where}; use async_save=false, more nodes, or a larger tmpfs (FINETUNE_STAGING_DIR)")
+    return None
+
+
+def mem_available() -> int | None:
+    """MemAvailable of /proc/meminfo, in bytes; None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
     return None

@@ -267,6 +267,8 @@ class Recipe:
     sample_max_new_tokens: int = _opt(32, min=1, help="the most tokens each sample answer gets")
     save_every: int = _opt(0, min=0, help="0: no periodic checkpoints")
     keep_last: int = _opt(2, min=1)
+    async_save: bool = _opt(False, help="stage each checkpoint in host memory and write it in the background "
+                            "while training goes on (docs/async-checkpoints.md)")
     log_level: str = _opt("warning", choices=("debug", "info", "warning", "error"))
     plot_loss: bool = _opt(True, help="draw loss.png: after an eval at most once a minute, and at the end")
     report_to: tuple[str, ...] = _opt(("none",), choices=TRACKERS,

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, read_markers, remove_markers,
+                                               run_staging_dir)
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 from finetune.faults import fault_point
@@ -555,12 +557,26 @@ class Checkpointer:
         self.global_batch_size = plan.global_batch_size
         self.keep_last = r.keep_last
         self.records = dict(records or {})
+        # async_save (background.py): the write in flight, if any (every rank has one or none alike),
+        # and what the loop reports of each save (take_saved)
+        self.async_save = r.async_save
+        self.staging = run_staging_dir(r.output_dir)
+        self.pending: BackgroundWrite | None = None
+        self.timings: list[dict] = []
+        self._lines: list[str] = []
+        self._records: list[dict] = []
+        if accelerator.is_local_main_process:  # what a run killed during a background write left in RAM
+            shutil.rmtree(self.staging, ignore_errors=True)
 
     def save(self, state: LoopState) -> Path:
-        """Collective: every rank calls it. Returns the committed checkpoint directory. Refuses (every rank
+        """Collective: every rank calls it. Returns the checkpoint directory: committed, or with
+        async_save the one its background write will publish (see poll). Refuses (every rank
         alike, NonFiniteWeights) weights that are not finite; a write that fails on any rank (a full disk)
         fails the save on every rank alike (SaveError), the partial directory removed and the newest
         complete checkpoint untouched."""
+        if self.async_save:
+            return self._save_in_background(state)
+        t_start = time.perf_counter()
         acc, optimizer = self.accelerator, self.optimizer
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
@@ -584,22 +600,177 @@ class Checkpointer:
 
         def commit():
             if acc.is_main_process:
-                manifest = {"step": state.step, "world_size": acc.num_processes,
-                            "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
-                            "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
-                            "seconds": round(time.perf_counter() - t0, 3), **self.records}
-                with open(tmp / MANIFEST, "w") as f:  # fsync'd: an empty manifest after a power cut would hide
-                    f.write(json.dumps(manifest, indent=2) + "\n")  # a complete checkpoint
-                    f.flush()
-                    os.fsync(f.fileno())
-                publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
-                rotate(self.root, self.keep_last, keep=final)
+                self._commit(tmp, final, state.step, files, checksums, time.perf_counter() - t0)
 
         self._together(commit, tmp, state.step)
+        self._saved(state.step, final, time.perf_counter() - t_start, None)
         return final
 
-    def _write(self, state: LoopState, tmp: Path) -> None:
-        """This rank's part of a checkpoint (rank 0 also writes the loop state, recipe and hf/)."""
+    def _commit(self, tmp: Path, final: Path, step: int, files: dict, checksums: dict, seconds: float) -> None:
+        """Rank 0: the manifest (fsync'd: an empty manifest after a power cut would hide a complete
+        checkpoint), then the rename that publishes the checkpoint, then keep_last."""
+        manifest = {"step": step, "world_size": self.accelerator.num_processes,
+                    "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
+                    "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
+                    "seconds": round(seconds, 3), **self.records}
+        fault_point("before_publish", self.accelerator.process_index, step)
+        with open(tmp / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        publish(tmp, final)  # a checkpoint of this step from an earlier attempt is replaced whole
+        rotate(self.root, self.keep_last, keep=final)
+
+    # ------------------------------------------------ async_save: stage, write in the background, publish
+
+    def _save_in_background(self, state: LoopState) -> Path:
+        """Waits for the previous background write (published, or its failure raised), stages this
+        rank's part in host memory with the synchronous save's own code, and starts its writer."""
+        acc = self.accelerator
+        waited = 0.0
+        if self.pending is not None:
+            t0 = time.perf_counter()
+            previous = self.pending.name
+            self.poll(wait=True)
+            waited = time.perf_counter() - t0
+            self._lines.append(f"step {state.step}: waited {waited:.2f}s for checkpoint "
+                               f"{previous}'s background write before this save")
+        t_start = time.perf_counter()
+        name = checkpoint_name(state.step)
+        final, tmp = self.root / name, self.root / f".{name}.partial"
+        staged = self.staging / f"{name}.rank_{acc.process_index}"
+        self.check_finite(state.step)
+
+        def start():
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+            if acc.is_main_process:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+
+        try:
+            self._together(start, tmp, state.step)
+            self._together(lambda: self._write(state, staged, sync=False), tmp, state.step)
+        except SaveError:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+        self.pending = BackgroundWrite(state.step, name, acc.process_index, staged, tmp,
+                                       blocking_s=time.perf_counter() - t_start, waited_s=waited,
+                                       describe=first_failure)
+        self.pending.start()
+        self._lines.append(f"step {state.step}: checkpoint {final} staged in {self.pending.blocking_s:.2f}s "
+                           f"({self.pending.nbytes / 2**20:.1f} MiB on this rank); writing in the background")
+        return final
+
+    @property
+    def writing(self) -> bool:
+        """A background write is in flight (the same on every rank)."""
+        return self.pending is not None
+
+    def poll(self, wait: bool = False) -> None:
+        """Collective while a background write is in flight (a no-op otherwise; every rank has one or
+        none alike). The ranks agree on the main thread: once every rank's write finished, rank 0
+        writes the manifest and publishes the checkpoint; a write that failed on any rank raises the
+        same SaveError on every rank (its partial directory removed, earlier checkpoints untouched).
+        wait: first wait (bounded by WAIT_LIMIT_S) for this rank's write."""
+        w = self.pending
+        if w is None:
+            return
+        if wait and not w.done:
+            if not w.join(WAIT_LIMIT_S):
+                w.error = w.error or (f"its background write did not finish within {WAIT_LIMIT_S:.0f}s "
+                                      "(FINETUNE_ASYNC_WAIT_S)")
+        status = "failed" if w.error else "done" if w.done else "running"
+        states = _all_gather(self.accelerator)((status, w.error, w.checksums if status == "done" else None))
+        failed = [(rank, error) for rank, (s, error, _) in enumerate(states) if s == "failed"]
+        if failed:  # every rank's writer stopped before rank 0 removes the partial directory
+            self.pending = None
+            if not wait:  # (a wait that ran out has waited already)
+                w.join(WAIT_LIMIT_S)
+            _all_gather(self.accelerator)(None)
+            if self.accelerator.is_main_process:
+                shutil.rmtree(w.partial, ignore_errors=True)
+            raise SaveError(self.root, w.step, failed)
+        if any(s == "running" for s, _, _ in states):
+            return
+        checksums = {k: v for _, _, part in states for k, v in part.items()}
+        final = self.root / w.name
+        background = max(w.background_s, 0.0)
+
+        def commit():
+            if self.accelerator.is_main_process:
+                remove_markers(w.partial)
+                files = {rel: (w.partial / rel).stat().st_size for rel in sorted(checksums)}
+                self._commit(w.partial, final, w.step, files, checksums, w.blocking_s + background)
+
+        self.pending = None
+        self._together(commit, w.partial, w.step)
+        self._saved(w.step, final, w.blocking_s, background, w.waited_s)
+
+    def wait(self) -> None:
+        """The end of a run (finished, or stopped by a signal): the write in flight finished and
+        published, or its failure raised; bounded by WAIT_LIMIT_S, said in a line. Collective."""
+        if self.pending is not None:
+            if not self.pending.done:
+                self._lines.append(f"waiting (at most {WAIT_LIMIT_S:.0f}s) for checkpoint {self.pending.name}'s "
+                                   "background write before the run ends")
+            self.poll(wait=True)
+        if self.accelerator.is_local_main_process:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def wait_after_error(self, log=print) -> None:
+        """On the way out after an error, when the ranks may not reach a collective: each rank waits
+        (bounded) for its own write; rank 0 publishes the checkpoint if every rank's marker says its
+        write finished, else leaves it `.partial` (never seen as a checkpoint)."""
+        w, self.pending = self.pending, None
+        if w is None:
+            return
+        log(f"waiting (at most {WAIT_LIMIT_S:.0f}s) for checkpoint {w.name}'s background write before exiting")
+        w.join(WAIT_LIMIT_S)
+        if self.accelerator.is_main_process and w.done and not w.error:
+            deadline = time.perf_counter() + max(60.0, 2 * w.background_s)
+            checksums = read_markers(w.partial, self.accelerator.num_processes)
+            while checksums is None and time.perf_counter() < deadline:
+                time.sleep(0.5)
+                checksums = read_markers(w.partial, self.accelerator.num_processes)
+            if checksums is None:
+                log(f"checkpoint {w.name} not published: not every rank's background write finished")
+            else:
+                remove_markers(w.partial)
+                files = {rel: (w.partial / rel).stat().st_size for rel in sorted(checksums)}
+                self._commit(w.partial, self.root / w.name, w.step, files, checksums, w.blocking_s + w.background_s)
+                log(f"checkpoint {self.root / w.name} published")
+        if self.accelerator.is_local_main_process:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _saved(self, step: int, final: Path, blocking: float, background: float | None, waited: float = 0.0) -> None:
+        """waited: what the save blocked for before staging, for the previous save's background write."""
+        timing = {"step": step, "blocking_s": round(blocking, 3),
+                  "background_s": None if background is None else round(background, 3), "waited_s": round(waited, 3)}
+        self.timings.append(timing)
+        self._records.append({"step": step, "checkpoint": str(final), "checkpoint_blocking_s": timing["blocking_s"],
+                              "checkpoint_background_s": timing["background_s"],
+                              "checkpoint_waited_s": timing["waited_s"]})
+        self._lines.append(f"step {step}: checkpoint {final} ({blocking:.2f}s" + (
+            ")" if background is None else f" blocking, {background:.2f}s in the background)"))
+
+    def take_saved(self) -> tuple[list[str], list[dict]]:
+        """What the loop reports since it last asked: log lines, and metrics.jsonl records (one per
+        published checkpoint: its seconds blocking and in the background)."""
+        lines, records, self._lines, self._records = self._lines, self._records, [], []
+        return lines, records
+
+    def summary(self) -> dict:
+        """The summary's account of the saves: seconds blocking the loop, seconds in the background."""
+        background = [t["background_s"] for t in self.timings if t["background_s"] is not None]
+        return {"checkpoint_saves": len(self.timings), "async_save": self.async_save,
+                "checkpoint_blocking_seconds": round(sum(t["blocking_s"] for t in self.timings), 3),
+                "checkpoint_waited_seconds": round(sum(t["waited_s"] for t in self.timings), 3),
+                "checkpoint_background_seconds": round(sum(background), 3) if background else None}
+
+    def _write(self, state: LoopState, tmp: Path, sync: bool = True) -> None:
+        """This rank's part of a checkpoint (rank 0 also writes the loop state, recipe and hf/); sync:
+        flushed to disk (not where it stages in host memory: the background writer fsyncs)."""
         acc, optimizer = self.accelerator, self.optimizer
         self.strategy.save_state(acc, tmp, self.recipe.lora)
         save_rng(tmp / RNG_DIR, acc.process_index)
@@ -619,7 +790,7 @@ class Checkpointer:
                 self.tokenizer.save_pretrained(tmp / HF_DIR)
             if self.generation_config is not None:
                 self.generation_config.save_pretrained(tmp / HF_DIR)
-        if acc.local_process_index == 0:
+        if sync and acc.local_process_index == 0:
             os.sync()
 
     def _together(self, fn, tmp: Path, step: int) -> None:

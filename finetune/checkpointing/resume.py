@@ -376,7 +376,7 @@ def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
         tmp.mkdir(parents=True)
         cmd = [sys.executable, "-m", "finetune.checkpointing.checkpoint", "to-universal",
                "--input_folder", str(point.path / "pytorch_model"),
-               "--output_folder", str(tmp / "pytorch_model"), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+               "--output_folder", str(tmp / "pytorch_model"), *conversion_workers(point)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
                                                                         os.environ.get("PYTHONPATH")])))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -396,6 +396,23 @@ def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
                           f"{e.strerror or e}; free space there, or resume on {point.world_size} processes, "
                           "which needs no conversion") from None
     return target
+
+
+def conversion_workers(point: ResumePoint, cpus: int | None = None, available: int | None = None) -> list[str]:
+    """ds_to_universal's worker processes: one per CPU, up to one per saved rank, as many as the host's
+    available memory holds (each extract worker loads one rank's ZeRO files, about 3x their size at
+    its peak). The conversion is per-rank and per-parameter work in parallel processes; on 2 cores a
+    58M-parameter zero2 checkpoint of 2 ranks took 79.7 s with 1 worker and 42.8 s with 2
+    (bench/studies/universal_conversion.py, docs/async-checkpoints.md)."""
+    from finetune.memory import mem_available
+
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    available = available if available is not None else (mem_available() or 0)
+    shards = [size for rel, size in point.manifest["files"].items() if rel.endswith("optim_states.pt")]
+    per_worker = 3 * max(shards, default=1)
+    workers = max(1, min(cpus, point.world_size, available // per_worker if available else 1))
+    return ["--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
 
 
 def _writable(directory: Path) -> bool:

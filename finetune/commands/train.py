@@ -163,6 +163,7 @@ def prepare(args, lock: bool = True):
     from finetune.checkpointing import resume
     from finetune.checkpointing.checkpoint import FINAL
     from finetune.data import prevalidate_recipe
+    from finetune.memory import staging_problem
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
 
@@ -185,8 +186,11 @@ def prepare(args, lock: bool = True):
                                             convert=lock and not args.dry_run, log=say,
                                             allow_model_change=args.allow_model_change)
     plan = make_plan(recipe, dry_run=args.dry_run, resume=point)
-    if problem:  # planning on another machine than the one that trains
-        plan = replace(plan, unchecked=plan.unchecked + (problem,))
+    staging = staging_problem(recipe, plan.world_size, int(os.environ.get("LOCAL_WORLD_SIZE", plan.world_size)))
+    if staging and not args.dry_run:  # async_save where host memory cannot stage a checkpoint
+        raise RecipeError(staging)
+    for unchecked in filter(None, (problem, staging)):  # planning on another machine than the one that trains
+        plan = replace(plan, unchecked=plan.unchecked + (unchecked,))
     for change in changes:
         say(f"resume: {change}")
     return plan

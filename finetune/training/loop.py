@@ -443,6 +443,14 @@ class Reporter:
     def note(self, text: str) -> None:
         self.progress.note(text)
 
+    def saved(self, lines: list[str], records: list[dict]) -> None:
+        """What the checkpointer says of its saves: log lines, and per checkpoint its seconds blocking the
+        loop and in the background (metrics.jsonl)."""
+        for record in records:
+            self.metrics.write(record)
+        for line in lines:
+            self.progress.note(line)
+
     def close(self) -> None:
         self.progress.close()
 
@@ -475,6 +483,14 @@ def run_eval(run: Run, step: int, meter: Throughput, stop: StopRequest) -> tuple
 
 def train(plan: Plan) -> dict:
     run, state = setup(plan)
+    try:
+        return train_from(run, state)
+    except BaseException:  # a checkpoint's background write (async_save) finishes before the process ends
+        run.checkpoints.wait_after_error(log.warning)
+        raise
+
+
+def train_from(run: Run, state: LoopState) -> dict:
     r, reporter = run.recipe, run.reporter
     stop = StopRequest()
     reporter.begin(state.step)
@@ -493,14 +509,16 @@ def train(plan: Plan) -> dict:
     stopping = False
     saved = state.step if plan.resume is not None else None  # the step of the newest checkpoint
     while state.step < run.total_steps:
+        run.checkpoints.poll()  # async_save: publishes a finished background write, raises a failed one
+        reporter.saved(*run.checkpoints.take_saved())
         with counted_step(state.step + 1):  # FINETUNE_COUNT_COLLECTIVES (finetune/collectives.py)
             result = optimizer_step(run, state, stop, meter)
         if result is None:  # stopped within the step's rollout: the step before it is the one saved
             stopping = True
             if state.step and state.step != saved:
-                with meter.paused("checkpoint") as saving:
-                    path = run.checkpoints.save(state)
-                reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
+                with meter.paused("checkpoint"):
+                    run.checkpoints.save(state)
+                reporter.saved(*run.checkpoints.take_saved())
             break
         stopping = result.stopping
         reporter.step(state, result, run.scheduler, meter, (state.step - 1) // run.schedule.steps_per_epoch)
@@ -514,12 +532,15 @@ def train(plan: Plan) -> dict:
                     state.best_eval_loss = min(last_eval, state.best_eval_loss or float("inf"))
                 reporter.eval(state.step, last_eval, last_metrics, shown)
         if (r.save_every and state.step % r.save_every == 0) or end or stopping:
-            with meter.paused("checkpoint") as saving:
-                path = run.checkpoints.save(state)
+            with meter.paused("checkpoint"):
+                run.checkpoints.save(state)
             saved = state.step
-            reporter.note(f"step {state.step}: checkpoint {path} ({saving.seconds:.2f}s)")
+            reporter.saved(*run.checkpoints.take_saved())
         if stopping:
             break
+    with meter.paused("checkpoint"):
+        run.checkpoints.wait()  # async_save: the last background write published (bounded)
+    reporter.saved(*run.checkpoints.take_saved())
     return finish(run, state, meter, last_eval, last_metrics, stopping)
 
 
@@ -553,6 +574,7 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
                else "process resident",
                "final_model": str(final), "end_of_turn": run.stops,
                "checkpoints": f"{checkpoints_dir(out)} ({', '.join(saved)})" if saved else "",
+               **run.checkpoints.summary(),
                "loss_plot": None, "metrics": str(out / "metrics.jsonl"), "samples": run.samples.summary(),
                **{f"last_step_{k}": reporter.last[k] for k in run.objective.shown if k in reporter.last}}
     if is_main:

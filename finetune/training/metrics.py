@@ -126,7 +126,8 @@ class MetricsFile:
         if self.accelerator is not None and self.accelerator.trackers:
             values = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v for k, v in record.items()
                       if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
-            if values and "resumed_from" not in record:
+            # a checkpoint's record comes when it is published, steps after its own (trackers want steps in order)
+            if values and "resumed_from" not in record and "checkpoint" not in record:
                 self.accelerator.log(values, step=record["step"])
 
 
@@ -485,7 +486,10 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
         (f"peak memory ({kind})", ", ".join(f"rank {i}: {b / gib:.2f} GiB" for i, b in enumerate(peaks)) or "n/a"),
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),
-        ("checkpoints", summary.get("checkpoints") or "none written"),
+        ("checkpoints", (summary.get("checkpoints") or "none written") + (
+            f"; async_save: {summary['checkpoint_blocking_seconds']:.2f} s blocking, "
+            f"{summary['checkpoint_background_seconds'] or 0:.2f} s in the background"
+            if summary.get("async_save") and summary.get("checkpoint_saves") else "")),
         *([("undecodable", f"{summary['undecodable_completions']} of {summary['completions']} completions hold "
                             f"{summary['undecodable_ids']} ids the tokenizer cannot decode (rollouts.jsonl: "
                             "undecodable_ids)")] if summary.get("undecodable_ids") else []),

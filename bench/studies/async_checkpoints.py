@@ -1,0 +1,137 @@
+"""async_save against the synchronous save (docs/async-checkpoints.md): per strategy, a run that saves
+every few steps, once with async_save=false and once with async_save=true, both on 2 gloo processes
+(CPU) or 1 GPU (--gpu). Read back from each run's metrics.jsonl: every save's seconds blocking the
+loop (and, async, in the background), and each step's time (its tokens over its tokens/s, log_every=1;
+checkpoint pauses are outside it): the steps a background write overlapped (from the save's step to
+the step at whose start it was published) against the steps of the synchronous run after its first
+two (warm-up), medians.
+
+    python bench/studies/async_checkpoints.py                    # CPU: llama-60m, ddp fsdp zero3, 2 processes
+    python bench/studies/async_checkpoints.py --gpu              # 1 GPU: llama-1b, bf16, ddp (one process)
+    python bench/studies/async_checkpoints.py --doc docs/async-checkpoints.md   # also the results section
+
+The CPU model is sized for a shared 2-core machine (at most ~3 GB in all): ~58M parameters, a
+checkpoint of 0.7 GB (fp32 weights and Adam's two moments), two ranks' states and the staging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.parts.common import (MODELS, ModelSpec, accelerate_launch, build_model, fresh_dir, launch_env,  # noqa: E402
+                                read_jsonl, run, shown, table)
+
+CPU_SPEC = ModelSpec("llama-60m", 512, 8, 8, 1408)
+COMMON = ["eval_fraction=0", "eval_at_start=false", "log_every=1", "mixed_precision=no", "warmup_steps=1",
+          "keep_last=2", "sample_prompts=0", "plot_loss=false", "max_seq_len=128", "micro_batch_size=2",
+          "global_batch_size=4"]
+SECTION = "## Results"
+
+
+def one(strategy: str, async_save: bool, model: Path, work: Path, steps: int, every: int, gpu: bool) -> dict:
+    name = f"{strategy}-{'async' if async_save else 'sync'}"
+    out = fresh_dir(work / name)
+    args = ["--recipe", "tiny", f"model={model}", f"strategy={strategy}", *COMMON, f"max_steps={steps}",
+            f"save_every={every}", f"async_save={str(async_save).lower()}", f"output_dir={out}"]
+    if gpu:
+        args += ["mixed_precision=bf16"]
+        cmd = [sys.executable, "finetune/run.py", *args]
+    else:
+        cmd = accelerate_launch("finetune/run.py", args)
+    launched = run(cmd, work / f"{name}.log", timeout=3600, env=launch_env(**({"DS_ACCELERATOR": "cuda"} if gpu else {})),
+                   done=(out / "summary.json").exists)
+    res = {"strategy": strategy, "async_save": async_save, "command": shown(cmd), "ok": launched.ok,
+           "other_load": launched.other_load}
+    if not launched.ok:
+        res["error"] = launched.error()
+        return res
+    records = read_jsonl(out / "metrics.jsonl")
+    saves = [r for r in records if "checkpoint_blocking_s" in r]
+    res["blocking_s"] = [r["checkpoint_blocking_s"] for r in saves]
+    res["background_s"] = [r["checkpoint_background_s"] for r in saves]
+    res["waited_s"] = [r.get("checkpoint_waited_s", 0.0) for r in saves]
+    size = json.loads((out / "checkpoints" / f"step_{steps:09d}" / "manifest.json").read_text())["files"]
+    res["checkpoint_bytes"] = sum(size.values())
+    step_s, overlapped, tokens, last = {}, set(), 0, 0
+    for r in records:
+        if "checkpoint_blocking_s" in r:  # written when published: steps since the save overlapped it
+            if async_save:
+                overlapped.update(range(r["step"] + 1, last + 1))
+            continue
+        if "loss" in r:
+            step_s[r["step"]] = (r["tokens"] - tokens) / r["tokens_per_s"]
+            tokens, last = r["tokens"], r["step"]
+    res["step_s"] = step_s
+    res["overlapped_steps"] = sorted(overlapped)
+    res["step_s_overlapped"] = statistics.median([step_s[s] for s in overlapped]) if overlapped else None
+    res["step_s_quiet"] = statistics.median([v for s, v in step_s.items() if s > 2 and s not in overlapped])
+    for bulky in ("checkpoints", "final"):  # a 1B run leaves ~30 GB; the pair's next run needs the disk
+        shutil.rmtree(out / bulky, ignore_errors=True)
+    return res
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gpu", action="store_true", help="one CUDA GPU, llama-1b in bf16, ddp on one process")
+    p.add_argument("--strategies", default=None)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--every", type=int, default=3)
+    p.add_argument("--work", default="/tmp/bench-async-checkpoints")
+    p.add_argument("--doc", default=None, help="write the results section of this page")
+    a = p.parse_args()
+    spec = MODELS["llama-1b"] if a.gpu else CPU_SPEC
+    strategies = (a.strategies or ("ddp" if a.gpu else "ddp,fsdp,zero3")).split(",")
+    work = Path(a.work)
+    model = build_model(spec)
+    rows = []
+    for strategy in strategies:
+        pair = {s: one(strategy, s, model, work, a.steps, a.every, a.gpu) for s in (False, True)}
+        sync, background = pair[False], pair[True]
+        if not (sync["ok"] and background["ok"]):
+            print(json.dumps(pair, indent=2, default=str))
+            rows.append([strategy, "FAILED"] + [""] * 7)
+            continue
+        block_sync = statistics.median(sync["blocking_s"])
+        block_async = statistics.median(background["blocking_s"])
+        rows.append([strategy, f"{sync['checkpoint_bytes'] / 2**20:.0f}", f"{block_sync:.2f}", f"{block_async:.2f}",
+                     f"{block_async / block_sync:.3f}", f"{statistics.median(background['background_s']):.2f}",
+                     f"{sum(background['waited_s']):.2f}",
+                     f"{sync['step_s_quiet']:.2f}",
+                     f"{background['step_s_overlapped']:.2f}" if background["step_s_overlapped"] else "n/a"])
+        (work / f"{strategy}.json").write_text(json.dumps(pair, indent=2, default=str))
+        print(f"{strategy}: blocking sync {block_sync:.2f}s, async {block_async:.2f}s; step quiet "
+              f"{sync['step_s_quiet']:.2f}s, overlapping a write {background['step_s_overlapped']}", flush=True)
+    header = ["strategy", "checkpoint MiB", "sync blocking s", "async blocking s", "async / sync",
+              "async background s", "async waited s (all saves)", "step s (sync run, no write)",
+              "step s overlapping a write"]
+    where = "1 GPU, llama-1b (0.95B), bf16" if a.gpu else f"2 CPU processes (gloo), {spec.name} " \
+        f"({spec.num_parameters() / 1e6:.0f}M parameters), fp32"
+    text = (f"{where}; {a.steps} steps, a save every {a.every}; medians over the saves and steps.\n\n"
+            + table(header, rows) + f"\n\nCommand: `python bench/studies/async_checkpoints.py"
+            + (" --gpu" if a.gpu else "") + "`\n")
+    print(text)
+    if a.doc:
+        doc = Path(a.doc)
+        page = doc.read_text() if doc.exists() else ""
+        title = f"### {'GPU' if a.gpu else 'CPU'}"
+        block = f"{title}\n\n{text}\n"
+        if title in page:
+            head, rest = page.split(title, 1)
+            tail = rest.split("\n### ", 1)
+            page = head + block + ("### " + tail[1] if len(tail) > 1 else "")
+        else:
+            page = page.rstrip() + "\n\n" + block
+        doc.write_text(page)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

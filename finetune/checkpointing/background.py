@@ -1,0 +1,179 @@
+"""What `async_save=true` adds to a save (checkpoint.Checkpointer drives it; the loop never sees it).
+
+Staging: each rank runs exactly the code of a synchronous save (the strategy's save_state, the RNG
+state, the loop state, hf/) into a directory of its own in host memory, a tmpfs (`/dev/shm` unless
+FINETUNE_STAGING_DIR names another), so the blocking part of a save costs serialising the state into
+RAM, not the disk, its fsync and the checksums. One approach for every strategy (ddp, the
+ZeroRedundancyOptimizer, zero1-3 with or without offload, fsdp, LoRA): the files are the very
+bytes a synchronous save writes, because the same code writes them.
+
+The background write: a thread per rank copies its staged files into the checkpoint's shared
+`.step_N.partial/` directory, fsyncs each file, hashes it as it goes (xxh3-128, the manifest's
+checksum) and frees its staging. It takes part in no collective: the ranks agree that every write
+finished (or that one failed) on the main thread, at the next step boundary, the next save, or the
+end of the run (Checkpointer.poll / wait), and only then does rank 0 write the manifest and rename
+`.partial` into place. A write that fails is one line on every rank at that boundary.
+
+A rank's write also leaves `.written.rank_<i>.json` (its checksums) in the partial directory: on
+the way out after an error, when the ranks cannot agree through a collective, rank 0 publishes only
+if every rank's marker is there (finish_without_collectives). The markers are removed before the
+manifest lists the files.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from finetune.faults import fault_point
+from finetune.memory import staging_root
+
+MARKER = ".written.rank_{rank}.json"
+BLOCK = 8 << 20
+# How long the end of a run (its last save, a stop by signal, an error) waits for a background write.
+WAIT_LIMIT_S = float(os.environ.get("FINETUNE_ASYNC_WAIT_S", "1800"))
+
+
+def run_staging_dir(output_dir) -> Path:
+    """This run's staging directory: one per output_dir (and user), so that a run resumed after a
+    SIGKILL finds, and removes, what the killed one left."""
+    import xxhash
+
+    key = xxhash.xxh3_64_hexdigest(str(Path(output_dir).resolve()).encode())
+    return staging_root() / f"finetune-staging-{os.getuid()}-{key}"
+
+
+def staged_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+@dataclass
+class BackgroundWrite:
+    """One rank's background write of one checkpoint: staged -> partial, on a thread."""
+
+    step: int
+    name: str
+    rank: int
+    staged: Path  # this rank's staging directory (tmpfs)
+    partial: Path  # the checkpoint's shared .partial directory
+    blocking_s: float  # what the save blocked the loop for (staging)
+    waited_s: float = 0.0  # what it blocked before staging, for the previous save's background write
+    nbytes: int = 0
+    error: str | None = None
+    checksums: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None
+    thread: threading.Thread | None = None
+    # the one line an exception of the write becomes (checkpoint.first_failure: "the filesystem is full")
+    describe: object = lambda error, directory: f"{type(error).__name__}: {error}"
+
+    def start(self) -> None:
+        self.nbytes = staged_bytes(self.staged)
+        self.thread = threading.Thread(target=self._run, name=f"checkpoint-{self.name}", daemon=True)
+        self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    @property
+    def background_s(self) -> float:
+        return (self.finished or time.perf_counter()) - self.started
+
+    def join(self, timeout: float | None) -> bool:
+        self.thread.join(timeout)
+        return self.done
+
+    def _run(self) -> None:
+        try:
+            fault_point("async_before_shard", self.rank, self.step)
+            files = sorted(p for p in self.staged.rglob("*") if p.is_file())
+            largest = max(files, key=lambda p: p.stat().st_size, default=None)
+            for src in files:
+                rel = str(src.relative_to(self.staged))
+                self.checksums[rel] = copy_hashed(src, self.partial / rel, self.rank, self.step,
+                                                  cut=src == largest)
+            fsync_tree(self.partial)
+            fault_point("async_before_publish", self.rank, self.step)
+            write_json_synced(self.partial / MARKER.format(rank=self.rank), self.checksums)
+        except BaseException as e:  # noqa: BLE001 - reported on every rank at the next boundary
+            self.error = self.describe(e, self.partial)
+        finally:
+            shutil.rmtree(self.staged, ignore_errors=True)
+            self.finished = time.perf_counter()
+
+
+def copy_hashed(src: Path, dst: Path, rank: int, step: int, cut: bool = False) -> str:
+    """Copy src to dst (fsync'd) and return the xxh3-128 of the bytes written. cut: the fault point
+    `async_mid_shard` fires once half of this file is written (a crash test's torn shard)."""
+    import xxhash
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    h = xxhash.xxh3_128()
+    size = src.stat().st_size
+    half = size // 2 if cut else -1
+    written = 0
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        while True:
+            want = BLOCK if half < 0 or written >= half else min(BLOCK, half - written)
+            n = fin.readinto(view[:want])
+            if not n:
+                break
+            h.update(view[:n])
+            _write_all(fout, view[:n])
+            written += n
+            if written == half:
+                fault_point("async_mid_shard", rank, step)
+        os.fsync(fout.fileno())
+    return h.hexdigest()
+
+
+def _write_all(f, view) -> None:
+    while len(view):
+        n = f.write(view)
+        if n is None or n <= 0:
+            raise OSError(errno.EIO, "short write")
+        view = view[n:]
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every directory under `directory` (and it): the files' names are durable too."""
+    for d in [directory, *sorted(p for p in directory.rglob("*") if p.is_dir())]:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_json_synced(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(obj))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_markers(partial: Path, world: int) -> dict | None:
+    """Every rank's checksums from its marker, or None while one is missing."""
+    checksums = {}
+    for rank in range(world):
+        try:
+            checksums.update(json.loads((partial / MARKER.format(rank=rank)).read_text()))
+        except (OSError, ValueError):
+            return None
+    return checksums
+
+
+def remove_markers(partial: Path) -> None:
+    for p in partial.glob(".written.rank_*.json*"):
+        p.unlink(missing_ok=True)

@@ -1,0 +1,139 @@
+"""async_save's parts that need no launch: the background writer on real files (what it writes, its
+checksums, its faults), the planner's staging bytes and the refusal where host memory cannot hold
+them. The launches are tests/distributed/test_async_checkpoint.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from finetune import arch as A
+from finetune import memory as M
+from finetune.checkpointing import background as B
+from finetune.checkpointing.checkpoint import file_checksums, first_failure
+from finetune.faults import fault_point
+from finetune.recipe import apply_overrides, load_recipe_module
+
+
+def staged_files(root):
+    (root / "sub").mkdir(parents=True)
+    (root / "big.bin").write_bytes(os.urandom(3 * B.BLOCK + 12345))  # more than one copy block, odd size
+    (root / "sub" / "small.json").write_text('{"a": 1}\n')
+    (root / "empty").write_bytes(b"")
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def write(tmp_path, step=5):
+    staged, partial = tmp_path / "stage" / "step.rank_0", tmp_path / "ckpt" / ".step.partial"
+    content = staged_files(staged)
+    partial.mkdir(parents=True)
+    w = B.BackgroundWrite(step, "step_000000005", 0, staged, partial, blocking_s=0.1, describe=first_failure)
+    w.start()
+    assert w.join(60)
+    return w, content, staged, partial
+
+
+def test_background_write_copies_every_staged_file_with_its_checksum(tmp_path):
+    w, content, staged, partial = write(tmp_path)
+    assert w.error is None and w.nbytes == sum(len(v) for v in content.values())
+    for rel, data in content.items():
+        assert (partial / rel).read_bytes() == data
+    assert w.checksums == file_checksums(partial, sorted(content))  # what the manifest's checksums are
+    assert not staged.exists(), "the staging in host memory is freed once written"
+    assert B.read_markers(partial, 1) == w.checksums and B.read_markers(partial, 2) is None
+    B.remove_markers(partial)
+    assert sorted(p.relative_to(partial).as_posix() for p in partial.rglob("*") if p.is_file()) == sorted(content)
+
+
+def test_background_write_of_a_full_disk_is_an_error_not_an_exception(tmp_path, monkeypatch):
+    monkeypatch.setenv("FINETUNE_FAULT", "async_mid_shard:0:5:ENOSPC")
+    w, _, staged, _ = write(tmp_path)
+    assert w.error is not None and w.error.startswith("the filesystem is full") and "No space left" in w.error
+    assert not staged.exists()
+
+
+def test_a_write_that_cannot_create_its_files_fails_with_the_os_error(tmp_path):
+    staged, partial = tmp_path / "stage", tmp_path / "gone" / ".partial"
+    staged_files(staged)
+    (tmp_path / "gone").write_text("a file where the checkpoint directory should be")
+    w = B.BackgroundWrite(5, "step_000000005", 0, staged, partial, blocking_s=0.1)
+    w.start()
+    assert w.join(60) and w.error and "Error" in w.error
+
+
+def test_faults_several_at_once_and_a_slow_disk(monkeypatch):
+    monkeypatch.setenv("FINETUNE_FAULT", "after_step:0:9:RAISE,async_before_shard:1:5:SLEEP0.3")
+    t0 = time.perf_counter()
+    fault_point("async_before_shard", 1, 5)
+    assert time.perf_counter() - t0 >= 0.3
+    fault_point("async_before_shard", 0, 5)  # another rank: nothing
+    with pytest.raises(RuntimeError, match="injected fault"):
+        fault_point("after_step", 0, 9)
+
+
+# ---------------------------------------------------------------- the planner and the refusal
+
+
+
+@pytest.mark.parametrize("strategy,n,sharded", [("ddp", 8, False), ("fsdp", 8, True), ("zero3", 8, True),
+                                                ("zero2", 8, True)])
+def test_staging_is_the_ranks_part_of_a_checkpoint_in_the_cpu_column(strategy, n, sharded):
+    arch = A.load_architecture("meta-llama/Meta-Llama-3.1-8B-Instruct")
+    off = M.estimate(arch, M.Setup(strategy), world_size=n, mixed_precision="bf16")
+    on = M.estimate(arch, M.Setup(strategy), world_size=n, mixed_precision="bf16", async_save=True)
+    pb, _, ob = M.strategy_for(strategy).state_bytes("bf16")
+    params = arch.num_parameters()
+    want = params * pb / (n if M.strategy_for(strategy).shards_params else 1) + params * ob / (n if sharded else 1)
+    assert on.staging == round(want) and on.cpu - off.cpu == on.staging
+    assert on.peak == off.peak, "staging is host memory, not GPU memory"
+
+
+def recipe(*overrides):
+    return apply_overrides(load_recipe_module("tiny"), ["mixed_precision=no", *overrides])
+
+
+def test_async_save_that_does_not_fit_host_memory_is_refused_with_the_numbers(tmp_path):
+    from in_process import run_main
+
+    args = ["--recipe", "tiny", "mixed_precision=no", "model=meta-llama/Llama-2-70b-hf", "async_save=true",
+            "strategy=ddp", f"output_dir={tmp_path / 'out'}"]
+    code, _, err = run_main(args)
+    line = err.strip().splitlines()[-1]
+    assert code == 2 and line.startswith("error: async_save=true stages a checkpoint in host memory: "), err[-2000:]
+    assert "GiB on this node" in line and "GiB free" in line and "async_save=false" in line
+    staged = float(line.split("memory: ")[1].split(" GiB")[0])
+    assert staged == pytest.approx(68_976_648_192 * 12 / 2**30, rel=1e-3)  # fp32 weights and Adam, whole on rank 0
+    code, out, _ = run_main([*args, "--dry-run"])  # the dry run says it instead
+    assert code == 0 and "not runnable on this machine: async_save=true stages a checkpoint" in out
+    assert M.staging_problem(recipe("async_save=true"), 2, 2) is None  # the tiny model's fits
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_no_staging_directory_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("FINETUNE_STAGING_DIR", str(tmp_path / "absent"))
+    assert "FINETUNE_STAGING_DIR to a tmpfs directory" in M.staging_problem(recipe("async_save=true"), 1, 1)
+
+
+def test_staging_directory_is_one_per_output_dir(tmp_path):
+    assert B.run_staging_dir(tmp_path / "a") != B.run_staging_dir(tmp_path / "b")
+    assert B.run_staging_dir(tmp_path / "a") == B.run_staging_dir(tmp_path / "x" / ".." / "a")
+
+
+# ---------------------------------------------------------------- the universal conversion's workers
+
+
+def test_conversion_workers_one_per_cpu_up_to_the_ranks_and_the_memory():
+    from finetune.checkpointing.resume import ResumePoint, conversion_workers
+
+    files = {f"pytorch_model/bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt": 2**30 for r in range(8)}
+    point = ResumePoint(path=None, step=5, world_size=8, global_batch_size=16, strategy="zero2", recipe={},
+                        manifest={"files": files})
+    gib = 2**30
+    assert conversion_workers(point, cpus=16, available=100 * gib) == ["--num_extract_workers", "8",
+                                                                        "--num_merge_workers", "8"]
+    assert conversion_workers(point, cpus=2, available=100 * gib)[1] == "2"  # the CPUs
+    assert conversion_workers(point, cpus=16, available=7 * gib)[1] == "2"  # 3 GiB a worker
+    assert conversion_workers(point, cpus=16, available=gib)[1] == "1"  # never fewer than one
