@@ -507,7 +507,7 @@ def train_from(run: Run, state: LoopState) -> dict:
             return finish(run, state, meter, last_eval, last_metrics, stopped=True)
     run.model.train()
     stopping = False
-    saved = state.step if plan.resume is not None else None  # the step of the newest checkpoint
+    saved = state.step if run.plan.resume is not None else None  # the step of the newest checkpoint
     while state.step < run.total_steps:
         run.checkpoints.poll()  # async_save: publishes a finished background write, raises a failed one
         reporter.saved(*run.checkpoints.take_saved())
