@@ -460,7 +460,7 @@ class GRPO(Basic):
             weighted = weighted_rewards(saved["rewards"], self.rewards.weights)
             write_rollouts(run.out / ROLLOUTS, step + 1, k, rows, run.datasets.train, g, saved["tokens"],
                            run.tokenizer.batch_decode(saved["tokens"], skip_special_tokens=True), saved["stopped"],
-                           self.rewards.names, saved["rewards"], weighted, saved["advantages"])
+                           self.rewards.names, saved["rewards"], weighted, saved["advantages"], len(run.tokenizer))
         return batches, saved["values"]
 
     def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None, engine_logps=None,
