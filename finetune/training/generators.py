@@ -164,6 +164,7 @@ def generator_for(context, own):
 
 
 def gather_objects(obj) -> list:
+    """Every rank's obj, in rank order (one process: [obj]); the push's failures and GRPO's rollouts."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return [obj]
     out = [None] * torch.distributed.get_world_size()

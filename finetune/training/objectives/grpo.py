@@ -63,8 +63,8 @@ from finetune.data import IGNORE
 from finetune.loss import token_logps
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
-from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, generator_for,
-                                          importance_weights)
+from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
+                                          generator_for, importance_weights)
 from finetune.training.metrics import log
 from finetune.training.stopping import Interrupted
 from finetune.model import context_length
@@ -606,15 +606,6 @@ def padded_rows(rows: list[list[float]], shape, fill: float = 0.0) -> torch.Tens
     out = torch.full(shape, fill, dtype=torch.float32)
     for i, row in enumerate(rows):
         out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
-
-
-def gather_objects(obj) -> list:
-    """Every rank's obj, in rank order (one process: [obj])."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [obj]
-    out = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(out, obj)
     return out
 
 
