@@ -65,7 +65,7 @@ from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
-from finetune.training.metrics import log
+from finetune.training.metrics import json_values, log
 from finetune.training.stopping import Interrupted
 from finetune.model import context_length
 from finetune.recipe import RecipeError
@@ -671,8 +671,13 @@ def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=N
 def undecodable(tokens: list[list[int]], vocab: int) -> tuple[int, int]:
     """(completions holding ids the tokenizer has no token for, how many such ids): ids of the output
     layer's rows past len(tokenizer) (a vocabulary padded to a multiple), which decode to nothing."""
-    counts = [sum(t >= vocab for t in ids) for ids in tokens]
+    counts = undecodable_counts(tokens, vocab)
     return sum(c > 0 for c in counts), sum(counts)
+
+
+def undecodable_counts(tokens: list[list[int]], vocab: int) -> list[int]:
+    """Each completion's ids past the tokenizer's `vocab` tokens."""
+    return [sum(t >= vocab for t in ids) for ids in tokens]
 
 
 def warn_undecodable(step: int, tokens: list[list[int]], vocab: int, warned: bool) -> bool:
@@ -717,19 +722,18 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
     how many of those ids the tokenizer cannot decode (past its `vocab` tokens), whether it stopped, each
     function's reward (None: not scored), the weighted reward and the advantage."""
     import json
-    import math
 
     data = ds[rows]
     prompts = data["prompt"]
     columns = [c for c in ds.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
+    undecodable_ids = undecodable_counts(tokens, vocab) if vocab else [0] * len(tokens)
 
     def number(x):
-        x = float(x)
-        return None if math.isnan(x) else x
+        return json_values(float(x))  # None for NaN (not scored), as metrics.jsonl writes it
 
     lines = "".join(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
                                 "columns": {c: data[c][i // g] for c in columns},
-                                "undecodable_ids": sum(x >= vocab for x in t) if vocab else 0,
+                                "undecodable_ids": undecodable_ids[i],
                                 "completion": text, "completion_ids": t, "stopped": stopped[i],
                                 "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
                                 "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"
