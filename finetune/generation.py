@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune import data as D
+from finetune.memory import static_cache_length
 from finetune.recipe import RecipeError
 
 # How a prompt typed by a user becomes the tokens the model continues (render_prompt): the chat
@@ -276,9 +277,9 @@ class _Decoder:
 
         device = next(model.parameters()).device
         self.model, self.width, self.n = model, width, n
-        # the cache's length rounded up to a multiple of 256, so that rollouts whose longest prompts differ
-        # a little replay the same graph (its shapes include this length)
-        self.length = -(-(width + new_tokens) // 256) * 256
+        # the cache's length rounded up to a multiple, so that rollouts whose longest prompts differ a little
+        # replay the same graph (its shapes include this length)
+        self.length = static_cache_length(width + new_tokens)
         self.cache = StaticCache(config=model.config, max_cache_len=self.length)
         self.mask = torch.ones(n, self.length, dtype=torch.long, device=device)
         if mask is not None:

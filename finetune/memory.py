@@ -493,6 +493,13 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
                     reference=round(held), staging=round(staging), **phase)
 
 
+def static_cache_length(tokens: int) -> int:
+    """The positions of the compiled decode loop's StaticCache (generation._Decoder) for sequences up to tokens
+    long: rounded up to a multiple of 256, so that rollouts whose longest prompts differ a little replay one
+    graph. Here, torch-free, because the planner counts them."""
+    return -(-tokens // 256) * 256
+
+
 @dataclass(frozen=True)
 class Rollout:
     """A GRPO rank's rollout phase: rows completions generated in one batch, each up to prompt_tokens +
@@ -505,11 +512,20 @@ class Rollout:
     engine_sleeps: bool = False  # vllm_enable_sleep_mode
     engine_share: float = 0.0  # vllm_gpu_memory_utilization
     push_layers: int = 4  # vllm_push_layers
+    compiled: bool = False  # our generator's compiled decode loop on a GPU (generation_compile auto or true)
+
+    @property
+    def cache_tokens(self) -> int:
+        """Cache positions a row holds: the compiled loop's StaticCache rounds its length up
+        (generation.static_cache_length); eager generation and the engine hold what the row reaches."""
+        if self.compiled and not self.engine:
+            return static_cache_length(self.tokens)
+        return self.tokens
 
     def kv_cache(self, arch: Architecture, compute_bytes: int) -> int:
-        """Keys and values of every layer for every token of every row, in the compute dtype."""
+        """Keys and values of every layer for every cache position of every row, in the compute dtype."""
         per_token = 2 * arch.num_hidden_layers * arch.kv_heads * arch.head_size * compute_bytes
-        return self.rows * self.tokens * per_token
+        return self.rows * self.cache_tokens * per_token
 
     @classmethod
     def of(cls, recipe: Recipe, world_size: int) -> "Rollout | None":
@@ -533,7 +549,9 @@ class Rollout:
         return cls(rows=rows, prompt_tokens=min(prompt, tokens), tokens=tokens, logp_copies=copies, engine=engine,
                    engine_sleeps=engine and recipe.vllm_enable_sleep_mode,
                    engine_share=recipe.vllm_gpu_memory_utilization if engine else 0.0,
-                   push_layers=recipe.vllm_push_layers)
+                   push_layers=recipe.vllm_push_layers,
+                   # the planner plans GPUs, where generation_compile=auto compiles (generation.decode_compiled)
+                   compiled=not engine and recipe.generation_compile != "false")
 
 
 def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup | None = None,

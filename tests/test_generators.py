@@ -157,8 +157,13 @@ def test_the_planner_counts_the_engine():
     engine = M.recipe_estimate(validate(apply_overrides(base, ["generation_backend=vllm"])), 2, arch)
     asleep = M.recipe_estimate(validate(apply_overrides(base, ["generation_backend=vllm",
                                                                "vllm_enable_sleep_mode=true"])), 2, arch)
-    kv = M.Rollout.of(base, 2).kv_cache(arch, 4)
-    assert engine.engine == arch.num_parameters() * 4 + kv and engine.kv_cache == engine.rollout_weights == 0
+    kv = M.Rollout.of(base, 2).kv_cache(arch, 4)  # our generator, compiled on a GPU: 64 positions cached as 256
+    per_token = 2 * arch.num_hidden_layers * arch.kv_heads * arch.head_size * 4
+    assert kv == M.Rollout.of(base, 2).rows * 256 * per_token
+    engine_kv = M.Rollout.of(engine_recipe := validate(apply_overrides(base, ["generation_backend=vllm"])), 2)
+    assert engine_kv.kv_cache(arch, 4) == engine_kv.rows * 64 * per_token, "the engine's paged cache is not rounded"
+    assert engine.engine == arch.num_parameters() * 4 + engine_kv.kv_cache(arch, 4)
+    assert engine.kv_cache == engine.rollout_weights == 0
     assert engine.engine_asleep == engine.engine and asleep.engine_asleep == 0
     assert engine.total == asleep.total + engine.engine, "without sleep the engine stays through the step"
     assert engine.rollout_peak == engine.model_states + engine.logps + engine.engine + engine.push

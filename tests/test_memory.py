@@ -575,7 +575,7 @@ def test_grpo_rollout_terms_by_hand():
     r = _grpo()
     a = arch(r.model)
     rollout = M.Rollout.of(r, 8)
-    assert rollout == M.Rollout(rows=64, prompt_tokens=512, tokens=1024, logp_copies=0)
+    assert rollout == M.Rollout(rows=64, prompt_tokens=512, tokens=1024, logp_copies=0, compiled=True)
     e = M.recipe_estimate(r, 8, a)
     assert e.kv_cache == 64 * 1024 * 128 * 2**10 == 8 * GIB
     assert e.prefill == 34 * 64 * 512 * 4096
@@ -591,6 +591,18 @@ def test_grpo_rollout_terms_by_hand():
     # other objectives have no rollout phase
     assert M.Rollout.of(resolve("llama8b_dpo_zero3", []), 8) is None
     assert M.recipe_estimate(resolve("llama8b_dpo_zero3", []), 8, a).rollout_peak == 0
+
+
+def test_grpo_compiled_rollout_counts_the_static_cache_rounded_up():
+    """generation_compile (auto on a GPU, true) preallocates a StaticCache of the row's length rounded up to
+    256 positions (generation._Decoder uses the same function); eager generation holds what rows reach."""
+    r = _grpo(max_prompt_len=300, max_completion_len=100, max_seq_len=400)
+    a = arch(r.model)
+    per_token = 2 * 32 * 8 * 128 * 2
+    assert M.static_cache_length(400) == 512 and M.static_cache_length(512) == 512 and M.static_cache_length(1) == 256
+    for setting, positions in (("auto", 512), ("true", 512), ("false", 400)):
+        e = M.recipe_estimate(replace(r, generation_compile=setting), 8, a)
+        assert e.kv_cache == 64 * positions * per_token, setting
 
 
 @pytest.mark.parametrize("strategy,gathers", [("ddp", False), ("zero1", False), ("zero2", False), ("zero3", True),
