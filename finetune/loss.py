@@ -126,9 +126,12 @@ class OutputHeadLoss:
     """One call's worth of "the output projection returns the loss": what to switch off on the model
     and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
 
-    def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0):
+    def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0,
+                 vocab_size: int | None = None):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
         self.temperature = temperature  # per_token: the logits, as the model makes them, divided by it
+        self.vocab_size = vocab_size  # per_token: also the log-probs over the first vocab_size rows (self.within)
+        self.within = None
         self.rows = None  # per_token: the batch row of each target token
         self.positions = None  # per_token: each target token's flat index in the shifted targets
         hf = hf_model(model)
@@ -202,8 +205,17 @@ class OutputHeadLoss:
                 compute, options = linear_token_logps, options | {"temperature": self.temperature}
             else:
                 compute = linear_cross_entropy
-            self.loss = compute(hidden.index_select(0, keep), head.weight, head.bias, flat.index_select(0, keep),
-                                self.impl, **options)
+            kept, kept_targets = hidden.index_select(0, keep), flat.index_select(0, keep)
+            self.loss = compute(kept, head.weight, head.bias, kept_targets, self.impl, **options)
+            if self.per_token and self.vocab_size is not None and self.vocab_size >= head.weight.shape[0]:
+                self.within = self.loss.detach()  # no padded rows
+            elif self.per_token and self.vocab_size is not None:
+                with torch.no_grad():  # the same tokens against the first vocab_size rows only (-inf past them)
+                    rows = slice(0, self.vocab_size)
+                    past = kept_targets >= self.vocab_size
+                    self.within = compute(kept, head.weight[rows], head.bias[rows] if head.bias is not None else None,
+                                          kept_targets.masked_fill(past, 0), self.impl, **options
+                                          ).masked_fill(past, float("-inf"))
             return self.loss
 
         head.forward = forward
@@ -285,26 +297,53 @@ def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = N
     and verl score a policy. As sequence_logps, computed inside the output layer a chunk of tokens at a
     time, no [tokens, vocab] logits at once; impl=full from the full logits. Not for sequence-parallel
     shards (their targets are shifted over the whole row)."""
+    return _token_logps(model, batch, impl, chunk, temperature, None)[0]
+
+
+def token_logps_within(model, batch: dict, vocab_size: int, impl: str = "chunked", chunk: int | None = None,
+                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_logps, the same tokens' log-probs over the output layer's first vocab_size rows only), from one
+    forward, the second without gradient. vocab_size: the tokenizer's vocabulary (len(tokenizer)); the rows
+    past it (an embedding padded to a multiple) are never sampled (finetune/generation.py, the vLLM engine),
+    so the second is the distribution a sampler drew from, which an inference engine's log-probs are
+    compared with (finetune/training/generators.py); the first stays the policy's, the loss's."""
+    return _token_logps(model, batch, impl, chunk, temperature, vocab_size)
+
+
+def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: float,
+                 vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not temperature > 0:
         raise ValueError(f"token_logps: temperature={temperature} must be > 0")
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     labels = batch["labels"]
     if impl != "full":
-        head = OutputHeadLoss(model, impl, chunk, per_token=True, temperature=temperature)
+        head = OutputHeadLoss(model, impl, chunk, per_token=True, temperature=temperature, vocab_size=vocab_size)
         if head.supported:
             with head.computing_loss(shifted_labels(labels)):
                 out = model(**inputs)
             logps = head.check(out.logits)
             # shifted position p predicts the label at p + 1 (the last position of a row has no target)
             where = head.positions.to(logps.device) + 1
-            flat = torch.zeros(labels.numel(), dtype=logps.dtype, device=logps.device).index_put((where,), logps)
-            return flat.view(labels.shape)
+
+            def laid_out(values):
+                flat = torch.zeros(labels.numel(), dtype=values.dtype, device=values.device).index_put((where,), values)
+                return flat.view(labels.shape)
+
+            return laid_out(logps), laid_out(head.within) if vocab_size is not None else None
     out = model(**inputs)
     targets = shifted_labels(labels).to(out.logits.device)
     mask = targets != IGNORE
     logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
-    logps = torch.log_softmax(logits, dim=-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-    return F.pad((logps * mask)[:, :-1], (1, 0))
+
+    def gathered(z):
+        past = targets >= z.shape[-1]  # an id past the first vocab_size rows: -inf
+        logps = torch.log_softmax(z, dim=-1).gather(-1, targets.clamp(0, z.shape[-1] - 1)[..., None]).squeeze(-1)
+        return F.pad((logps.masked_fill(past, float("-inf")) * mask)[:, :-1], (1, 0))
+
+    full = gathered(logits)
+    if vocab_size is None:
+        return full, None
+    return full, (full.detach() if vocab_size >= logits.shape[-1] else gathered(logits[..., :vocab_size].detach()))
 
 
 def linear_token_logps(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,

@@ -18,7 +18,13 @@ Facts this code rests on (docs/vllm.md):
   computed with the old weights.
 - Building an engine changes the process: vLLM seeds the global random generators (saved and
   restored here) and, on CPU, turns torch.set_num_threads into a no-op and binds memory to NUMA node
-  0 (left as they are: docs/vllm.md)."""
+  0 (left as they are: docs/vllm.md).
+- Ids past the tokenizer's vocabulary (embedding rows padded to a multiple) are kept from being drawn with a
+  logit bias of -100 (vLLM's clamp) on each of them, applied before the temperature: such an id's weight is
+  at most e^-100 of what it was, never drawn in practice, and the log-probs the engine returns are those
+  of the vocabulary's own rows (finetune.loss.token_logps with vocab_size). SamplingParams.allowed_token_ids
+  would mask exactly, but vLLM's GPU model runner V2 takes at most 1024 of them (a real vocabulary is
+  150k); it takes up to 1024 biased ids, far more than any padding (Qwen2: 271)."""
 
 from __future__ import annotations
 
@@ -44,6 +50,9 @@ ENVIRONMENT = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# vLLM clamps a logit bias to [-100, 100]; -100 keeps an id from being drawn (its weight x e^-100 at
+# temperature 1) and its mass out of the returned log-probs.
+NEVER_BIAS = -100.0
 
 
 @dataclass
@@ -136,6 +145,7 @@ class VLLMEngine:
         finally:
             torch.set_num_threads = set_num_threads
         self.build_seconds = time.perf_counter() - start
+        self.rows = self.llm.llm_engine.model_config.get_vocab_size()  # the output layer's rows, padding included
         self.pushes = 0
         self.sleep_mode, self.asleep = sleep_mode, False
 
@@ -167,11 +177,13 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int],
                  context: int | None = None, seeds: list[int] | None = None, logprobs: bool = False,
-                 **_unused) -> list[Completion]:
+                 vocab_size: int | None = None, **_unused) -> list[Completion]:
         """As finetune.generation.generate: each prompt's completion, ending at a stop id, at
         sampling.max_new_tokens, or where prompt and completion fill `context` (None: the engine's
         max_model_len). seeds[i] seeds sequence i's sampling (needed when temperature > 0). logprobs: also
-        each token's log-probability (EngineCompletion.logprobs).
+        each token's log-probability (EngineCompletion.logprobs). vocab_size: the tokenizer's vocabulary
+        (len(tokenizer)); ids from it on are not generated (module docstring), and the log-probs are then
+        over its rows only.
         Completion.seconds is the whole call's duration (vLLM runs the batch together). Keyword
         arguments of the HF backend that do not apply here (pad_id) are accepted and ignored."""
         from vllm import SamplingParams
@@ -187,11 +199,16 @@ class VLLMEngine:
         if not asked:
             return out
         self.wake_up()
+        padded = range(vocab_size, self.rows) if vocab_size is not None else range(0)
+        if len(padded) > 1024:
+            raise ValueError(f"generate: {len(padded)} output rows past the tokenizer's {vocab_size} tokens; vLLM "
+                             "biases at most 1024 ids per request")
+        never = {i: NEVER_BIAS for i in padded} or None
         params = [SamplingParams(
             max_tokens=budgets[i], temperature=sampling.temperature if sampled else 0.0,
             top_p=sampling.top_p if sampled else 1.0, top_k=sampling.top_k if sampled else 0,
             seed=seeds[i] if sampled else None, stop_token_ids=sorted(stop_ids), ignore_eos=True,
-            detokenize=False, logprobs=0 if logprobs else None) for i in asked]
+            detokenize=False, logprobs=0 if logprobs else None, logit_bias=never) for i in asked]
         start = time.perf_counter()
         results = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in asked], params,
                                     use_tqdm=False)

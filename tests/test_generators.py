@@ -32,8 +32,15 @@ def test_the_engine_and_its_keys_only_where_they_apply():
         recipe("generation_backend=vllm")
     with pytest.raises(RecipeError, match=r"^vllm_push_layers=2 applies to generation_backend=vllm only"):
         recipe(*GRPO, "vllm_push_layers=2")
-    with pytest.raises(RecipeError, match=r"^generation_backend=vllm with load_in_4bit=true"):
+    with pytest.raises(RecipeError, match=r"^generation_backend=vllm with load_in_4bit=true: .*4-bit \(NF4\)"):
         recipe(*GRPO, "generation_backend=vllm", "lora=true", "load_in_4bit=true")
+    # vLLM's log-probs are of the filtered distribution: the push check would fail at the first rollout
+    with pytest.raises(RecipeError, match=r"^generation_backend=vllm with top_p=0.9: vLLM returns the log-probs of "
+                                          r"the filtered distribution.*set top_p=1 and top_k=0"):
+        recipe(*GRPO, "generation_backend=vllm", "top_p=0.9")
+    with pytest.raises(RecipeError, match=r"^generation_backend=vllm with top_p=0.95 top_k=50: "):
+        recipe(*GRPO, "generation_backend=vllm", "top_p=0.95", "top_k=50")
+    assert recipe(*GRPO, "top_p=0.9", "top_k=50").top_k == 50  # our own sampler scores them as it draws
     with pytest.raises(RecipeError, match=r"vllm_importance_sampling_mode=x: must be one of token_truncate"):
         recipe(*GRPO, "generation_backend=vllm", "vllm_importance_sampling_mode=x")
 

@@ -337,3 +337,37 @@ def test_token_logps_at_a_temperature_are_log_softmax_of_the_logits_over_it(kind
             assert_close(model.get_parameter(name).grad, grad, 1e-5, f"{impl} {name}")
     with pytest.raises(ValueError, match="temperature"):
         token_logps(model, batch, "chunked", temperature=0.0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2_softcap"])
+def test_token_logps_within_the_tokenizer_rows_are_the_sampled_distribution(kind):
+    """An output layer padded past the tokenizer's vocabulary: token_logps_within gives token_logps unchanged
+    and the same tokens' log-probs over the first vocab_size rows (the distribution finetune's sampler and the
+    vLLM engine draw from), chunked and full, from one forward; a target past those rows is -inf there."""
+    from finetune.loss import shifted_labels, token_logps, token_logps_within
+
+    model = build(kind)
+    batch = make_batch()
+    rows = VOCAB - 7
+    batch["labels"] = batch["labels"].masked_fill(batch["labels"] >= rows, 3)
+    batch["input_ids"] = torch.where(batch["labels"] != IGNORE, batch["labels"], batch["input_ids"])
+    targets = shifted_labels(batch["labels"])
+    mask = targets != IGNORE
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / 0.7
+    want = torch.log_softmax(logits[..., :rows], -1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+    want = torch.nn.functional.pad((want * mask)[:, :-1], (1, 0))
+    for impl, chunk in (("chunked", 7), ("full", None)):
+        full, within = token_logps_within(model, batch, rows, impl, chunk, temperature=0.7)
+        assert torch.equal(full, token_logps(model, batch, impl, chunk, temperature=0.7)), impl
+        assert_close(within, want, 1e-5, f"{impl} within the vocabulary")
+        assert not within.requires_grad
+        targeted = batch["labels"] != IGNORE
+        assert (within[targeted] >= full[targeted]).all() and (within[targeted] > full[targeted]).any(), \
+            "the padded rows' mass is left out"
+        same, again = token_logps_within(model, batch, VOCAB, impl, chunk, temperature=0.7)
+        assert torch.equal(again, same.detach()), "no padded rows: the policy's own log-probs"
+    batch["labels"][0, 12] = rows + 2  # an id no sampler draws
+    for impl, chunk in (("chunked", 7), ("full", None)):
+        _, within = token_logps_within(model, batch, rows, impl, chunk, temperature=0.7)
+        assert within[0, 12] == float("-inf") and torch.isfinite(within[1]).all(), impl

@@ -97,10 +97,18 @@ def check_generation_backend(r) -> None:
     if not vllm:
         return
     if r.load_in_4bit:
-        raise RecipeError("generation_backend=vllm with load_in_4bit=true: the engine loads the base from the "
-                          "model's directory in 16-bit and takes merged 16-bit weights, which a 4-bit base does not "
-                          "give (bitsandbytes pushes were not tried); set load_in_4bit=false (lora=true keeps the "
-                          "base frozen) or generation_backend=finetune")
+        raise RecipeError("generation_backend=vllm with load_in_4bit=true: the engine serves the 16-bit base from the "
+                          "model's directory while the trainer computes with its 4-bit (NF4) quantization, so they "
+                          "would sample different policies from the first rollout, and pushing a dequantized 4-bit "
+                          "base is not built; set load_in_4bit=false (lora=true keeps the base frozen) or "
+                          "generation_backend=finetune")
+    filtered = [f"{k}={getattr(r, k):g}" for k, off in (("top_p", 1.0), ("top_k", 0)) if getattr(r, k) != off]
+    if filtered:
+        raise RecipeError(f"generation_backend=vllm with {' '.join(filtered)}: vLLM returns the log-probs of the "
+                          "filtered distribution (renormalised over the tokens top_p/top_k keep) and the trainer "
+                          "scores the whole one, so the push check and the importance weights would compare "
+                          "different distributions; set top_p=1 and top_k=0 (TRL's defaults), or "
+                          "generation_backend=finetune")
     if r.sequence_parallel > 1:
         raise RecipeError(f"generation_backend=vllm with sequence_parallel={r.sequence_parallel}: not tried (each "
                           "rank of a sequence-parallel group would run its own engine on the same prompts); set "

@@ -87,7 +87,8 @@ class EngineGenerator:
         model = run.accelerator.unwrap_model(run.model)
         return self.engine.generate(prompts, sampling, stop_ids=stop_ids(run.tokenizer, model, run.generation_config),
                                     context=context_length(run.config),
-                                    seeds=seeds if sampling.temperature > 0 else None, logprobs=True)
+                                    seeds=seeds if sampling.temperature > 0 else None, logprobs=True,
+                                    vocab_size=len(run.tokenizer))
 
     def sync(self, run, updates: int) -> None:
         """Push the policy's weights if the engine's are older (module docstring)."""

@@ -7,7 +7,12 @@ agree) and saves the adapter only; a push that a fault skips (the engine keeps t
 the next rollout, and a push that fails on one rank is one error line naming it; 1 process generates and
 trains on the same completions as 2.
 
-Launches: 7 (six of 2 processes, each starting two engines, and one of 1 process). Runs only where vLLM is installed (bash scripts/test_vllm.sh)."""
+Every strategy's push path: ZeRO-3 and FSDP2 (parameters offloaded to CPU) for 24 steps, whose reward rises;
+ZeRO-2 with its optimizer offloaded and ZeRO-3 with parameters and optimizer offloaded for 3 steps, each push
+taken and the same completions as ZeRO-3's; ddp on 1 process. Padded vocabulary rows are never drawn (the
+tiny model's 128 output rows against 108 tokens: rollouts.jsonl counts no undecodable id).
+
+Launches: 10 (nine of 2 processes, each starting two engines, and one of 1 process). Runs only where vLLM is installed (bash scripts/test_vllm.sh)."""
 
 from __future__ import annotations
 
@@ -65,9 +70,43 @@ def test_zero3_with_vllm_reward_rises_and_every_push_takes(zero3):
     assert [r["step"] for r in evals] == [6, 12, 18, 24] and all(r["eval_reward"] >= 0 for r in evals)
     lines = rollouts(zero3)
     assert len(lines) == LONG * 64 and all(r["completion_ids"] for r in lines)
+    # the output layer's rows past the tokenizer's 108 tokens (128 in all) are never drawn
+    assert all(r["undecodable_ids"] == 0 and max(r["completion_ids"]) < 108 for r in lines)
     # the engine's seeds: each completion's own, so a group's completions differ
     group = [tuple(r["completion_ids"]) for r in lines[:8]]
     assert len(set(group)) > 1
+
+
+@pytest.fixture(scope="module")
+def fsdp_offloaded(launch):
+    return launch(2, "strategy=fsdp", "offload_params=cpu", *VLLM, f"max_steps={LONG}", recipe="tiny_grpo_vllm")
+
+
+def test_fsdp_full_fine_tune_with_vllm_reward_rises_and_every_push_takes(fsdp_offloaded, zero3):
+    """The full fine-tune under FSDP2 (its parameters offloaded to CPU: the push gathers DTensors held in host
+    memory): every push takes, the reward rises, and it samples and trains on what ZeRO-3 did."""
+    run = fsdp_offloaded
+    assert "fsdp on 2" in run.stderr
+    assert_push_took(run, LONG)
+    rewards = [r["reward"] for r in records(run)]
+    assert sum(rewards[-6:]) / 6 > sum(rewards[:6]) / 6 * 1.3, f"the reward did not rise: {rewards}"
+    assert rollouts(run) == rollouts(zero3)
+    for a, b in zip(records(run), records(zero3), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-5), a["step"]
+
+
+# The other push paths (Strategy.weight_buckets): ZeRO-1/2's whole parameters, under a CPU optimizer (DeepSpeed
+# copies its updated fp32 partitions back into them), and ZeRO-3's gather of partitions held in host memory.
+OTHER_PUSHES = {"zero2-offload": ["strategy=zero2", "offload_optimizer=cpu"],
+                "zero3-offload": ["strategy=zero3", "offload_params=cpu", "offload_optimizer=cpu"]}
+
+
+@pytest.mark.parametrize("name", list(OTHER_PUSHES))
+def test_every_push_takes_under_each_strategy(name, zero3, launch):
+    run = launch(2, *OTHER_PUSHES[name], *VLLM, "max_steps=3", recipe="tiny_grpo_vllm")
+    assert f"{OTHER_PUSHES[name][0].split('=')[1]} on 2" in run.stderr
+    assert_push_took(run, 3)
+    assert rollouts(run) == [r for r in rollouts(zero3) if r["step"] <= 3]
 
 
 def test_sigkill_and_resume_with_vllm_continue_as_the_uninterrupted_run(zero3, launch, tmp_path_factory):

@@ -156,3 +156,60 @@ def test_the_training_process_keeps_its_random_state_and_thread_control(pair):
     torch.set_num_threads(1)
     assert torch.get_num_threads() == 1, "torch.set_num_threads is still vLLM's no-op"
     torch.set_num_threads(threads)
+
+
+TOKENIZER_ROWS = 300  # the padded model's tokenizer vocabulary: rows 300-319 of its output layer are padding
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """A Llama whose output rows past TOKENIZER_ROWS are large (padding the sampler must never draw: with
+    them, most tokens' likeliest id is a padded one), and an engine built from its directory."""
+    torch.manual_seed(1)
+    config = configs()["llama-untied"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.15)
+        model.lm_head.weight[TOKENIZER_ROWS:].normal_(0, 1.5)
+    path = tmp_path_factory.mktemp("llama-padded")
+    model.save_pretrained(path)
+    engine = VLLMEngine(path, dtype="float32", max_model_len=MAX_LEN, seed=0)
+    yield model, engine
+    del engine
+    gc.collect()
+
+
+def test_padded_vocabulary_rows_are_never_drawn_and_logprobs_match_the_trainer(padded):
+    """With vocab_size (len(tokenizer)), no id past it is generated, greedy or sampled, although the padded
+    rows would win most draws; the engine's log-probs of its tokens equal the trainer's over the tokenizer's
+    rows (finetune.loss.token_logps_within, what the push check compares), at temperature 0.7."""
+    from finetune.loss import token_logps_within
+
+    model, engine = padded
+    batch = [[t % TOKENIZER_ROWS for t in p] for p in prompts(5)]
+    sampling = Sampling(max_new_tokens=16, temperature=0.7)
+    seeds = [5, 6, 7, 8]
+    unmasked = engine.generate(batch, sampling, stop_ids=[], seeds=seeds)
+    drawn = sum(t >= TOKENIZER_ROWS for c in unmasked for t in c.tokens)
+    assert drawn > 32, f"the padded rows are not likely enough to test with: {drawn} of 64 tokens"
+    for s in (sampling, Sampling(max_new_tokens=16)):
+        out = engine.generate(batch, s, stop_ids=[], seeds=seeds if s.temperature else None, logprobs=True,
+                              vocab_size=TOKENIZER_ROWS)
+        assert all(len(c.tokens) == 16 and max(c.tokens) < TOKENIZER_ROWS for c in out), [c.tokens for c in out]
+        if not s.temperature:  # greedy: the argmax over the tokenizer's rows, as transformers' own forward gives it
+            for p, c in zip(batch, out):
+                with torch.no_grad():
+                    logits = model(torch.tensor([p + c.tokens[:-1]])).logits[0, len(p) - 1:, :TOKENIZER_ROWS]
+                assert logits.argmax(-1).tolist() == c.tokens
+            continue
+        for p, c in zip(batch, out):
+            ids = torch.tensor([p + c.tokens])
+            labels = torch.full_like(ids, -100)
+            labels[0, len(p):] = ids[0, len(p):]
+            full, within = token_logps_within(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                                      "labels": labels}, TOKENIZER_ROWS, temperature=0.7)
+            trainer = within[0, len(p):]
+            assert torch.allclose(torch.tensor(c.logprobs), trainer, atol=1e-4), (c.logprobs, trainer.tolist())
+            assert (full[0, len(p):] < trainer - 1e-3).all(), "the padded rows' mass is out of the engine's log-probs"

@@ -60,7 +60,7 @@ import torch
 
 from finetune import data as D
 from finetune.data import IGNORE
-from finetune.loss import token_logps
+from finetune.loss import token_logps, token_logps_within
 from finetune.training.objectives.base import Basic
 from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
@@ -485,12 +485,18 @@ class GRPO(Basic):
                     was_training = model.training
                     model.train(was_training and engine_logps is None)
                     with torch.no_grad():
-                        b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
+                        if engine_logps is None:
+                            b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
+                        else:  # and the sampled distribution's: the tokenizer's rows only, as the engine draws
+                            full, within = token_logps_within(model, device_batch, len(run.tokenizer), self.loss_impl,
+                                                              self.chunk, self.temperature)
+                            b["old_logps"], sampler_logps = full.float().cpu(), within.float().cpu()
                     model.train(was_training)
                 elif keep_old:
                     b["old_logps"] = padded_rows(old_rows[a:a + m], b["labels"].shape)
                 if engine_logps is not None:
-                    self.weigh(b, engine_logps_rows(engine_logps[a:a + m], prompts[a:a + m], b["labels"].shape))
+                    self.weigh(b, sampler_logps,
+                               engine_logps_rows(engine_logps[a:a + m], prompts[a:a + m], b["labels"].shape))
                 elif is_rows is not None:
                     b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
                 if self.reference is not None:
@@ -503,20 +509,21 @@ class GRPO(Basic):
         the old ones kept at the rollout)."""
         return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature)
 
-    def weigh(self, b: dict, sampled: torch.Tensor) -> None:
+    def weigh(self, b: dict, trainer: torch.Tensor, sampled: torch.Tensor) -> None:
         """A micro-batch of the engine's completions: its importance weights (TRL's correction, when on) and
         the push check's sums (|engine - trainer| log-prob sum, tokens, largest; the weights' min, sum,
-        count, max)."""
+        count, max). trainer: the policy's log-probs of the distribution the engine draws from (the
+        tokenizer's rows, without the padded ones: loss.token_logps_within), as the engine returns them."""
         r = self.recipe
         mask = (b["labels"] != IGNORE).float()
-        delta = (b["old_logps"] - sampled).abs() * mask
+        delta = (trainer - sampled).abs() * mask
         sums = self.engine_sums
         sums[0] += delta.sum().item()
         sums[1] += mask.sum().item()
         sums[2] = max(sums[2].item(), delta.max().item() if delta.numel() else 0.0)
         if not r.vllm_importance_sampling_correction:
             return
-        ratio = importance_weights(b["old_logps"], sampled, mask, r.vllm_importance_sampling_mode,
+        ratio = importance_weights(trainer, sampled, mask, r.vllm_importance_sampling_mode,
                                    r.vllm_importance_sampling_clip_max)
         b["is_ratio"] = ratio
         # TRL's metrics: over the sequences (sequence_* modes) or the completion tokens (token_*)
