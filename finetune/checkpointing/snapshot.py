@@ -1,0 +1,292 @@
+"""async_save's staging: the synchronous save's own code runs, but every file it would serialise
+under the staging directory is deferred: the tensors it would write are copied into host memory (the
+snapshot, which the next optimizer step cannot change), and the serialisation itself runs later, on
+the background writer's thread, from that snapshot. What the loop waits for is the copy.
+
+Three serialisers are deferred, the ones a save of every strategy goes through:
+- `torch.save` (Accelerate's optimizer, scheduler and RNG files, DeepSpeed's ZeRO files through its
+  checkpoint engine, the ZeroRedundancyOptimizer's file): torch's own `_save` pickles the object now,
+  into a recorder that stands in for its zip writer and keeps each record, a storage's bytes copied
+  into host memory; the thread hands the same records, in the same order, to torch's zip writer for
+  the same file name. The bytes are torch.save's because torch.save's code made them: the pickle (the
+  storage keys, each storage's device, shared storages and views) is the one of the objects saved.
+  On a GPU torch copies each device storage into pinned host memory (its caching host allocator
+  keeps the buffers for the next save) and the recorder keeps that copy as it is.
+- safetensors' `save_file` (Accelerate's model.safetensors, the RNG states): the tensors copied
+  (tensors sharing a storage still share their copy), the call made on the thread. safetensors
+  records no device: a copy in host memory writes the same bytes.
+- `torch.distributed.checkpoint.save` (fsdp's model and optimizer): the state dict copied (a DTensor
+  as a DTensor over its copied local shard, same mesh and placements), the save made on the thread
+  on a gloo process group of its own (its planning and metadata are collectives), so the thread
+  never shares a collective with the training on the main thread. The copies are not pinned: DCP's
+  `.metadata` records whether a tensor was pinned.
+
+Anything else (the loop state, the recipe, hf/, DeepSpeed's `latest`) is written during staging,
+into the staging directory, as before: small files.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Deferred:
+    """One deferred serialisation: `write()` makes the file(s) under the staging directory."""
+
+    path: Path  # the file (torch.save, safetensors) or the directory (DCP) it writes
+    nbytes: int  # the host memory its snapshot holds
+    write: object  # () -> None
+    collective: bool = False  # a DCP save: every rank's thread runs these in the same order
+    streams: bool = False  # a torch.save: frees its host copy record by record as it writes
+
+
+@dataclass
+class Snapshotter:
+    """Defers the serialisations of a save under `directory` (see the module's docstring). One per
+    Checkpointer: it keeps the gloo group of DCP saves between saves."""
+
+    group: object = None  # the DCP saves' process group (gloo), made at the first one
+    jobs: list = field(default_factory=list)
+
+    @contextmanager
+    def deferring(self, directory: Path):
+        """Within this block a torch.save, safetensors save_file or DCP save whose destination is under
+        `directory` is deferred into `self.jobs`; any other runs as usual."""
+        import accelerate.utils.other as accelerate_other
+        import safetensors.torch
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        directory = Path(directory).resolve()
+        originals = (torch.save, safetensors.torch.save_file, accelerate_other.safe_save_file, dcp.save)
+        torch_save, save_file, _, dcp_save = originals
+
+        def under(f) -> bool:
+            return isinstance(f, (str, os.PathLike)) and Path(os.path.abspath(os.fspath(f))).is_relative_to(directory)
+
+        def deferred_torch_save(obj, f, pickle_module=pickle, pickle_protocol=torch.serialization.DEFAULT_PROTOCOL,
+                                _use_new_zipfile_serialization=True, _disable_byteorder_record=False):
+            if not (under(f) and _use_new_zipfile_serialization):
+                return torch_save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
+                                  _disable_byteorder_record)
+            self.jobs.append(record_torch_save(obj, f, pickle_module, pickle_protocol, _disable_byteorder_record))
+
+        def deferred_save_file(tensors, filename, metadata=None):
+            if not under(filename):
+                return save_file(tensors, filename, metadata=metadata)
+            check = getattr(safetensors.torch, "_evaluate_tensors_for_save", None)
+            if check is not None:  # what save_file refuses (shared tensors), refused now, not in the thread
+                check(tensors)
+            copies = copy_tensors(tensors, pin=True)
+            self.jobs.append(Deferred(Path(filename), tensor_bytes(copies),
+                                      lambda: save_file(copies, filename, metadata=metadata)))
+
+        def deferred_dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None,
+                              process_group=None, no_dist=False, use_collectives=True):
+            target = checkpoint_id if checkpoint_id is not None else getattr(storage_writer, "path", None)
+            if not (under(target) and process_group is None and use_collectives):
+                return dcp_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                planner=planner, process_group=process_group, no_dist=no_dist,
+                                use_collectives=use_collectives)
+            group = self.dcp_group()
+            copies = copy_tensors(state_dict, pin=False)
+            self.jobs.append(Deferred(Path(target), tensor_bytes(copies), lambda: dcp_save(
+                copies, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
+                process_group=group, no_dist=no_dist), collective=group is not None))
+
+        torch.save = deferred_torch_save
+        safetensors.torch.save_file = accelerate_other.safe_save_file = deferred_save_file
+        dcp.save = deferred_dcp_save
+        try:
+            yield self
+        finally:
+            torch.save, safetensors.torch.save_file, accelerate_other.safe_save_file, dcp.save = originals
+            if torch.cuda.is_available():  # the non-blocking copies into pinned memory have landed
+                torch.cuda.synchronize()
+
+    def take(self) -> list[Deferred]:
+        """The deferred serialisations, in the order the thread runs them: DCP saves first, in the order
+        they were made (the same on every rank: their collectives pair up), then the torch.save files
+        (each frees its copy as it writes it), then the rest (each holds its copy until its file is
+        written): the host memory held at any moment stays near the snapshot's."""
+        jobs, self.jobs = self.jobs, []
+        return ([j for j in jobs if j.collective] + [j for j in jobs if j.streams]
+                + [j for j in jobs if not (j.collective or j.streams)])
+
+    def dcp_group(self):
+        """A gloo group for the DCP saves on the background thread. Made on the main thread, where every
+        rank makes it in the same order (the staging of a save is collective)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if self.group is None:
+            self.group = dist.new_group(backend="gloo")
+        return self.group
+
+
+# ---------------------------------------------------------------- torch.save, recorded and replayed
+
+
+class _Recorder:
+    """Stands in for torch's zip writer (torch._C.PyTorchFileWriter) inside torch.serialization._save:
+    keeps each record; a storage's bytes are copied into host memory unless torch made that copy
+    itself (a device storage's host copy, which nothing else holds)."""
+
+    def __init__(self, originals: set):
+        self.records: list = []
+        self.originals = originals  # the _cdata of the storages the object itself holds
+        self.nbytes = 0
+
+    def write_record(self, name, data, nbytes):
+        import torch
+
+        if isinstance(data, torch.UntypedStorage):
+            if data._cdata in self.originals and nbytes:
+                data = host_copy(data, pin=False)
+            self.nbytes += nbytes
+        self.records.append((name, data, nbytes))
+
+    def write_record_metadata(self, name, nbytes):
+        raise RuntimeError("torch.serialization.skip_data is not supported by async_save")
+
+
+class _StorageFinder(pickle.Pickler):
+    """Pickles an object as torch.save does, to learn which storages it holds (nothing is kept)."""
+
+    def __init__(self, pickle_module, protocol):
+        super().__init__(io.BytesIO(), protocol=protocol)
+        self.found = set()
+
+    def persistent_id(self, obj):
+        import torch
+
+        if isinstance(obj, torch.storage.TypedStorage):
+            obj = obj._untyped_storage
+        if torch.is_storage(obj):
+            self.found.add(obj._cdata)
+            return "storage"
+        return None
+
+
+def record_torch_save(obj, f, pickle_module, pickle_protocol, disable_byteorder_record) -> Deferred:
+    """torch.save(obj, f), pickled now (storages copied), its file written by the returned job."""
+    import torch
+    from torch.utils.serialization import config
+
+    finder = _StorageFinder(pickle_module, pickle_protocol)
+    finder.dump(obj)
+    recorder = _Recorder(finder.found)
+    pinned, config.save.use_pinned_memory_for_d2h = config.save.use_pinned_memory_for_d2h, torch.cuda.is_available()
+    try:
+        torch.serialization._save(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
+    finally:
+        config.save.use_pinned_memory_for_d2h = pinned
+    name = os.fspath(f)
+    records = recorder.records
+
+    def write():
+        with torch.serialization._open_zipfile_writer(name) as writer:
+            for i, (record, data, nbytes) in enumerate(records):
+                writer.write_record(record, data, nbytes)
+                records[i] = None  # its host copy is freed as soon as it is in the file
+    return Deferred(Path(name), recorder.nbytes, write, streams=True)
+
+
+# ---------------------------------------------------------------- copies of tensors (safetensors, DCP)
+
+
+def host_copy(storage, pin: bool):
+    """A storage's bytes in new host memory (pinned where `pin` and the storage is on a GPU: a
+    non-blocking copy, complete once the device is synchronised)."""
+    import torch
+
+    pin = pin and storage.device.type == "cuda"
+    out = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+    out.copy_(storage, non_blocking=pin)
+    return out
+
+
+def copy_tensors(obj, pin: bool, memo: dict | None = None):
+    """obj with every tensor replaced by a host copy of the same dtype, shape, stride and storage
+    offset; tensors that share a storage share their copy's, and an object met twice is copied once
+    (pickle writes both as one). A DTensor becomes a DTensor over its local shard's copy. Containers
+    are rebuilt; other values deep-copied (nothing the run changes later reaches the writer)."""
+    import torch
+
+    memo = {} if memo is None else memo
+    if id(obj) in memo:
+        return memo[id(obj)][1]
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()
+    if isinstance(obj, DTensor):
+        local = copy_tensors(obj._local_tensor, pin, memo)
+        out = DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
+                                 stride=obj.stride())
+    elif isinstance(obj, torch.Tensor):
+        out = _copy_tensor(obj, pin, memo)
+    elif isinstance(obj, dict):
+        out = copy.copy(obj)  # its type (OrderedDict, a defaultdict's factory), emptied and refilled
+        out.clear()
+        memo[id(obj)] = (obj, out)
+        for k, v in obj.items():
+            out[k] = copy_tensors(v, pin, memo)
+        return out
+    elif type(obj) is list:
+        out = []
+        memo[id(obj)] = (obj, out)
+        out.extend(copy_tensors(v, pin, memo) for v in obj)
+        return out
+    elif type(obj) is tuple or isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        items = [copy_tensors(v, pin, memo) for v in obj]
+        out = tuple(items) if type(obj) is tuple else type(obj)(*items)
+    else:
+        out = copy.deepcopy(obj)
+    memo[id(obj)] = (obj, out)  # obj kept alive: its id is not reused while the memo lives
+    return out
+
+
+def _copy_tensor(t, pin: bool, memo: dict):
+    import torch
+
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        raise TypeError(f"async_save cannot copy a {t.layout} {t.device.type} tensor")
+    storage = t.untyped_storage()
+    key = ("storage", storage._cdata)
+    if key not in memo:
+        memo[key] = (storage, host_copy(storage, pin) if storage.nbytes() else torch.UntypedStorage(0))
+    out = torch.empty(0, dtype=t.dtype).set_(memo[key][1], t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    elif t.requires_grad:
+        out.requires_grad_(True)
+    return out
+
+
+def tensor_bytes(obj) -> int:
+    """The bytes of the distinct storages the tensors in obj hold."""
+    import torch
+
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            x = getattr(x, "_local_tensor", x)
+            s = x.untyped_storage()
+            if s._cdata not in seen:
+                seen.add(s._cdata)
+                total += s.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
