@@ -144,3 +144,54 @@ def test_a_deferred_dcp_save_writes_the_same_shards(tmp_path):
             a.storage_meta = b.storage_meta = None
             a, b = pickle.dumps(a), pickle.dumps(b)
         assert a == b, name
+
+
+def test_the_background_write_serialises_the_snapshot_and_copies_it(tmp_path):
+    """The thread runs the deferred serialisations into the staging directory and copies each file
+    into the partial checkpoint with its checksum; the files are those of direct calls."""
+    from finetune.checkpointing import background as B
+    from finetune.checkpointing.checkpoint import file_checksums, first_failure
+
+    obj, weights = state(), {"w": torch.randn(1 << 20), "b": torch.randn(7)}  # 4 MiB: more than one copy block
+    direct, staged, partial = tmp_path / "direct", tmp_path / "stage", tmp_path / "ckpt" / ".step.partial"
+    for d in (direct, staged / "sub", partial):
+        d.mkdir(parents=True)
+    torch.save(obj, direct / "optimizer.bin")
+    save_file(weights, str(direct / "model.safetensors"))
+    snap = Snapshotter()
+    with snap.deferring(staged):
+        torch.save(obj, staged / "optimizer.bin")
+        save_file(weights, str(staged / "model.safetensors"))
+        (staged / "sub" / "loop_state.json").write_text('{"step": 5}\n')  # written now, as before
+    mutate(obj)
+    mutate(weights)
+    w = B.BackgroundWrite(5, "step_000000005", 0, staged, partial, blocking_s=0.1, describe=first_failure,
+                          jobs=snap.take())
+    w.start()
+    assert w.nbytes > (1 << 22) and w.join(60) and w.error is None
+    for name in ("optimizer.bin", "model.safetensors"):
+        assert (partial / name).read_bytes() == (direct / name).read_bytes(), name
+    assert (partial / "sub" / "loop_state.json").read_text() == '{"step": 5}\n'
+    assert w.checksums == file_checksums(partial, sorted(w.checksums)) and len(w.checksums) == 3
+    assert not staged.exists() and w.jobs == []
+
+
+def test_a_fault_mid_shard_cuts_the_largest_deferred_file(tmp_path, monkeypatch):
+    from finetune.checkpointing import background as B
+    from finetune.checkpointing.checkpoint import first_failure
+
+    monkeypatch.setenv("FINETUNE_FAULT", "async_mid_shard:0:5:ENOSPC")
+    staged, partial = tmp_path / "stage", tmp_path / "ckpt" / ".step.partial"
+    staged.mkdir()
+    partial.mkdir(parents=True)
+    big = {"m": torch.randn(3 << 20)}  # 12 MiB
+    snap = Snapshotter()
+    with snap.deferring(staged):
+        torch.save({"x": torch.ones(4)}, staged / "scheduler.bin")
+        torch.save(big, staged / "optimizer.bin")
+    w = B.BackgroundWrite(5, "step_000000005", 0, staged, partial, blocking_s=0.1, describe=first_failure,
+                          jobs=snap.take())
+    w.start()
+    assert w.join(60) and w.error.startswith("the filesystem is full")
+    assert 0 < (partial / "optimizer.bin").stat().st_size < (3 << 20) * 4 // 2 + B.BLOCK, "torn halfway"
+    assert not staged.exists()

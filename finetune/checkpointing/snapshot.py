@@ -229,9 +229,9 @@ def copy_tensors(obj, pin: bool, memo: dict | None = None):
     except ImportError:  # pragma: no cover - torch without distributed
         DTensor = ()
     if isinstance(obj, DTensor):
-        local = copy_tensors(obj._local_tensor, pin, memo)
-        out = DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape,
-                                 stride=obj.stride())
+        # its spec (mesh, placements, global shape) as it is: from_local would move a host copy back
+        # to the mesh's device (what torch's own stager does: _state_dict_utils._create_cpu_state_dict)
+        out = DTensor(copy_tensors(obj._local_tensor, pin, memo), obj._spec, requires_grad=obj.requires_grad)
     elif isinstance(obj, torch.Tensor):
         out = _copy_tensor(obj, pin, memo)
     elif isinstance(obj, dict):
