@@ -419,11 +419,10 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5). gpus_per_node: a
     node's GPUs (default world_size), hsdp's default shard group.
     async_save: each save copies the rank's part of the checkpoint (its trained weights and optimizer
-    states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) into host memory, the cpu
-    column; the background writer turns that copy into files one at a time, torch.save's freeing
-    the copy as it writes, so the two together stay within the copy's size, except under fsdp, whose
-    model save (DCP) is written while the optimizer's copy still waits: weights twice and optimizer
-    states, or optimizer states twice (finetune/checkpointing/snapshot.py)."""
+    states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) into host memory, buffers
+    kept for the next save: the cpu column. The background writer writes torch.save and safetensors
+    files from them straight into the checkpoint; fsdp's DCP saves go through the staging tmpfs one at
+    a time, the larger of the two (weights, optimizer states) more (finetune/checkpointing/snapshot.py)."""
     strategy = strategy_for(setup.strategy)
     n = strategy.sharding_group(setup, world_size, gpus_per_node or world_size)  # hsdp: its shard group
     base = arch.num_parameters()
@@ -457,7 +456,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     if async_save:
         staging = saved_weights + saved_optimizer
         if strategy.saves_with_dcp:
-            staging = max(2 * saved_weights + saved_optimizer, 2 * saved_optimizer)
+            staging += max(saved_weights, saved_optimizer)
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
     off["cpu"] += staging
     held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0

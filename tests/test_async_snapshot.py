@@ -62,7 +62,7 @@ def test_a_deferred_torch_save_writes_torch_saves_bytes(tmp_path):
     torch.save(obj, tmp_path / "direct" / "optimizer.bin")
     jobs = deferred(tmp_path / "stage", lambda: torch.save(obj, tmp_path / "stage" / "optimizer.bin"))
     assert len(jobs) == 1 and not (tmp_path / "stage" / "optimizer.bin").exists(), "written later, not now"
-    jobs[0].write()
+    jobs[0].write(jobs[0].path, None)
     assert (tmp_path / "stage" / "optimizer.bin").read_bytes() == (tmp_path / "direct" / "optimizer.bin").read_bytes()
     distinct = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors_of(obj)}
     assert jobs[0].nbytes == sum(distinct.values())
@@ -75,7 +75,7 @@ def test_a_tensor_changed_after_the_snapshot_is_written_as_it_was(tmp_path):
     torch.save(obj, tmp_path / "before" / "optimizer.bin")
     jobs = deferred(tmp_path / "stage", lambda: torch.save(obj, tmp_path / "stage" / "optimizer.bin"))
     mutate(obj)
-    jobs[0].write()
+    jobs[0].write(jobs[0].path, None)
     assert (tmp_path / "stage" / "optimizer.bin").read_bytes() == (tmp_path / "before" / "optimizer.bin").read_bytes()
     loaded = torch.load(tmp_path / "stage" / "optimizer.bin", weights_only=True)
     assert loaded["a"].data_ptr() != 0 and torch.equal(loaded["nested"]["step"], torch.tensor(7.0))
@@ -98,7 +98,7 @@ def test_a_deferred_safetensors_file_is_the_same_and_taken_at_the_call(tmp_path)
     jobs = deferred(tmp_path / "stage", lambda: other.safe_save_file(
         tensors, str(tmp_path / "stage" / "model.safetensors"), metadata={"format": "pt"}))
     mutate(tensors)
-    jobs[0].write()
+    jobs[0].write(jobs[0].path, None)
     assert (tmp_path / "stage" / "model.safetensors").read_bytes() == (tmp_path / "direct.safetensors").read_bytes()
 
 
@@ -134,7 +134,7 @@ def test_a_deferred_dcp_save_writes_the_same_shards(tmp_path):
     jobs = deferred(tmp_path / "stage", lambda: dcp.save(obj, storage_writer=dcp.FileSystemWriter(str(staged))))
     assert len(jobs) == 1 and not list(staged.glob("*.distcp"))
     mutate(obj)
-    jobs[0].write()
+    jobs[0].write(jobs[0].path, None)
     shards = sorted(p.name for p in direct.iterdir())
     assert shards == sorted(p.name for p in staged.iterdir()) and any(s.endswith(".distcp") for s in shards)
     for name in shards:
@@ -195,3 +195,42 @@ def test_a_fault_mid_shard_cuts_the_largest_deferred_file(tmp_path, monkeypatch)
     assert w.join(60) and w.error.startswith("the filesystem is full")
     assert 0 < (partial / "optimizer.bin").stat().st_size < (3 << 20) * 4 // 2 + B.BLOCK, "torn halfway"
     assert not staged.exists()
+
+
+def test_the_next_save_copies_into_the_same_buffers(tmp_path):
+    """The host buffers are kept between saves (no new memory, no page faults): the second save of
+    the changed state takes the first save's buffers, and writes the changed state's bytes."""
+    obj = state()
+    snap = Snapshotter()
+    for i in range(2):
+        (tmp_path / f"direct{i}").mkdir()
+        (tmp_path / f"stage{i}").mkdir()
+        torch.save(obj, tmp_path / f"direct{i}" / "optimizer.bin")
+        with snap.deferring(tmp_path / f"stage{i}"):
+            torch.save(obj, tmp_path / f"stage{i}" / "optimizer.bin")
+        lent = [id(buf) for _, buf in snap.buffers.lent]
+        if i == 0:
+            first = lent
+        job = snap.take()[0]
+        job.write(job.path, None)
+        assert (tmp_path / f"stage{i}" / "optimizer.bin").read_bytes() == (tmp_path / f"direct{i}" / "optimizer.bin").read_bytes()
+        mutate(obj)
+    assert sorted(lent) == sorted(first) and len(first) == len({t.untyped_storage()._cdata for t in tensors_of(obj)
+                                                               if t.numel()})
+
+
+def test_the_finite_check_before_a_save_counts_exactly():
+    """nonfinite_count (every save, sync or async, blocks on it): finite sums pass at once; a NaN or
+    inf is counted exactly, and finite weights whose sum overflows are not counted."""
+    from finetune.optim import nonfinite_count
+
+    def count(*tensors):
+        params = [torch.nn.Parameter(t) for t in tensors]
+        return int(nonfinite_count(torch.optim.AdamW(params)))
+
+    assert count(torch.randn(100), torch.randn(3, 4)) == 0
+    bad = torch.randn(100)
+    bad[[3, 50]] = float("nan")
+    bad[7] = float("-inf")
+    assert count(torch.randn(10), bad, torch.full((4,), float("inf"))) == 7
+    assert count(torch.full((10,), 3e38)) == 0, "a sum that overflows is not a NaN in the weights"

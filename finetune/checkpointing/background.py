@@ -9,11 +9,12 @@ then and there. One approach for every strategy (ddp, the ZeroRedundancyOptimize
 without offload, fsdp, LoRA): the files are the very bytes a synchronous save writes, because the
 same code makes them.
 
-The background write: a thread per rank runs the deferred serialisations one at a time into its
-staging directory (DCP saves first: their collectives run on a gloo group of their own, in the same
-order on every rank), copies each file made into the checkpoint's shared `.step_N.partial/`
-directory as soon as it is made (fsyncs it, hashes it as it goes: xxh3-128, the manifest's checksum)
-and frees it, then does the same with the small files. It takes part in no collective of the
+The background write: a thread per rank runs the deferred serialisations one at a time: DCP saves
+first (their collectives run on a gloo group of their own, in the same order on every rank), into
+the staging directory, each file then copied into the checkpoint's shared `.step_N.partial/`
+directory (fsync'd, hashed as it goes: xxh3-128, the manifest's checksum) and removed from the
+staging; torch.save and safetensors files straight into the partial directory, then read back for
+their checksum and fsync'd; then the small files, copied as the DCP files are. It takes part in no collective of the
 training's process group: the ranks agree that every write finished (or that one failed) on the main
 thread, at the next step boundary, the next save, or the end of the run (Checkpointer.poll / wait),
 and only then does rank 0 write the manifest and rename `.partial` into place. A write that fails is
@@ -99,14 +100,22 @@ class BackgroundWrite:
     def _run(self) -> None:
         try:
             fault_point("async_before_shard", self.rank, self.step)
-            # async_mid_shard cuts the largest file: of the largest deferred serialisation, if any
-            largest_job = max(self.jobs, key=lambda job: job.nbytes, default=None)
+            # async_mid_shard tears the largest file: of the largest deferred serialisation, if any
+            largest_job = max((job for job in self.jobs if job.cuttable), key=lambda job: job.nbytes, default=None)
             while self.jobs:
                 job = self.jobs.pop(0)
-                before = set(self._files())
-                job.write()
-                self._copy(sorted(set(self._files()) - before), cut=job is largest_job)
-                del job  # its host copy is freed
+                cut = job is largest_job
+                if job.direct:  # straight into the checkpoint, then read back for its checksum
+                    rel = str(job.path.relative_to(self.staged))
+                    target = self.partial / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    job.write(target, (lambda: fault_point("async_mid_shard", self.rank, self.step)) if cut else None)
+                    self.checksums[rel] = hash_synced(target)
+                else:  # into the staging directory, then copied
+                    before = set(self._files())
+                    job.write(job.path, None)
+                    self._copy(sorted(set(self._files()) - before), cut=cut)
+                del job  # its host copy is freed (or back for the next save)
             self._copy(self._files(), cut=largest_job is None)
             fsync_tree(self.partial)
             fault_point("async_before_publish", self.rank, self.step)
@@ -155,6 +164,20 @@ def copy_hashed(src: Path, dst: Path, rank: int, step: int, cut: bool = False) -
             if written == half:
                 fault_point("async_mid_shard", rank, step)
         os.fsync(fout.fileno())
+    return h.hexdigest()
+
+
+def hash_synced(path: Path) -> str:
+    """fsync a file just written and return the xxh3-128 of its bytes (read back: the page cache)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+        os.fsync(f.fileno())
     return h.hexdigest()
 
 

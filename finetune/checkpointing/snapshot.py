@@ -38,22 +38,32 @@ from pathlib import Path
 
 @dataclass
 class Deferred:
-    """One deferred serialisation: `write()` makes the file(s) under the staging directory."""
+    """One deferred serialisation. `write(target, halfway)` makes its file: a torch.save or
+    safetensors file at `target` (the checkpoint's partial directory: `direct`), a DCP save into its
+    own directory under the staging directory (copied from there); `halfway`, where given, is called
+    before the record of a torch.save file that crosses its middle (the fault point of a torn file)."""
 
-    path: Path  # the file (torch.save, safetensors) or the directory (DCP) it writes
+    path: Path  # the file (torch.save, safetensors) or the directory (DCP), under the staging directory
     nbytes: int  # the host memory its snapshot holds
-    write: object  # () -> None
+    write: object  # (target: Path, halfway: Callable | None) -> None
     collective: bool = False  # a DCP save: every rank's thread runs these in the same order
-    streams: bool = False  # a torch.save: frees its host copy record by record as it writes
+    direct: bool = True  # written straight into the checkpoint, not through the staging directory
+    cuttable: bool = False  # `halfway` can fire inside its file (torch.save; DCP's files are cut as copied)
 
 
 @dataclass
 class Snapshotter:
     """Defers the serialisations of a save under `directory` (see the module's docstring). One per
-    Checkpointer: it keeps the gloo group of DCP saves between saves."""
+    Checkpointer: it keeps the gloo group of DCP saves, and the host buffers of the snapshot, between
+    saves (the state's tensors have the same sizes at every save: the next save copies into the same
+    buffers, without the page faults of new memory; the planner counts them as held for the run)."""
 
     group: object = None  # the DCP saves' process group (gloo), made at the first one
     jobs: list = field(default_factory=list)
+    buffers: object = None  # Buffers
+
+    def __post_init__(self):
+        self.buffers = Buffers()
 
     @contextmanager
     def deferring(self, directory: Path):
@@ -65,6 +75,8 @@ class Snapshotter:
         import torch.distributed.checkpoint as dcp
 
         directory = Path(directory).resolve()
+        buffers = self.buffers
+        buffers.reclaim()  # the previous save's write has finished (Checkpointer waits for it first)
         originals = (torch.save, safetensors.torch.save_file, accelerate_other.safe_save_file, dcp.save)
         torch_save, save_file, _, dcp_save = originals
 
@@ -76,7 +88,8 @@ class Snapshotter:
             if not (under(f) and _use_new_zipfile_serialization):
                 return torch_save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
                                   _disable_byteorder_record)
-            self.jobs.append(record_torch_save(obj, f, pickle_module, pickle_protocol, _disable_byteorder_record))
+            self.jobs.append(record_torch_save(obj, f, pickle_module, pickle_protocol, _disable_byteorder_record,
+                                               buffers))
 
         def deferred_save_file(tensors, filename, metadata=None):
             if not under(filename):
@@ -84,9 +97,9 @@ class Snapshotter:
             check = getattr(safetensors.torch, "_evaluate_tensors_for_save", None)
             if check is not None:  # what save_file refuses (shared tensors), refused now, not in the thread
                 check(tensors)
-            copies = copy_tensors(tensors, pin=True)
+            copies = copy_tensors(tensors, pin=True, buffers=buffers)
             self.jobs.append(Deferred(Path(filename), tensor_bytes(copies),
-                                      lambda: save_file(copies, filename, metadata=metadata)))
+                                      lambda target, halfway: save_file(copies, str(target), metadata=metadata)))
 
         def deferred_dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None,
                               process_group=None, no_dist=False, use_collectives=True):
@@ -96,10 +109,10 @@ class Snapshotter:
                                 planner=planner, process_group=process_group, no_dist=no_dist,
                                 use_collectives=use_collectives)
             group = self.dcp_group()
-            copies = copy_tensors(state_dict, pin=False)
-            self.jobs.append(Deferred(Path(target), tensor_bytes(copies), lambda: dcp_save(
+            copies = copy_tensors(state_dict, pin=False, buffers=buffers)
+            self.jobs.append(Deferred(Path(target), tensor_bytes(copies), lambda _target, _halfway: dcp_save(
                 copies, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
-                process_group=group, no_dist=no_dist), collective=group is not None))
+                process_group=group, no_dist=no_dist), collective=group is not None, direct=False, cuttable=True))
 
         torch.save = deferred_torch_save
         safetensors.torch.save_file = accelerate_other.safe_save_file = deferred_save_file
@@ -108,17 +121,15 @@ class Snapshotter:
             yield self
         finally:
             torch.save, safetensors.torch.save_file, accelerate_other.safe_save_file, dcp.save = originals
+            buffers.drop_unused()
             if torch.cuda.is_available():  # the non-blocking copies into pinned memory have landed
                 torch.cuda.synchronize()
 
     def take(self) -> list[Deferred]:
         """The deferred serialisations, in the order the thread runs them: DCP saves first, in the order
-        they were made (the same on every rank: their collectives pair up), then the torch.save files
-        (each frees its copy as it writes it), then the rest (each holds its copy until its file is
-        written): the host memory held at any moment stays near the snapshot's."""
+        they were made (the same on every rank: their collectives pair up), then the rest."""
         jobs, self.jobs = self.jobs, []
-        return ([j for j in jobs if j.collective] + [j for j in jobs if j.streams]
-                + [j for j in jobs if not (j.collective or j.streams)])
+        return [j for j in jobs if j.collective] + [j for j in jobs if not j.collective]
 
     def dcp_group(self):
         """A gloo group for the DCP saves on the background thread. Made on the main thread, where every
@@ -140,9 +151,10 @@ class _Recorder:
     keeps each record; a storage's bytes are copied into host memory unless torch made that copy
     itself (a device storage's host copy, which nothing else holds)."""
 
-    def __init__(self, originals: set):
+    def __init__(self, originals: set, buffers):
         self.records: list = []
         self.originals = originals  # the _cdata of the storages the object itself holds
+        self.buffers = buffers
         self.nbytes = 0
 
     def write_record(self, name, data, nbytes):
@@ -150,7 +162,7 @@ class _Recorder:
 
         if isinstance(data, torch.UntypedStorage):
             if data._cdata in self.originals and nbytes:
-                data = host_copy(data, pin=False)
+                data = host_copy(data, pin=False, buffers=self.buffers)
             self.nbytes += nbytes
         self.records.append((name, data, nbytes))
 
@@ -176,45 +188,81 @@ class _StorageFinder(pickle.Pickler):
         return None
 
 
-def record_torch_save(obj, f, pickle_module, pickle_protocol, disable_byteorder_record) -> Deferred:
+def record_torch_save(obj, f, pickle_module, pickle_protocol, disable_byteorder_record, buffers=None) -> Deferred:
     """torch.save(obj, f), pickled now (storages copied), its file written by the returned job."""
     import torch
     from torch.utils.serialization import config
 
     finder = _StorageFinder(pickle_module, pickle_protocol)
     finder.dump(obj)
-    recorder = _Recorder(finder.found)
+    recorder = _Recorder(finder.found, buffers)
     pinned, config.save.use_pinned_memory_for_d2h = config.save.use_pinned_memory_for_d2h, torch.cuda.is_available()
     try:
         torch.serialization._save(obj, recorder, pickle_module, pickle_protocol, disable_byteorder_record)
     finally:
         config.save.use_pinned_memory_for_d2h = pinned
-    name = os.fspath(f)
-    records = recorder.records
+    records, total = recorder.records, recorder.nbytes
 
-    def write():
-        with torch.serialization._open_zipfile_writer(name) as writer:
+    def write(target: Path, halfway=None):
+        """The file torch.save writes, at target: its name's last part is the archive's name inside
+        the zip, as torch.save's is."""
+        assert Path(target).name == Path(f).name
+        written = 0
+        with torch.serialization._open_zipfile_writer(os.fspath(target)) as writer:
             for i, (record, data, nbytes) in enumerate(records):
+                if halfway is not None and isinstance(data, torch.UntypedStorage) and written + nbytes > total // 2:
+                    halfway()  # before the record that crosses the middle: the file is torn there
+                    halfway = None
                 writer.write_record(record, data, nbytes)
-                records[i] = None  # its host copy is freed as soon as it is in the file
-    return Deferred(Path(name), recorder.nbytes, write, streams=True)
+                written += nbytes if isinstance(data, torch.UntypedStorage) else 0
+                records[i] = None  # a copy not kept for the next save is freed once in the file
+    return Deferred(Path(os.fspath(f)), total, write, cuttable=True)
 
 
 # ---------------------------------------------------------------- copies of tensors (safetensors, DCP)
 
 
-def host_copy(storage, pin: bool):
-    """A storage's bytes in new host memory (pinned where `pin` and the storage is on a GPU: a
-    non-blocking copy, complete once the device is synchronised)."""
+class Buffers:
+    """The snapshot's host buffers, kept between saves: a save takes, for each storage it copies, a
+    buffer of the same size and kind the previous save used (lent), and gives back what it did not
+    use (drop_unused)."""
+
+    def __init__(self):
+        self.free: dict = {}  # (nbytes, pinned) -> [UntypedStorage]
+        self.lent: list = []
+
+    def take(self, nbytes: int, pin: bool):
+        import torch
+
+        kept = self.free.get((nbytes, pin))
+        out = kept.pop() if kept else torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).untyped_storage()
+        self.lent.append(((nbytes, pin), out))
+        return out
+
+    def reclaim(self) -> None:
+        """Every buffer lent is free again: called when a save starts, once the previous one's write
+        has finished."""
+        for key, buf in self.lent:
+            self.free.setdefault(key, []).append(buf)
+        self.lent = []
+
+    def drop_unused(self) -> None:
+        self.free = {}
+
+
+def host_copy(storage, pin: bool, buffers: Buffers | None = None):
+    """A storage's bytes in host memory (pinned where `pin` and the storage is on a GPU: a
+    non-blocking copy, complete once the device is synchronised); in a buffer of `buffers` if given."""
     import torch
 
     pin = pin and storage.device.type == "cuda"
-    out = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin).untyped_storage()
+    n = storage.nbytes()
+    out = buffers.take(n, pin) if buffers is not None else torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage()
     out.copy_(storage, non_blocking=pin)
     return out
 
 
-def copy_tensors(obj, pin: bool, memo: dict | None = None):
+def copy_tensors(obj, pin: bool, memo: dict | None = None, buffers: Buffers | None = None):
     """obj with every tensor replaced by a host copy of the same dtype, shape, stride and storage
     offset; tensors that share a storage share their copy's, and an object met twice is copied once
     (pickle writes both as one). A DTensor becomes a DTensor over its local shard's copy. Containers
@@ -231,23 +279,23 @@ def copy_tensors(obj, pin: bool, memo: dict | None = None):
     if isinstance(obj, DTensor):
         # its spec (mesh, placements, global shape) as it is: from_local would move a host copy back
         # to the mesh's device (what torch's own stager does: _state_dict_utils._create_cpu_state_dict)
-        out = DTensor(copy_tensors(obj._local_tensor, pin, memo), obj._spec, requires_grad=obj.requires_grad)
+        out = DTensor(copy_tensors(obj._local_tensor, pin, memo, buffers), obj._spec, requires_grad=obj.requires_grad)
     elif isinstance(obj, torch.Tensor):
-        out = _copy_tensor(obj, pin, memo)
+        out = _copy_tensor(obj, pin, memo, buffers)
     elif isinstance(obj, dict):
         out = copy.copy(obj)  # its type (OrderedDict, a defaultdict's factory), emptied and refilled
         out.clear()
         memo[id(obj)] = (obj, out)
         for k, v in obj.items():
-            out[k] = copy_tensors(v, pin, memo)
+            out[k] = copy_tensors(v, pin, memo, buffers)
         return out
     elif type(obj) is list:
         out = []
         memo[id(obj)] = (obj, out)
-        out.extend(copy_tensors(v, pin, memo) for v in obj)
+        out.extend(copy_tensors(v, pin, memo, buffers) for v in obj)
         return out
     elif type(obj) is tuple or isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        items = [copy_tensors(v, pin, memo) for v in obj]
+        items = [copy_tensors(v, pin, memo, buffers) for v in obj]
         out = tuple(items) if type(obj) is tuple else type(obj)(*items)
     else:
         out = copy.deepcopy(obj)
@@ -255,7 +303,7 @@ def copy_tensors(obj, pin: bool, memo: dict | None = None):
     return out
 
 
-def _copy_tensor(t, pin: bool, memo: dict):
+def _copy_tensor(t, pin: bool, memo: dict, buffers=None):
     import torch
 
     if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
@@ -263,7 +311,7 @@ def _copy_tensor(t, pin: bool, memo: dict):
     storage = t.untyped_storage()
     key = ("storage", storage._cdata)
     if key not in memo:
-        memo[key] = (storage, host_copy(storage, pin) if storage.nbytes() else torch.UntypedStorage(0))
+        memo[key] = (storage, host_copy(storage, pin, buffers) if storage.nbytes() else torch.UntypedStorage(0))
     out = torch.empty(0, dtype=t.dtype).set_(memo[key][1], t.storage_offset(), t.size(), t.stride())
     if isinstance(t, torch.nn.Parameter):
         out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
