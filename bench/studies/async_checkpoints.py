@@ -141,10 +141,10 @@ def main() -> int:
         page = doc.read_text() if doc.exists() else ""
         title = f"### {'GPU' if a.gpu else 'CPU'}"
         block = f"{title}\n\n{text}\n"
-        if title in page:
+        if title in page:  # the block up to the next heading (### or ##) is replaced
             head, rest = page.split(title, 1)
-            tail = rest.split("\n### ", 1)
-            page = head + block + ("### " + tail[1] if len(tail) > 1 else "")
+            ends = [i + 1 for i in (rest.find("\n### "), rest.find("\n## ")) if i >= 0]
+            page = head + block + (rest[min(ends):] if ends else "")
         else:
             page = page.rstrip() + "\n\n" + block
         doc.write_text(page)

@@ -18,8 +18,8 @@ Three serialisers are deferred, the ones a save of every strategy goes through:
 - `torch.distributed.checkpoint.save` (fsdp's model and optimizer): the state dict copied (a DTensor
   as a DTensor over its copied local shard, same mesh and placements), the save made on the thread
   on a gloo process group of its own (its planning and metadata are collectives), so the thread
-  never shares a collective with the training on the main thread. The copies are not pinned: DCP's
-  `.metadata` records whether a tensor was pinned.
+  never shares a collective with the training on the main thread. A copy is pinned where its tensor
+  is (not from a GPU): DCP's `.metadata` records whether a tensor was pinned.
 
 Anything else (the loop state, the recipe, hf/, DeepSpeed's `latest`) is written during staging,
 into the staging directory, as before: small files.
@@ -109,7 +109,7 @@ class Snapshotter:
                                 planner=planner, process_group=process_group, no_dist=no_dist,
                                 use_collectives=use_collectives)
             group = self.dcp_group()
-            copies = copy_tensors(state_dict, pin=False, buffers=buffers)
+            copies = copy_tensors(state_dict, pin="same", buffers=buffers)  # .metadata records pinning
             self.jobs.append(Deferred(Path(target), tensor_bytes(copies), lambda _target, _halfway: dcp_save(
                 copies, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                 process_group=group, no_dist=no_dist), collective=group is not None, direct=False, cuttable=True))
@@ -251,20 +251,19 @@ class Buffers:
 
 
 def host_copy(storage, pin: bool, buffers: Buffers | None = None):
-    """A storage's bytes in host memory (pinned where `pin` and the storage is on a GPU: a
-    non-blocking copy, complete once the device is synchronised); in a buffer of `buffers` if given."""
+    """A storage's bytes in host memory, pinned where `pin` (from a GPU: a non-blocking copy,
+    complete once the device is synchronised); in a buffer of `buffers` if given."""
     import torch
 
-    pin = pin and storage.device.type == "cuda"
     n = storage.nbytes()
     out = buffers.take(n, pin) if buffers is not None else torch.empty(n, dtype=torch.uint8, pin_memory=pin).untyped_storage()
-    out.copy_(storage, non_blocking=pin)
+    out.copy_(storage, non_blocking=pin and storage.device.type == "cuda")
     return out
 
 
-def copy_tensors(obj, pin: bool, memo: dict | None = None, buffers: Buffers | None = None):
+def copy_tensors(obj, pin, memo: dict | None = None, buffers: Buffers | None = None):
     """obj with every tensor replaced by a host copy of the same dtype, shape, stride and storage
-    offset; tensors that share a storage share their copy's, and an object met twice is copied once
+    offset (pin: True, pinned where the tensor is on a GPU; "same", pinned where the tensor is); tensors that share a storage share their copy's, and an object met twice is copied once
     (pickle writes both as one). A DTensor becomes a DTensor over its local shard's copy. Containers
     are rebuilt; other values deep-copied (nothing the run changes later reaches the writer)."""
     import torch
@@ -311,7 +310,8 @@ def _copy_tensor(t, pin: bool, memo: dict, buffers=None):
     storage = t.untyped_storage()
     key = ("storage", storage._cdata)
     if key not in memo:
-        memo[key] = (storage, host_copy(storage, pin, buffers) if storage.nbytes() else torch.UntypedStorage(0))
+        pinned = t.is_pinned() if pin == "same" else bool(pin) and t.device.type == "cuda"
+        memo[key] = (storage, host_copy(storage, pinned, buffers) if storage.nbytes() else torch.UntypedStorage(0))
     out = torch.empty(0, dtype=t.dtype).set_(memo[key][1], t.storage_offset(), t.size(), t.stride())
     if isinstance(t, torch.nn.Parameter):
         out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
