@@ -9,6 +9,8 @@ two (warm-up), medians.
     python bench/studies/async_checkpoints.py                    # CPU: llama-60m, ddp fsdp zero3, 2 processes
     python bench/studies/async_checkpoints.py --gpu              # 1 GPU: llama-1b, bf16, ddp (one process)
     python bench/studies/async_checkpoints.py --doc docs/async-checkpoints.md   # also the results section
+    python bench/studies/async_checkpoints.py --repeat 2         # two pairs of runs per strategy, medians
+    python bench/studies/async_checkpoints.py --model llama-190m # a 2.3 GB checkpoint (~9 GB of RAM)
 
 The CPU model is sized for a shared 2-core machine (at most ~3 GB in all): ~58M parameters, a
 checkpoint of 0.7 GB (fp32 weights and Adam's two moments), two ranks' states and the staging.
@@ -30,6 +32,9 @@ from bench.parts.common import (MODELS, ModelSpec, accelerate_launch, build_mode
                                 read_jsonl, run, shown, table, wait_quiet)
 
 CPU_SPEC = ModelSpec("llama-60m", 512, 8, 8, 1408)
+# --model llama-190m: a checkpoint of 2.3 GB (the fixed costs of a save, state dicts and collectives,
+# weigh less); about 9 GB of host memory in all under ddp
+CPU_SPECS = {"llama-60m": CPU_SPEC, "llama-190m": ModelSpec("llama-190m", 1024, 10, 16, 2816)}
 COMMON = ["eval_fraction=0", "eval_at_start=false", "log_every=1", "mixed_precision=no", "warmup_steps=1",
           "keep_last=2", "sample_prompts=0", "plot_loss=false", "max_seq_len=128", "micro_batch_size=2",
           "global_batch_size=4"]
@@ -88,8 +93,9 @@ def main() -> int:
     p.add_argument("--work", default="/tmp/bench-async-checkpoints")
     p.add_argument("--doc", default=None, help="write the results section of this page")
     p.add_argument("--repeat", type=int, default=1, help="pairs of runs per strategy (medians over them)")
+    p.add_argument("--model", default="llama-60m", choices=sorted(CPU_SPECS), help="the CPU model")
     a = p.parse_args()
-    spec = MODELS["llama-1b"] if a.gpu else CPU_SPEC
+    spec = MODELS["llama-1b"] if a.gpu else CPU_SPECS[a.model]
     strategies = (a.strategies or ("ddp" if a.gpu else "ddp,fsdp,zero3")).split(",")
     work = Path(a.work)
     model = build_model(spec)
@@ -134,7 +140,8 @@ def main() -> int:
             + (f", then over {a.repeat} pairs of runs" if a.repeat > 1 else "") + ". Other load: the CPU cores "
             "other processes of the machine used during each run, on average.\n\n"
             + table(header, rows) + "\n\n" + "\n".join(notes) + "\n\nCommand: `python bench/studies/async_checkpoints.py"
-            + (" --gpu" if a.gpu else "") + (f" --repeat {a.repeat}" if a.repeat > 1 else "") + "`\n")
+            + (" --gpu" if a.gpu else "") + (f" --repeat {a.repeat}" if a.repeat > 1 else "")
+            + (f" --model {a.model}" if a.model != "llama-60m" and not a.gpu else "") + "`\n")
     print(text)
     if a.doc:
         doc = Path(a.doc)
