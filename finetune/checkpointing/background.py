@@ -106,7 +106,7 @@ class BackgroundWrite:
                 job = self.jobs.pop(0)
                 cut = job is largest_job
                 if job.direct:  # straight into the checkpoint, then read back for its checksum
-                    rel = str(job.path.relative_to(self.staged))
+                    rel = str(job.path.relative_to(os.path.abspath(self.staged)))
                     target = self.partial / rel
                     target.parent.mkdir(parents=True, exist_ok=True)
                     job.write(target, (lambda: fault_point("async_mid_shard", self.rank, self.step)) if cut else None)

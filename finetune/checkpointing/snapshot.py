@@ -74,7 +74,7 @@ class Snapshotter:
         import torch
         import torch.distributed.checkpoint as dcp
 
-        directory = Path(directory).resolve()
+        directory = Path(os.path.abspath(directory))
         buffers = self.buffers
         buffers.reclaim()  # the previous save's write has finished (Checkpointer waits for it first)
         originals = (torch.save, safetensors.torch.save_file, accelerate_other.safe_save_file, dcp.save)
@@ -98,7 +98,7 @@ class Snapshotter:
             if check is not None:  # what save_file refuses (shared tensors), refused now, not in the thread
                 check(tensors)
             copies = copy_tensors(tensors, pin=True, buffers=buffers)
-            self.jobs.append(Deferred(Path(filename), tensor_bytes(copies),
+            self.jobs.append(Deferred(Path(os.path.abspath(filename)), tensor_bytes(copies),
                                       lambda target, halfway: save_file(copies, str(target), metadata=metadata)))
 
         def deferred_dcp_save(state_dict, *, checkpoint_id=None, storage_writer=None, planner=None,
@@ -110,7 +110,7 @@ class Snapshotter:
                                 use_collectives=use_collectives)
             group = self.dcp_group()
             copies = copy_tensors(state_dict, pin="same", buffers=buffers)  # .metadata records pinning
-            self.jobs.append(Deferred(Path(target), tensor_bytes(copies), lambda _target, _halfway: dcp_save(
+            self.jobs.append(Deferred(Path(os.path.abspath(target)), tensor_bytes(copies), lambda _target, _halfway: dcp_save(
                 copies, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                 process_group=group, no_dist=no_dist), collective=group is not None, direct=False, cuttable=True))
 
@@ -136,7 +136,7 @@ class Snapshotter:
         rank makes it in the same order (the staging of a save is collective)."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not (dist.is_available() and dist.is_initialized()):
             return None
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
@@ -216,7 +216,7 @@ def record_torch_save(obj, f, pickle_module, pickle_protocol, disable_byteorder_
                 writer.write_record(record, data, nbytes)
                 written += nbytes if isinstance(data, torch.UntypedStorage) else 0
                 records[i] = None  # a copy not kept for the next save is freed once in the file
-    return Deferred(Path(os.fspath(f)), total, write, cuttable=True)
+    return Deferred(Path(os.path.abspath(f)), total, write, cuttable=True)
 
 
 # ---------------------------------------------------------------- copies of tensors (safetensors, DCP)
