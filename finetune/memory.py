@@ -418,9 +418,11 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded).
     rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5). gpus_per_node: a
     node's GPUs (default world_size), hsdp's default shard group.
-    async_save: each save stages the rank's part of the checkpoint (its trained weights and optimizer
-    states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) in host memory, the cpu
-    column (finetune/checkpointing/background.py)."""
+    async_save: each save copies the rank's part of the checkpoint (its trained weights and optimizer
+    states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) into host memory, buffers
+    kept for the next save: the cpu column. The background writer writes torch.save and safetensors
+    files from them straight into the checkpoint; fsdp's DCP saves go through the staging tmpfs one at
+    a time, the larger of the two (weights, optimizer states) more (finetune/checkpointing/snapshot.py)."""
     strategy = strategy_for(setup.strategy)
     n = strategy.sharding_group(setup, world_size, gpus_per_node or world_size)  # hsdp: its shard group
     base = arch.num_parameters()
@@ -448,8 +450,13 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     grads = trained * gb / (n if shard_grads else 1)
     optimizer = trained * ob / (n if shard_opt else 1)
 
-    staging = (trained * pb / (n if shard_params else 1) + trained * ob / (n if strategy.shards_optimizer else 1)
-               if async_save else 0)
+    saved_weights = trained * pb / (n if shard_params else 1)
+    saved_optimizer = trained * ob / (n if strategy.shards_optimizer else 1)
+    staging = 0
+    if async_save:
+        staging = saved_weights + saved_optimizer
+        if strategy.saves_with_dcp:
+            staging += max(saved_weights, saved_optimizer)
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
     off["cpu"] += staging
     held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0

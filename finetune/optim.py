@@ -81,9 +81,17 @@ def nonfinite_count(optimizer):
     """How many values of this rank's updated weights (updated_weights) are NaN or inf, as a tensor."""
     import torch
 
-    counts = {}  # per device, read back once each (a CPU-offloaded shard lives apart from the GPU's)
-    for t in updated_weights(optimizer):
-        if t.numel():
-            n = (~torch.isfinite(t.detach())).sum()
-            counts[n.device] = counts.get(n.device, 0) + n
+    weights = [t.detach() for t in updated_weights(optimizer) if t.numel()]
+    # A NaN or inf makes its tensor's sum non-finite, and a sum is one pass without the boolean
+    # tensors of isfinite: where every sum is finite there is nothing to count (a sum that overflows
+    # finite values to inf only sends it to the exact count below).
+    sums = {}  # per device, read back once each (a CPU-offloaded shard lives apart from the GPU's)
+    for t in weights:
+        sums.setdefault(t.device, []).append(t.sum().float())
+    if all(bool(torch.isfinite(torch.stack(s)).all()) for s in sums.values()):
+        return torch.zeros((), dtype=torch.int64)
+    counts = {}
+    for t in weights:
+        n = (~torch.isfinite(t)).sum()
+        counts[n.device] = counts.get(n.device, 0) + n
     return sum((n.cpu() for n in counts.values()), torch.zeros((), dtype=torch.int64))

@@ -1,18 +1,24 @@
 """What `async_save=true` adds to a save (checkpoint.Checkpointer drives it; the loop never sees it).
 
 Staging: each rank runs exactly the code of a synchronous save (the strategy's save_state, the RNG
-state, the loop state, hf/) into a directory of its own in host memory, a tmpfs (`/dev/shm` unless
-FINETUNE_STAGING_DIR names another), so the blocking part of a save costs serialising the state into
-RAM, not the disk, its fsync and the checksums. One approach for every strategy (ddp, the
-ZeroRedundancyOptimizer, zero1-3 with or without offload, fsdp, LoRA): the files are the very
-bytes a synchronous save writes, because the same code writes them.
+state, the loop state, hf/) with its destination a directory of its own in host memory, a tmpfs
+(`/dev/shm` unless FINETUNE_STAGING_DIR names another), and with its serialisations deferred
+(snapshot.py): the tensors each file would hold are copied into host memory, and that copy is all the
+loop waits for. Small files (JSON, hf/, DeepSpeed's `latest`) are written into the staging directory
+then and there. One approach for every strategy (ddp, the ZeroRedundancyOptimizer, zero1-3 with or
+without offload, fsdp, LoRA): the files are the very bytes a synchronous save writes, because the
+same code makes them.
 
-The background write: a thread per rank copies its staged files into the checkpoint's shared
-`.step_N.partial/` directory, fsyncs each file, hashes it as it goes (xxh3-128, the manifest's
-checksum) and frees its staging. It takes part in no collective: the ranks agree that every write
-finished (or that one failed) on the main thread, at the next step boundary, the next save, or the
-end of the run (Checkpointer.poll / wait), and only then does rank 0 write the manifest and rename
-`.partial` into place. A write that fails is one line on every rank at that boundary.
+The background write: a thread per rank runs the deferred serialisations one at a time: DCP saves
+first (their collectives run on a gloo group of their own, in the same order on every rank), into
+the staging directory, each file then copied into the checkpoint's shared `.step_N.partial/`
+directory (fsync'd, hashed as it goes: xxh3-128, the manifest's checksum) and removed from the
+staging; torch.save and safetensors files straight into the partial directory, then read back for
+their checksum and fsync'd; then the small files, copied as the DCP files are. It takes part in no collective of the
+training's process group: the ranks agree that every write finished (or that one failed) on the main
+thread, at the next step boundary, the next save, or the end of the run (Checkpointer.poll / wait),
+and only then does rank 0 write the manifest and rename `.partial` into place. A write that fails is
+one line on every rank at that boundary.
 
 A rank's write also leaves `.written.rank_<i>.json` (its checksums) in the partial directory: on
 the way out after an error, when the ranks cannot agree through a collective, rank 0 publishes only
@@ -72,9 +78,10 @@ class BackgroundWrite:
     thread: threading.Thread | None = None
     # the one line an exception of the write becomes (checkpoint.first_failure: "the filesystem is full")
     describe: object = lambda error, directory: f"{type(error).__name__}: {error}"
+    jobs: list = field(default_factory=list)  # snapshot.Deferred: the serialisations left to the thread
 
     def start(self) -> None:
-        self.nbytes = staged_bytes(self.staged)
+        self.nbytes = staged_bytes(self.staged) + sum(job.nbytes for job in self.jobs)
         self.thread = threading.Thread(target=self._run, name=f"checkpoint-{self.name}", daemon=True)
         self.thread.start()
 
@@ -93,20 +100,44 @@ class BackgroundWrite:
     def _run(self) -> None:
         try:
             fault_point("async_before_shard", self.rank, self.step)
-            files = sorted(p for p in self.staged.rglob("*") if p.is_file())
-            largest = max(files, key=lambda p: p.stat().st_size, default=None)
-            for src in files:
-                rel = str(src.relative_to(self.staged))
-                self.checksums[rel] = copy_hashed(src, self.partial / rel, self.rank, self.step,
-                                                  cut=src == largest)
+            # async_mid_shard tears the largest file: of the largest deferred serialisation, if any
+            largest_job = max((job for job in self.jobs if job.cuttable), key=lambda job: job.nbytes, default=None)
+            while self.jobs:
+                job = self.jobs.pop(0)
+                cut = job is largest_job
+                if job.direct:  # straight into the checkpoint, then read back for its checksum
+                    rel = str(job.path.relative_to(os.path.abspath(self.staged)))
+                    target = self.partial / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    job.write(target, (lambda: fault_point("async_mid_shard", self.rank, self.step)) if cut else None)
+                    self.checksums[rel] = hash_synced(target)
+                else:  # into the staging directory, then copied
+                    before = set(self._files())
+                    job.write(job.path, None)
+                    self._copy(sorted(set(self._files()) - before), cut=cut)
+                del job  # its host copy is freed (or back for the next save)
+            self._copy(self._files(), cut=largest_job is None)
             fsync_tree(self.partial)
             fault_point("async_before_publish", self.rank, self.step)
             write_json_synced(self.partial / MARKER.format(rank=self.rank), self.checksums)
         except BaseException as e:  # noqa: BLE001 - reported on every rank at the next boundary
             self.error = self.describe(e, self.partial)
         finally:
+            self.jobs.clear()
             shutil.rmtree(self.staged, ignore_errors=True)
             self.finished = time.perf_counter()
+
+    def _files(self) -> list[Path]:
+        return sorted(p for p in self.staged.rglob("*") if p.is_file())
+
+    def _copy(self, files: list[Path], cut: bool) -> None:
+        """Each staged file into the partial directory, hashed, then removed from the staging; cut:
+        async_mid_shard fires halfway through the largest of them."""
+        largest = max(files, key=lambda p: p.stat().st_size, default=None) if cut else None
+        for src in files:
+            rel = str(src.relative_to(self.staged))
+            self.checksums[rel] = copy_hashed(src, self.partial / rel, self.rank, self.step, cut=src == largest)
+            src.unlink()
 
 
 def copy_hashed(src: Path, dst: Path, rank: int, step: int, cut: bool = False) -> str:
@@ -133,6 +164,20 @@ def copy_hashed(src: Path, dst: Path, rank: int, step: int, cut: bool = False) -
             if written == half:
                 fault_point("async_mid_shard", rank, step)
         os.fsync(fout.fileno())
+    return h.hexdigest()
+
+
+def hash_synced(path: Path) -> str:
+    """fsync a file just written and return the xxh3-128 of its bytes (read back: the page cache)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    buf = bytearray(BLOCK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+        os.fsync(f.fileno())
     return h.hexdigest()
 
 

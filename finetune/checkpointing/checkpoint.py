@@ -27,6 +27,7 @@ from pathlib import Path
 
 from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, read_markers, remove_markers,
                                                run_staging_dir)
+from finetune.checkpointing.snapshot import Snapshotter
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 from finetune.faults import fault_point
@@ -562,6 +563,7 @@ class Checkpointer:
         self.async_save = r.async_save
         self.staging = run_staging_dir(r.output_dir)
         self.pending: BackgroundWrite | None = None
+        self.snapshotter = Snapshotter()
         self.timings: list[dict] = []
         self._lines: list[str] = []
         self._records: list[dict] = []
@@ -625,7 +627,8 @@ class Checkpointer:
 
     def _save_in_background(self, state: LoopState) -> Path:
         """Waits for the previous background write (published, or its failure raised), stages this
-        rank's part in host memory with the synchronous save's own code, and starts its writer."""
+        rank's part with the synchronous save's own code, its serialisations deferred (the state
+        copied into host memory: snapshot.py), and starts its writer."""
         acc = self.accelerator
         waited = 0.0
         if self.pending is not None:
@@ -648,15 +651,20 @@ class Checkpointer:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
 
+        def stage():
+            with self.snapshotter.deferring(staged):
+                self._write(state, staged, sync=False)
+
         try:
             self._together(start, tmp, state.step)
-            self._together(lambda: self._write(state, staged, sync=False), tmp, state.step)
+            self._together(stage, tmp, state.step)
         except SaveError:
+            self.snapshotter.take()
             shutil.rmtree(staged, ignore_errors=True)
             raise
         self.pending = BackgroundWrite(state.step, name, acc.process_index, staged, tmp,
                                        blocking_s=time.perf_counter() - t_start, waited_s=waited,
-                                       describe=first_failure)
+                                       describe=first_failure, jobs=self.snapshotter.take())
         self.pending.start()
         self._lines.append(f"step {state.step}: checkpoint {final} staged in {self.pending.blocking_s:.2f}s "
                            f"({self.pending.nbytes / 2**20:.1f} MiB on this rank); writing in the background")

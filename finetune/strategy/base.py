@@ -29,6 +29,9 @@ class Strategy:
     shards_params = shards_grads = shards_optimizer = False
     # A resume on another world size needs DeepSpeed's universal checkpoint (resume.ensure_universal).
     converts_on_world_size_change = False
+    # Its model and optimizer are saved by torch.distributed.checkpoint, one save each (async_save
+    # writes each into its staging tmpfs before copying it: memory.estimate).
+    saves_with_dcp = False
     # final/ of a bf16/fp16 run holds 16-bit weights, and an export of its checkpoints matches them.
     final_in_training_dtype = False
 

@@ -15,6 +15,7 @@ class Fsdp(Strategy):
     name = "fsdp"
     launcher_switch = "ACCELERATE_USE_FSDP"
     shards_params = shards_grads = shards_optimizer = True
+    saves_with_dcp = True
 
     tiles_mlp = True
     optimizer_offload_fix = "offload_params=cpu (FSDP then runs the optimizer on the CPU)"
