@@ -355,6 +355,7 @@ class Estimate:
     engine_share: float = 0.0  # ... vllm_gpu_memory_utilization: on a GPU it takes that share while awake
     push: int = 0  # ... a weight push's transient: a bucket of layers gathered, and its copy in the engine's dtype
     staging: int = 0  # async_save: the rank's part of a checkpoint staged in host memory (counted in cpu too)
+    staging_tmpfs: int = 0  # of which in the staging tmpfs at once (fsdp's DCP files; the rest is process memory)
 
     @property
     def model_states(self) -> int:
@@ -452,11 +453,12 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
 
     saved_weights = trained * pb / (n if shard_params else 1)
     saved_optimizer = trained * ob / (n if strategy.shards_optimizer else 1)
-    staging = 0
+    staging = staging_tmpfs = 0
     if async_save:
         staging = saved_weights + saved_optimizer
         if strategy.saves_with_dcp:
-            staging += max(saved_weights, saved_optimizer)
+            staging_tmpfs = max(saved_weights, saved_optimizer)
+            staging += staging_tmpfs
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
     off["cpu"] += staging
     held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0
@@ -497,7 +499,7 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     return Estimate(setup=setup, world_size=n, num_parameters=base, trained_parameters=trained,
                     params=round(params), grads=round(grads), optimizer=round(optimizer), activations=acts,
                     buffers=round(buffers), cpu=round(off["cpu"]), nvme=round(off["nvme"]), samples=round(gathered),
-                    reference=round(held), staging=round(staging), **phase)
+                    reference=round(held), staging=round(staging), staging_tmpfs=round(staging_tmpfs), **phase)
 
 
 def static_cache_length(tokens: int) -> int:
@@ -910,8 +912,8 @@ def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> st
         e = recipe_estimate(recipe, world_size, load_architecture(recipe.model))
     except EstimateError:
         return None
-    sharded = strategy_for(recipe.strategy).shards_optimizer
-    return host_memory_problem(e.staging * (min(local_processes, world_size) if sharded else 1))
+    ranks = min(local_processes, world_size) if strategy_for(recipe.strategy).shards_optimizer else 1
+    return host_memory_problem(e.staging * ranks, e.staging_tmpfs * ranks)
 
 
 # Where async_save stages a checkpoint (finetune/checkpointing/background.py): RAM (a tmpfs) on Linux;
@@ -926,9 +928,10 @@ def staging_root():
     return Path(os.environ.get("FINETUNE_STAGING_DIR", DEFAULT_STAGING_ROOT))
 
 
-def host_memory_problem(node_bytes: int, staging=None) -> str | None:
-    """async_save=true stages a node's whole share of a checkpoint in its tmpfs: refused (with the
-    numbers) where it does not fit the free space there or the memory the host has available."""
+def host_memory_problem(node_bytes: int, tmpfs_bytes: int = 0, staging=None) -> str | None:
+    """async_save=true keeps a copy of a node's share of a checkpoint in host memory (node_bytes), of which
+    tmpfs_bytes pass through the staging tmpfs at once (fsdp's DCP files; small files always do): refused,
+    with the numbers, where the host has less memory available or the tmpfs less free space."""
     staging = staging or staging_root()
     gib = 2**30
     import shutil
@@ -939,12 +942,14 @@ def host_memory_problem(node_bytes: int, staging=None) -> str | None:
         return (f"async_save=true stages each checkpoint in host memory under {staging}, which does not exist here; "
                 "set FINETUNE_STAGING_DIR to a tmpfs directory, or async_save=false")
     available = mem_available()
-    room = min(free, available) if available is not None else free
-    if node_bytes > room:
-        where = f"{staging} has {free / gib:.2f} GiB free" + (
-            f" and the host {available / gib:.2f} GiB of memory available" if available is not None else "")
-        return (f"async_save=true stages a checkpoint in host memory: {node_bytes / gib:.2f} GiB on this node, but "
-                f"{where}; use async_save=false, more nodes, or a larger tmpfs (FINETUNE_STAGING_DIR)")
+    if available is not None and node_bytes > available:
+        return (f"async_save=true keeps a copy of each checkpoint in host memory: {node_bytes / gib:.2f} GiB on this "
+                f"node, but the host has {available / gib:.2f} GiB of memory available; use async_save=false or "
+                "more nodes")
+    if tmpfs_bytes > free:
+        return (f"async_save=true writes fsdp's checkpoint files through {staging}: {tmpfs_bytes / gib:.2f} GiB on "
+                f"this node at once, but it has {free / gib:.2f} GiB free; use a larger tmpfs "
+                "(FINETUNE_STAGING_DIR; containers: --shm-size) or async_save=false")
     return None
 
 

@@ -89,9 +89,9 @@ def test_staging_is_the_ranks_part_of_a_checkpoint_in_the_cpu_column(strategy, n
     weights = params * pb / (n if M.strategy_for(strategy).shards_params else 1)
     optimizer = params * ob / (n if sharded else 1)
     want = weights + optimizer
-    if strategy == "fsdp":  # each DCP save's files pass through the staging tmpfs, the larger one more
-        want += max(weights, optimizer)
-    assert on.staging == round(want) and on.cpu - off.cpu == on.staging
+    tmpfs = max(weights, optimizer) if strategy == "fsdp" else 0  # each DCP save's files pass through the tmpfs
+    assert on.staging == round(want + tmpfs) and on.cpu - off.cpu == on.staging
+    assert on.staging_tmpfs == round(tmpfs), "only fsdp's DCP files need room in the staging tmpfs"
     assert on.peak == off.peak, "staging is host memory, not GPU memory"
 
 
@@ -106,14 +106,28 @@ def test_async_save_that_does_not_fit_host_memory_is_refused_with_the_numbers(tm
             "strategy=ddp", f"output_dir={tmp_path / 'out'}"]
     code, _, err = run_main(args)
     line = err.strip().splitlines()[-1]
-    assert code == 2 and line.startswith("error: async_save=true stages a checkpoint in host memory: "), err[-2000:]
-    assert "GiB on this node" in line and "GiB free" in line and "async_save=false" in line
+    assert code == 2 and line.startswith("error: async_save=true keeps a copy of each checkpoint in host memory: "), \
+        err[-2000:]
+    assert "GiB on this node" in line and "GiB of memory available" in line and "async_save=false" in line
     staged = float(line.split("memory: ")[1].split(" GiB")[0])
     assert staged == pytest.approx(68_976_648_192 * 12 / 2**30, rel=1e-3)  # fp32 weights and Adam, whole on rank 0
     code, out, _ = run_main([*args, "--dry-run"])  # the dry run says it instead
-    assert code == 0 and "not runnable on this machine: async_save=true stages a checkpoint" in out
+    assert code == 0 and "not runnable on this machine: async_save=true keeps a copy of each checkpoint" in out
     assert M.staging_problem(recipe("async_save=true"), 2, 2) is None  # the tiny model's fits
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_memory_and_tmpfs_are_asked_for_what_each_holds(tmp_path):
+    """The snapshot is process memory (the host's available memory bounds it); only fsdp's DCP files pass
+    through the staging tmpfs (its free space bounds them), here a real directory's free space."""
+    import shutil
+
+    free, available = shutil.disk_usage(tmp_path).free, M.mem_available()
+    assert M.host_memory_problem(available // 2, 0, staging=tmp_path) is None
+    assert "GiB of memory available" in M.host_memory_problem(available + 2**30, 0, staging=tmp_path)
+    problem = M.host_memory_problem(1, free + 2**30, staging=tmp_path)
+    assert problem.startswith("async_save=true writes fsdp's checkpoint files through") and "GiB free" in problem
+    assert "FINETUNE_STAGING_DIR" in problem
 
 
 def test_no_staging_directory_is_one_line(monkeypatch, tmp_path):
