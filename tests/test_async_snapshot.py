@@ -68,6 +68,43 @@ def test_a_deferred_torch_save_writes_torch_saves_bytes(tmp_path):
     assert jobs[0].nbytes == sum(distinct.values())
 
 
+def test_this_torch_defers_torch_save():
+    """The installed torch passes the self-check, so the fast path is the one the suite runs (a check that
+    failed here would silently make every async save serialise while the loop waits)."""
+    from finetune.checkpointing import snapshot
+
+    snapshot._DEFERRABLE.clear()
+    assert snapshot.torch_save_is_deferrable()
+
+
+def test_a_torch_whose_internals_changed_serialises_at_the_call_with_the_same_bytes(tmp_path, monkeypatch):
+    """Another torch (torch.serialization._save called differently, as a release may change it): the
+    self-check fails, one warning says so, and torch.save runs at the call into the staging directory:
+    the same file, written while the loop waits."""
+    from finetune.checkpointing import snapshot
+
+    original = torch.serialization._save
+
+    def changed_save(obj, zip_file, *args, **kwargs):
+        """A torch whose writer interface moved on: torch.save itself still works; a stand-in writer
+        offering the old interface (the snapshot's recorder) does not."""
+        if not isinstance(zip_file, torch._C.PyTorchFileWriter):
+            zip_file.write_record_v2("data.pkl", b"", 0)
+        return original(obj, zip_file, *args, **kwargs)
+
+    monkeypatch.setattr(torch.serialization, "_save", changed_save)
+    monkeypatch.setattr(snapshot, "_DEFERRABLE", {})
+    obj = state()
+    (tmp_path / "stage").mkdir()
+    (tmp_path / "direct").mkdir()
+    with pytest.warns(UserWarning, match="serialisation internals are not what finetune's snapshot defers"):
+        jobs = deferred(tmp_path / "stage", lambda: torch.save(obj, tmp_path / "stage" / "optimizer.bin"))
+    assert jobs == [] and (tmp_path / "stage" / "optimizer.bin").exists(), "written at the call, not deferred"
+    monkeypatch.undo()
+    torch.save(obj, tmp_path / "direct" / "optimizer.bin")
+    assert (tmp_path / "stage" / "optimizer.bin").read_bytes() == (tmp_path / "direct" / "optimizer.bin").read_bytes()
+
+
 def test_a_tensor_changed_after_the_snapshot_is_written_as_it_was(tmp_path):
     obj = state()
     (tmp_path / "stage").mkdir()

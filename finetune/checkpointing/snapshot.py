@@ -85,7 +85,7 @@ class Snapshotter:
 
         def deferred_torch_save(obj, f, pickle_module=pickle, pickle_protocol=torch.serialization.DEFAULT_PROTOCOL,
                                 _use_new_zipfile_serialization=True, _disable_byteorder_record=False):
-            if not (under(f) and _use_new_zipfile_serialization):
+            if not (under(f) and _use_new_zipfile_serialization and torch_save_is_deferrable()):
                 return torch_save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
                                   _disable_byteorder_record)
             self.jobs.append(record_torch_save(obj, f, pickle_module, pickle_protocol, _disable_byteorder_record,
@@ -108,8 +108,17 @@ class Snapshotter:
                 return dcp_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
                                 planner=planner, process_group=process_group, no_dist=no_dist,
                                 use_collectives=use_collectives)
+            try:
+                copies = copy_tensors(state_dict, pin="same", buffers=buffers)  # .metadata records pinning
+            except Exception as e:  # a DTensor this torch builds otherwise: saved now, as a synchronous save is
+                import warnings
+
+                warnings.warn(f"async_save: the DCP state could not be copied ({type(e).__name__}: {e}); it is saved "
+                              "while the loop waits, as a synchronous save's is", stacklevel=2)
+                return dcp_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+                                planner=planner, process_group=process_group, no_dist=no_dist,
+                                use_collectives=use_collectives)
             group = self.dcp_group()
-            copies = copy_tensors(state_dict, pin="same", buffers=buffers)  # .metadata records pinning
             self.jobs.append(Deferred(Path(os.path.abspath(target)), tensor_bytes(copies), lambda _target, _halfway: dcp_save(
                 copies, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner,
                 process_group=group, no_dist=no_dist), collective=group is not None, direct=False, cuttable=True))
@@ -186,6 +195,45 @@ class _StorageFinder(pickle.Pickler):
             self.found.add(obj._cdata)
             return "storage"
         return None
+
+
+_DEFERRABLE: dict = {}
+
+
+def torch_save_is_deferrable() -> bool:
+    """Whether this torch's serialisation internals (torch.serialization._save writing into a zip writer's
+    write_record, _open_zipfile_writer, the pinned-copy config) still work as record_torch_save uses them:
+    checked once per process by deferring a small torch.save (views of one storage, a shared tensor, a
+    Parameter) and comparing its bytes with torch.save's. Where they do not (another torch changed them),
+    torch.save files are serialised into the staging directory while the loop waits, as before the
+    snapshot, with one warning: slower, never wrong."""
+    if "ok" not in _DEFERRABLE:
+        import tempfile
+        import warnings
+
+        import torch
+
+        flat = torch.arange(24, dtype=torch.float32)
+        w = torch.nn.Parameter(torch.ones(2, 3))
+        probe = {"view": flat[2:14].view(3, 4), "strided": flat[1::5], "w": w, "again": w, "step": 3}
+        reason = None
+        try:
+            with tempfile.TemporaryDirectory() as direct, tempfile.TemporaryDirectory() as later:
+                # the same file name: torch.save names the zip's archive after it
+                torch.serialization.save(probe, f"{direct}/probe.bin")  # the real one (torch.save may be deferring)
+                job = record_torch_save(probe, f"{later}/probe.bin", pickle, torch.serialization.DEFAULT_PROTOCOL,
+                                        False)
+                job.write(Path(f"{later}/probe.bin"), None)
+                if Path(f"{later}/probe.bin").read_bytes() != Path(f"{direct}/probe.bin").read_bytes():
+                    reason = "the deferred file's bytes differ from torch.save's"
+        except Exception as e:  # an internal renamed, or called differently
+            reason = f"{type(e).__name__}: {e}"
+        _DEFERRABLE["ok"] = reason is None
+        if reason is not None:
+            warnings.warn(f"async_save: torch {torch.__version__}'s serialisation internals are not what finetune's "
+                          f"snapshot defers ({reason}); torch.save files are serialised while the loop waits, "
+                          "as a synchronous save's are (docs/async-checkpoints.md)", stacklevel=2)
+    return _DEFERRABLE["ok"]
 
 
 def record_torch_save(obj, f, pickle_module, pickle_protocol, disable_byteorder_record, buffers=None) -> Deferred:
