@@ -110,7 +110,7 @@ class BackgroundWrite:
                     target = self.partial / rel
                     target.parent.mkdir(parents=True, exist_ok=True)
                     job.write(target, (lambda: fault_point("async_mid_shard", self.rank, self.step)) if cut else None)
-                    self.checksums[rel] = hash_synced(target)
+                    self.checksums[rel] = file_xxh3(target, fsync=True)
                 else:  # into the staging directory, then copied
                     before = set(self._files())
                     job.write(job.path, None)
@@ -167,8 +167,9 @@ def copy_hashed(src: Path, dst: Path, rank: int, step: int, cut: bool = False) -
     return h.hexdigest()
 
 
-def hash_synced(path: Path) -> str:
-    """fsync a file just written and return the xxh3-128 of its bytes (read back: the page cache)."""
+def file_xxh3(path: Path, fsync: bool = False) -> str:
+    """The xxh3-128 of a file's bytes (the manifest's checksum); fsync: also flush a file just written to
+    disk (its bytes are then read back from the page cache)."""
     import xxhash
 
     h = xxhash.xxh3_128()
@@ -177,7 +178,8 @@ def hash_synced(path: Path) -> str:
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(view):
             h.update(view[:n])
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
     return h.hexdigest()
 
 

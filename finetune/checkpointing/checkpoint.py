@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, read_markers, remove_markers,
-                                               run_staging_dir)
+from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, file_xxh3, read_markers,
+                                               remove_markers, run_staging_dir)
 from finetune.checkpointing.snapshot import Snapshotter
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
@@ -186,19 +186,7 @@ def file_checksums(directory: Path, rels: list[str], threads: int | None = None)
         return {}
     threads = threads or min(8, os.cpu_count() or 1, len(rels))
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        return dict(zip(rels, pool.map(lambda rel: _xxh3_file(directory / rel), rels)))
-
-
-def _xxh3_file(path: Path, block: int = 8 << 20) -> str:
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    buf = bytearray(block)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
+        return dict(zip(rels, pool.map(lambda rel: file_xxh3(directory / rel), rels)))
 
 
 def shares(sizes: dict[str, int], world: int) -> list[list[str]]:
@@ -242,7 +230,7 @@ def verify_checksums(path: Path, manifest: dict, rank: int, world: int, all_gath
 def manifest_digest(path: Path) -> str:
     """xxh3-128 of a checkpoint's manifest: names that exact checkpoint (its manifest holds every file's
     checksum), so that what is derived from it can say from which one."""
-    return _xxh3_file(path / MANIFEST)
+    return file_xxh3(path / MANIFEST)
 
 
 def seal(directory: Path, name: str, fields: dict) -> dict:
@@ -579,7 +567,7 @@ class Checkpointer:
         if self.async_save:
             return self._save_in_background(state)
         t_start = time.perf_counter()
-        acc, optimizer = self.accelerator, self.optimizer
+        acc = self.accelerator
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
         self.check_finite(state.step)

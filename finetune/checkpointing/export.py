@@ -238,7 +238,7 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     probe batch against the model rebuilt from the checkpoint. Returns what was checked. A LoRA
     checkpoint becomes a peft adapter, or with `merge` a plain model (see export_lora)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     if out_dir.exists():
