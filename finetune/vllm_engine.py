@@ -55,6 +55,24 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 NEVER_BIAS = -100.0
 
 
+MAX_BIASED_IDS = 1024  # vLLM's GPU model runner V2: the most logit-biased ids a request may carry
+
+
+def never_drawn(vocab_size: int | None, rows: int) -> dict[int, float] | None:
+    """The logit bias that keeps the output rows from vocab_size on (an embedding padded past the
+    tokenizer) from being drawn (module docstring); None where there are none. More than vLLM takes is
+    a RecipeError, raised when the engine is set up (EngineGenerator), before any rollout."""
+    if vocab_size is None or vocab_size >= rows:
+        return None
+    if rows - vocab_size > MAX_BIASED_IDS:
+        from finetune.errors import RecipeError
+
+        raise RecipeError(f"generation_backend=vllm: the model has {rows} output rows, {rows - vocab_size} past the "
+                          f"tokenizer's {vocab_size} tokens, and vLLM keeps at most {MAX_BIASED_IDS} ids from being "
+                          "drawn per request; use generation_backend=finetune (it masks any number)")
+    return {i: NEVER_BIAS for i in range(vocab_size, rows)}
+
+
 @dataclass
 class EngineCompletion(Completion):
     """A Completion with the engine's log-probability of each of its tokens (raw logits' log-softmax, as
@@ -199,11 +217,7 @@ class VLLMEngine:
         if not asked:
             return out
         self.wake_up()
-        padded = range(vocab_size, self.rows) if vocab_size is not None else range(0)
-        if len(padded) > 1024:
-            raise ValueError(f"generate: {len(padded)} output rows past the tokenizer's {vocab_size} tokens; vLLM "
-                             "biases at most 1024 ids per request")
-        never = {i: NEVER_BIAS for i in padded} or None
+        never = never_drawn(vocab_size, self.rows)
         params = [SamplingParams(
             max_tokens=budgets[i], temperature=sampling.temperature if sampled else 0.0,
             top_p=sampling.top_p if sampled else 1.0, top_k=sampling.top_k if sampled else 0,

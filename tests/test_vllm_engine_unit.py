@@ -42,3 +42,17 @@ def test_the_types_match_the_generation_module():
         from finetune import generation
 
         assert vllm_engine.Completion is generation.Completion and vllm_engine.Sampling is generation.Sampling
+
+
+def test_padded_rows_get_the_bias_and_more_than_vllm_takes_is_refused():
+    """The output rows past the tokenizer are biased away (vllm_engine.never_drawn); more of them than vLLM
+    takes per request is one line, raised where the engine is set up, before any rollout."""
+    from finetune.errors import RecipeError
+
+    assert vllm_engine.never_drawn(None, 128) is None and vllm_engine.never_drawn(128, 128) is None
+    assert vllm_engine.never_drawn(108, 128) == {i: vllm_engine.NEVER_BIAS for i in range(108, 128)}
+    assert len(vllm_engine.never_drawn(151665, 151936)) == 271  # Qwen2's padding
+    limit = vllm_engine.MAX_BIASED_IDS
+    assert len(vllm_engine.never_drawn(1000, 1000 + limit)) == limit
+    with pytest.raises(RecipeError, match=r"1025 past the tokenizer's 1000 tokens.*generation_backend=finetune"):
+        vllm_engine.never_drawn(1000, 1000 + limit + 1)

@@ -59,9 +59,11 @@ class EngineGenerator:
     logprobs = True
 
     def __init__(self, context):
-        from finetune.vllm_engine import VLLMEngine
+        from finetune.vllm_engine import VLLMEngine, never_drawn
 
         r = context.recipe
+        # padded output rows the engine must keep from being drawn: refused here, before the engine is built
+        never_drawn(len(context.tokenizer), context.config.vocab_size)
         self.dtype = ENGINE_DTYPES[r.mixed_precision]
         self.rank = context.accelerator.process_index
         sleep = r.vllm_enable_sleep_mode and torch.cuda.is_available()  # vLLM's sleep mode is GPU-only
