@@ -155,3 +155,23 @@ def test_conversion_workers_one_per_cpu_up_to_the_ranks_and_the_memory():
     assert conversion_workers(point, cpus=2, available=100 * gib)[1] == "2"  # the CPUs
     assert conversion_workers(point, cpus=16, available=7 * gib)[1] == "2"  # 3 GiB a worker
     assert conversion_workers(point, cpus=16, available=gib)[1] == "1"  # never fewer than one
+
+
+def test_the_background_writer_yields_the_cpu_to_training():
+    """The writer's thread runs at a nice value 10 above the training thread's (Linux: per thread), and
+    the training thread's own priority is untouched."""
+    import os
+    import threading
+
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = {}
+
+    def writer():
+        B.lower_this_threads_priority()
+        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join()
+    assert seen["nice"] == min(19, main + 10)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
