@@ -24,7 +24,7 @@ from finetune.checkpointing.export import merge_adapter, save_final_model
 from finetune.recipe import padding_free_scores
 from finetune.training.metrics import (LossPlot, MetricsFile, Progress, Throughput, format_summary, log, peak_memory_bytes,
                               setup_logging, start_trackers)
-from finetune.model import (concatenation_problem, context_length, load_config, load_model, load_tokenizer,
+from finetune.model import (concatenation_problem, load_config, load_model, load_tokenizer,
                             sample_length_problem)
 from finetune.training.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel

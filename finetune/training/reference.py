@@ -28,7 +28,7 @@ import torch
 from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data.loading import cache_fingerprint, tokenizer_fingerprint
-from finetune.loss import sequence_logps, token_logps
+from finetune.loss import token_logps
 from finetune.recipe import RecipeError, reference_kind
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
-from finetune.loss import sequence_logps
 from finetune.training.metrics import log
 from finetune.training.objectives.base import Basic, Context
 from finetune.recipe import reference_kind
