@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from finetune.assets import BUILTIN_DATASETS, BUILTIN_MODELS
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, refuse_switched_on
 from finetune import objective_rules
 from finetune.objective_rules.grpo import GRPO_LISTS
 from finetune.strategy import NAMES as STRATEGIES, strategy_for
@@ -709,10 +709,8 @@ def _check_reward(r: Recipe) -> None:
         key = changed[0]
         raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
                           f"{key} out")
-    for key in ("packing", "padding_free", "train_on_prompt"):
-        if getattr(r, key):
-            raise RecipeError(f"{key}=true with objective=reward: a preference pair is scored as its two whole "
-                              f"sequences, one reward each; set {key}=false")
+    refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=reward",
+                       "a preference pair is scored as its two whole sequences, one reward each")
     if r.sequence_parallel > 1:
         raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=reward: a reward model scores each "
                           "sequence at its last token, which sequence parallelism would leave on one rank's slice "
@@ -762,10 +760,8 @@ def _check_objective(r: Recipe, strategy) -> None:
     if r.simpo_gamma != FIELDS["simpo_gamma"].default and r.dpo_loss != "simpo":
         raise RecipeError(f"simpo_gamma={r.simpo_gamma} with dpo_loss={r.dpo_loss}: gamma is SimPO's margin; set "
                           "dpo_loss=simpo or leave simpo_gamma out")
-    for key in ("packing", "padding_free", "train_on_prompt"):
-        if getattr(r, key):
-            raise RecipeError(f"{key}=true with objective=dpo: a preference pair is scored as its two whole "
-                              f"sequences, on the responses only; set {key}=false")
+    refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=dpo",
+                       "a preference pair is scored as its two whole sequences, on the responses only")
     problem = strategy.frozen_reference_problem(r) if reference_kind(r) == "frozen" else None
     if problem:
         raise RecipeError(f"objective=dpo with {problem}, or precompute_reference=true (no reference held while "
@@ -792,11 +788,10 @@ def _check_sequence_parallel(r: Recipe, strategy) -> None:
         raise RecipeError(f"sequence_parallel={n} with attn_implementation=eager: Ulysses attention needs a kernel "
                           "that is causal without a 4D mask (DeepSpeed refuses eager); use attn_implementation=sdpa "
                           "(or flash_attention_2 on GPUs)")
-    for key in ("packing", "padding_free"):
-        if getattr(r, key):
-            raise RecipeError(f"{key}=true with sequence_parallel={n}: Ulysses attention is causal over the whole "
-                              "gathered row and drops the mask that keeps a row's examples apart, so they would "
-                              f"attend to one another; set {key}=false (padded rows, one example each)")
+    refuse_switched_on(r, ("packing", "padding_free"), f"sequence_parallel={n}",
+                       "Ulysses attention is causal over the whole gathered row and drops the mask that keeps a "
+                       "row's examples apart, so they would attend to one another",
+                       after=" (padded rows, one example each)")
     if r.compile:
         raise RecipeError(f"compile=true with sequence_parallel={n}: compiled layers around Ulysses' all-to-all "
                           "were not tried; set compile=false")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from finetune.errors import RecipeError
+from finetune.errors import RecipeError, refuse_switched_on
 
 
 def default(recipe, key: str):
@@ -56,10 +56,8 @@ def check(r, strategy) -> None:
                           f"do not split into whole groups of num_generations={r.num_generations}; set "
                           "global_batch_size=N (prompts per step), or make micro_batch_size x grad_accum a multiple "
                           "of num_generations")
-    for key in ("packing", "padding_free", "train_on_prompt"):
-        if getattr(r, key):
-            raise RecipeError(f"{key}=true with objective=grpo: a completion is scored on its own tokens; set "
-                              f"{key}=false")
+    refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=grpo",
+                       "a completion is scored on its own tokens")
     if r.sequence_parallel > 1:
         raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=grpo: GRPO's rollouts and per-token "
                           "log-probs are not split across ranks yet (sequence parallelism serves sft and dpo); set "
