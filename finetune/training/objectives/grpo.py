@@ -362,13 +362,16 @@ class GRPO(Basic):
                                           "rows": rows, "tokens": all_tokens, "stopped": all_stopped,
                                           "rewards": all_rewards, "advantages": advantages}, keep)
         if accelerator.is_main_process:
-            weighted = weighted_rewards(all_rewards, self.rewards.weights)
-            vocab = len(run.tokenizer)
-            write_rollouts(run.out / ROLLOUTS, step + 1, k, rows, run.datasets.train, g, all_tokens,
-                           run.tokenizer.batch_decode(all_tokens, skip_special_tokens=True), all_stopped,
-                           self.rewards.names, all_rewards, weighted, advantages, vocab)
-            self.warned = warn_undecodable(step + 1, all_tokens, vocab, self.warned)
+            self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages)
+            self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
+
+    def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages) -> None:
+        """Rank 0: rollout k's completions, their rewards and advantages into rollouts.jsonl, under `step`
+        (1-based)."""
+        write_rollouts(run.out / ROLLOUTS, step, k, rows, run.datasets.train, self.num_generations, tokens,
+                       run.tokenizer.batch_decode(tokens, skip_special_tokens=True), stopped, self.rewards.names,
+                       rewards, weighted_rewards(rewards, self.rewards.weights), advantages, len(run.tokenizer))
 
     def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, updates: int, stop=None) -> tuple:
         """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
@@ -457,10 +460,8 @@ class GRPO(Basic):
                                saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share],
                                is_rows=ratios[share] if ratios is not None else None)
         if first and run.accelerator.is_main_process:
-            weighted = weighted_rewards(saved["rewards"], self.rewards.weights)
-            write_rollouts(run.out / ROLLOUTS, step + 1, k, rows, run.datasets.train, g, saved["tokens"],
-                           run.tokenizer.batch_decode(saved["tokens"], skip_special_tokens=True), saved["stopped"],
-                           self.rewards.names, saved["rewards"], weighted, saved["advantages"], len(run.tokenizer))
+            self.record(run, step + 1, k, rows, saved["tokens"], saved["stopped"], saved["rewards"],
+                        saved["advantages"])
         return batches, saved["values"]
 
     def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None, engine_logps=None,
