@@ -280,7 +280,7 @@ class _Decoder:
         # the cache's length rounded up to a multiple, so that rollouts whose longest prompts differ a little
         # replay the same graph (its shapes include this length)
         self.length = static_cache_length(width + new_tokens)
-        self.cache = StaticCache(config=model.config, max_cache_len=self.length)
+        self.cache = _one_dtype_cache(StaticCache)(config=model.config, max_cache_len=self.length)
         self.mask = torch.ones(n, self.length, dtype=torch.long, device=device)
         if mask is not None:
             self.mask[:, :width] = mask
@@ -304,6 +304,25 @@ class _Decoder:
                                   past_key_values=self.cache,
                                   cache_position=torch.tensor([at], device=ids.device), use_cache=True, **self.extra)
         return result.logits[:, -1].clone()  # a CUDA graph's output is overwritten by its next replay
+
+
+def _one_dtype_cache(static_cache):
+    """A StaticCache subclass that stores each layer's keys in its values' dtype.
+
+    A static cache allocates one tensor per layer for keys and one for values, both in the dtype of the
+    first keys it is given. Under autocast over fp32 weights (mixed_precision=bf16 or fp16 under ddp) the
+    value projection comes out in 16 bits, but the keys come out in fp32, since transformers computes the
+    rotary embedding's cos and sin in fp32 and the product promotes; some releases (5.17) then fail at the
+    first value copy, "index_copy_(): self and source expected to have the same dtype". Attention under
+    autocast reads keys and values in 16 bits either way, so storing the keys rounded to the values'
+    dtype changes no token against the eager loop's cache, which keeps the fp32 keys and rounds them at
+    each attention (tests/test_generation.py)."""
+
+    class OneDtypeStaticCache(static_cache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
+
+    return OneDtypeStaticCache
 
 
 def _one_step(model, **inputs):

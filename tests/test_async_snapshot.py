@@ -271,3 +271,28 @@ def test_the_finite_check_before_a_save_counts_exactly():
     bad[7] = float("-inf")
     assert count(torch.randn(10), bad, torch.full((4,), float("inf"))) == 7
     assert count(torch.full((10,), 3e38)) == 0, "a sum that overflows is not a NaN in the weights"
+
+
+def test_the_first_saves_host_memory_is_sized_from_the_state_and_reserved_on_a_thread():
+    """On a GPU the first async save's pinned host memory is allocated beside the first steps
+    (reserve_pinned), sized from the state's storages (state_storage_sizes): the same code on CPU tensors
+    and pageable memory here. Before the optimizer's first step, Adam's two moments per trainable
+    parameter; after it, its real states."""
+    from finetune.checkpointing.snapshot import reserve_pinned, state_storage_sizes
+
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False), torch.nn.LayerNorm(10))
+    model[2].weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    params = [p.numel() * 4 for p in model.parameters()]  # 40, 40, 10 (frozen), 10 (bias)
+    before = state_storage_sizes(model, optimizer, device_type="cpu")
+    assert sorted(before) == sorted(params + [n for p, n in zip(model.parameters(), params) if p.requires_grad] * 2)
+    assert state_storage_sizes(model, optimizer) == []  # no GPU storage here: nothing to pin
+    model(torch.tensor([[1, 2]])).sum().backward()
+    optimizer.step()
+    after = state_storage_sizes(model, optimizer, device_type="cpu")
+    moments = [n for p, n in zip(model.parameters(), params) if p.requires_grad] * 2
+    steps = [4] * 3  # AdamW's step counters (0-d fp32 tensors)
+    assert sorted(after) == sorted(params + moments + steps)
+    thread = reserve_pinned(after, pin=False)
+    thread.join(timeout=30)
+    assert not thread.is_alive()

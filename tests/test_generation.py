@@ -318,3 +318,111 @@ def test_the_compiled_step_is_traced_once_for_new_weights_and_prompt_widths():
     assert counters["stats"]["unique_graphs"] == graphs
     eager = generate(model, prompts, Sampling(6, temperature=1.0), seeds=[5, 6], **kw)
     assert [c.tokens for c in again] == [c.tokens for c in eager]
+
+
+def _autocast_forward(model, dtype):
+    """The model's forward under autocast over its fp32 weights, as Accelerate wraps it for
+    mixed_precision=bf16/fp16 under ddp (accelerator.prepare_model: autocast around forward)."""
+    import functools
+
+    model.forward = functools.wraps(model.forward)(torch.autocast("cpu", dtype=dtype)(model.forward))
+    return model
+
+
+# what a GPU run's rollout computes in: autocast over fp32 weights (ddp), 16-bit weights (DeepSpeed's bf16
+# engine, FSDP2's cast for compute, a 16-bit LoRA base), fp32
+PRECISIONS = {"bf16 autocast": lambda m: _autocast_forward(m, torch.bfloat16),
+              "fp16 autocast": lambda m: _autocast_forward(m, torch.float16),
+              "bf16 weights": lambda m: m.to(torch.bfloat16), "fp32": lambda m: m}
+
+
+@torch.no_grad()
+def compiled_against_eager_logits(model, prompts: list[list[int]], tokens: int) -> tuple[float, int, int]:
+    """The compiled loop's logits (finetune.generation._Decoder: its StaticCache and compiled step) fed the
+    eager loop's greedy tokens, against the eager loop's own logits at each step (prompts of one length).
+    Returns (the largest |difference| over the logits' range, steps whose argmax differs where eager's top
+    two are apart by more than that difference, steps compared). In 16 bits the compiled kernels round
+    differently (a near tie can go the other way, so whole sequences may part), but the logits stay
+    within rounding of each other; a cache that stored or read the wrong values would not."""
+    from finetune.generation import _Decoder
+
+    ids = torch.tensor(prompts)
+    n, width = ids.shape
+    step = _Decoder(model, n, width, tokens, None, None)
+    past, fed_eager, fed_compiled, worst, span, flips = None, ids, ids, 0.0, 0.0, []
+    for t in range(tokens):
+        result = model(input_ids=fed_eager, past_key_values=past, use_cache=True, logits_to_keep=1)
+        past, want = result.past_key_values, result.logits[:, -1].float()
+        got = step(fed_compiled, t).float()
+        diff = (got - want).abs().max().item()
+        worst, span = max(worst, diff), max(span, (want.max() - want.min()).item())
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * diff
+        flips.append(int((clear & (got.argmax(-1) != want.argmax(-1))).sum()))
+        fed_eager = fed_compiled = want.argmax(-1, keepdim=True)
+    return worst / span, sum(flips), tokens
+
+
+@pytest.mark.internals
+@pytest.mark.parametrize("precision, family", [(p, "llama3") for p in PRECISIONS] + [
+    ("bf16 autocast", "mistral"), ("bf16 autocast", "qwen2"), ("bf16 weights", "gemma2")])
+def test_the_compiled_loop_runs_in_every_precision_and_matches_the_eager_loop(precision, family):
+    """The compiled loop in the precisions GPU users run: its static cache holds one dtype per tensor, while
+    autocast gives 16-bit values and fp32 keys (the rotary embedding is computed in fp32), which failed at
+    the prefill's first cache write ("index_copy_(): self and source expected to have the same dtype") for
+    every GRPO run at mixed_precision=bf16 on a GPU. fp32: the eager loop's tokens, greedy and sampled.
+    16 bits: the logits of each step, fed the same tokens, within rounding of the eager loop's, and the
+    same token wherever the eager loop's choice is not a near tie. Small random-weight models of real
+    families (Mistral's sliding window, Qwen2's tied embeddings, Gemma 2's alternating sliding layers)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = FA.family_config(family, vocab_size=96)
+    model = getattr(transformers, FA.FAMILIES[family].config.replace("Config", "ForCausalLM"))(config).eval()
+    model = PRECISIONS[precision](model)
+    if precision == "fp32":
+        prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [4], [5 + i % 60 for i in range(30)]]
+        for sampling, seeds in [(Sampling(10), None), (Sampling(10, temperature=1.0), [11, 22, 33, 44])]:
+            kw = dict(stop_ids=(), pad_id=0, context=None, seeds=seeds)
+            eager = generate(model, prompts, sampling, **kw)
+            compiled = generate(model, prompts, sampling, compiled=True, **kw)
+            assert [c.tokens for c in compiled] == [c.tokens for c in eager], sampling
+        return
+    compiled = generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], Sampling(6, temperature=1.0), stop_ids=(), pad_id=0,
+                        context=None, seeds=[1, 2], compiled=True)
+    assert [len(c.tokens) for c in compiled] == [6, 6]
+    relative, flips, steps = compiled_against_eager_logits(model, [[1, 2, 3, 4], [9, 8, 7, 6], [5, 5, 5, 5]], 10)
+    assert relative < (0.02 if "bf16" in precision else 0.005), relative
+    assert flips == 0
+
+
+@pytest.mark.internals
+@pytest.mark.parametrize("base", ["lora on a bf16 base", "qlora (nf4 base, bf16 compute)"])
+def test_the_compiled_loop_runs_lora_and_a_4bit_base_in_bf16(base):
+    """GRPO with LoRA generates from peft's model (16-bit base, fp32 adapters) and with QLoRA from an NF4
+    base (bitsandbytes' Linear4bit), under autocast as ddp runs it: the compiled loop runs, and its logits
+    match the eager loop's as in test_the_compiled_loop_runs_in_every_precision_and_matches_the_eager_loop."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.assets import tiny_model_dir
+    from finetune.model import add_lora, load_4bit_base
+    from finetune.recipe import Recipe
+
+    path = str(tiny_model_dir())
+    if base.startswith("qlora"):
+        model = load_4bit_base(path, torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    model = add_lora(model, Recipe(lora=True, lora_dropout=0.0))
+    with torch.no_grad(), torch.random.fork_rng():
+        torch.manual_seed(0)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model = _autocast_forward(model.eval(), torch.bfloat16)
+    compiled = generate(model, [[1, 5, 9, 13], [1, 7]], Sampling(6, temperature=1.0), stop_ids=(), pad_id=0,
+                        context=None, seeds=[1, 2], compiled=True)
+    assert [len(c.tokens) for c in compiled] == [6, 6]
+    relative, flips, _ = compiled_against_eager_logits(model, [[1, 5, 9, 13], [1, 7, 7, 7], [1, 20, 21, 22]], 8)
+    assert relative < 0.02, relative
+    assert flips == 0

@@ -213,6 +213,9 @@ def measure_steps(a, work: Path, deadline: float | None) -> list[dict]:
         if left is not None and left < 60:
             rows.append({"variant": name, "skipped": "deadline"})
             continue
+        if name == "before" and before_module() is None:
+            rows.append({"variant": name, "skipped": f"no {BEFORE_FILE.relative_to(REPO)} (module docstring)"})
+            continue
         out = fresh_dir(work / f"steps-{name.split()[0].lower()}")
         if cmd_head is None:
             if importlib.util.find_spec("trl") is None:

@@ -34,7 +34,8 @@ from bench.parts.common import (MODELS, ModelSpec, accelerate_launch, build_mode
 CPU_SPEC = ModelSpec("llama-60m", 512, 8, 8, 1408)
 # --model llama-190m: a checkpoint of 2.3 GB (the fixed costs of a save, state dicts and collectives,
 # weigh less); about 9 GB of host memory in all under ddp
-CPU_SPECS = {"llama-60m": CPU_SPEC, "llama-190m": ModelSpec("llama-190m", 1024, 10, 16, 2816)}
+CPU_SPECS = {"llama-60m": CPU_SPEC, "llama-190m": ModelSpec("llama-190m", 1024, 10, 16, 2816),
+             "llama-7m": MODELS["llama-7m"]}  # llama-7m: bench/gpu/e2e.sh's smoke mode, checks the script only
 COMMON = ["eval_fraction=0", "eval_at_start=false", "log_every=1", "mixed_precision=no", "warmup_steps=1",
           "keep_last=2", "sample_prompts=0", "plot_loss=false", "max_seq_len=128", "micro_batch_size=2",
           "global_batch_size=4"]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, file_xxh3, read_markers,
                                                remove_markers, run_staging_dir)
-from finetune.checkpointing.snapshot import Snapshotter
+from finetune.checkpointing.snapshot import Snapshotter, reserve_pinned, state_storage_sizes
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
 from finetune.faults import fault_point
@@ -552,6 +552,7 @@ class Checkpointer:
         self.staging = run_staging_dir(r.output_dir)
         self.pending: BackgroundWrite | None = None
         self.snapshotter = Snapshotter()
+        self.reserving = None  # the thread reserving the first save's pinned host memory (reserve_host_buffers)
         self.timings: list[dict] = []
         self._lines: list[str] = []
         self._records: list[dict] = []
@@ -626,6 +627,9 @@ class Checkpointer:
             waited = time.perf_counter() - t0
             self._lines.append(f"step {state.step}: waited {waited:.2f}s for checkpoint "
                                f"{previous}'s background write before this save")
+        if self.reserving is not None:  # long done, unless the first save comes at the first steps
+            self.reserving.join()
+            self.reserving = None
         t_start = time.perf_counter()
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
@@ -657,6 +661,14 @@ class Checkpointer:
         self._lines.append(f"step {state.step}: checkpoint {final} staged in {self.pending.blocking_s:.2f}s "
                            f"({self.pending.nbytes / 2**20:.1f} MiB on this rank); writing in the background")
         return final
+
+    def reserve_host_buffers(self, model) -> None:
+        """async_save on a GPU: the pinned host memory its first save copies into, allocated now, on a thread
+        beside the first steps, not while the loop waits at that save (snapshot.reserve_pinned)."""
+        import torch
+
+        if self.async_save and torch.cuda.is_available():
+            self.reserving = reserve_pinned(state_storage_sizes(model, self.optimizer))
 
     @property
     def writing(self) -> bool:

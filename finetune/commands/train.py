@@ -245,6 +245,10 @@ def main(argv=None) -> int:
         let_go_of_output_dir(abandon=True)
         _say(f"error: {e}")
         return 2
+    from finetune.versions import untested_releases
+
+    for note in untested_releases():
+        _say(note)
     if args.dry_run:
         print_dry_run(plan, args.recipe)
         return 0
