@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, file_xxh3, read_markers,
-                                               remove_markers, run_staging_dir)
+from finetune.checkpointing.background import (BackgroundWrite, file_xxh3, read_markers,
+                                               remove_markers, run_staging_dir, wait_limit_s)
 from finetune.checkpointing.snapshot import Snapshotter
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
@@ -668,13 +668,13 @@ class Checkpointer:
         none alike). The ranks agree on the main thread: once every rank's write finished, rank 0
         writes the manifest and publishes the checkpoint; a write that failed on any rank raises the
         same SaveError on every rank (its partial directory removed, earlier checkpoints untouched).
-        wait: first wait (bounded by WAIT_LIMIT_S) for this rank's write."""
+        wait: first wait (bounded by FINETUNE_ASYNC_WAIT_S) for this rank's write."""
         w = self.pending
         if w is None:
             return
         if wait and not w.done:
-            if not w.join(WAIT_LIMIT_S):
-                w.error = w.error or (f"its background write did not finish within {WAIT_LIMIT_S:.0f}s "
+            if not w.join(wait_limit_s()):
+                w.error = w.error or (f"its background write did not finish within {wait_limit_s():.0f}s "
                                       "(FINETUNE_ASYNC_WAIT_S)")
         status = "failed" if w.error else "done" if w.done else "running"
         states = _all_gather(self.accelerator)((status, w.error, w.checksums if status == "done" else None))
@@ -682,7 +682,7 @@ class Checkpointer:
         if failed:  # every rank's writer stopped before rank 0 removes the partial directory
             self.pending = None
             if not wait:  # (a wait that ran out has waited already)
-                w.join(WAIT_LIMIT_S)
+                w.join(wait_limit_s())
             _all_gather(self.accelerator)(None)
             if self.accelerator.is_main_process:
                 shutil.rmtree(w.partial, ignore_errors=True)
@@ -705,10 +705,10 @@ class Checkpointer:
 
     def wait(self) -> None:
         """The end of a run (finished, or stopped by a signal): the write in flight finished and
-        published, or its failure raised; bounded by WAIT_LIMIT_S, said in a line. Collective."""
+        published, or its failure raised; bounded by FINETUNE_ASYNC_WAIT_S, said in a line. Collective."""
         if self.pending is not None:
             if not self.pending.done:
-                self._lines.append(f"waiting (at most {WAIT_LIMIT_S:.0f}s) for checkpoint {self.pending.name}'s "
+                self._lines.append(f"waiting (at most {wait_limit_s():.0f}s) for checkpoint {self.pending.name}'s "
                                    "background write before the run ends")
             self.poll(wait=True)
         if self.accelerator.is_local_main_process:
@@ -717,12 +717,17 @@ class Checkpointer:
     def wait_after_error(self, log=print) -> None:
         """On the way out after an error, when the ranks may not reach a collective: each rank waits
         (bounded) for its own write; rank 0 publishes the checkpoint if every rank's marker says its
-        write finished, else leaves it `.partial` (never seen as a checkpoint)."""
+        write finished, else leaves it `.partial` (never seen as a checkpoint). This run's staging
+        directory goes, also after a save that failed (nothing in flight then)."""
         w, self.pending = self.pending, None
-        if w is None:
-            return
-        log(f"waiting (at most {WAIT_LIMIT_S:.0f}s) for checkpoint {w.name}'s background write before exiting")
-        w.join(WAIT_LIMIT_S)
+        if w is not None:
+            self._finish_after_error(w, log)
+        if self.accelerator.is_local_main_process:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _finish_after_error(self, w: BackgroundWrite, log) -> None:
+        log(f"waiting (at most {wait_limit_s():.0f}s) for checkpoint {w.name}'s background write before exiting")
+        w.join(wait_limit_s())
         if self.accelerator.is_main_process and w.done and not w.error:
             deadline = time.perf_counter() + max(60.0, 2 * w.background_s)
             checksums = read_markers(w.partial, self.accelerator.num_processes)
@@ -736,8 +741,6 @@ class Checkpointer:
                 files = {rel: (w.partial / rel).stat().st_size for rel in sorted(checksums)}
                 self._commit(w.partial, self.root / w.name, w.step, files, checksums, w.blocking_s + w.background_s)
                 log(f"checkpoint {self.root / w.name} published")
-        if self.accelerator.is_local_main_process:
-            shutil.rmtree(self.staging, ignore_errors=True)
 
     def _saved(self, step: int, final: Path, blocking: float, background: float | None, waited: float = 0.0) -> None:
         """waited: what the save blocked for before staging, for the previous save's background write."""
