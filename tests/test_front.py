@@ -37,6 +37,30 @@ def test_a_launcher_config_gives_the_process_count(tmp_path):
     assert cmd[5:7] == ["--config_file", str(config)] and "--multi_gpu" not in cmd
 
 
+def failure(rank: int, exitcode: int, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+    f.timestamp = timestamp
+    return rank, f
+
+
+@pytest.mark.parametrize("failures,code,line", [
+    ([failure(0, 2, 7), failure(1, 2, 7)], 2, None),  # a user error: the rank said it
+    ([failure(0, -15, 7), failure(1, 2, 7)], 2, None),  # rank 0 stopped by the launcher in the same second
+    ([failure(0, 143, 7), failure(1, 1, 7)], 1, None),  # a crash; rank 0 left by its SIGTERM handler
+    ([failure(0, 2, 9), failure(1, -9, 8)], 137,
+     "error: rank 1 was killed by SIGKILL (the kernel's out-of-memory killer, or from outside the run); "
+     "--resume auto continues from the newest complete checkpoint"),
+], ids=["user-error", "the-others-stopped", "crash", "killed"])
+def test_a_failed_launch_exits_with_the_failed_ranks_code(failures, code, line):
+    """torch's launcher ends a launch whose worker failed with ChildFailedError (a traceback, a failure
+    table, exit code 1); the front's launch exits with the code of the rank that failed first instead."""
+    from finetune.commands.cli import failed_rank
+
+    assert failed_rank(dict(failures)) == (code, line)
+
+
 def front(*args):
     return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
