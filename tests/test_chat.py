@@ -225,6 +225,44 @@ def test_chat_without_a_prompt_and_no_standard_input_is_one_line(capsys, monkeyp
     assert ("no standard input" if stdin is None else "standard input cannot be read (OSError") in line, line
 
 
+@pytest.mark.parametrize("how", ["argument", "stdin", "input"])
+def test_a_prompt_that_is_not_utf8_is_one_line(capsys, monkeypatch, how):
+    """Bytes that are not UTF-8 (caf\xe9: Latin-1) in the prompt argument, on standard input or in --input:
+    Python hands them over as lone surrogates (os.fsdecode for arguments; standard input in the UTF-8
+    mode a C locale turns on reads with errors="surrogateescape"), which the UnicodeDecodeError guard
+    never saw and the tokenizer failed on with a TypeError."""
+    import io
+    import os
+
+    from finetune.assets import tiny_model_dir
+
+    latin1 = "caf\xe9".encode("latin-1")
+    argv = [tiny_model_dir(), "--max-new-tokens", "2"]
+    if how == "argument":
+        argv.append(os.fsdecode(b"Say " + latin1))
+    elif how == "stdin":
+        stdin = io.TextIOWrapper(io.BytesIO(b"Say hi\n---\nSay " + latin1 + b"\n"), encoding="utf-8",
+                                 errors="surrogateescape")
+        monkeypatch.setattr("sys.stdin", stdin)
+    else:
+        argv += ["Say hi", "--input", os.fsdecode(latin1)]
+    code, out, err = chat(capsys, *argv)
+    what, at = {"argument": ("the prompt", 7), "stdin": ("standard input's prompt 2", 7), "input": ("--input", 3)}[how]
+    assert code == 2 and one_error_line(err) == (
+        f"error: {what} is not UTF-8 text (byte 0xe9 at character {at}: Latin-1 or Windows-1252?); give it as UTF-8 "
+        "(for example: iconv -f latin1 -t utf-8)"), err
+    assert "TypeError" not in err and out == ""  # standard input's prompts are all checked before any answer
+
+
+def test_a_lone_surrogate_in_a_prompt_is_named():
+    from finetune.commands.chat import check_prompt
+    from finetune.recipe import RecipeError
+
+    assert check_prompt("café 🙂", "the prompt") == "café 🙂"
+    with pytest.raises(RecipeError, match="the prompt holds a lone surrogate"):
+        check_prompt("half \ud83d of it", "the prompt")
+
+
 def test_a_prompt_beyond_the_context_is_warned(capsys):
     """The tiny model places 1,024 positions; a longer prompt is answered, with a warning that says so.
     Options may come after the prompt, as anywhere else."""
