@@ -97,6 +97,27 @@ def partial_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".partial"))
 
 
+def not_a_checkpoint(path: Path, resume: bool) -> str:
+    """Why a directory without a manifest is no checkpoint, and what to give instead: a run's output_dir
+    (its checkpoints and final/ named), or a checkpoint whose save never finished (a `.partial`, or one
+    cut short: the complete ones beside it named)."""
+    if (path / "checkpoints").is_dir() or (path / FINAL).is_dir():
+        names = [p.name for p in complete_checkpoints(path / "checkpoints")]
+        held = [f"its checkpoints: {', '.join(names)} (in {path / 'checkpoints'})" if names else "no complete checkpoint"]
+        if (path / FINAL).is_dir():
+            held.append(f"its finished model: {path / FINAL}")
+        use = ("continue it with --resume auto, or give one checkpoint with --resume PATH" if resume else
+               "give one checkpoint (or final/ to finetune chat)")
+        return f"{path} is a run's output directory, not a checkpoint; it holds {'; '.join(held)}; {use}"
+    if resume:
+        return (f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); resume from another one, "
+                "or --resume auto to take the newest complete one")
+    names = [p.name for p in complete_checkpoints(path.parent)]
+    others = (f"give a complete one: {', '.join(names)} (in {path.parent})" if names else
+              f"no complete checkpoint is beside it in {path.parent}")
+    return f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); {others}"
+
+
 class UnreadableManifest(RecipeError):
     """A manifest that is empty, not JSON or not ours: the checkpoint cannot be trusted or even described.
     `--resume auto` skips such a checkpoint and takes the previous one."""
@@ -134,16 +155,17 @@ def _manifest_problem(manifest) -> str | None:
     return None
 
 
-def verify(path: Path, checksums: bool = False, manifest: dict | None = None) -> dict:
+def verify(path: Path, checksums: bool = False, manifest: dict | None = None, resume: bool = True) -> dict:
     """The manifest, after checking that every file it lists is there with its size and that every DCP
     metadata file unpickles within the allow-list (all cheap: every rank does it before anything is
     loaded); with `checksums`, also every file's checksum (reads the whole checkpoint: export, and the
-    collective `verify_checksums` before a load, which shares that reading among the ranks)."""
+    collective `verify_checksums` before a load, which shares that reading among the ranks). resume:
+    the advice for a checkpoint that is incomplete names --resume (False: export and chat, which take
+    another checkpoint instead)."""
     if not path.is_dir():
         raise RecipeError(f"no checkpoint directory at {path}")
     if not (path / MANIFEST).is_file():
-        raise RecipeError(f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); "
-                          "resume from another one, or --resume auto to take the newest complete one")
+        raise RecipeError(not_a_checkpoint(path, resume))
     manifest = manifest if manifest is not None else read_manifest(path)
     for rel, size in manifest["files"].items():
         f = path / rel
