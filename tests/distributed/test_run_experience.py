@@ -57,10 +57,9 @@ def test_tensorboard_plot_and_summary(watched_run):
     # quiet by default: no INFO chatter from DeepSpeed or Accelerate, no tracebacks
     noisy = [line for line in run.stderr.splitlines() if "[INFO]" in line or "Traceback" in line]
     assert not noisy, noisy[:5]
-    # one line at most each: accelerate's defaults (the front passes them), DeepSpeed's op built (rank 0's)
+    # accelerate's defaults (the front passes them); DeepSpeed's op built, which every rank printed
     assert "were not passed to `accelerate launch`" not in run.stderr
-    built = [line for line in run.stdout.splitlines() if "built successfully" in line]
-    assert len(built) == len(set(built)), built
+    assert "built successfully" not in run.stdout + run.stderr
 
 
 def test_failing_rank_ends_the_launch(launch):
