@@ -139,7 +139,7 @@ def _from_checkpoint(ckpt: Path, base: str | None):
     """A checkpoint's model rebuilt in memory, as finetune.checkpointing.export rebuilds it before writing, after the
     same verification: every file's size and checksum (a shard corrupted at the same size answers from
     nothing)."""
-    manifest = verify(ckpt, checksums=True)
+    manifest = verify(ckpt, checksums=True, resume=False)
     if "checksums" not in manifest:
         print(f"note: {ckpt} has no checksums (written by an older finetune): only file sizes were checked",
               file=sys.stderr)

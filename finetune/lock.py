@@ -59,6 +59,13 @@ def _process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[-1].split()[19]  # field 22, counted after the command name
 
 
+def _exited(pid: int) -> bool:
+    """The process has ended but its parent has not reaped it yet (state Z, a zombie, or X): a rank
+    SIGKILLed a moment ago, its launcher still winding down, holds its pid for a while (Linux)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(")", 1)[-1].split()[0] in ("Z", "X")  # field 3, after the command name
+
+
 def _machine() -> dict:
     """What makes a pid meaningful: the host, this boot, and the pid namespace (containers)."""
     try:
@@ -81,7 +88,7 @@ class Holder:
         return all(self.info.get(k) == here[k] for k in ("host", "boot_id", "pid_ns"))
 
     def alive(self) -> bool | None:
-        """True/False on the machine that wrote the lock; None (cannot tell) elsewhere."""
+        """True/False on the machine that wrote the lock; None (cannot tell) elsewhere. A zombie is gone."""
         if not self.same_machine():
             return None
         try:
@@ -91,6 +98,8 @@ class Holder:
         except PermissionError:
             pass  # another user's process: it exists
         except (OverflowError, ValueError):
+            return False
+        if _exited(self.pid):
             return False
         started = self.info.get("proc_start")
         now = _process_start(self.pid)

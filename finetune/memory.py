@@ -131,6 +131,7 @@ import re
 from dataclasses import dataclass
 
 from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
+from finetune.errors import RecipeError
 from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local, padding_free_scores, reference_kind
 from finetune.strategy import strategy_for
 
@@ -908,6 +909,15 @@ def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> st
     line with the numbers (None where it fits, or the model's size cannot be read here)."""
     if not recipe.async_save:
         return None
+    from finetune.checkpointing.background import wait_limit_s
+
+    try:
+        wait_limit_s()
+    except RecipeError as e:
+        return str(e)
+    problem = staging_dir_problem(staging_root())
+    if problem:
+        return problem
     try:
         e = recipe_estimate(recipe, world_size, load_architecture(recipe.model))
     except EstimateError:
@@ -928,29 +938,49 @@ def staging_root():
     return Path(os.environ.get("FINETUNE_STAGING_DIR", DEFAULT_STAGING_ROOT))
 
 
+def staging_dir_problem(staging) -> str | None:
+    """Where async_save stages a checkpoint, a directory this user can write: found before the launch,
+    not at the first save after training started."""
+    import os
+
+    where = f"{staging} (FINETUNE_STAGING_DIR)" if os.environ.get("FINETUNE_STAGING_DIR") else str(staging)
+    fix = "set FINETUNE_STAGING_DIR to a writable tmpfs directory, or async_save=false"
+    if not staging.exists():
+        return f"async_save=true stages each checkpoint in host memory under {where}, which does not exist here; {fix}"
+    if not staging.is_dir():
+        return f"async_save=true stages each checkpoint in host memory under {where}, which is a file; {fix}"
+    if not os.access(staging, os.W_OK | os.X_OK):
+        return (f"async_save=true stages each checkpoint in host memory under {where}, which is not writable "
+                f"(permissions or a read-only filesystem); {fix}")
+    return None
+
+
 def host_memory_problem(node_bytes: int, tmpfs_bytes: int = 0, staging=None) -> str | None:
     """async_save=true keeps a copy of a node's share of a checkpoint in host memory (node_bytes), of which
     tmpfs_bytes pass through the staging tmpfs at once (fsdp's DCP files; small files always do): refused,
     with the numbers, where the host has less memory available or the tmpfs less free space."""
     staging = staging or staging_root()
-    gib = 2**30
     import shutil
 
     try:
         free = shutil.disk_usage(staging).free
     except OSError:
-        return (f"async_save=true stages each checkpoint in host memory under {staging}, which does not exist here; "
-                "set FINETUNE_STAGING_DIR to a tmpfs directory, or async_save=false")
+        return staging_dir_problem(staging) or f"async_save=true cannot stage checkpoints under {staging}"
     available = mem_available()
     if available is not None and node_bytes > available:
-        return (f"async_save=true keeps a copy of each checkpoint in host memory: {node_bytes / gib:.2f} GiB on this "
-                f"node, but the host has {available / gib:.2f} GiB of memory available; use async_save=false or "
+        return (f"async_save=true keeps a copy of each checkpoint in host memory: {bytes_text(node_bytes)} on this "
+                f"node, but the host has {bytes_text(available)} of memory available; use async_save=false or "
                 "more nodes")
     if tmpfs_bytes > free:
-        return (f"async_save=true writes fsdp's checkpoint files through {staging}: {tmpfs_bytes / gib:.2f} GiB on "
-                f"this node at once, but it has {free / gib:.2f} GiB free; use a larger tmpfs "
+        return (f"async_save=true writes fsdp's checkpoint files through {staging}: {bytes_text(tmpfs_bytes)} on "
+                f"this node at once, but it has {bytes_text(free)} free; use a larger tmpfs "
                 "(FINETUNE_STAGING_DIR; containers: --shm-size) or async_save=false")
     return None
+
+
+def bytes_text(n: float) -> str:
+    """Bytes in GiB, or in MiB below a GiB (a tiny tmpfs is not "0.00 GiB")."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
 
 
 def mem_available() -> int | None:

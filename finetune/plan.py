@@ -66,6 +66,9 @@ class Plan:
         if r.objective == "grpo":  # the batch trains on completions; a step reads global / num_generations prompts
             batch = (f"{self.global_batch_size // r.num_generations} prompts x {r.num_generations} = "
                      f"{self.global_batch_size} completions")
+        if not r.global_batch_size and self.data_parallel_size > 1:  # not fixed: another process count, another batch
+            ranks += (" (global_batch_size=0: the batch grows with the processes; set global_batch_size to keep it "
+                      "the same on any count)")
         layout = self.strategy.layout_text(r, self.world_size, self.num_machines)
         return (f"{r.strategy}{layout} on {self.world_size} {self.device} process(es), {self.num_machines} machine(s); "
                 f"global batch {batch} = micro {r.micro_batch_size} x accum {self.grad_accum} x "

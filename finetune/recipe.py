@@ -298,6 +298,24 @@ FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
 # ---------------------------------------------------------------- loading
 
 
+# transformers' TrainingArguments (and TRL's configs) name these keys otherwise: what a user coming from
+# them types, and ours
+PEER_NAMES = {
+    "learning_rate": "lr",
+    "num_train_epochs": "epochs",
+    "gradient_accumulation_steps": "grad_accum (or global_batch_size, from which grad_accum is derived)",
+    "per_device_train_batch_size": "micro_batch_size",
+    "lr_scheduler_type": "lr_scheduler",
+    "max_seq_length": "max_seq_len",
+    "max_length": "max_seq_len",
+    "logging_steps": "log_every",
+    "eval_steps": "eval_every",
+    "save_steps": "save_every",
+    "save_total_limit": "keep_last",
+    "gradient_checkpointing": "activation_checkpointing",
+}
+
+
 def available_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.py") if not p.stem.startswith("_"))
 
@@ -441,6 +459,8 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
         if key not in FIELDS:
             close = difflib.get_close_matches(key, FIELDS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
+            if key in PEER_NAMES:
+                hint = f" (the Trainer's and TRL's name); did you mean {PEER_NAMES[key]}?"
             raise RecipeError(f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)")
         changes[key] = parse_value(key, value)
     if recipe.datasets and "dataset" in changes:

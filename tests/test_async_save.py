@@ -132,7 +132,58 @@ def test_memory_and_tmpfs_are_asked_for_what_each_holds(tmp_path):
 
 def test_no_staging_directory_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("FINETUNE_STAGING_DIR", str(tmp_path / "absent"))
-    assert "FINETUNE_STAGING_DIR to a tmpfs directory" in M.staging_problem(recipe("async_save=true"), 1, 1)
+    assert "FINETUNE_STAGING_DIR to a writable tmpfs directory" in M.staging_problem(recipe("async_save=true"), 1, 1)
+
+
+def test_unusable_staging_is_refused_before_the_launch(monkeypatch, tmp_path):
+    """A staging path that is a file, or a read-only directory, passed the check before the launch and
+    failed the first save after training started; now the run (and the front) refuse it with one line."""
+    from in_process import run_main
+    from test_cli import _make_read_only, _undo_read_only
+
+    a_file, read_only = tmp_path / "a_file", tmp_path / "read-only"
+    a_file.write_text("")
+    _make_read_only(read_only)
+    try:
+        for staging, words in ((a_file, "which is a file"), (read_only, "which is not writable")):
+            monkeypatch.setenv("FINETUNE_STAGING_DIR", str(staging))
+            code, _, err = run_main(["--recipe", "tiny", "async_save=true", f"output_dir={tmp_path / 'out'}"])
+            assert code == 2 and err.strip().splitlines() == [
+                f"error: async_save=true stages each checkpoint in host memory under {staging} (FINETUNE_STAGING_DIR), "
+                f"{words}" + (" (permissions or a read-only filesystem)" if staging == read_only else "")
+                + "; set FINETUNE_STAGING_DIR to a writable tmpfs directory, or async_save=false"], err
+            assert M.staging_problem(recipe("async_save=false"), 1, 1) is None  # only async_save stages
+    finally:
+        _undo_read_only(read_only)
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_a_small_staging_tmpfs_is_said_in_mib(monkeypatch, tmp_path):
+    """A container's default 64 MiB /dev/shm, nearly full: the numbers in MiB, not "0.00 GiB"."""
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 63 << 20, 1 << 20))
+    problem = M.host_memory_problem(1, 5 << 20, staging=tmp_path)
+    assert ": 5.0 MiB on this node at once, but it has 1.0 MiB free;" in problem, problem
+    assert M.bytes_text(3 << 30) == "3.00 GiB" and M.bytes_text(1023 << 20) == "1023.0 MiB"
+
+
+@pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf", "0"])
+def test_a_bad_async_wait_is_one_line_naming_the_variable(monkeypatch, tmp_path, value):
+    """FINETUNE_ASYNC_WAIT_S was read at import (a bare ValueError in every run, async_save or not): now it
+    is read where it is used, and refused before the launch of an async_save run, naming it and its value."""
+    from in_process import run_main
+
+    monkeypatch.setenv("FINETUNE_ASYNC_WAIT_S", value)
+    with pytest.raises(M.RecipeError, match=f"FINETUNE_ASYNC_WAIT_S='{value}': not a positive number of seconds"):
+        B.wait_limit_s()
+    code, _, err = run_main(["--recipe", "tiny", "async_save=true", f"output_dir={tmp_path / 'out'}"])
+    assert code == 2 and err.strip().splitlines() == [f"error: FINETUNE_ASYNC_WAIT_S='{value}': not a positive number "
+                                                      "of seconds; set it to how long the end of a run waits for a "
+                                                      "background checkpoint write (default 1800), or unset it"], err
+    assert M.staging_problem(recipe("async_save=false"), 1, 1) is None  # a run without async_save never reads it
+    monkeypatch.setenv("FINETUNE_ASYNC_WAIT_S", " 90 ")
+    assert B.wait_limit_s() == 90.0
 
 
 def test_staging_directory_is_one_per_output_dir(tmp_path):

@@ -90,6 +90,60 @@ def test_chat_verifies_a_checkpoints_checksums_as_export_does(tmp_path, capsys):
     assert one_error_line(capsys.readouterr().err) == line
 
 
+def test_an_unfinished_checkpoint_or_a_run_directory_names_what_to_give_instead(tmp_path, capsys):
+    """A `.partial` checkpoint (its save never finished): export and chat named `--resume auto`, which
+    neither has; now they name the complete checkpoints beside it. A run's output directory given as
+    the checkpoint was "a checkpoint whose save never finished"; now it is named as what it is, with
+    its checkpoints and final/."""
+    import shutil
+
+    from finetune.commands.export import main as export_main
+
+    run = tmp_path / "run"
+    done = write_checkpoint(run / "checkpoints" / "step_000000004")
+    partial = run / "checkpoints" / ".step_000000008.partial"
+    shutil.copytree(done, partial)
+    (partial / "manifest.json").unlink()
+    expected = (f"error: checkpoint {partial} is incomplete (no manifest.json: its save never finished); give a "
+                f"complete one: step_000000004 (in {run / 'checkpoints'})")
+    code, out, err = chat(capsys, partial, "Say hi", "--max-new-tokens", "2")
+    assert code == 2 and one_error_line(err) == expected, err
+    assert export_main([str(partial), str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys.readouterr().err) == expected
+
+    (run / "final").mkdir()
+    assert export_main([str(run), str(tmp_path / "out")]) == 2
+    assert one_error_line(capsys.readouterr().err) == (
+        f"error: {run} is a run's output directory, not a checkpoint; it holds its checkpoints: step_000000004 (in "
+        f"{run / 'checkpoints'}); its finished model: {run / 'final'}; give one checkpoint (or final/ to finetune "
+        "chat)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_deleted_during_its_export_is_named(tmp_path, capsys, monkeypatch):
+    """keep_last of a run still training removes the checkpoint being exported (after export verified it,
+    while it reads the weights): that was "holds no model weights this tool knows"."""
+    import shutil
+
+    from finetune.checkpointing import export
+    from finetune.commands.export import main as export_main
+
+    ckpt = write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000004")
+    read = export.checkpoint_state_dict
+
+    def rotated_away(path, template):
+        shutil.rmtree(path)  # as checkpoint.rotate removes an old checkpoint
+        return read(path, template)
+
+    monkeypatch.setattr(export, "checkpoint_state_dict", rotated_away)
+    capsys.readouterr()
+    assert export_main([str(ckpt), str(tmp_path / "out")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert line.startswith(f"error: checkpoint {ckpt} was deleted while it was being exported ("), line
+    assert "keep_last" in line and "holds no model weights" not in line
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+
+
 @pytest.mark.parametrize("checksums", [True, False])
 def test_a_flipped_pickle_byte_is_one_line(tmp_path, capsys, checksums):
     """A checkpoint whose weights are a torch.save archive, one byte of its pickle flipped: with
@@ -223,6 +277,44 @@ def test_chat_without_a_prompt_and_no_standard_input_is_one_line(capsys, monkeyp
     line = one_error_line(err)
     assert code == 2 and out == "", err
     assert ("no standard input" if stdin is None else "standard input cannot be read (OSError") in line, line
+
+
+@pytest.mark.parametrize("how", ["argument", "stdin", "input"])
+def test_a_prompt_that_is_not_utf8_is_one_line(capsys, monkeypatch, how):
+    """Bytes that are not UTF-8 (caf\xe9: Latin-1) in the prompt argument, on standard input or in --input:
+    Python hands them over as lone surrogates (os.fsdecode for arguments; standard input in the UTF-8
+    mode a C locale turns on reads with errors="surrogateescape"), which the UnicodeDecodeError guard
+    never saw and the tokenizer failed on with a TypeError."""
+    import io
+    import os
+
+    from finetune.assets import tiny_model_dir
+
+    latin1 = "caf\xe9".encode("latin-1")
+    argv = [tiny_model_dir(), "--max-new-tokens", "2"]
+    if how == "argument":
+        argv.append(os.fsdecode(b"Say " + latin1))
+    elif how == "stdin":
+        stdin = io.TextIOWrapper(io.BytesIO(b"Say hi\n---\nSay " + latin1 + b"\n"), encoding="utf-8",
+                                 errors="surrogateescape")
+        monkeypatch.setattr("sys.stdin", stdin)
+    else:
+        argv += ["Say hi", "--input", os.fsdecode(latin1)]
+    code, out, err = chat(capsys, *argv)
+    what, at = {"argument": ("the prompt", 7), "stdin": ("standard input's prompt 2", 7), "input": ("--input", 3)}[how]
+    assert code == 2 and one_error_line(err) == (
+        f"error: {what} is not UTF-8 text (byte 0xe9 at character {at}: Latin-1 or Windows-1252?); give it as UTF-8 "
+        "(for example: iconv -f latin1 -t utf-8)"), err
+    assert "TypeError" not in err and out == ""  # standard input's prompts are all checked before any answer
+
+
+def test_a_lone_surrogate_in_a_prompt_is_named():
+    from finetune.commands.chat import check_prompt
+    from finetune.recipe import RecipeError
+
+    assert check_prompt("café 🙂", "the prompt") == "café 🙂"
+    with pytest.raises(RecipeError, match="the prompt holds a lone surrogate"):
+        check_prompt("half \ud83d of it", "the prompt")
 
 
 def test_a_prompt_beyond_the_context_is_warned(capsys):

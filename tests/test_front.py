@@ -37,6 +37,30 @@ def test_a_launcher_config_gives_the_process_count(tmp_path):
     assert cmd[5:7] == ["--config_file", str(config)] and "--multi_gpu" not in cmd
 
 
+def failure(rank: int, exitcode: int, timestamp: int):
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    f = ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file="<N/A>")
+    f.timestamp = timestamp
+    return rank, f
+
+
+@pytest.mark.parametrize("failures,code,line", [
+    ([failure(0, 2, 7), failure(1, 2, 7)], 2, None),  # a user error: the rank said it
+    ([failure(0, -15, 7), failure(1, 2, 7)], 2, None),  # rank 0 stopped by the launcher in the same second
+    ([failure(0, 143, 7), failure(1, 1, 7)], 1, None),  # a crash; rank 0 left by its SIGTERM handler
+    ([failure(0, 2, 9), failure(1, -9, 8)], 137,
+     "error: rank 1 was killed by SIGKILL (the kernel's out-of-memory killer, or from outside the run); "
+     "--resume auto continues from the newest complete checkpoint"),
+], ids=["user-error", "the-others-stopped", "crash", "killed"])
+def test_a_failed_launch_exits_with_the_failed_ranks_code(failures, code, line):
+    """torch's launcher ends a launch whose worker failed with ChildFailedError (a traceback, a failure
+    table, exit code 1); the front's launch exits with the code of the rank that failed first instead."""
+    from finetune.commands.cli import failed_rank
+
+    assert failed_rank(dict(failures)) == (code, line)
+
+
 def front(*args):
     return subprocess.run([sys.executable, "-m", "finetune.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
@@ -95,16 +119,26 @@ def test_data_command_shows_what_is_trained(capsys):
      "error: builtin:tiny-preferences: no pair has a response token left on both sides within max_seq_len=8"),
     (["tiny", "global_batch_size=4096", "micro_batch_size=8"],
      "error: the dataset has 3800 training rows, fewer than one global batch of 4096"),
-], ids=["heads-not-divisible", "no-response-token", "every-pair-dropped", "fewer-rows-than-a-batch"])
+    (["tiny", "--num_processes", "2", "strategy=zero3", "zero_hpz_partition_size=3"],
+     "error: zero_hpz_partition_size=3 with 2 process(es): hpZ's groups must divide the processes; use one of 2"),
+    (["tiny_grpo_vllm", "--num_processes", "2"], "error: generation_backend=vllm needs vLLM, which is not installed "
+                                                 "here: pip install vllm on a GPU machine"),
+], ids=["heads-not-divisible", "no-response-token", "every-pair-dropped", "fewer-rows-than-a-batch", "hpz-size",
+        "no-vllm"])
 def test_config_and_tokenized_data_are_checked_before_the_launch(args, message, tmp_path, capsys, monkeypatch):
     """These were found by each launched rank after its start (one error per rank, then the launcher's
     traceback); the front now reads the model's config and tokenizes the data itself (into the datasets
-    cache the ranks read) and launches nothing."""
+    cache the ranks read), checks that vLLM is installed where the recipe generates with it (here it is
+    not, whether or not this machine has it) and launches nothing."""
+    import importlib.util
+
     from finetune.commands import cli
 
     def launched(cmd, output_dir):
         raise AssertionError(f"launched {cmd}")
 
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     monkeypatch.setattr(cli, "supervise", launched)
     capsys.readouterr()
     code = cli.main(["train", *args, f"output_dir={tmp_path / 'out'}"])

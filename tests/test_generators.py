@@ -43,6 +43,10 @@ def test_the_engine_and_its_keys_only_where_they_apply():
     assert recipe(*GRPO, "top_p=0.9", "top_k=50").top_k == 50  # our own sampler scores them as it draws
     with pytest.raises(RecipeError, match=r"vllm_importance_sampling_mode=x: must be one of token_truncate"):
         recipe(*GRPO, "generation_backend=vllm", "vllm_importance_sampling_mode=x")
+    # a bound of 0 zeroes (truncate) or masks every token's weight: the run would learn nothing
+    with pytest.raises(RecipeError, match=r"^vllm_importance_sampling_clip_max=0: must be > 0 \(the importance "
+                                          r"ratio's upper bound"):
+        recipe(*GRPO, "generation_backend=vllm", "vllm_importance_sampling_clip_max=0")
 
 
 def test_a_missing_vllm_is_one_line_pointing_at_the_docs(monkeypatch):

@@ -98,6 +98,31 @@ def test_reused_pid_counts_as_gone(tmp_path, sleeper):
     assert "taking over" in lines[0]
 
 
+def test_a_killed_holder_not_yet_reaped_counts_as_gone(tmp_path):
+    """A resume right after a SIGKILL: the killed rank is a zombie until its launcher reaps it (its pid and
+    start time still in /proc). It was refused as "in use by another run: pid N"; it has ended."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = L._process_start(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)  # not waited for: a zombie until proc.wait() below
+        deadline = time.monotonic() + 10
+        while L._read(f"/proc/{proc.pid}/stat").rsplit(")", 1)[-1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the killed process never became a zombie"
+            time.sleep(0.01)
+        out = tmp_path / "run"
+        plant(out, lock_info(pid=proc.pid, proc_start=started))
+        assert L._process_start(proc.pid) == started  # the pid and its start time are still there
+        L.check_not_busy(out, env={})  # the other ranks and the front agree with rank 0
+        lines = []
+        L.OutputDirLock(out).acquire(log=lines.append).release()
+        assert len(lines) == 1 and "taking over the lock of a run that is gone" in lines[0]
+    finally:
+        proc.wait()
+
+
 def test_lock_from_another_boot_or_pid_namespace_is_not_guessed(tmp_path, dead_pid):
     """Same host name, another boot or container: its pids mean nothing here, so never taken over."""
     out = tmp_path / "run"

@@ -83,6 +83,29 @@ def test_hsdp_builds_a_two_dimensional_mesh_config():
     assert (pc.dp_replicate_size, pc.dp_shard_size) == (4, 8) and config["fsdp_plugin"].fsdp_version == 2
 
 
+@pytest.mark.parametrize("size,world,words", [
+    (3, 4, "zero_hpz_partition_size=3 with 4 process(es): hpZ's groups must divide the processes; use one of 2, 4 "
+           "(usually one node's GPUs), or zero_hpz_partition_size=1 (no hpZ)"),
+    (3, 2, "zero_hpz_partition_size=3 with 2 process(es): hpZ's groups must divide the processes; use one of 2"),
+    (4, 2, "zero_hpz_partition_size=4 with 2 process(es)"),
+    (3, 16, "use one of 2, 4, 8, 16 (usually one node's GPUs)"),
+    (2, 1, "zero_hpz_partition_size=2 with 1 process(es): hpZ's groups must divide the processes; use none here, or "
+           "zero_hpz_partition_size=1 (no hpZ)"),
+])
+def test_hpz_groups_must_divide_the_processes(size, world, words):
+    """DeepSpeed asserted "4 is not divisible by 3" in every rank, and on 2 processes made 3 and 4 into
+    one group of 2 without a word: one line before anything loads (the strategy's layout_problem, which
+    the planner asks too)."""
+    from finetune.strategy import strategy_for
+
+    assert words in error_of("strategy=zero3", f"zero_hpz_partition_size={size}", env={"WORLD_SIZE": str(world)})
+    recipe = resolve("tiny", ["strategy=zero3", f"zero_hpz_partition_size={size}"])
+    assert words in strategy_for("zero3").layout_problem(recipe, world, 1)
+    for fits in (2, 4, 8, 16):
+        if fits % size == 0 and fits >= size:
+            assert strategy_for("zero3").layout_problem(recipe, fits, 1) is None
+
+
 def test_hpz_goes_into_the_deepspeed_config():
     from finetune.strategy import deepspeed_config
 

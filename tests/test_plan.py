@@ -32,6 +32,16 @@ def test_world_size_and_global_batch_from_env(world):
     assert f"global batch {15 * world} = micro 3 x accum 5 x {world}" in p.describe()
 
 
+def test_a_batch_that_grows_with_the_processes_says_so():
+    """tiny (global_batch_size=0) on 3 processes trains a global batch of 48, not the 32 of its 2: the start
+    line says the batch follows the process count and how to fix it; a fixed one says nothing more."""
+    grows = make_plan(load_recipe_module("tiny"), env={"WORLD_SIZE": "3"}, cuda_available=False).describe()
+    assert ("global batch 48 = micro 8 x accum 2 x 3 (global_batch_size=0: the batch grows with the processes; set "
+            "global_batch_size to keep it the same on any count); precision") in grows
+    for p in (plan("global_batch_size=48", "micro_batch_size=8", env={"WORLD_SIZE": "3"}), plan(env={"WORLD_SIZE": "1"})):
+        assert "grows with the processes" not in p.describe()
+
+
 def test_grpo_global_batch_is_told_in_prompts_and_completions():
     """A GRPO step reads global_batch_size / num_generations prompts and trains on global_batch_size
     completions: the start line says both."""

@@ -149,6 +149,19 @@ def test_unknown_key_suggests(key, suggestion):
     assert f"did you mean {suggestion}?" in msg
 
 
+@pytest.mark.parametrize("key,suggestion", [
+    ("learning_rate", "lr"), ("num_train_epochs", "epochs"),
+    ("gradient_accumulation_steps", "grad_accum (or global_batch_size, from which grad_accum is derived)"),
+    ("per_device_train_batch_size", "micro_batch_size")])
+def test_the_trainers_names_point_at_ours(key, suggestion):
+    """What a user of transformers' Trainer or TRL types; no close spelling of ours to suggest."""
+    from finetune.recipe import FIELDS, PEER_NAMES
+
+    msg = error_of([f"{key}=1"])
+    assert msg.startswith(f"unknown recipe key '{key}' (the Trainer's and TRL's name); did you mean {suggestion}?"), msg
+    assert all(ours.split()[0] in FIELDS for ours in PEER_NAMES.values()) and not set(PEER_NAMES) & set(FIELDS)
+
+
 def test_override_without_equals():
     msg = error_of(["lr"])
     assert "'lr'" in msg and "key=value" in msg

@@ -25,8 +25,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from finetune.checkpointing.background import (WAIT_LIMIT_S, BackgroundWrite, file_xxh3, read_markers,
-                                               remove_markers, run_staging_dir)
+from finetune.checkpointing.background import (BackgroundWrite, file_xxh3, read_markers,
+                                               remove_markers, run_staging_dir, wait_limit_s)
 from finetune.checkpointing.snapshot import Snapshotter, reserve_pinned, state_storage_sizes
 from finetune.files import publish
 from finetune.recipe import Recipe, RecipeError
@@ -97,6 +97,27 @@ def partial_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(".") and p.name.endswith(".partial"))
 
 
+def not_a_checkpoint(path: Path, resume: bool) -> str:
+    """Why a directory without a manifest is no checkpoint, and what to give instead: a run's output_dir
+    (its checkpoints and final/ named), or a checkpoint whose save never finished (a `.partial`, or one
+    cut short: the complete ones beside it named)."""
+    if (path / "checkpoints").is_dir() or (path / FINAL).is_dir():
+        names = [p.name for p in complete_checkpoints(path / "checkpoints")]
+        held = [f"its checkpoints: {', '.join(names)} (in {path / 'checkpoints'})" if names else "no complete checkpoint"]
+        if (path / FINAL).is_dir():
+            held.append(f"its finished model: {path / FINAL}")
+        use = ("continue it with --resume auto, or give one checkpoint with --resume PATH" if resume else
+               "give one checkpoint (or final/ to finetune chat)")
+        return f"{path} is a run's output directory, not a checkpoint; it holds {'; '.join(held)}; {use}"
+    if resume:
+        return (f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); resume from another one, "
+                "or --resume auto to take the newest complete one")
+    names = [p.name for p in complete_checkpoints(path.parent)]
+    others = (f"give a complete one: {', '.join(names)} (in {path.parent})" if names else
+              f"no complete checkpoint is beside it in {path.parent}")
+    return f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); {others}"
+
+
 class UnreadableManifest(RecipeError):
     """A manifest that is empty, not JSON or not ours: the checkpoint cannot be trusted or even described.
     `--resume auto` skips such a checkpoint and takes the previous one."""
@@ -134,16 +155,17 @@ def _manifest_problem(manifest) -> str | None:
     return None
 
 
-def verify(path: Path, checksums: bool = False, manifest: dict | None = None) -> dict:
+def verify(path: Path, checksums: bool = False, manifest: dict | None = None, resume: bool = True) -> dict:
     """The manifest, after checking that every file it lists is there with its size and that every DCP
     metadata file unpickles within the allow-list (all cheap: every rank does it before anything is
     loaded); with `checksums`, also every file's checksum (reads the whole checkpoint: export, and the
-    collective `verify_checksums` before a load, which shares that reading among the ranks)."""
+    collective `verify_checksums` before a load, which shares that reading among the ranks). resume:
+    the advice for a checkpoint that is incomplete names --resume (False: export and chat, which take
+    another checkpoint instead)."""
     if not path.is_dir():
         raise RecipeError(f"no checkpoint directory at {path}")
     if not (path / MANIFEST).is_file():
-        raise RecipeError(f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); "
-                          "resume from another one, or --resume auto to take the newest complete one")
+        raise RecipeError(not_a_checkpoint(path, resume))
     manifest = manifest if manifest is not None else read_manifest(path)
     for rel, size in manifest["files"].items():
         f = path / rel
@@ -680,13 +702,13 @@ class Checkpointer:
         none alike). The ranks agree on the main thread: once every rank's write finished, rank 0
         writes the manifest and publishes the checkpoint; a write that failed on any rank raises the
         same SaveError on every rank (its partial directory removed, earlier checkpoints untouched).
-        wait: first wait (bounded by WAIT_LIMIT_S) for this rank's write."""
+        wait: first wait (bounded by FINETUNE_ASYNC_WAIT_S) for this rank's write."""
         w = self.pending
         if w is None:
             return
         if wait and not w.done:
-            if not w.join(WAIT_LIMIT_S):
-                w.error = w.error or (f"its background write did not finish within {WAIT_LIMIT_S:.0f}s "
+            if not w.join(wait_limit_s()):
+                w.error = w.error or (f"its background write did not finish within {wait_limit_s():.0f}s "
                                       "(FINETUNE_ASYNC_WAIT_S)")
         status = "failed" if w.error else "done" if w.done else "running"
         states = _all_gather(self.accelerator)((status, w.error, w.checksums if status == "done" else None))
@@ -694,7 +716,7 @@ class Checkpointer:
         if failed:  # every rank's writer stopped before rank 0 removes the partial directory
             self.pending = None
             if not wait:  # (a wait that ran out has waited already)
-                w.join(WAIT_LIMIT_S)
+                w.join(wait_limit_s())
             _all_gather(self.accelerator)(None)
             if self.accelerator.is_main_process:
                 shutil.rmtree(w.partial, ignore_errors=True)
@@ -717,10 +739,10 @@ class Checkpointer:
 
     def wait(self) -> None:
         """The end of a run (finished, or stopped by a signal): the write in flight finished and
-        published, or its failure raised; bounded by WAIT_LIMIT_S, said in a line. Collective."""
+        published, or its failure raised; bounded by FINETUNE_ASYNC_WAIT_S, said in a line. Collective."""
         if self.pending is not None:
             if not self.pending.done:
-                self._lines.append(f"waiting (at most {WAIT_LIMIT_S:.0f}s) for checkpoint {self.pending.name}'s "
+                self._lines.append(f"waiting (at most {wait_limit_s():.0f}s) for checkpoint {self.pending.name}'s "
                                    "background write before the run ends")
             self.poll(wait=True)
         if self.accelerator.is_local_main_process:
@@ -729,12 +751,17 @@ class Checkpointer:
     def wait_after_error(self, log=print) -> None:
         """On the way out after an error, when the ranks may not reach a collective: each rank waits
         (bounded) for its own write; rank 0 publishes the checkpoint if every rank's marker says its
-        write finished, else leaves it `.partial` (never seen as a checkpoint)."""
+        write finished, else leaves it `.partial` (never seen as a checkpoint). This run's staging
+        directory goes, also after a save that failed (nothing in flight then)."""
         w, self.pending = self.pending, None
-        if w is None:
-            return
-        log(f"waiting (at most {WAIT_LIMIT_S:.0f}s) for checkpoint {w.name}'s background write before exiting")
-        w.join(WAIT_LIMIT_S)
+        if w is not None:
+            self._finish_after_error(w, log)
+        if self.accelerator.is_local_main_process:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    def _finish_after_error(self, w: BackgroundWrite, log) -> None:
+        log(f"waiting (at most {wait_limit_s():.0f}s) for checkpoint {w.name}'s background write before exiting")
+        w.join(wait_limit_s())
         if self.accelerator.is_main_process and w.done and not w.error:
             deadline = time.perf_counter() + max(60.0, 2 * w.background_s)
             checksums = read_markers(w.partial, self.accelerator.num_processes)
@@ -748,8 +775,6 @@ class Checkpointer:
                 files = {rel: (w.partial / rel).stat().st_size for rel in sorted(checksums)}
                 self._commit(w.partial, self.root / w.name, w.step, files, checksums, w.blocking_s + w.background_s)
                 log(f"checkpoint {self.root / w.name} published")
-        if self.accelerator.is_local_main_process:
-            shutil.rmtree(self.staging, ignore_errors=True)
 
     def _saved(self, step: int, final: Path, blocking: float, background: float | None, waited: float = 0.0) -> None:
         """waited: what the save blocked for before staging, for the previous save's background write."""

@@ -237,9 +237,6 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     """Write `out_dir` from `ckpt` and prove it: reload with from_pretrained and compare logits on a
     probe batch against the model rebuilt from the checkpoint. Returns what was checked. A LoRA
     checkpoint becomes a peft adapter, or with `merge` a plain model (see export_lora)."""
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
-
     ckpt, out_dir = Path(ckpt), Path(out_dir)
     if out_dir.exists():
         raise ExportError(f"{out_dir} already exists; choose another OUT_DIR or move that one away (nothing was "
@@ -248,11 +245,29 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
     if problem:
         raise ExportError(problem)
     try:
-        manifest = verify(ckpt, checksums=True)
+        manifest = verify(ckpt, checksums=True, resume=False)
     except RecipeError as e:
         raise ExportError(str(e)) from None
     if "checksums" not in manifest:
         log(f"note: {ckpt} has no checksums (written by an older finetune): only file sizes were checked")
+    try:
+        return _export_verified(ckpt, out_dir, manifest, max_shard_size, merge, base)
+    except (ExportError, OSError):
+        gone = next((rel for rel in manifest["files"] if not (ckpt / rel).is_file()), None)
+        if gone is None:
+            raise
+        shutil.rmtree(out_dir.with_name(out_dir.name + ".tmp"), ignore_errors=True)
+        raise ExportError(f"checkpoint {ckpt} was deleted while it was being exported ({gone} is gone: a run still "
+                          "training keeps only its keep_last newest checkpoints); nothing was written; export a newer "
+                          "checkpoint, or copy this one out of the run's checkpoints/ first") from None
+
+
+def _export_verified(ckpt: Path, out_dir: Path, manifest: dict, max_shard_size: str, merge: bool,
+                     base: str | None) -> dict:
+    """export_checkpoint's work once the checkpoint verified."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
     hf = ckpt / HF_DIR
     if not (hf / "config.json").is_file():
         raise ExportError(f"{ckpt} has no {HF_DIR}/config.json (written by every checkpoint of this toolkit); "

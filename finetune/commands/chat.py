@@ -80,6 +80,24 @@ def split_prompts(lines, separator: str) -> list[str]:
     return [p.removesuffix("\n") for p in prompts if p.strip()]
 
 
+def check_prompt(text: str, what: str) -> str:
+    """A prompt a tokenizer can read. Python hands over bytes that are not UTF-8 (an argument, or standard
+    input in the UTF-8 mode a C locale turns on) as lone surrogates, U+DC80-U+DCFF, each standing for its
+    byte; the tokenizer then failed with a TypeError. Named here with the byte, as the data's check
+    (finetune.data.formats.check_text) names a lone surrogate in a file."""
+    from finetune.data.formats import check_text
+
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(text[e.start])
+        if 0xDC80 <= code <= 0xDCFF:
+            raise RecipeError(f"{what} is not UTF-8 text (byte 0x{code - 0xDC00:02x} at character {e.start}: Latin-1 "
+                              "or Windows-1252?); give it as UTF-8 (for example: iconv -f latin1 -t utf-8)") from None
+        check_text(text, "finetune chat", what)
+    return text
+
+
 def load_model_of(path: Path, base: str | None):
     """finetune.chat.load, with what a file it reads can raise as one line."""
     try:
@@ -113,7 +131,10 @@ def main(argv=None) -> int:
         generator = torch.Generator().manual_seed(args.seed)
         max_new_tokens = args.max_new_tokens or max_new_tokens_of(recipe)
 
+        check_prompt(args.input, "--input")
+
         def reply(text: str) -> str:
+            check_prompt(text, "the prompt")
             for line in context_warnings(model, recipe, len(render_prompt(tokenizer, text, fmt, args.input))):
                 print(line, file=sys.stderr, flush=True)
             return answer(model, tokenizer, text, fmt, max_new_tokens, args.temperature, generator, args.input)
@@ -141,6 +162,8 @@ def main(argv=None) -> int:
         except (OSError, UnicodeDecodeError) as e:  # a descriptor that cannot be read, a directory, not text
             raise RecipeError(f"standard input cannot be read ({type(e).__name__}: {e}); give prompts as text, "
                               f"separated by lines of {args.separator!r}, or a PROMPT") from None
+        for i, text in enumerate(prompts):  # all of them before the first answer
+            check_prompt(text, f"standard input's prompt {i + 1}")
         for text in prompts:
             print("\n".join(f"> {line}" for line in text.split("\n")), flush=True)
             print(reply(text), flush=True)

@@ -251,9 +251,41 @@ def _kill_tree(root) -> set[int]:
 
 
 def _forwarding_notices(record) -> bool:
-    """False for the launcher's notices that it forwards a signal (one line per worker): the workers say
-    what they do with it. Its warning that a worker did not stop in time and was killed stays."""
-    return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal"))
+    """False for the launcher's notices that it forwards a signal (one line per worker) and that a worker
+    failed ("failed (exitcode: 2) local_rank: 0 ..."): the workers say what they do and why they stop
+    (failed_rank below says it for a worker killed by a signal). Its warning that a worker did not stop in
+    time and was killed stays."""
+    return not str(record.msg).startswith(("Received %s death signal", "Sending process %s closing signal",
+                                           "failed (exitcode: %s)"))
+
+
+def failed_rank(failures: dict) -> tuple[int, str | None]:
+    """The exit code of a launch whose workers failed (torch's ChildFailedError.failures: global rank ->
+    ProcessFailure), and the line to print, if any: the code of the rank that failed first, as that rank
+    exited (2: a user error, whose one `error:` line the rank printed; 1: a crash, with its traceback),
+    not torch's traceback and failure table and exit code 1. The launcher stops the other ranks once one
+    fails, so those that ended by a signal, or in the same second (ProcessFailure's timestamps are whole
+    seconds) with a code the stop gave them, come after one that exited with a code of its own. A rank
+    killed by a signal (SIGKILL: the kernel's out-of-memory killer, or from outside) printed nothing:
+    one line says so, and the code is a shell's, 128 + the signal."""
+    import signal as signals
+
+    def order(item):
+        rank, failure = item
+        by_signal = failure.exitcode < 0 or failure.exitcode > 128
+        return failure.timestamp, by_signal, rank
+
+    rank, failure = min(failures.items(), key=order)
+    if failure.exitcode >= 0:
+        return failure.exitcode, None
+    number = -failure.exitcode
+    try:
+        name = signals.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    why = " (the kernel's out-of-memory killer, or from outside the run)" if number == signals.SIGKILL else ""
+    return 128 + number, (f"error: rank {rank} was killed by {name}{why}; --resume auto continues from the newest "
+                          "complete checkpoint")
 
 
 def _defaults_notice(record: logging.LogRecord) -> bool:
@@ -272,10 +304,13 @@ def _defaults_notice(record: logging.LogRecord) -> bool:
 def accelerate_launch(argv: list[str]) -> int:
     """`accelerate launch ARGS` in this process. Signalled, torch's launcher forwards the signal to the
     workers, waits for them and raises SignalException, whose traceback says nothing the workers did
-    not: that becomes the exit code 128 + the signal, without the traceback."""
+    not: that becomes the exit code 128 + the signal, without the traceback. A worker that fails makes
+    it raise ChildFailedError (a traceback, a failure table, exit code 1): that becomes the failed
+    rank's own exit code (failed_rank), the rank having said why."""
     from accelerate.commands.launch import launch_command as accelerate_command
     from accelerate.commands.launch import launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from finetune.training.stopping import stop_with_front
 
@@ -288,6 +323,11 @@ def accelerate_launch(argv: list[str]) -> int:
         accelerate_command(args)
     except SignalException as e:
         return 128 + int(e.sigval)
+    except ChildFailedError as e:
+        code, line = failed_rank(e.failures)
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        return code
     except KeyboardInterrupt:  # before torch's handlers are in place: no worker was started yet
         return 128 + signal.SIGINT
     return 0

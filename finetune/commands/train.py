@@ -206,7 +206,8 @@ def print_dry_run(plan, recipe_name: str) -> None:
 
 def check_model_and_data(plan) -> None:
     """What the launched ranks find only once started (each after its own imports, one error per rank
-    under the launcher's traceback), checked in the `finetune` front before it launches: the model's
+    under the launcher's traceback), checked in the `finetune` front before it launches: vLLM where
+    generation_backend=vllm, the model's
     config against the recipe (sequence_parallel and the attention heads, rows concatenated in a model
     that carries state along the sequence), and the data as tokenized (a source left with no trained
     token or pair, fewer rows than one global batch, fewer eval rows than sample_prompts). Config and
@@ -215,9 +216,11 @@ def check_model_and_data(plan) -> None:
     from finetune import data as D
     from finetune import sequence_parallel as SP
     from finetune.model import concatenation_problem, load_config, load_tokenizer
+    from finetune.training.generators import check_installed
     from finetune.training.samples import eval_prompts
 
     r = plan.recipe
+    check_installed(r)  # generation_backend=vllm without vLLM: found here, not by every rank after its start
     model_path, config = load_config(r)
     problem = concatenation_problem(r, config) or SP.config_problem(r, config)
     if problem:

@@ -94,6 +94,10 @@ def check_generation_backend(r) -> None:
                           f"generation_backend=vllm, or leave {key} out")
     if not vllm:
         return
+    if r.vllm_importance_sampling_clip_max <= 0:
+        raise RecipeError(f"vllm_importance_sampling_clip_max={r.vllm_importance_sampling_clip_max:g}: must be > 0 "
+                          "(the importance ratio's upper bound: at 0 every token's weight is clipped to 0 or masked, "
+                          "and the run learns nothing); TRL's default is 3")
     if r.load_in_4bit:
         raise RecipeError("generation_backend=vllm with load_in_4bit=true: the engine serves the 16-bit base from the "
                           "model's directory while the trainer computes with its 4-bit (NF4) quantization, so they "

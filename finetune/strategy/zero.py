@@ -163,6 +163,17 @@ class Zero3(Zero):
             buffers += 4 * min(trained / world_size, 10**9)  # fp32 gradient of one optimizer sub-group
         return buffers
 
+    def layout_problem(self, recipe, world_size, machines):
+        """hpZ's secondary groups split the processes evenly: DeepSpeed asserts "N is not divisible by G"
+        in every rank otherwise, and on fewer processes than G quietly makes one group of them all."""
+        size = recipe.zero_hpz_partition_size
+        if size > 1 and world_size % size:
+            sizes = [g for g in range(2, world_size + 1) if world_size % g == 0]
+            use = f"one of {', '.join(map(str, sizes))} (usually one node's GPUs)" if sizes else "none here"
+            return (f"zero_hpz_partition_size={size} with {world_size} process(es): hpZ's groups must divide the "
+                    f"processes; use {use}, or zero_hpz_partition_size=1 (no hpZ)")
+        return None
+
     def option_problem(self, recipe):
         if recipe.mics_shard_size:
             return (f"mics_shard_size={recipe.mics_shard_size}: MiCS was removed from DeepSpeed in 0.19 "

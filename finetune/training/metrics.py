@@ -20,8 +20,8 @@ def setup_logging(level: str, rank: int) -> None:
     """Our messages at `level` on rank 0 (warnings on every rank, prefixed); dependencies' chatter
     (DeepSpeed, Accelerate, Transformers, Datasets) at warning unless the user asks for debug."""
     fmt = f"[rank{rank}] %(levelname)s %(message)s" if rank else "%(message)s"
-    if rank and not isinstance(sys.stdout, OtherRankStdout):
-        sys.stdout = OtherRankStdout(sys.stdout)
+    if not isinstance(sys.stdout, QuietStdout):
+        sys.stdout = QuietStdout(sys.stdout)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(fmt))
     log.handlers[:] = [handler]
@@ -40,6 +40,11 @@ def setup_logging(level: str, rank: int) -> None:
     load_reports = logging.getLogger("transformers.modeling_utils")
     if not any(isinstance(f, OneLineLoadReport) for f in load_reports.filters):
         load_reports.addFilter(OneLineLoadReport())
+    # bitsandbytes (imported by peft on every LoRA run) warns as it loads that the `kernels` package's CPU
+    # 4-bit kernel is missing: its own CPU path serves a 4-bit base without it (tests/test_qlora_cpu_paths.py)
+    kernels = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    if _no_kernels_notice not in kernels.filters:
+        kernels.addFilter(_no_kernels_notice)
     try:
         from deepspeed.utils import logger as ds_logger
 
@@ -61,21 +66,36 @@ def setup_logging(level: str, rank: int) -> None:
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
+def _no_kernels_notice(record: logging.LogRecord) -> bool:
+    return "gemm_4bit_forward from kernels-community" not in record.getMessage()
+
+
+# A sequence classifier made from a causal LM (a reward model's start): its score head is new and the
+# lm_head unused, as they should be
+EXPECTED_FOR_A_NEW_HEAD = {"MISSING": re.compile(r"^score\.(weight|bias)$"), "UNEXPECTED": re.compile(r"^lm_head\.")}
+
+
 class OneLineLoadReport(logging.Filter):
     """transformers' LOAD REPORT (a table with terminal colour codes, and notes) as one line: the keys by
-    status. A reward model's score head is MISSING (new, as it should be) and the causal LM's lm_head
-    UNEXPECTED (unused) on every such run."""
+    status. A reward model's new score head (MISSING) and the causal LM's unused lm_head (UNEXPECTED),
+    which every reward run starting from a causal LM has, are not reported: nothing else is, or the
+    line names the rest."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         text = ANSI.sub("", record.getMessage())
         if "LOAD REPORT" not in text:
             return True
         head, _, table = text.partition("\n")
+        new_head = "ForSequenceClassification" in head
         by_status: dict[str, list[str]] = {}
         for row in table.splitlines():
             cells = [c.strip() for c in row.split("|")]
             if len(cells) >= 2 and cells[0] and cells[1] and cells[0] != "Key" and not set(cells[0]) <= set("-+"):
-                by_status.setdefault(cells[1], []).append(cells[0])
+                expected = EXPECTED_FOR_A_NEW_HEAD.get(cells[1])
+                if not (new_head and expected and expected.match(cells[0])):
+                    by_status.setdefault(cells[1], []).append(cells[0])
+        if not by_status:
+            return False
         notes = {"MISSING": "newly initialized", "UNEXPECTED": "in the checkpoint, unused"}
         keys = "; ".join(f"{status} ({notes.get(status, status.lower())}): {', '.join(names)}"
                          for status, names in by_status.items())
@@ -83,10 +103,10 @@ class OneLineLoadReport(logging.Filter):
         return True
 
 
-class OtherRankStdout:
-    """Standard output of the ranks after the first, less the lines every rank prints alike: DeepSpeed's
-    backend prints `DeepSpeed ... deepspeed_shm_comm_op built successfully` on each rank as it starts
-    (deepspeed/comm/torch.py build_shm_op); rank 0's says it once."""
+class QuietStdout:
+    """Standard output less DeepSpeed's `DeepSpeed ... deepspeed_shm_comm_op built successfully`, which
+    its backend prints on every rank of every launch as it starts (deepspeed/comm/torch.py build_shm_op):
+    it says nothing the run's own start line does not."""
 
     REPEATED = re.compile(r"^DeepSpeed \S+ built successfully\n?$")
 
