@@ -27,11 +27,12 @@ def _release(version: str) -> tuple[int, ...]:
 
 
 def untested_release(package: str, installed: str, tested: tuple[str, str]) -> str | None:
-    """One line when `installed` lies outside the tested (oldest, newest) range, else None."""
-    oldest, newest = tested
-    if _release(oldest) <= _release(installed)[:3] <= _release(newest):
+    """One line when `installed` lies outside the tested (oldest, newest) range of minor releases, else None."""
+    oldest, newest = (_release(v)[:2] for v in tested)  # a patch release of a tested minor counts as tested
+    if oldest <= _release(installed)[:2] <= newest:
         return None
-    side = "older than the oldest" if _release(installed) < _release(oldest) else "newer than the newest"
+    side = "older than the oldest" if _release(installed)[:2] < oldest else "newer than the newest"
+    oldest, newest = tested
     return (f"note: {package} {installed} is {side} release finetune is tested with ({oldest} to {newest}); "
             f"it may work, but if it fails, pip install {package}=={newest} (the tested pin)")
 
