@@ -39,7 +39,7 @@ note "start: budget ${BUDGET}s, smoke=$SMOKE, phases $PHASES, commit $commit"
 if [ "$SMOKE" = 1 ]; then
     export PYTHONPATH=$PWD
     NPROC=2
-    SHORT=(max_steps=4 eval_every=4 eval_max_samples=8 save_every=0)
+    SHORT=(max_steps=4 warmup_steps=1 eval_every=4 eval_max_samples=8 save_every=0)
 else
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     if ls bench/wheels_gpu/*.whl >/dev/null 2>&1; then
