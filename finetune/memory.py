@@ -909,8 +909,6 @@ def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> st
     line with the numbers (None where it fits, or the model's size cannot be read here)."""
     if not recipe.async_save:
         return None
-    from finetune.checkpointing.background import wait_limit_s
-
     try:
         wait_limit_s()
     except RecipeError as e:
@@ -929,6 +927,29 @@ def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> st
 # Where async_save stages a checkpoint (finetune/checkpointing/background.py): RAM (a tmpfs) on Linux;
 # FINETUNE_STAGING_DIR overrides (a larger tmpfs).
 DEFAULT_STAGING_ROOT = "/dev/shm"
+
+
+WAIT_LIMIT_VARIABLE, WAIT_LIMIT_DEFAULT_S = "FINETUNE_ASYNC_WAIT_S", 1800.0
+
+
+def wait_limit_s() -> float:
+    """How long the end of a run (its last save, a stop by signal, an error) waits for a background
+    write: FINETUNE_ASYNC_WAIT_S seconds, 1800 unless set; a value that is not a positive number of
+    seconds is refused naming it (memory.staging_problem asks before the launch)."""
+    import os
+
+    text = os.environ.get(WAIT_LIMIT_VARIABLE, "").strip()
+    if not text:
+        return WAIT_LIMIT_DEFAULT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise RecipeError(f"{WAIT_LIMIT_VARIABLE}={os.environ[WAIT_LIMIT_VARIABLE]!r}: not a positive number of "
+                          f"seconds; set it to how long the end of a run waits for a background checkpoint write "
+                          f"(default {WAIT_LIMIT_DEFAULT_S:.0f}), or unset it")
+    return seconds
 
 
 def staging_root():

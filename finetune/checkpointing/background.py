@@ -39,29 +39,10 @@ from pathlib import Path
 
 from finetune.errors import RecipeError
 from finetune.faults import fault_point
-from finetune.memory import staging_root
+from finetune.memory import WAIT_LIMIT_DEFAULT_S, WAIT_LIMIT_VARIABLE, staging_root, wait_limit_s  # noqa: F401
 
 MARKER = ".written.rank_{rank}.json"
 BLOCK = 8 << 20
-WAIT_LIMIT_VARIABLE, WAIT_LIMIT_DEFAULT_S = "FINETUNE_ASYNC_WAIT_S", 1800.0
-
-
-def wait_limit_s() -> float:
-    """How long the end of a run (its last save, a stop by signal, an error) waits for a background
-    write: FINETUNE_ASYNC_WAIT_S seconds, 1800 unless set; a value that is not a positive number of
-    seconds is refused naming it (memory.staging_problem asks before the launch)."""
-    text = os.environ.get(WAIT_LIMIT_VARIABLE, "").strip()
-    if not text:
-        return WAIT_LIMIT_DEFAULT_S
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise RecipeError(f"{WAIT_LIMIT_VARIABLE}={os.environ[WAIT_LIMIT_VARIABLE]!r}: not a positive number of "
-                          f"seconds; set it to how long the end of a run waits for a background checkpoint write "
-                          f"(default {WAIT_LIMIT_DEFAULT_S:.0f}), or unset it")
-    return seconds
 
 
 def run_staging_dir(output_dir) -> Path:

@@ -12,7 +12,9 @@ ZeRO-2 with its optimizer offloaded and ZeRO-3 with parameters and optimizer off
 taken and the same completions as ZeRO-3's; ddp on 1 process. Padded vocabulary rows are never drawn (the
 tiny model's 128 output rows against 108 tokens: rollouts.jsonl counts no undecodable id).
 
-Launches: 10 (nine of 2 processes, each starting two engines, and one of 1 process). Runs only where vLLM is installed (bash scripts/test_vllm.sh)."""
+At mixed_precision=bf16 under ZeRO-3 and FSDP2, every push takes within bf16's tolerance.
+
+Launches: 12 (eleven of 2 processes, each starting two engines, and one of 1 process). Runs only where vLLM is installed (bash scripts/test_vllm.sh)."""
 
 from __future__ import annotations
 
@@ -107,6 +109,24 @@ def test_every_push_takes_under_each_strategy(name, zero3, launch):
     assert f"{OTHER_PUSHES[name][0].split('=')[1]} on 2" in run.stderr
     assert_push_took(run, 3)
     assert rollouts(run) == [r for r in rollouts(zero3) if r["step"] <= 3]
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_bf16_engines_take_every_push(strategy, launch):
+    """mixed_precision=bf16, as a GPU user runs it: the engine serves bfloat16 (generators.ENGINE_DTYPES) and is
+    pushed the trainer's weights (ZeRO-3's bf16 partitions gathered; FSDP2's fp32 masters, cast by the
+    engine's loader); each rollout's log-probs agree with the trainer's within bf16's tolerance (the push
+    took) and the loss is finite."""
+    import math
+
+    from finetune.training.generators import LOGP_TOLERANCE
+
+    run = launch(2, f"strategy={strategy}", "mixed_precision=bf16", *VLLM, "max_steps=3", recipe="tiny_grpo_vllm")
+    recs = records(run)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert 0 <= r["vllm/logp_diff/mean"] <= LOGP_TOLERANCE["bfloat16"], r
+        assert math.isfinite(r["loss"]) and math.isfinite(r["reward"]), r
 
 
 def test_sigkill_and_resume_with_vllm_continue_as_the_uninterrupted_run(zero3, launch, tmp_path_factory):
