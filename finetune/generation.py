@@ -273,14 +273,12 @@ class _Decoder:
     the graph is traced once per model and batch shape and replayed for every token."""
 
     def __init__(self, model, n: int, width: int, new_tokens: int, mask, positions):
-        from transformers.cache_utils import StaticCache
-
         device = next(model.parameters()).device
         self.model, self.width, self.n = model, width, n
         # the cache's length rounded up to a multiple, so that rollouts whose longest prompts differ a little
         # replay the same graph (its shapes include this length)
         self.length = static_cache_length(width + new_tokens)
-        self.cache = _one_dtype_cache(StaticCache)(config=model.config, max_cache_len=self.length)
+        self.cache = _one_dtype_cache()(config=model.config, max_cache_len=self.length)
         self.mask = torch.ones(n, self.length, dtype=torch.long, device=device)
         if mask is not None:
             self.mask[:, :width] = mask
@@ -306,7 +304,10 @@ class _Decoder:
         return result.logits[:, -1].clone()  # a CUDA graph's output is overwritten by its next replay
 
 
-def _one_dtype_cache(static_cache):
+_CACHE_CLASS: list = []  # made once: the compiled step guards on the cache's type, a new class would retrace it
+
+
+def _one_dtype_cache():
     """A StaticCache subclass that stores each layer's keys in its values' dtype.
 
     A static cache allocates one tensor per layer for keys and one for values, both in the dtype of the
@@ -318,11 +319,15 @@ def _one_dtype_cache(static_cache):
     dtype changes no token against the eager loop's cache, which keeps the fp32 keys and rounds them at
     each attention (tests/test_generation.py)."""
 
-    class OneDtypeStaticCache(static_cache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
+    if not _CACHE_CLASS:
+        from transformers.cache_utils import StaticCache
 
-    return OneDtypeStaticCache
+        class OneDtypeStaticCache(StaticCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
+
+        _CACHE_CLASS.append(OneDtypeStaticCache)
+    return _CACHE_CLASS[0]
 
 
 def _one_step(model, **inputs):

@@ -280,6 +280,7 @@ def test_ids_past_the_tokenizers_vocabulary_are_never_generated():
         assert all(len(c.tokens) == 6 and max(c.tokens) < 108 for c in out)
 
 
+@pytest.mark.internals
 @pytest.mark.parametrize("sampling", [Sampling(12), Sampling(12, temperature=1.0, top_p=0.9)])
 def test_the_compiled_static_cache_loop_gives_the_eager_tokens(sampling):
     """compiled=True (StaticCache, a torch.compile'd one-token step; what a GPU runs by default) on CPU:
@@ -301,6 +302,7 @@ def test_the_compiled_static_cache_loop_gives_the_eager_tokens(sampling):
     assert any(c.stopped for c in cut)
 
 
+@pytest.mark.internals
 def test_the_compiled_step_is_traced_once_for_new_weights_and_prompt_widths():
     """A rollout regathers the weights (new storage under ZeRO-3 and FSDP) and its longest prompt varies:
     the compiled step is reused, not traced again, and still gives the eager tokens."""
