@@ -130,6 +130,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from finetune import objective_rules
 from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
 from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local, padding_free_scores, reference_kind
 from finetune.strategy import strategy_for
@@ -574,7 +575,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
                     one_row=padding_free_scores(recipe),
                     samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
-                    reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
+                    reference=holds_reference(recipe), pairs=objective_rules.rules(recipe).FORWARD_ROWS == 2,
                     sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
                     activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size),
                     gpus_per_node=gpus_per_node, async_save=recipe.async_save)

@@ -63,6 +63,8 @@ import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from finetune import objective_rules
+
 IGNORE = -100  # finetune.data.formats.IGNORE (imported lazily there: this module stays light for the planner)
 
 
@@ -119,7 +121,7 @@ class Layout:
     def of(cls, recipe, rank: int, world_size: int, pad_id: int = 0) -> "Layout":
         n = recipe.sequence_parallel
         return cls(n, rank % n, rank // n, world_size // n, recipe.micro_batch_size, pad_id,
-                   recipe.objective == "dpo")
+                   objective_rules.rules(recipe).FORWARD_ROWS == 2)
 
     def shard(self, batch: dict) -> dict:
         """This rank's contiguous 1/size of every row of a collated micro-batch; unchanged without SP."""
@@ -130,7 +132,7 @@ class Layout:
 
 def forward_rows(recipe) -> int:
     """Rows per forward: micro_batch_size, or twice that for pairs (chosen and rejected in one forward)."""
-    return recipe.micro_batch_size * (2 if recipe.objective == "dpo" else 1)
+    return recipe.micro_batch_size * objective_rules.rules(recipe).FORWARD_ROWS
 
 
 def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool = False) -> dict:

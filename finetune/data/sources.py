@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from finetune import objective_rules
 from finetune.assets import BUILTIN_FORMATS
 from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, unknown_role
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
@@ -259,19 +260,20 @@ def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
     """objective=dpo and reward train on preference rows only, and preference rows train with those only
     (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
     key = key.removesuffix(".path")
-    if recipe.objective in ("dpo", "reward") and fmt not in ("auto", "preference"):
+    rows = objective_rules.rules(recipe).ROWS
+    if rows == ("preference",) and fmt not in ("auto", "preference"):
         raise DataError(f"objective={recipe.objective} needs preference rows (prompt, chosen, rejected); {key}={path} "
                         f"has {fmt} rows: use a preference dataset (or map its fields with columns={{'chosen': ..., "
                         "'rejected': ...}), or set objective=sft")
-    if recipe.objective not in ("dpo", "reward") and fmt == "preference":
+    if "preference" not in rows and fmt == "preference":
         raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
                         f"objective=dpo (objective=reward: a reward model), or use a dataset of SFT rows (objective="
                         f"{recipe.objective})")
-    if recipe.objective == "grpo" and fmt not in ("auto", "prompt"):
+    if rows == ("prompt",) and fmt not in ("auto", "prompt"):
         raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
                         f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "
                         "and set dataset_format=prompt, or set objective=sft")
-    if recipe.objective != "grpo" and fmt == "prompt":
+    if "prompt" not in rows and fmt == "prompt":
         raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
                         f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
                         f"{recipe.objective}; a column holding the answer is mapped with columns={{'completion': "

@@ -16,12 +16,10 @@ from finetune.training.objectives.sft import SFT
 __all__ = ["Basic", "Context", "DPO", "GRPO", "Objective", "Reward", "SFT", "objective_for"]
 
 
+# One entry per objective (its recipe rules: finetune/objective_rules, the same names)
+OBJECTIVES = {cls.name: cls for cls in (SFT, DPO, GRPO, Reward)}
+
+
 def objective_for(recipe) -> Objective:
     """The recipe's objective, before the model loads (DPO builds its reference in after_prepare)."""
-    if recipe.objective == "dpo":
-        return DPO(recipe)
-    if recipe.objective == "grpo":
-        return GRPO(recipe)
-    if recipe.objective == "reward":
-        return Reward(recipe)
-    return SFT(recipe)
+    return OBJECTIVES[recipe.objective](recipe)
