@@ -698,10 +698,12 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     what = "full fine-tune"
     if lora:
         what = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
-    if recipe.objective == "dpo":
+    if recipe.objective in ("dpo", "kto"):
         reference = {None: "none (reference-free)", "precomputed": "precomputed log-probs",
                      "adapter": "the base, adapter disabled", "frozen": "a frozen copy"}[reference_kind(recipe)]
-        what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
+        loss = (f"{recipe.dpo_loss} preference loss (micro batch in pairs)" if recipe.objective == "dpo" else
+                f"{recipe.kto_loss} loss on unpaired rows (and a KL row each, scored without gradient)")
+        what += f"; {loss}, reference: {reference}"
     rollout = Rollout.of(recipe, world_size)
     if rollout is not None:
         reference = {None: "none (beta=0)", "adapter": "the base, adapter disabled",

@@ -37,10 +37,10 @@ def _opt(default, *, choices=None, min=None, max=None, help=""):
     return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
 
 
-FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt")
+FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt", "unpaired")
 # What `columns` may map: a format's fields, and inside `messages` each message's role and content.
 MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text",
-            "chosen", "rejected")
+            "chosen", "rejected", "label")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -154,7 +154,8 @@ class Recipe:
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
     # What to optimize: sft (next-token loss on the responses), dpo (preference pairs: finetune/training/objectives/dpo.py),
     # grpo (rewarded completions: finetune/training/objectives/grpo.py) or reward (a reward model trained on preference
-    # pairs, Bradley-Terry: finetune/training/objectives/reward.py)
+    # pairs, Bradley-Terry: finetune/training/objectives/reward.py) or kto (unpaired rows, each completion desirable
+    # or not: finetune/training/objectives/kto.py)
     objective: str = _opt("sft", choices=objective_rules.NAMES)
     dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
                          help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
@@ -164,12 +165,21 @@ class Recipe:
     dpo_label_smoothing: float = _opt(0.0, min=0.0, max=0.5, help="sigmoid only: the share of pairs assumed "
                                       "mislabelled (conservative DPO)")
     simpo_gamma: float = _opt(0.5, min=0.0, help="simpo only: the target reward margin over beta (gamma/beta)")
-    precompute_reference: bool = _opt(False, help="dpo: the reference's log-probs of every pair in one pass before "
-                                      "training, cached beside the prepared data; training then holds no reference")
+    precompute_reference: bool = _opt(False, help="dpo, kto: the reference's log-probs of every pair (kto: row and "
+                                      "its KL row) in one pass before training, cached beside the prepared data; "
+                                      "training then holds no reference")
     center_rewards_coefficient: float = _opt(0.0, min=0.0, help="reward: adds this x mean((r_chosen + r_rejected)^2) "
                                              "to the loss, keeping the rewards centred on 0 (TRL's; 0: off, "
                                              "Eisenstein et al. use 0.01)")
-    max_prompt_len: int = _opt(0, min=0, help="dpo, reward: the most tokens a pair's prompt keeps (its start is cut); "
+    # KTO (finetune/training/objectives/kto.py, TRL's KTOConfig names and defaults, beta as kto_beta)
+    kto_loss: str = _opt("kto", choices=("kto", "apo_zero_unpaired"),
+                         help="kto: KTO (Ethayarajh et al.), each completion's log-ratio to the reference against "
+                         "the batch's KL estimate; apo_zero_unpaired: APO-zero's unpaired form, no KL estimate")
+    kto_beta: float = _opt(0.1, min=0.0, help="kto: how far the policy may move from the reference (TRL's beta)")
+    desirable_weight: float = _opt(1.0, min=0.0, help="kto: the weight of a desirable completion's loss (TRL's; "
+                                   "raise it where desirable rows are fewer)")
+    undesirable_weight: float = _opt(1.0, min=0.0, help="kto: the weight of an undesirable completion's loss")
+    max_prompt_len: int = _opt(0, min=0, help="dpo, reward, kto: the most tokens a pair's (a row's) prompt keeps (its start is cut); "
                                "grpo: the most tokens a prompt may have (its start is cut); 0: no limit but "
                                "max_seq_len")
     # GRPO (finetune/training/objectives/grpo.py, TRL's GRPOConfig names and defaults): each prompt gets num_generations

@@ -257,7 +257,8 @@ def prevalidate_recipe(recipe: Recipe) -> None:
 
 
 def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
-    """objective=dpo and reward train on preference rows only, and preference rows train with those only
+    """objective=dpo and reward train on preference rows only, and preference rows train with those only;
+    likewise grpo and prompt rows, kto and unpaired rows
     (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
     key = key.removesuffix(".path")
     rows = objective_rules.rules(recipe).ROWS
@@ -273,6 +274,14 @@ def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
         raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
                         f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "
                         "and set dataset_format=prompt, or set objective=sft")
+    if rows == ("unpaired",) and fmt not in ("auto", "unpaired"):
+        raise DataError(f"objective=kto needs unpaired rows (prompt, completion, label: true for a desirable "
+                        f"completion, false for an undesirable one); {key}={path} has {fmt} rows: map the fields with "
+                        "columns={'completion': ..., 'label': ...} and set dataset_format=unpaired (builtin:tiny-kto "
+                        "shows the shape), or set objective=sft")
+    if "unpaired" not in rows and fmt == "unpaired":
+        raise DataError(f"{key}={path} has unpaired rows (prompt, completion, label), which train with objective=kto; "
+                        f"set objective=kto, or use a dataset of SFT rows (objective={recipe.objective})")
     if "prompt" not in rows and fmt == "prompt":
         raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
                         f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
