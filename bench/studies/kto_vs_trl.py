@@ -148,6 +148,18 @@ def weight_differences(ours: Path, theirs: Path) -> dict:
     return {"same_names": True, "max_abs_diff": worst[0], "tensor": worst[1], "tensors": len(a)}
 
 
+def kl_relative(diffs: dict, ours: list[dict], theirs: list[dict]) -> dict:
+    """kl is the mean difference of two sums of ~30 token log-probs around -115 (one fp32 ulp there: 7.6e-6),
+    so it is held to TOLERANCE relative to those sums, as logps/chosen and logps/rejected are."""
+    from bench.studies.dpo_vs_trl import TOLERANCE
+
+    scaled = [abs(a["kl"] - b["kl"]) / max(1.0, abs(b["logps/chosen"]), abs(b["logps/rejected"]))
+              if a and b and "kl" in a and "kl" in b else float("inf") for a, b in zip(ours, theirs)]
+    worst = max(scaled, default=float("inf"))
+    diffs["kl"] |= {"max_scaled_diff": worst, "within": worst <= TOLERANCE}
+    return diffs
+
+
 def compare(work: Path, cache: Path, steps: int, settings: list[str]) -> dict:
     from bench.parts.common import ModelSpec, build_model
     from bench.studies.dpo_vs_trl import TOLERANCE, differences, run_ours, run_trl
@@ -169,7 +181,7 @@ def compare(work: Path, cache: Path, steps: int, settings: list[str]) -> dict:
             res["error"] = "TRL: " + theirs["error"]
         else:
             a, b = ours["records"], theirs["logs"]
-            res.update(steps_ours=len(a), steps_trl=len(b), diffs=differences(a, b, METRICS),
+            res.update(steps_ours=len(a), steps_trl=len(b), diffs=kl_relative(differences(a, b, METRICS), a, b),
                        first=[{m: r.get(m) for m in METRICS} for r in (a[0], b[0] or {})],
                        last=[{m: r.get(m) for m in METRICS} for r in (a[-1], b[-1] or {})],
                        weights=weight_differences(Path(ours["output_dir"]) / "final",

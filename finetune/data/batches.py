@@ -96,13 +96,15 @@ def collate_pairs(rows: list[dict], pad_id: int) -> dict:
 
 def collate_unpaired(rows: list[dict], indices: list[int], pad_id: int) -> dict:
     """A micro-batch of unpaired rows (objective=kto, finetune/data/unpaired.py) laid out as preference
-    pairs are (collate_pairs): its n rows, then their n KL rows (kl_input_ids, kl_labels), and
-    `desirable` [n]; where the rows carry them, the reference's log-probs of both (ref_logps [2n]). A
-    placeholder (index -1) has no trained token in either of its rows."""
+    pairs are (collate_pairs): its n rows, then their n KL rows (kl_input_ids, kl_labels; rows without
+    them, kto_loss=apo_zero_unpaired's, repeat the rows, which nothing reads), and `desirable` [n]; where
+    the rows carry them, the reference's log-probs of both (ref_logps [2n]). A placeholder (index -1) has
+    no trained token in either of its rows."""
     sides = []
+    kl = "kl_input_ids" if "kl_input_ids" in rows[0] else "input_ids"
     for row, i in zip(rows, indices):
         side = {"chosen_input_ids": row["input_ids"], "chosen_labels": row["labels"],
-                "rejected_input_ids": row["kl_input_ids"], "rejected_labels": row["kl_labels"]}
+                "rejected_input_ids": row[kl], "rejected_labels": row[kl.replace("input_ids", "labels")]}
         side |= {c: row[c] for c in REFERENCE_COLUMNS if c in row}
         if i < 0:
             for name in PAIR_SIDES:
