@@ -205,3 +205,23 @@ def test_what_kto_takes_of_dpo_s_keys_and_its_reference():
     assert reference_kind(precomputed) == "precomputed"
     validate(Recipe(objective="kto", dataset="builtin:tiny-kto", micro_batch_size=1, kto_loss="apo_zero_unpaired"))
     assert isinstance(objective_for(base), KTO)
+
+
+def test_a_resume_may_not_change_the_micro_batch_that_pairs_the_kl_rows(monkeypatch):
+    import dataclasses
+    from pathlib import Path
+
+    from finetune.checkpointing.resume import ResumePoint, changes
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    saved = Recipe(objective="kto", max_steps=12, micro_batch_size=4, global_batch_size=16, output_dir="/runs/a")
+    point = ResumePoint(path=Path("/runs/a/checkpoints/step_000000005"), step=5, world_size=2, global_batch_size=16,
+                        strategy=saved.strategy, recipe=json.loads(json.dumps(saved.to_dict())))
+    with pytest.raises(RecipeError) as e:
+        changes(point, Recipe(objective="kto", max_steps=12, micro_batch_size=8, global_batch_size=16))
+    assert "micro_batch_size: 4 -> 8: objective=kto's KL rows pair" in str(e.value) and "\n" not in str(e.value)
+    apo = Recipe(objective="kto", kto_loss="apo_zero_unpaired", max_steps=12, micro_batch_size=4, global_batch_size=16)
+    point = dataclasses.replace(point, recipe=json.loads(json.dumps(apo.to_dict())))
+    assert changes(point, Recipe(objective="kto", kto_loss="apo_zero_unpaired", max_steps=12, micro_batch_size=8,
+                                 global_batch_size=16)) == [
+        "micro_batch_size: 4 -> 8 (the global batch is kept, accumulation is recomputed)"]

@@ -28,6 +28,7 @@ from finetune.checkpointing.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, U
 from finetune.files import publish
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
+from finetune import objective_rules
 from finetune.recipe import Recipe, RecipeError, reference_kind
 from finetune.strategy import NAMES as STRATEGY_NAMES, strategy_for
 
@@ -223,6 +224,11 @@ def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
                           "completions / num_generations, a rollout serves num_iterations steps), so its steps "
                           f"would train on other prompts; restore it, or export the checkpoint (python -m "
                           f"finetune.export {point.path} OUT) and start a new run with model=OUT in another output_dir")
+    problem = getattr(objective_rules.rules(recipe), "resume_problem", lambda r, c: None)(recipe, changed)
+    if problem:
+        raise RecipeError(f"checkpoint {point.path} cannot continue with {problem}; restore it, or export the "
+                          f"checkpoint (python -m finetune.export {point.path} OUT) and start a new run with "
+                          "model=OUT in another output_dir")
     refused = [k for k in changed if k in STATE_KEYS]
     batch = _global_batch_change(point, recipe, changed)
     if batch:

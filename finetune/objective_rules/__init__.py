@@ -16,6 +16,7 @@ Each module is one objective's entry, with:
                     sequence parallelism
     reference(r)    the reference it holds beside the policy: None, "precomputed", "adapter" or "frozen"
     check(r, strategy)  its own rules, asked only under objective=NAME
+    resume_problem(r, changed)  (optional) why a resumed run may not make these changes, or None
 
 Adding an objective is a module here, its entry in OBJECTIVES, its recipe keys in recipe.py and its
 class in finetune/training/objectives."""

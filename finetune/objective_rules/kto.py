@@ -25,6 +25,18 @@ def reference(r) -> str | None:
     return "adapter" if r.lora else "frozen"
 
 
+def resume_problem(r, changed: dict) -> str | None:
+    """What a resumed run may not change (changed: key -> (the checkpoint's value, this run's)): the KL rows
+    pair rows within chunks of micro_batch_size, so another micro_batch_size would estimate the resumed
+    steps' KL on other pairs than the uninterrupted run's."""
+    if r.kto_loss == "kto" and "micro_batch_size" in changed:
+        old, new = changed["micro_batch_size"]
+        return (f"micro_batch_size: {old} -> {new}: objective=kto's KL rows pair each row's prompt with another "
+                "row's completion within chunks of micro_batch_size rows, so the resumed steps would estimate "
+                "the KL on other pairs")
+    return None
+
+
 def check(r, strategy) -> None:
     low, high = DPO_BETA_RANGE  # beta x a log-ratio of summed log-probs, as DPO's
     if not low <= r.kto_beta <= high:
