@@ -212,7 +212,8 @@ def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
     if "objective" in changed:
         old, new = changed["objective"]
         why = (f"a {new.upper()} run's reference is the model as that run started, which would be the base model, "
-               "not this policy" if new in ("dpo", "kto") else "its optimizer state and data position belong to the other objective")
+               "not this policy" if new in ("dpo", "kto") else
+               "its optimizer state and data position belong to the other objective")
         raise RecipeError(f"checkpoint {point.path} was trained with objective={old}, this run has objective={new}: "
                           f"{why}; export the checkpoint (python -m finetune.export {point.path} OUT) and start a new objective={new} "
                           "run with model=OUT in another output_dir")
