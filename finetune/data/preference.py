@@ -48,7 +48,7 @@ NO_LIMIT = sys.maxsize
 NO_TARGET, IDENTICAL = 0, -1
 
 
-def _fit(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len: int):
+def fit_budgets(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len: int):
     """A side within the budgets: the prompt (the tokens before the first trained one) keeps its last
     max_prompt_len tokens, its BOS staying first; then the whole is cut at max_len."""
     start = next((k for k, x in enumerate(labels) if x != IGNORE), len(ids))
@@ -146,8 +146,8 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, max_prompt_len: int 
     out = {c: [] for c in PAIR_COLUMNS + ["n_tokens", "n_targets"]}
     for chosen, rejected in encode_sides(rows, tokenizer):
         chosen, rejected = same_prompt(chosen, rejected)
-        chosen = _fit(*chosen, tokenizer.bos_token_id, max_len, max_prompt_len)
-        rejected = _fit(*rejected, tokenizer.bos_token_id, max_len, max_prompt_len)
+        chosen = fit_budgets(*chosen, tokenizer.bos_token_id, max_len, max_prompt_len)
+        rejected = fit_budgets(*rejected, tokenizer.bos_token_id, max_len, max_prompt_len)
         for name, (ids, labels) in (("chosen", chosen), ("rejected", rejected)):
             out[f"{name}_input_ids"].append(ids)
             out[f"{name}_labels"].append(labels)

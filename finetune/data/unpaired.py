@@ -21,7 +21,7 @@ finetune/training/objectives/kto.py). A micro-batch is laid out as a preference 
 from __future__ import annotations
 
 from finetune.data.formats import IGNORE
-from finetune.data.preference import _fit, encode_completions, prompt_length, trained
+from finetune.data.preference import encode_completions, fit_budgets, prompt_length, trained
 
 UNPAIRED_VERSION = "1"  # bump when an unpaired row's tokens or labels change, to invalidate cached data
 
@@ -31,7 +31,7 @@ def encode_unpaired(rows: list[dict], tokenizer, max_len: int, max_prompt_len: i
     items = [(r["prompt"], r["completion"], isinstance(r["completion"], list)) for r in rows]
     out = {"input_ids": [], "labels": [], "desirable": [], "n_tokens": [], "n_targets": []}
     for row, (ids, labels) in zip(rows, encode_completions(items, tokenizer)):
-        ids, labels = _fit(ids, labels, tokenizer.bos_token_id, max_len, max_prompt_len)
+        ids, labels = fit_budgets(ids, labels, tokenizer.bos_token_id, max_len, max_prompt_len)
         out["input_ids"].append(ids)
         out["labels"].append(labels)
         out["desirable"].append(int(bool(row["label"])))
@@ -62,7 +62,7 @@ def with_kl_rows(ds, chunk: int, max_len: int):
     """The prepared split with each row's KL row (kl_input_ids, kl_labels): its prompt and its partner's
     completion (kl_partners over chunks of `chunk` rows). A map batch is a whole number of chunks, so that
     every partner is in it; cached by the split's fingerprint."""
-    from finetune.data.loading import cache_fingerprint
+    import hashlib
 
     def add(batch, indices):
         start = indices[0]
@@ -74,5 +74,5 @@ def with_kl_rows(ds, chunk: int, max_len: int):
 
     return ds.map(add, batched=True, batch_size=chunk * max(1, 1024 // chunk), with_indices=True,
                   keep_in_memory=True,  # every rank makes them; no cache file two ranks would both write
-                  new_fingerprint=cache_fingerprint(ds._fingerprint, "kl rows", UNPAIRED_VERSION,
-                                                                        chunk, max_len), desc="KTO's KL rows")
+                  new_fingerprint=hashlib.sha256(repr((ds._fingerprint, "kl rows", UNPAIRED_VERSION, chunk,
+                                                       max_len)).encode()).hexdigest()[:16], desc="KTO's KL rows")

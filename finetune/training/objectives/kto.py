@@ -79,10 +79,12 @@ class KTO(DPO):
         self.precomputed = None
         self.sums = None
         self.kl = torch.zeros(())  # the step's (or the eval's) KL estimate, set before its losses
+        self.to_device = None  # a batch onto the training device (the loop's, given by before_model)
 
     def before_model(self, context: Context) -> None:
         """Each split's KL rows (with_kl_rows), then DPO's: the precomputed log-probs' file, if any."""
         r, datasets = context.recipe, context.datasets
+        self.to_device = context.to_device
         if self.kind == "kto":
             datasets.train = with_kl_rows(datasets.train, r.micro_batch_size, r.max_seq_len)
             if datasets.eval is not None:
@@ -99,13 +101,11 @@ class KTO(DPO):
     def estimate_kl(self, run, batches) -> torch.Tensor:
         """max(0, the mean over the batches' real rows (on every rank) of the policy's minus the reference's
         log-probs of their KL rows), without gradient: TRL's KL estimate over a whole global batch."""
-        from finetune.training.loop import to_device
-
         device = run.accelerator.device
         total = torch.zeros(2, dtype=torch.float64, device=device)
         with torch.no_grad():
             for batch in batches:
-                batch = to_device(batch, device)
+                batch = self.to_device(batch, device)
                 policy = SP.row_logps(run.model, half(batch, True), self.loss_impl, self.chunk)[0]
                 reference = self.reference_logps(run.model, batch, True).to(policy.device)
                 real = real_pairs(batch).to(policy.device)
