@@ -1,6 +1,6 @@
 """KTO as real launches (CPU, gloo, fp32) on the tiny model and builtin:tiny-kto (recipes/tiny_kto.py): the
-2-process curves (loss, TRL's rewards/logps metrics, the KL estimate, the eval's) under zero3 and fsdp (a
-frozen reference partitioned by ZeRO-3, sharded by FSDP2), LoRA under zero3 (the adapter-disabled
+2-process curves (loss, TRL's rewards/logps metrics, the KL estimate, the eval's) under ddp, zero3 and fsdp (a
+frozen reference replicated, partitioned by ZeRO-3, sharded by FSDP2), LoRA under zero3 (the adapter-disabled
 reference) and precomputed log-probs under zero2 each equal the 1-process run's; the precomputed run
 resumes on 1 process from its step 3 with the same curve; a SIGKILLed zero3 run resumes bit for bit (its
 reference rebuilt from the model); the last checkpoint exports to final/'s weights and `finetune chat`
@@ -24,6 +24,7 @@ KTO = ["max_steps=6", "eval_every=3", "eval_max_samples=16", "sample_prompts=1",
 LORA = ["lora=true", "lr=1e-2", "lora_dropout=0"]  # dropout draws differ with the process count
 ONE_PROCESS = {"full": ["strategy=ddp"], "lora": ["strategy=ddp", *LORA]}
 TWO_PROCESSES = {  # name: (its 1-process curve, overrides)
+    "ddp": ("full", ["strategy=ddp"]),
     "zero3": ("full", ["strategy=zero3"]),
     "fsdp": ("full", ["strategy=fsdp"]),
     "lora_zero3": ("lora", ["strategy=zero3", *LORA]),
