@@ -102,6 +102,20 @@ def test_batch_layout_rows_then_their_kl_rows_and_placeholders(tiny_tokenizer):
     assert real_pairs(batch).tolist() == [True, True, False]
 
 
+def test_a_sequence_parallel_shard_keeps_both_halves_and_the_labels(tiny_tokenizer):
+    """Under sequence parallelism each half (rows, KL rows) is padded to micro_batch_size rows, as a pair
+    batch's sides are, and the shard carries which rows are real and which desirable, whole."""
+    from finetune import sequence_parallel as SP
+
+    ds = prepared(tiny_tokenizer, tiny_rows())
+    batch = D.fetch(ds, [0, 1, 2], tiny_tokenizer.pad_token_id, False)
+    out = SP.shard(batch, 2, 0, 4, tiny_tokenizer.pad_token_id, pairs=True)
+    assert out["input_ids"].shape[0] == 8 and out["desirable"].tolist() == [True, False, True, False]
+    assert out["real_pairs"].tolist() == [True, True, True, False]
+    assert set(half(out, True)) == {"input_ids", "attention_mask", "position_ids", "shift_labels"}
+    assert torch.equal(half(out, True)["input_ids"], out["input_ids"][4:])
+
+
 def test_the_loss_on_a_real_model_is_the_direct_computation(tiny_tokenizer):
     from finetune.assets import tiny_model_dir
     from transformers import AutoModelForCausalLM
@@ -183,7 +197,8 @@ def test_the_format_is_detected_and_bad_rows_are_one_line(tmp_path):
     ({"undesirable_weight": 0.0}, "undesirable_weight=0: must be in (0, 1000]"),
     ({"micro_batch_size": 1}, "micro_batch_size=1 with objective=kto: the KL estimate pairs each prompt"),
     ({"packing": True}, "packing=true with objective=kto"),
-    ({"sequence_parallel": 2}, "sequence_parallel=2 with objective=kto"),
+    ({"sequence_parallel": 2, "precompute_reference": True},
+     "precompute_reference=true with sequence_parallel=2 and objective=kto"),
     ({"max_prompt_len": 64, "max_seq_len": 64}, "max_prompt_len=64 leaves no room for a response"),
 ])
 def test_recipe_rules(overrides, words):

@@ -14,6 +14,8 @@ Each module is one objective's entry, with:
                     "preference" pairs, "prompt" rows, "unpaired" (prompt, completion, label) rows
     FORWARD_ROWS    sequences per example in one forward (a preference pair: 2), for the planner and
                     sequence parallelism
+    PAIR_BATCHES    a micro-batch is laid out as pairs, 2n rows (DPO's and the reward model's chosen then
+                    rejected, KTO's rows then their KL rows): sequence parallelism shards each half alike
     reference(r)    the reference it holds beside the policy: None, "precomputed", "adapter" or "frozen"
     check(r, strategy)  its own rules, asked only under objective=NAME
     resume_problem(r, changed)  (optional) why a resumed run may not make these changes, or None

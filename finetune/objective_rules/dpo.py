@@ -14,6 +14,7 @@ FIELDS = ("dpo_loss", "dpo_beta", "dpo_label_smoothing", "simpo_gamma", "precomp
 SHARES: tuple[str, ...] = ()
 ROWS = ("preference",)
 FORWARD_ROWS = 2  # a pair: its chosen and rejected sequences in one forward
+PAIR_BATCHES = True  # a micro-batch is 2n rows, a row and its partner (sequence_parallel.shard)
 
 # The ranges where every DPO loss and its gradient stay finite in float32 (the log-probs are float32 in
 # bf16 runs too). beta multiplies the margin z of summed (or averaged) log-probs, and is cast to float32

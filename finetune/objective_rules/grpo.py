@@ -18,6 +18,7 @@ FIELDS, LISTS = GRPO_FIELDS, GRPO_LISTS
 SHARES = ("max_prompt_len",)
 ROWS = ("prompt",)
 FORWARD_ROWS = 1
+PAIR_BATCHES = False
 
 
 def reference(r) -> str | None:

@@ -15,6 +15,7 @@ FIELDS = ("kto_loss", "kto_beta", "desirable_weight", "undesirable_weight")
 SHARES = ("precompute_reference", "max_prompt_len")
 ROWS = ("unpaired",)
 FORWARD_ROWS = 1  # a row with grad; its KL row is scored before, without (the step's KL estimate)
+PAIR_BATCHES = True  # a micro-batch is 2n rows, a row and its partner (sequence_parallel.shard)
 WEIGHT_MAX = 1e3  # a weight past this only rescales the learning rate (TRL's advice: 1 to 4/3)
 
 
@@ -55,11 +56,11 @@ def check(r, strategy) -> None:
                           "or kto_loss=apo_zero_unpaired (no KL estimate)")
     refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=kto",
                        "a row is scored as its whole sequence, on the completion only")
-    if r.sequence_parallel > 1:
-        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=kto: KTO's KL pass and its loss "
-                          "each score half of a micro-batch's rows, which Ulysses' wrapper (registered for one row "
-                          "count) does not take yet; set sequence_parallel=1 (activation_checkpointing or a sharding "
-                          "strategy lower the memory instead)")
+    if r.sequence_parallel > 1 and r.precompute_reference:
+        raise RecipeError(f"precompute_reference=true with sequence_parallel={r.sequence_parallel} and objective=kto: "
+                          "the precompute pass scores a row and its KL row in one forward, which Ulysses' wrapper, "
+                          "registered for KTO's forwards of one of them, does not take; set precompute_reference="
+                          "false (the reference is held) or sequence_parallel=1")
     problem = strategy.frozen_reference_problem(r) if reference(r) == "frozen" else None
     if problem:
         raise RecipeError(f"objective=kto with {problem}, or precompute_reference=true (no reference held while "

@@ -12,6 +12,7 @@ FIELDS = ("center_rewards_coefficient",)
 SHARES = ("max_prompt_len",)
 ROWS = ("preference",)
 FORWARD_ROWS = 2  # a pair: its chosen and rejected sequences in one forward
+PAIR_BATCHES = True  # a micro-batch is 2n rows, a row and its partner (sequence_parallel.shard)
 
 
 def reference(r) -> str | None:

@@ -7,6 +7,7 @@ FIELDS: tuple[str, ...] = ()
 SHARES: tuple[str, ...] = ()
 ROWS = ()  # any SFT format (alpaca, messages, prompt_completion, text)
 FORWARD_ROWS = 1
+PAIR_BATCHES = False
 
 
 def check(r, strategy) -> None:

@@ -1,7 +1,8 @@
 """KTO as real launches (CPU, gloo, fp32) on the tiny model and builtin:tiny-kto (recipes/tiny_kto.py): the
 2-process curves (loss, TRL's rewards/logps metrics, the KL estimate, the eval's) under ddp, zero3 and fsdp (a
 frozen reference replicated, partitioned by ZeRO-3, sharded by FSDP2), LoRA under zero3 (the adapter-disabled
-reference) and precomputed log-probs under zero2 each equal the 1-process run's; the precomputed run
+reference), precomputed log-probs under zero2 and sequence parallelism 2 under fsdp (each row and KL row
+split across the ranks) each equal the 1-process run's; the precomputed run
 resumes on 1 process from its step 3 with the same curve; a SIGKILLed zero3 run resumes bit for bit (its
 reference rebuilt from the model); the last checkpoint exports to final/'s weights and `finetune chat`
 answers as the run's own sample did."""
@@ -29,6 +30,7 @@ TWO_PROCESSES = {  # name: (its 1-process curve, overrides)
     "fsdp": ("full", ["strategy=fsdp"]),
     "lora_zero3": ("lora", ["strategy=zero3", *LORA]),
     "precompute_zero2": ("full", ["strategy=zero2", "precompute_reference=true"]),
+    "sp2_fsdp": ("full", ["strategy=fsdp", "sequence_parallel=2"]),  # each row split across the 2 ranks
 }
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
 # fp32, as tests/distributed/test_dpo.py holds DPO: the loss to 1e-6; the rewards, logps and KL are sums of

@@ -37,7 +37,7 @@ from finetune.training.objectives.base import Context
 from finetune.training.objectives.dpo import DPO, real_pairs
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
-ROW_KEYS = ("input_ids", "labels", "attention_mask")
+ROW_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "shift_labels")  # a shard's too
 
 
 def kto_losses(kind: str, beta: float, policy: torch.Tensor, reference: torch.Tensor, desirable: torch.Tensor,
@@ -57,7 +57,7 @@ def half(batch: dict, second: bool) -> dict:
     """A micro-batch's rows (second=False) or their KL rows (second=True), as a batch of their own."""
     n = batch["input_ids"].shape[0] // 2
     part = slice(n, 2 * n) if second else slice(0, n)
-    return {k: batch[k][part] for k in ROW_KEYS}
+    return {k: batch[k][part] for k in ROW_KEYS if k in batch}
 
 
 class KTO(DPO):
@@ -100,15 +100,17 @@ class KTO(DPO):
 
     def estimate_kl(self, run, batches) -> torch.Tensor:
         """max(0, the mean over the batches' real rows (on every rank) of the policy's minus the reference's
-        log-probs of their KL rows), without gradient: TRL's KL estimate over a whole global batch."""
+        log-probs of their KL rows), without gradient: TRL's KL estimate over a whole global batch. The
+        batches as fetched: each is sharded here (sequence parallelism), its rows counted by one rank of
+        each sequence-parallel group."""
         device = run.accelerator.device
         total = torch.zeros(2, dtype=torch.float64, device=device)
         with torch.no_grad():
             for batch in batches:
-                batch = self.to_device(batch, device)
+                batch = self.to_device(run.parallel.sp.shard(batch), device)
                 policy = SP.row_logps(run.model, half(batch, True), self.loss_impl, self.chunk)[0]
                 reference = self.reference_logps(run.model, batch, True).to(policy.device)
-                real = real_pairs(batch).to(policy.device)
+                real = real_pairs(batch).to(policy.device) & SP.counts_pairs()
                 total += torch.stack([((policy - reference).double() * real).sum(), real.sum().double()])
         total = run.reduce_sum(total)
         return (total[0] / total[1].clamp(min=1)).clamp(min=0).float()
