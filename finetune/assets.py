@@ -27,8 +27,9 @@ CHAT_TEMPLATE = (
 )
 BUILTIN_MODELS = {"tiny-llama": "tiny-llama", "tiny-llama-h64": "tiny-llama-h64"}
 BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-3.jsonl",
-                    "tiny-prompts": "tiny-prompts-1.jsonl"}
-BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference", "tiny-prompts": "prompt"}  # what prevalidation knows of them
+                    "tiny-prompts": "tiny-prompts-1.jsonl", "tiny-kto": "tiny-kto-1.jsonl"}
+BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference", "tiny-prompts": "prompt",
+                   "tiny-kto": "unpaired"}  # what prevalidation knows of them
 
 
 def cache_root() -> Path:
@@ -168,6 +169,22 @@ def tiny_preferences_file(n: int = 4000) -> Path:
     return _rows_file("tiny-preferences", 4321, _preference, n)
 
 
+def _unpaired(rng: random.Random) -> dict:
+    """One side of a tiny preference pair (_preference) as an unpaired row: the chosen answer labelled
+    true (desirable) or the rejected one labelled false, each half the time."""
+    pair = _preference(rng)
+    desirable = rng.random() < 0.5
+    return {"prompt": pair["prompt"], "completion": pair["chosen" if desirable else "rejected"], "label": desirable}
+
+
+def tiny_kto_file(n: int = 4000) -> Path:
+    """The tiny preference tasks (tiny_preferences_file) as unpaired rows for objective=kto (recipes/tiny_kto.py):
+    each row a prompt and one answer, the right one labelled true or a wrong one labelled false, half and
+    half, every row its own prompt (so that KTO's mismatched KL rows pair unrelated prompts and answers)."""
+
+    return _rows_file("tiny-kto", 1234, _unpaired, n)
+
+
 def _prompt(rng: random.Random) -> dict:
     """A prompt whose answer a program checks: copy a short word of letters a-m, or write it in capitals."""
     word = "".join(rng.choice(WORD_LETTERS) for _ in range(rng.randint(2, 4)))
@@ -195,6 +212,6 @@ def resolve_model(name: str) -> str:
 def resolve_dataset(name: str) -> str:
     if name.startswith("builtin:"):
         files = {"tiny-tasks": tiny_tasks_file, "tiny-preferences": tiny_preferences_file,
-                 "tiny-prompts": tiny_prompts_file}
+                 "tiny-prompts": tiny_prompts_file, "tiny-kto": tiny_kto_file}
         return str(files[name[len("builtin:"):]]())
     return name

@@ -34,7 +34,7 @@ DEFAULT_MAX_NEW_TOKENS = 256  # a model without a recipe.json of its run
 
 
 def source_format(source: dict) -> str | None:
-    if source.get("format") == "preference":
+    if source.get("format") in ("preference", "unpaired"):  # KTO's rows are rendered as a pair's side is
         return PAIR_FORMATS.get(source.get("pairs"))
     if source.get("format") == "prompt" and source.get("prompts"):
         return PROMPT_ROW_FORMATS.get(source["prompts"])

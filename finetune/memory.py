@@ -130,6 +130,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from finetune import objective_rules
 from finetune.arch import LLAMA_LIKE, TABLE_SOURCE, Architecture, EstimateError, load_architecture, offline
 from finetune.errors import RecipeError
 from finetune.recipe import BUILTIN_PREFIX, Recipe, looks_local, padding_free_scores, reference_kind
@@ -575,7 +576,7 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     loss_impl=recipe.loss_impl, loss_chunk_tokens=recipe.loss_chunk_tokens,
                     one_row=padding_free_scores(recipe),
                     samples=recipe.sample_prompts > 0 and recipe.objective != "reward",
-                    reference=holds_reference(recipe), pairs=recipe.objective in ("dpo", "reward"),
+                    reference=holds_reference(recipe), pairs=objective_rules.rules(recipe).FORWARD_ROWS == 2,
                     sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
                     activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size),
                     gpus_per_node=gpus_per_node, async_save=recipe.async_save)
@@ -698,10 +699,12 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
     what = "full fine-tune"
     if lora:
         what = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
-    if recipe.objective == "dpo":
+    if recipe.objective in ("dpo", "kto"):
         reference = {None: "none (reference-free)", "precomputed": "precomputed log-probs",
                      "adapter": "the base, adapter disabled", "frozen": "a frozen copy"}[reference_kind(recipe)]
-        what += f"; {recipe.dpo_loss} preference loss (micro batch in pairs), reference: {reference}"
+        loss = (f"{recipe.dpo_loss} preference loss (micro batch in pairs)" if recipe.objective == "dpo" else
+                f"{recipe.kto_loss} loss on unpaired rows (and a KL row each, scored without gradient)")
+        what += f"; {loss}, reference: {reference}"
     rollout = Rollout.of(recipe, world_size)
     if rollout is not None:
         reference = {None: "none (beta=0)", "adapter": "the base, adapter disabled",

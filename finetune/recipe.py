@@ -20,6 +20,8 @@ from pathlib import Path
 from finetune.assets import BUILTIN_DATASETS, BUILTIN_MODELS
 from finetune.errors import RecipeError, refuse_switched_on
 from finetune import objective_rules
+from finetune.objective_rules import reference_kind  # noqa: F401 (asked of the recipe by reference.py, memory.py, resume)
+from finetune.objective_rules.dpo import DPO_BETA_RANGE, SIMPO_GAMMA_MAX  # noqa: F401 (the tests read them here)
 from finetune.objective_rules.grpo import GRPO_LISTS
 from finetune.strategy import NAMES as STRATEGIES, strategy_for
 
@@ -35,10 +37,10 @@ def _opt(default, *, choices=None, min=None, max=None, help=""):
     return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
 
 
-FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt")
+FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt", "unpaired")
 # What `columns` may map: a format's fields, and inside `messages` each message's role and content.
 MAPPABLE = ("messages", "role", "content", "instruction", "input", "output", "prompt", "completion", "text",
-            "chosen", "rejected")
+            "chosen", "rejected", "label")
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -152,8 +154,9 @@ class Recipe:
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
     # What to optimize: sft (next-token loss on the responses), dpo (preference pairs: finetune/training/objectives/dpo.py),
     # grpo (rewarded completions: finetune/training/objectives/grpo.py) or reward (a reward model trained on preference
-    # pairs, Bradley-Terry: finetune/training/objectives/reward.py)
-    objective: str = _opt("sft", choices=("sft", "dpo", "grpo", "reward"))
+    # pairs, Bradley-Terry: finetune/training/objectives/reward.py) or kto (unpaired rows, each completion desirable
+    # or not: finetune/training/objectives/kto.py)
+    objective: str = _opt("sft", choices=objective_rules.NAMES)
     dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
                          help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
                          "(length-normalised log-probs and a margin simpo_gamma): loads no reference model")
@@ -162,12 +165,21 @@ class Recipe:
     dpo_label_smoothing: float = _opt(0.0, min=0.0, max=0.5, help="sigmoid only: the share of pairs assumed "
                                       "mislabelled (conservative DPO)")
     simpo_gamma: float = _opt(0.5, min=0.0, help="simpo only: the target reward margin over beta (gamma/beta)")
-    precompute_reference: bool = _opt(False, help="dpo: the reference's log-probs of every pair in one pass before "
-                                      "training, cached beside the prepared data; training then holds no reference")
+    precompute_reference: bool = _opt(False, help="dpo, kto: the reference's log-probs of every pair (kto: row and "
+                                      "its KL row) in one pass before training, cached beside the prepared data; "
+                                      "training then holds no reference")
     center_rewards_coefficient: float = _opt(0.0, min=0.0, help="reward: adds this x mean((r_chosen + r_rejected)^2) "
                                              "to the loss, keeping the rewards centred on 0 (TRL's; 0: off, "
                                              "Eisenstein et al. use 0.01)")
-    max_prompt_len: int = _opt(0, min=0, help="dpo, reward: the most tokens a pair's prompt keeps (its start is cut); "
+    # KTO (finetune/training/objectives/kto.py, TRL's KTOConfig names and defaults, beta as kto_beta)
+    kto_loss: str = _opt("kto", choices=("kto", "apo_zero_unpaired"),
+                         help="kto: KTO (Ethayarajh et al.), each completion's log-ratio to the reference against "
+                         "the batch's KL estimate; apo_zero_unpaired: APO-zero's unpaired form, no KL estimate")
+    kto_beta: float = _opt(0.1, min=0.0, help="kto: how far the policy may move from the reference (TRL's beta)")
+    desirable_weight: float = _opt(1.0, min=0.0, help="kto: the weight of a desirable completion's loss (TRL's; "
+                                   "raise it where desirable rows are fewer)")
+    undesirable_weight: float = _opt(1.0, min=0.0, help="kto: the weight of an undesirable completion's loss")
+    max_prompt_len: int = _opt(0, min=0, help="dpo, reward, kto: the most tokens a pair's (a row's) prompt keeps (its start is cut); "
                                "grpo: the most tokens a prompt may have (its start is cut); 0: no limit but "
                                "max_seq_len")
     # GRPO (finetune/training/objectives/grpo.py, TRL's GRPOConfig names and defaults): each prompt gets num_generations
@@ -619,7 +631,7 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("activation_offload=true with compile=true: compiled layers under saved-tensor hooks were "
                           "not tried; set compile=false or activation_offload=false")
     _check_sequence_parallel(r, strategy)
-    _check_objective(r, strategy)
+    objective_rules.check(r, strategy)  # the objective's keys only with it, and what it cannot take
     if r.warmup_steps and r.max_steps and r.warmup_steps > r.max_steps:
         raise RecipeError(f"warmup_steps={r.warmup_steps} is longer than max_steps={r.max_steps}; lower warmup_steps")
     trackers = [t for t in r.report_to if t != "none"]
@@ -675,25 +687,6 @@ def _check_optimizer(r: Recipe) -> None:
                           "use 1e-6 to 1e-3)")
 
 
-DPO_FIELDS = ("dpo_loss", "dpo_beta", "dpo_label_smoothing", "simpo_gamma", "precompute_reference", "max_prompt_len")
-
-
-def reference_kind(r: Recipe) -> str | None:
-    """Which reference a run holds beside the policy, decided here for everything that asks (the DPO
-    objective's set-up, reference.build_reference, the planner, resume, the rules below): None (SFT;
-    SimPO, reference-free), "precomputed" (log-probs of every pair computed before training, carried by
-    the pairs), "adapter" (LoRA: the policy with its adapter disabled) or "frozen" (a frozen copy of the
-    starting weights, placed by the strategy). GRPO holds one only with beta > 0 (its KL term): the
-    adapter disabled under LoRA, else a frozen copy."""
-    if r.objective == "grpo":
-        return None if not r.beta else ("adapter" if r.lora else "frozen")
-    if r.objective != "dpo" or r.dpo_loss == "simpo":
-        return None
-    if r.precompute_reference:
-        return "precomputed"
-    return "adapter" if r.lora else "frozen"
-
-
 def padding_free_scores(recipe: Recipe) -> bool:
     """Whether the attention scores cover one row of all the micro-batch's tokens: padding_free=true
     under sdpa/eager, a block-diagonal mask over the whole row (the planner's one_row,
@@ -701,94 +694,6 @@ def padding_free_scores(recipe: Recipe) -> bool:
     attends per example (varlen): the sum of its examples' squared lengths is at most B*T^2, the padded
     bound, which then holds."""
     return recipe.padding_free and recipe.attn_implementation != "flash_attention_2"
-
-
-# The ranges where every DPO loss and its gradient stay finite in float32 (the log-probs are float32 in
-# bf16 runs too). beta multiplies the margin z of summed (or averaged) log-probs, and is cast to float32
-# doing so: past 3.4e38 it is inf, and the first step (z = 0, the policy equal to its reference) gives
-# inf x 0 = NaN; well before that, the gradient, up to beta per trained token's log-prob, overflows the
-# gradient norm's float32 sum of squares (1.8e19 an element). ipo and simpo divide by beta (the target
-# margin 1/(2 beta), squared by ipo: inf below beta 3e-20; simpo's gamma / beta). Within these ranges
-# beta x |z| stays under 1e10 for a margin of 1e7 nats (100,000 tokens a side at 30 nats each), the
-# gradient under 1e3 per token, 1/(2 beta) and gamma / beta under 1e6. Published values sit 10x inside:
-# beta 0.01 to 0.5 (sigmoid, ipo's tau), 2 to 10 (simpo), simpo_gamma up to 16.
-DPO_BETA_RANGE = (1e-3, 1e3)
-SIMPO_GAMMA_MAX = 1e3
-
-
-def _check_reward(r: Recipe) -> None:
-    """A reward model's field only with it; with it, none of DPO's but max_prompt_len, whole unpacked pairs,
-    and no samples (a sequence-classification model does not generate)."""
-    if r.objective != "reward":
-        if r.center_rewards_coefficient != FIELDS["center_rewards_coefficient"].default:
-            raise RecipeError(f"center_rewards_coefficient={r.center_rewards_coefficient} applies to objective=reward "
-                              "only; set objective=reward, or leave center_rewards_coefficient out")
-        return
-    changed = [k for k in DPO_FIELDS if k != "max_prompt_len" and getattr(r, k) != FIELDS[k].default]
-    if changed:
-        key = changed[0]
-        raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
-                          f"{key} out")
-    refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=reward",
-                       "a preference pair is scored as its two whole sequences, one reward each")
-    if r.sequence_parallel > 1:
-        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=reward: a reward model scores each "
-                          "sequence at its last token, which sequence parallelism would leave on one rank's slice "
-                          "(not supported yet; it serves sft and dpo); set sequence_parallel=1")
-    if r.load_in_4bit:
-        raise RecipeError("load_in_4bit=true with objective=reward: the score head of a 4-bit base was not tried; "
-                          "set load_in_4bit=false (lora=true keeps the base frozen)")
-    if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
-        raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
-                          f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")
-
-
-def _check_objective(r: Recipe, strategy) -> None:
-    """The objective's own fields only with it, and the combinations a preference run cannot take."""
-    objective_rules.check(r, strategy)  # an objective that owns its rules checks them (finetune/objective_rules)
-    _check_reward(r)
-    if r.objective == "reward":
-        return
-    if r.objective == "grpo":
-        changed = [k for k in DPO_FIELDS if k != "max_prompt_len" and getattr(r, k) != FIELDS[k].default]
-        if changed:
-            key = changed[0]
-            raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
-                              f"{key} out")
-        return
-    changed = [k for k in DPO_FIELDS if getattr(r, k) != FIELDS[k].default]
-    if r.objective == "sft":
-        if changed:
-            key = changed[0]
-            raise RecipeError(f"{key}={getattr(r, key)} applies to objective=dpo only; set objective=dpo, or leave "
-                              f"{key} out")
-        return
-    low, high = DPO_BETA_RANGE
-    if not low <= r.dpo_beta <= high:
-        raise RecipeError(f"dpo_beta={r.dpo_beta:g}: must be in [{low:g}, {high:g}], where the loss and its gradient "
-                          "stay finite in float32 (the usual values: 0.1 for sigmoid and ipo, 2.0 for simpo)")
-    if r.simpo_gamma > SIMPO_GAMMA_MAX:
-        raise RecipeError(f"simpo_gamma={r.simpo_gamma:g}: must be in [0, {SIMPO_GAMMA_MAX:g}], where simpo_gamma / "
-                          "dpo_beta stays finite and leaves the log-probs their float32 precision (the usual values: "
-                          "0.5 to 1.6 x dpo_beta)")
-    if r.dpo_loss == "simpo" and r.precompute_reference:
-        raise RecipeError("precompute_reference=true with dpo_loss=simpo: SimPO is reference-free, there is no "
-                          "reference to precompute; set precompute_reference=false, or dpo_loss=sigmoid or ipo")
-    if r.dpo_label_smoothing and r.dpo_loss != "sigmoid":
-        raise RecipeError(f"dpo_label_smoothing={r.dpo_label_smoothing} with dpo_loss={r.dpo_loss}: label smoothing "
-                          "is a sigmoid (DPO) loss setting; set dpo_loss=sigmoid or dpo_label_smoothing=0")
-    if r.simpo_gamma != FIELDS["simpo_gamma"].default and r.dpo_loss != "simpo":
-        raise RecipeError(f"simpo_gamma={r.simpo_gamma} with dpo_loss={r.dpo_loss}: gamma is SimPO's margin; set "
-                          "dpo_loss=simpo or leave simpo_gamma out")
-    refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=dpo",
-                       "a preference pair is scored as its two whole sequences, on the responses only")
-    problem = strategy.frozen_reference_problem(r) if reference_kind(r) == "frozen" else None
-    if problem:
-        raise RecipeError(f"objective=dpo with {problem}, or precompute_reference=true (no reference held while "
-                          "training)")
-    if r.max_prompt_len and r.max_prompt_len >= r.max_seq_len:
-        raise RecipeError(f"max_prompt_len={r.max_prompt_len} leaves no room for a response within "
-                          f"max_seq_len={r.max_seq_len}; lower max_prompt_len (or 0: no limit but max_seq_len)")
 
 
 def _check_sequence_parallel(r: Recipe, strategy) -> None:

@@ -63,6 +63,8 @@ import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from finetune import objective_rules
+
 IGNORE = -100  # finetune.data.formats.IGNORE (imported lazily there: this module stays light for the planner)
 
 
@@ -111,15 +113,15 @@ class Layout:
     rank: int = 0
     dp_rank: int = 0
     dp_size: int = 1
-    rows: int = 1  # micro_batch_size: Ulysses' wrapper is registered for this many rows (pairs: twice)
+    rows: int = 1  # micro_batch_size: the rows of each half of a pair batch (forward_rows: the wrapper's)
     pad_id: int = 0
-    pairs: bool = False  # micro-batches of preference pairs (objective=dpo)
+    pairs: bool = False  # micro-batches laid out as pairs (objective=dpo; kto: rows, then their KL rows)
 
     @classmethod
     def of(cls, recipe, rank: int, world_size: int, pad_id: int = 0) -> "Layout":
         n = recipe.sequence_parallel
         return cls(n, rank % n, rank // n, world_size // n, recipe.micro_batch_size, pad_id,
-                   recipe.objective == "dpo")
+                   objective_rules.rules(recipe).PAIR_BATCHES)
 
     def shard(self, batch: dict) -> dict:
         """This rank's contiguous 1/size of every row of a collated micro-batch; unchanged without SP."""
@@ -129,8 +131,9 @@ class Layout:
 
 
 def forward_rows(recipe) -> int:
-    """Rows per forward: micro_batch_size, or twice that for pairs (chosen and rejected in one forward)."""
-    return recipe.micro_batch_size * (2 if recipe.objective == "dpo" else 1)
+    """Rows per forward: micro_batch_size, or twice that for pairs (chosen and rejected in one forward;
+    KTO forwards each half of its pair batch on its own)."""
+    return recipe.micro_batch_size * objective_rules.rules(recipe).FORWARD_ROWS
 
 
 def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool = False) -> dict:
@@ -143,7 +146,8 @@ def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool
     pairs: a micro-batch of preference pairs (finetune/data/batches.py collate_pairs: every chosen
     sequence, then every rejected one); each side is padded to `rows` with placeholder pairs, and the
     shard carries, whole, which pairs are real (real_pairs, [rows]: a pair whose chosen sequence has a
-    target token) and the precomputed reference log-probs where the pairs have them (ref_logps, [2 rows])."""
+    target token), the precomputed reference log-probs where the pairs have them (ref_logps, [2 rows]) and
+    KTO's labels (desirable, [rows])."""
     import torch
     import torch.nn.functional as F
 
@@ -173,6 +177,8 @@ def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool
             ref = batch["ref_logps"]
             k = ref.shape[0] // 2
             out["ref_logps"] = torch.cat([F.pad(half, (0, max(n - k, 0))) for half in (ref[:k], ref[k:])])
+        if "desirable" in batch:
+            out["desirable"] = F.pad(batch["desirable"], (0, max(n - batch["desirable"].shape[0], 0)), value=False)
     return out
 
 

@@ -1,7 +1,8 @@
 """loss.png by objective (finetune/training/metrics.py plot_losses with the objective's panels,
 Objective.panels), from metrics.jsonl as runs write it:
 SFT the loss; GRPO the reward, the completion length and the KL when beta > 0 (not the policy loss,
-about 0 whatever the policy); DPO the loss, accuracy and margin; a reward model the loss and accuracy;
+about 0 whatever the policy); DPO the loss, accuracy and margin; a reward model the loss and accuracy; KTO the loss, the rewards of the
+desirable and of the undesirable completions and the KL;
 train and eval each; the learning rate in a panel of its own only when it changes. The PNG records how
 many points each curve has (its Description), which is what these tests read."""
 
@@ -14,7 +15,7 @@ from finetune.recipe import apply_overrides, load_recipe_module
 from finetune.training.metrics import plot_losses
 from finetune.training.objectives import objective_for
 
-RECIPES = {"sft": "tiny", "grpo": "tiny_grpo", "dpo": "tiny_dpo", "reward": "tiny_reward"}
+RECIPES = {"sft": "tiny", "grpo": "tiny_grpo", "dpo": "tiny_dpo", "reward": "tiny_reward", "kto": "tiny_kto"}
 
 
 def panels(objective: str, *overrides: str):
@@ -32,6 +33,8 @@ def records(objective: str, lr_constant: bool, beta: float = 0.0) -> list[dict]:
             r |= {"rewards/accuracies": step / 10, "rewards/margins": step / 5}
         if objective == "reward":
             r |= {"accuracy": step / 10, "margin": step / 5}
+        if objective == "kto":
+            r |= {"rewards/chosen": step / 10, "rewards/rejected": -step / 10, "kl": step / 100}
         out.append(r)
         if step % 5 == 0:
             e = {"step": step}
@@ -41,6 +44,7 @@ def records(objective: str, lr_constant: bool, beta: float = 0.0) -> list[dict]:
                 e |= {"eval_loss": 1.0 / step}
             e |= {"eval_rewards/accuracies": 0.5, "eval_rewards/margins": 0.2} if objective == "dpo" else {}
             e |= {"eval_accuracy": 0.5} if objective == "reward" else {}
+            e |= {"eval_rewards/chosen": 0.2, "eval_rewards/rejected": -0.2, "eval_kl": 0.1} if objective == "kto" else {}
             out.append(e)
     return out
 
@@ -52,6 +56,8 @@ EXPECTED = {
     "dpo": {"train_loss": 10, "eval_loss": 2, "train_rewards/accuracies": 10, "eval_rewards/accuracies": 2,
             "train_rewards/margins": 10, "eval_rewards/margins": 2},
     "reward": {"train_loss": 10, "eval_loss": 2, "train_accuracy": 10, "eval_accuracy": 2},
+    "kto": {"train_loss": 10, "eval_loss": 2, "train_rewards/chosen": 10, "eval_rewards/chosen": 2,
+            "train_rewards/rejected": 10, "eval_rewards/rejected": 2, "train_kl": 10, "eval_kl": 2},
 }
 
 

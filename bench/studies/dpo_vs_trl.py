@@ -337,12 +337,12 @@ def run_ours(name: str, over: list[str], work: Path, nprocs: int) -> dict:
     return res
 
 
-def run_trl(name: str, over: list[str], work: Path, nprocs: int) -> dict:
+def run_trl(name: str, over: list[str], work: Path, nprocs: int, script: str = "bench/studies/dpo_vs_trl.py") -> dict:
+    """`script trl OUT --recipe tiny OVERRIDES` (its TRL side), its trl_summary.json read back."""
     from bench.parts.common import PY, accelerate_launch, fresh_dir, run, shown
 
     out = fresh_dir(work / f"trl-{name}")
     args = [str(out), "--recipe", "tiny", *over, f"output_dir={out}"]
-    script = "bench/studies/dpo_vs_trl.py"
     cmd = accelerate_launch(script, ["trl", *args]) if nprocs > 1 else [PY, script, "trl", *args]
     launch = run(cmd, work / f"trl-{name}.log", done=(out / "trl_summary.json").exists)
     summary = out / "trl_summary.json"
@@ -355,11 +355,11 @@ def run_trl(name: str, over: list[str], work: Path, nprocs: int) -> dict:
     return res
 
 
-def differences(ours: list[dict], theirs: list[dict]) -> dict:
+def differences(ours: list[dict], theirs: list[dict], metrics: tuple[str, ...] = METRICS) -> dict:
     """Per metric: the largest |ours - TRL| over the steps both logged and its step, the largest relative
     difference, and whether every step is within TOLERANCE * max(1, |TRL|) (inf: a step lacks the metric)."""
     out = {}
-    for m in METRICS:
+    for m in metrics:
         diffs, rel = [], []
         for a, b in zip(ours, theirs):
             if a and b and m in a and m in b:

@@ -28,6 +28,7 @@ from finetune.checkpointing.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, U
 from finetune.files import publish
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
+from finetune import objective_rules
 from finetune.recipe import Recipe, RecipeError, reference_kind
 from finetune.strategy import NAMES as STRATEGY_NAMES, strategy_for
 
@@ -210,8 +211,9 @@ def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
                if k in saved and saved[k] != current[k] and k not in HARD_KEYS + DATA_KEYS}
     if "objective" in changed:
         old, new = changed["objective"]
-        why = ("a DPO run's reference is the model as that run started, which would be the base model, not this "
-               "policy" if new == "dpo" else "its optimizer state and data position belong to the other objective")
+        why = (f"a {new.upper()} run's reference is the model as that run started, which would be the base model, "
+               "not this policy" if new in ("dpo", "kto") else
+               "its optimizer state and data position belong to the other objective")
         raise RecipeError(f"checkpoint {point.path} was trained with objective={old}, this run has objective={new}: "
                           f"{why}; export the checkpoint (python -m finetune.export {point.path} OUT) and start a new objective={new} "
                           "run with model=OUT in another output_dir")
@@ -223,6 +225,11 @@ def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
                           "completions / num_generations, a rollout serves num_iterations steps), so its steps "
                           f"would train on other prompts; restore it, or export the checkpoint (python -m "
                           f"finetune.export {point.path} OUT) and start a new run with model=OUT in another output_dir")
+    problem = getattr(objective_rules.rules(recipe), "resume_problem", lambda r, c: None)(recipe, changed)
+    if problem:
+        raise RecipeError(f"checkpoint {point.path} cannot continue with {problem}; restore it, or export the "
+                          f"checkpoint (python -m finetune.export {point.path} OUT) and start a new run with "
+                          "model=OUT in another output_dir")
     refused = [k for k in changed if k in STATE_KEYS]
     batch = _global_batch_change(point, recipe, changed)
     if batch:

@@ -9,8 +9,9 @@ The package, by stage: formats (detection, row checks), sources (where data come
 column mapping, prevalidation), tokenization (rows -> ids and labels, chat templates, packing),
 loading (a source -> a cached tokenized dataset), mixtures (the train and eval sets of a recipe),
 batches (the resumable schedule and the collated micro-batch), inspector (rows shown as trained),
-preference (the preference pairs of objective=dpo: their shapes, checks and tokenization), prompts
-(the prompt rows of objective=grpo and their tokenization).
+preference (the preference pairs of objective=dpo: their shapes, checks and tokenization), unpaired
+(objective=kto's rows of one labelled completion, and their KL rows), prompts (the prompt rows of
+objective=grpo and their tokenization).
 Every public name is importable from `finetune.data` itself.
 """
 

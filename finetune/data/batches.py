@@ -94,6 +94,27 @@ def collate_pairs(rows: list[dict], pad_id: int) -> dict:
     return batch
 
 
+def collate_unpaired(rows: list[dict], indices: list[int], pad_id: int) -> dict:
+    """A micro-batch of unpaired rows (objective=kto, finetune/data/unpaired.py) laid out as preference
+    pairs are (collate_pairs): its n rows, then their n KL rows (kl_input_ids, kl_labels; rows without
+    them, kto_loss=apo_zero_unpaired's, repeat the rows, which nothing reads), and `desirable` [n]; where
+    the rows carry them, the reference's log-probs of both (ref_logps [2n]). A placeholder (index -1) has
+    no trained token in either of its rows."""
+    sides = []
+    kl = "kl_input_ids" if "kl_input_ids" in rows[0] else "input_ids"
+    for row, i in zip(rows, indices):
+        side = {"chosen_input_ids": row["input_ids"], "chosen_labels": row["labels"],
+                "rejected_input_ids": row[kl], "rejected_labels": row[kl.replace("input_ids", "labels")]}
+        side |= {c: row[c] for c in REFERENCE_COLUMNS if c in row}
+        if i < 0:
+            for name in PAIR_SIDES:
+                side[f"{name}_labels"] = [IGNORE] * len(side[f"{name}_labels"])
+        sides.append(side)
+    batch = collate_pairs(sides, pad_id)
+    batch["desirable"] = torch.tensor([bool(r["desirable"]) for r in rows])
+    return batch
+
+
 def packed_length(row: dict) -> int:
     """The real tokens of a packed row (pack_rows): all of it, less the tail padding. The padding is
     the row's last segment of position ids (they restart at 0 there, as at every example) when none
@@ -151,6 +172,8 @@ def fetch(ds, indices: list[int], pad_id: int, packed: bool, padding_free: bool 
     real = [i if i >= 0 else 0 for i in indices]
     cols = ds[real]
     rows = [{k: cols[k][j] for k in cols} for j in range(len(real))]
+    if "desirable" in cols:
+        return collate_unpaired(rows, indices, pad_id)
     if "chosen_input_ids" in cols:
         for j, i in enumerate(indices):
             if i < 0:

@@ -13,6 +13,7 @@ FORMAT_FIELDS = {
     "text": ("text",),
     "preference": ("chosen", "rejected"),  # and an optional prompt (split_pair reads the three shapes)
     "prompt": ("prompt",),  # objective=grpo: prompts alone, other columns kept for the rewards (data/prompts.py)
+    "unpaired": ("prompt", "completion", "label"),  # objective=kto: a completion, desirable or not (data/unpaired.py)
 }
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -27,6 +28,8 @@ def detect_format(columns, where: str) -> str:
     cols = set(columns)
     if {"chosen", "rejected"} <= cols:  # before messages: UltraFeedback-binarized rows carry both
         return "preference"
+    if {"completion", "label"} <= cols:  # before prompt_completion: KTO's rows are those and a label
+        return "unpaired"
     if "messages" in cols:
         return "messages"
     if {"instruction", "output"} <= cols:
@@ -39,7 +42,8 @@ def detect_format(columns, where: str) -> str:
         return "prompt"
     raise DataError(
         f"{where}: cannot tell the dataset format from its fields {sorted(cols)}; expected messages, "
-        "instruction+output (alpaca), prompt+completion, text, chosen+rejected (preference), or prompt alone "
+        "instruction+output (alpaca), prompt+completion, text, chosen+rejected (preference), "
+        "prompt+completion+label (unpaired, for objective=kto), or prompt alone "
         "(prompts, for objective=grpo); or set dataset_format=..."
     )
 
@@ -55,7 +59,8 @@ def sharegpt_hint(fields) -> str:
 ROWS_OF = {"preference": "preference pairs (chosen, rejected), which train with objective=dpo",
            "messages": "conversations (messages)", "alpaca": "alpaca rows (instruction, output)",
            "prompt_completion": "prompt_completion rows (prompt, completion)", "text": "plain text rows (text)",
-           "prompt": "prompt rows (prompt, other columns for the rewards), which train with objective=grpo"}
+           "prompt": "prompt rows (prompt, other columns for the rewards), which train with objective=grpo",
+           "unpaired": "unpaired rows (prompt, completion, label), which train with objective=kto"}
 
 
 def format_hint(fields, fmt: str) -> str:
@@ -108,6 +113,8 @@ def check_row(row, fmt: str, where: str) -> None:
         return check_pair(row, where)
     if fmt == "prompt":
         return check_prompt_row(row, where)
+    if fmt == "unpaired":
+        return check_unpaired(row, where)
     if fmt == "messages":
         msgs = row["messages"]
         check_messages(msgs, where)
@@ -181,6 +188,35 @@ def check_pair(row: dict, where: str) -> None:
             if not any(m["role"] == "assistant" for m in side):
                 raise DataError(f"{where}: {name!r} has no assistant message after the prompt, so there is no answer "
                                 "to prefer; each side needs the assistant's answer")
+
+
+# ---------------------------------------------------------------- unpaired rows (finetune/data/unpaired.py)
+
+
+def check_unpaired(row: dict, where: str) -> None:
+    """An unpaired row's checks (objective=kto, TRL's unpaired preference format): a prompt and a
+    completion, both strings or both lists of messages (the completion's with an assistant message), and
+    a label true (desirable) or false (undesirable); 1 and 0 are read as true and false."""
+    prompt, completion, label = row["prompt"], row["completion"], row["label"]
+    if not (isinstance(label, bool) or type(label) is int and label in (0, 1)):
+        raise DataError(f"{where}: field 'label' must be true (a desirable completion) or false (an undesirable one), "
+                        f"got {label!r:.40}")
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, (str, list)):
+            raise DataError(f"{where}: field {name!r} must be a string or a list of {{role, content}} messages, got "
+                            f"{_kind(value)}")
+    if isinstance(prompt, str) != isinstance(completion, str):
+        raise DataError(f"{where}: 'prompt' is {_kind(prompt)} and 'completion' {_kind(completion)}; both must be "
+                        "strings or both lists of messages")
+    if isinstance(completion, str):
+        if not completion:
+            raise DataError(f"{where}: the completion is empty, so there is nothing to label")
+        return
+    check_messages(prompt, where, "prompt")
+    check_messages(completion, where, "completion")
+    if not any(m["role"] == "assistant" for m in completion):
+        raise DataError(f"{where}: 'completion' has no assistant message, so there is no answer to label; give the "
+                        "assistant's answer as the completion")
 
 
 # ---------------------------------------------------------------- prompt rows (finetune/data/prompts.py)

@@ -10,6 +10,7 @@ from finetune.assets import resolve_dataset
 from finetune.data.formats import (DataError, FORMAT_FIELDS, IGNORE, PIPELINE_VERSION, check_roles, check_row,
                                    detect_format)
 from finetune.data.preference import IDENTICAL, PREFERENCE_VERSION, encode_pairs
+from finetune.data.unpaired import UNPAIRED_VERSION, encode_unpaired
 from finetune.data.prompts import PROMPT_VERSION, encode_prompts
 from finetune.data.sources import (check_columns, first_row_of, is_saved_dataset, local_splits, map_row, need_fields,
                                    need_split, saved_splits, top_level_columns, with_sharegpt)
@@ -142,6 +143,10 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
             for row, index in zip(rows, indices):
                 check_row(row, fmt, f"{where} row {index}")
             return encode_pairs(rows, tokenizer, max_len, recipe.max_prompt_len)
+        if fmt == "unpaired":
+            for row, index in zip(rows, indices):
+                check_row(row, fmt, f"{where} row {index}")
+            return encode_unpaired(rows, tokenizer, max_len, recipe.max_prompt_len)
         out = {"input_ids": [], "labels": [], "n_tokens": [], "n_targets": []}
         for ids, labels in encode_batch(rows, fmt, tokenizer, train_on_prompt, max_len):
             out["input_ids"].append(ids)
@@ -151,7 +156,8 @@ def tokenize_dataset(ds, fmt: str, tokenizer, recipe: Recipe, where: str, *, spe
         return out
 
     # a preference pair also depends on max_prompt_len; SFT rows keep the fingerprints they had
-    pairs = (PREFERENCE_VERSION, recipe.max_prompt_len) if fmt == "preference" else ()
+    pairs = (PREFERENCE_VERSION, recipe.max_prompt_len) if fmt == "preference" else \
+        (UNPAIRED_VERSION, recipe.max_prompt_len) if fmt == "unpaired" else ()
     fp = cache_fingerprint(PIPELINE_VERSION, ds._fingerprint, fmt, tok_fp, max_len, train_on_prompt, spec.columns,
                       spec.roles, *pairs)
     ds = ds.select_columns(used) if len(used) < len(ds.column_names) else ds

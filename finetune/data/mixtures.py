@@ -92,9 +92,10 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         raw_rows.append(len(raw))
         formats.append(fmt)
         drops.append({})
-        if fmt == "preference":  # how its prompts were rendered, for `finetune chat` (recipe.json's data.sources)
+        if fmt in ("preference", "unpaired"):  # how its prompts were rendered, for `finetune chat` (recipe.json)
             first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
-            pairs.append("conversational" if isinstance(first.get("chosen"), list) else "text")
+            side = first.get("chosen" if fmt == "preference" else "completion")
+            pairs.append("conversational" if isinstance(side, list) else "text")
         elif fmt == "prompt":  # GRPO's prompts: text (BOS + text) or conversations (the chat template)
             first = map_row(first_row_of(raw), spec, where) if len(raw) else {}
             pairs.append("conversational" if isinstance(first.get("prompt"), list) else "text")
@@ -119,7 +120,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
                       "at_max_seq_len": int((_longest(part, rows["n_tokens"]) >= recipe.max_seq_len).sum()),
                       "rows_in_mix": int(len(pick)), "tokens": int(rows["n_tokens"][pick].sum()),
                       "target_tokens": int(rows["n_targets"][pick].sum())}
-                     | ({("pairs" if formats[i] == "preference" else "prompts"): pairs[i]} if pairs[i] else {}))
+                     | ({("prompts" if formats[i] == "prompt" else "pairs"): pairs[i]} if pairs[i] else {}))
     train = parts[0] if len(parts) == 1 else hf.concatenate_datasets(parts)
     offsets = np.cumsum([0] + available[:-1])
     order = np.concatenate([pick + off for pick, off in zip(picks, offsets)])

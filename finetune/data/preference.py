@@ -48,7 +48,7 @@ NO_LIMIT = sys.maxsize
 NO_TARGET, IDENTICAL = 0, -1
 
 
-def _fit(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len: int):
+def fit_budgets(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len: int):
     """A side within the budgets: the prompt (the tokens before the first trained one) keeps its last
     max_prompt_len tokens, its BOS staying first; then the whole is cut at max_len."""
     start = next((k for k, x in enumerate(labels) if x != IGNORE), len(ids))
@@ -60,29 +60,34 @@ def _fit(ids: list[int], labels: list[int], bos_id, max_len: int, max_prompt_len
 
 
 def encode_sides(rows: list[dict], tokenizer) -> list[tuple]:
-    """Per pair, ((chosen ids, labels), (rejected ids, labels)), untruncated: one tokenizer call for
-    all the text pairs' sides, one for all the conversations'."""
+    """Per pair, ((chosen ids, labels), (rejected ids, labels)), untruncated (encode_completions of its two
+    sides)."""
     split = [split_pair(r) for r in rows]
-    texts = [k for k, s in enumerate(split) if not s[3]]
-    chats = [k for k, s in enumerate(split) if s[3]]
-    sides: list = [None] * len(rows)
+    out = encode_completions([(prompt, side, chat) for prompt, chosen, rejected, chat in split
+                              for side in (chosen, rejected)], tokenizer)
+    return [(out[2 * k], out[2 * k + 1]) for k in range(len(rows))]
+
+
+def encode_completions(items: list[tuple], tokenizer) -> list[tuple]:
+    """Per (prompt, completion, conversational), its (ids, labels), untruncated: a text is the
+    prompt_completion row (prompt, completion), a conversation the chat row prompt + completion, trained on
+    the completion's own assistant turns after the served prompt; one tokenizer call for all the texts,
+    one for all the conversations."""
+    texts = [k for k, item in enumerate(items) if not item[2]]
+    chats = [k for k, item in enumerate(items) if item[2]]
+    out: list = [None] * len(items)
     if texts:
-        pc = [{"prompt": split[k][0], "completion": split[k][side]} for k in texts for side in (1, 2)]
-        out = encode_batch(pc, "prompt_completion", tokenizer, False, NO_LIMIT)
-        for j, k in enumerate(texts):
-            sides[k] = (out[2 * j], out[2 * j + 1])
+        pc = [{"prompt": items[k][0], "completion": items[k][1]} for k in texts]
+        for k, row in zip(texts, encode_batch(pc, "prompt_completion", tokenizer, False, NO_LIMIT)):
+            out[k] = row
     if chats:
-        conversations, skips = [], []
-        for k in chats:
-            prompt = split[k][0]
-            for side in (1, 2):
-                conversations.append(list(prompt) + list(split[k][side]))
-                skips.append(sum(1 for m in prompt if m["role"] == "assistant"))
-        out = encode_conversations(tokenizer, conversations, skips)
-        served = served_prompts(tokenizer, [split[k][0] for k in chats])
+        conversations = [list(items[k][0]) + list(items[k][1]) for k in chats]
+        skips = [sum(1 for m in items[k][0] if m["role"] == "assistant") for k in chats]
+        encoded = encode_conversations(tokenizer, conversations, skips)
+        served = served_prompts(tokenizer, [items[k][0] for k in chats])
         for j, k in enumerate(chats):
-            sides[k] = tuple(after_prompt(served[j], *out[2 * j + side]) for side in (0, 1))
-    return sides
+            out[k] = after_prompt(served[j], *encoded[j])
+    return out
 
 
 def served_prompts(tokenizer, prompts: list[list[dict]]) -> list[list[int]]:
@@ -141,8 +146,8 @@ def encode_pairs(rows: list[dict], tokenizer, max_len: int, max_prompt_len: int 
     out = {c: [] for c in PAIR_COLUMNS + ["n_tokens", "n_targets"]}
     for chosen, rejected in encode_sides(rows, tokenizer):
         chosen, rejected = same_prompt(chosen, rejected)
-        chosen = _fit(*chosen, tokenizer.bos_token_id, max_len, max_prompt_len)
-        rejected = _fit(*rejected, tokenizer.bos_token_id, max_len, max_prompt_len)
+        chosen = fit_budgets(*chosen, tokenizer.bos_token_id, max_len, max_prompt_len)
+        rejected = fit_budgets(*rejected, tokenizer.bos_token_id, max_len, max_prompt_len)
         for name, (ids, labels) in (("chosen", chosen), ("rejected", rejected)):
             out[f"{name}_input_ids"].append(ids)
             out[f"{name}_labels"].append(labels)

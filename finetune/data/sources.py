@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from finetune import objective_rules
 from finetune.assets import BUILTIN_FORMATS
 from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, unknown_role
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
@@ -256,22 +257,32 @@ def prevalidate_recipe(recipe: Recipe) -> None:
 
 
 def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
-    """objective=dpo and reward train on preference rows only, and preference rows train with those only
+    """objective=dpo and reward train on preference rows only, and preference rows train with those only;
+    likewise grpo and prompt rows, kto and unpaired rows
     (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
     key = key.removesuffix(".path")
-    if recipe.objective in ("dpo", "reward") and fmt not in ("auto", "preference"):
+    rows = objective_rules.rules(recipe).ROWS
+    if rows == ("preference",) and fmt not in ("auto", "preference"):
         raise DataError(f"objective={recipe.objective} needs preference rows (prompt, chosen, rejected); {key}={path} "
                         f"has {fmt} rows: use a preference dataset (or map its fields with columns={{'chosen': ..., "
                         "'rejected': ...}), or set objective=sft")
-    if recipe.objective not in ("dpo", "reward") and fmt == "preference":
+    if "preference" not in rows and fmt == "preference":
         raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
                         f"objective=dpo (objective=reward: a reward model), or use a dataset of SFT rows (objective="
                         f"{recipe.objective})")
-    if recipe.objective == "grpo" and fmt not in ("auto", "prompt"):
+    if rows == ("prompt",) and fmt not in ("auto", "prompt"):
         raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
                         f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "
                         "and set dataset_format=prompt, or set objective=sft")
-    if recipe.objective != "grpo" and fmt == "prompt":
+    if rows == ("unpaired",) and fmt not in ("auto", "unpaired"):
+        raise DataError(f"objective=kto needs unpaired rows (prompt, completion, label: true for a desirable "
+                        f"completion, false for an undesirable one); {key}={path} has {fmt} rows: map the fields with "
+                        "columns={'completion': ..., 'label': ...} and set dataset_format=unpaired (builtin:tiny-kto "
+                        "shows the shape), or set objective=sft")
+    if "unpaired" not in rows and fmt == "unpaired":
+        raise DataError(f"{key}={path} has unpaired rows (prompt, completion, label), which train with objective=kto; "
+                        f"set objective=kto, or use a dataset of SFT rows (objective={recipe.objective})")
+    if "prompt" not in rows and fmt == "prompt":
         raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
                         f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
                         f"{recipe.objective}; a column holding the answer is mapped with columns={{'completion': "

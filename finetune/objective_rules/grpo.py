@@ -6,33 +6,28 @@ allowed."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from finetune.errors import RecipeError, refuse_switched_on
+from finetune.objective_rules.common import default
 
-
-def default(recipe, key: str):
-    """The recipe field's default (the schema's, read from the dataclass: this module sits below recipe.py)."""
-    field = next(f for f in dataclasses.fields(recipe) if f.name == key)
-    return field.default if field.default is not dataclasses.MISSING else field.default_factory()
-
-
+NAME = "grpo"
 GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
                "mask_truncated_completions", "use_bias_correction_kl")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
+FIELDS, LISTS = GRPO_FIELDS, GRPO_LISTS
+SHARES = ("max_prompt_len",)
+ROWS = ("prompt",)
+FORWARD_ROWS = 1
+PAIR_BATCHES = False
+
+
+def reference(r) -> str | None:
+    """One only with beta > 0 (its KL term): the adapter disabled under LoRA, else a frozen copy."""
+    return None if not r.beta else ("adapter" if r.lora else "frozen")
 
 
 def check(r, strategy) -> None:
-    """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
-    check_generation_backend(r)
-    if r.objective != "grpo":
-        changed = [k for k in GRPO_FIELDS if getattr(r, k) != default(r, k)]
-        if changed:
-            key = changed[0]
-            shown = ",".join(map(str, getattr(r, key))) if key in GRPO_LISTS else getattr(r, key)
-            raise RecipeError(f"{key}={shown} applies to objective=grpo only; set objective=grpo, or leave {key} out")
-        return
+    """With objective=grpo: reward functions that import, one weight each, groups of 2 or more."""
     from finetune import rewards
 
     if not r.reward_funcs:

@@ -3,25 +3,24 @@ and sets up what it holds beside the policy (base.py: the interface the loop ask
 The loop asks it; it never asks the loop. sft.py: next-token loss on target tokens; dpo.py: preference
 pairs (DPO, IPO, SimPO) and their reference; grpo.py: group relative policy optimization (its rollout
 phase generates the step's completions, scores and weighs them); reward.py: a reward model on preference
-pairs (Bradley-Terry)."""
+pairs (Bradley-Terry); kto.py: KTO on unpaired rows, with DPO's reference."""
 
 from __future__ import annotations
 
 from finetune.training.objectives.base import Basic, Context, Objective
 from finetune.training.objectives.dpo import DPO
 from finetune.training.objectives.grpo import GRPO
+from finetune.training.objectives.kto import KTO
 from finetune.training.objectives.reward import Reward
 from finetune.training.objectives.sft import SFT
 
-__all__ = ["Basic", "Context", "DPO", "GRPO", "Objective", "Reward", "SFT", "objective_for"]
+__all__ = ["Basic", "Context", "DPO", "GRPO", "KTO", "Objective", "Reward", "SFT", "objective_for"]
+
+
+# One entry per objective (its recipe rules: finetune/objective_rules, the same names)
+OBJECTIVES = {cls.name: cls for cls in (SFT, DPO, GRPO, Reward, KTO)}
 
 
 def objective_for(recipe) -> Objective:
     """The recipe's objective, before the model loads (DPO builds its reference in after_prepare)."""
-    if recipe.objective == "dpo":
-        return DPO(recipe)
-    if recipe.objective == "grpo":
-        return GRPO(recipe)
-    if recipe.objective == "reward":
-        return Reward(recipe)
-    return SFT(recipe)
+    return OBJECTIVES[recipe.objective](recipe)
