@@ -91,6 +91,14 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
 
 
+def existing_checkpoints(root: Path) -> str:
+    """What to say after "no checkpoint directory at ROOT/NAME": the complete checkpoints ROOT holds."""
+    found = [p.name for p in complete_checkpoints(root)]
+    if found:
+        return f"; {root} holds {', '.join(found)}"
+    return f"; {root} holds no complete checkpoint" if root.is_dir() else f"; {root} does not exist either"
+
+
 def partial_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
@@ -140,7 +148,7 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None) ->
     loaded); with `checksums`, also every file's checksum (reads the whole checkpoint: export, and the
     collective `verify_checksums` before a load, which shares that reading among the ranks)."""
     if not path.is_dir():
-        raise RecipeError(f"no checkpoint directory at {path}")
+        raise RecipeError(f"no checkpoint directory at {path}{existing_checkpoints(path.parent)}")
     if not (path / MANIFEST).is_file():
         raise RecipeError(f"checkpoint {path} is incomplete (no {MANIFEST}: its save never finished); "
                           "resume from another one, or --resume auto to take the newest complete one")
