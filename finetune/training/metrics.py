@@ -473,8 +473,8 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
              if summary.get(f"final_eval_{name}") is not None]
     peaks = summary.get("peak_memory_per_rank") or []
     kind = summary.get("peak_memory_kind", "")
-    # a resumed run's times and saves are this launch's, since the resume (the earlier launch's are in
-    # its own summary and in metrics.jsonl's checkpoint records)
+    # a resumed run's times and saves are this launch's, since the resume (every save's are in
+    # metrics.jsonl's checkpoint records)
     leg = " since the resume" if summary.get("resumed_at") else ""
     rows = [
         ("steps", f"{summary['steps']}" + (f" (resumed at {summary['resumed_at']})" if summary.get("resumed_at") else "")),
