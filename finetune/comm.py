@@ -220,10 +220,14 @@ def cluster_setups(recipe, nodes: int, gpus_per_node: int) -> list:
 
 def layouts(recipe, arch: Architecture, nodes: int, gpus_per_node: int, intra_gbps: float = INTRA_GBPS,
             inter_gbps: float = INTER_GBPS) -> list[Layout]:
-    from finetune.memory import recipe_estimate
+    """The rows of `finetune plan --nodes`: cluster_setups, less those the run refuses on this cluster
+    (memory.setup_problem)."""
+    from finetune.memory import recipe_estimate, setup_problem
 
     out = []
     for setup in cluster_setups(recipe, nodes, gpus_per_node):
+        if setup_problem(recipe, setup, nodes * gpus_per_node, nodes) is not None:
+            continue
         estimate = recipe_estimate(recipe, nodes * gpus_per_node, arch, setup, gpus_per_node=gpus_per_node)
         t = layout_traffic(recipe, arch, setup, nodes, gpus_per_node)
         out.append(Layout(estimate, t, t.seconds(intra_gbps, inter_gbps)))
@@ -319,7 +323,7 @@ def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, bu
                   budget_text: str = "") -> str:
     """`finetune plan --nodes N --gpus-per-node G`: each layout's memory per GPU, the bytes each GPU sends
     per step inside its node and across nodes, their time on the links, and the choice."""
-    from finetune.memory import Setup, describe_run, gib
+    from finetune.memory import Setup, describe_run, gib, own_setup_line
 
     rows = layouts(recipe, arch, nodes, gpus_per_node, intra_gbps, inter_gbps)
     n = nodes * gpus_per_node
@@ -344,6 +348,9 @@ def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, bu
             lines.append("-" * len(lines[-1]))
     lines.append("* the recipe's own layout; sent: bytes each GPU sends per optimizer step (docs/memory-planner.md); "
                  "zero3 + MiCS is not offered: MiCS was removed from DeepSpeed 0.19 (deepspeedai/DeepSpeed#8489)")
+    refused = own_setup_line(recipe, n, nodes)
+    if refused:
+        lines.append(refused)
     best = choose(rows, budget, headroom)
     if best is None:
         lines.append(f"nothing fits in {gib(budget * (1 - headroom))} GiB per GPU: use more GPUs, a smaller "

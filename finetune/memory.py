@@ -222,6 +222,24 @@ class Setup:
                    recipe.shard_size, recipe.zero_hpz_partition_size)
 
 
+def setup_problem(recipe: Recipe, setup: Setup, world_size: int, machines: int = 1) -> str | None:
+    """Why the run would refuse the recipe under `setup` on world_size processes over `machines` nodes
+    (its strategy's layout_problem, which finetune.plan.make_plan asks before anything loads: shard
+    groups or an hpZ group that do not divide the processes, ...), or None. The planner neither lists
+    nor chooses a setup the run refuses."""
+    from dataclasses import replace
+
+    return strategy_for(setup.strategy).layout_problem(replace(recipe, **setup.overrides()), world_size, machines)
+
+
+def own_setup_line(recipe: Recipe, world_size: int, machines: int = 1) -> str | None:
+    """The planner's line where the run refuses the recipe's own setup here (it is then in no table row)."""
+    own = Setup.of(recipe)
+    problem = setup_problem(recipe, own, world_size, machines)
+    return None if problem is None else (f"the recipe's setup ({own.label}): not listed, the run refuses it on "
+                                         f"{world_size} GPU(s): {problem}")
+
+
 # Cheapest first: least communication, then least offload. Setups with the same rank cost about the
 # same; among those the recipe's own framework (DeepSpeed for zero*, PyTorch for ddp/fsdp) is preferred.
 SETUPS: tuple[tuple[int, Setup], ...] = (
@@ -588,14 +606,16 @@ def holds_reference(recipe: Recipe) -> bool:
 
 
 def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[tuple[int, Estimate]]:
-    """(cost rank, estimate) for every setup in SETUPS, plus the recipe's own if it is not one of them.
+    """(cost rank, estimate) for every setup in SETUPS, plus the recipe's own if it is not one of them,
+    less those the run refuses on world_size processes of one node (setup_problem).
     A 4-bit (QLoRA) base runs under ddp, fsdp and zero3 without parameter offload (recipe.validate),
     so then only those setups."""
     setups = [(rank, s) for rank, s in SETUPS if not recipe.load_in_4bit
               or (strategy_for(s.strategy).takes_4bit_base and s.offload_params == "none")]
+    setups = [(rank, s) for rank, s in setups if setup_problem(recipe, s, world_size) is None]
     rows = [(rank, recipe_estimate(recipe, world_size, arch, setup)) for rank, setup in setups]
     own = Setup.of(recipe)
-    if all(e.setup != own for _, e in rows):
+    if all(e.setup != own for _, e in rows) and setup_problem(recipe, own, world_size) is None:
         rank = max((rank for rank, s in SETUPS if strategy_for(s.strategy) == strategy_for(own.strategy)),
                    default=max(rank for rank, _ in SETUPS))  # hsdp, and zero3 with hpZ, are none of them
         rows.append((rank, recipe_estimate(recipe, world_size, arch, own)))
@@ -657,7 +677,8 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
     lines.append(f"* the recipe's own setup; tokens per row; 0: not even the model states fit. {scores}; activations "
                  "as measured on CPU (docs/benchmarks.md section 11), not yet on a GPU"
                  + ("; activation_offload: the layer inputs in CPU memory" if recipe.activation_offload else ""))
-    return "\n".join(lines)
+    refused = own_setup_line(recipe, world_size)
+    return "\n".join(lines + ([refused] if refused else []))
 
 
 # ---------------------------------------------------------------- sizes and reports
@@ -767,6 +788,9 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
         if i == 0:
             lines.append("-" * len(lines[-1]))
     lines.append(f"* the recipe's own setup; offloaded: {unit_name} per GPU kept in CPU memory or on NVMe")
+    refused = own_setup_line(recipe, world_size)
+    if refused:
+        lines.append(refused)
     if with_engine:
         lines.append("GRPO with a vLLM engine per GPU: engine is its weights and the KV cache of the GPU's "
                      "completions (its minimum; with a budget, fits counts the share vllm_gpu_memory_utilization "
@@ -784,10 +808,11 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                                                             "dpo_loss=simpo or precompute_reference=true") + ")")
     if budget:
         best, said = choose([e for _, e in rows]) if choose else (None, [])
-        mine = next(e for _, e in rows if e.setup == own)
-        verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
-        lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak_within(budget), unit)} {unit_name} per GPU, "
-                     f"{verdict}")
+        mine = next((e for _, e in rows if e.setup == own), None)
+        if mine is not None:  # else refused, said above
+            verdict = "fits" if mine.fits(budget, headroom) else "does NOT fit"
+            lines.append(f"the recipe's setup ({own.label}): {gib(mine.peak_within(budget), unit)} {unit_name} per "
+                         f"GPU, {verdict}")
         if best is None:
             lora = recipe_lora(recipe)[0]
             lines.append(f"nothing fits in {gib(budget * (1 - headroom))} GiB per GPU: use more GPUs, a smaller "

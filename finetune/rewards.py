@@ -405,12 +405,22 @@ class RewardModel:
             raise RewardSpecError(f"{where}: no tokenizer beside the model ({type(e).__name__}: {str(e)[:200]}); "
                                   "save the tokenizer the reward model was trained with into the directory") from None
         keys = checkpoint_keys(folder, where)
-        with torch.device("meta"):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+        if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+            raise RewardSpecError(f"{where}: model type {config.model_type} has no sequence-classification class in "
+                                  "transformers (AutoModelForSequenceClassification); give the final/ of an "
+                                  "objective=reward run")
+        from finetune.unwrap import without_zero3_init
+
+        # a skeleton on the meta device, to read its head's names; outside ZeRO-3's zero.Init, which
+        # would partition it (and cannot copy out of a meta tensor)
+        with without_zero3_init(), torch.device("meta"):
             try:
                 skeleton = AutoModelForSequenceClassification.from_config(config)
-            except Exception as e:  # noqa: BLE001 - a model type without a sequence-classification head
-                raise RewardSpecError(f"{where}: model type {config.model_type} has no sequence-classification "
-                                      f"form ({type(e).__name__}: {str(e)[:200]})") from None
+            except Exception as e:  # noqa: BLE001 - the config's values do not build a model
+                raise RewardSpecError(f"{where}: its config.json does not build a sequence-classification model "
+                                      f"({type(e).__name__}: {str(e)[:200]})") from None
         prefix = skeleton.base_model_prefix
         head = [k for k in skeleton.state_dict() if not k.startswith(f"{prefix}.")]
         if keys is not None and head and not any(k == key or key.endswith(f".{k}") for k in head for key in keys):

@@ -7,10 +7,13 @@ rejected); the eval's rewards/accuracies climbs well above 0.5.
 
 lr 5e-4 and dpo_beta 0.1 (until 2026-11-27: lr 1e-2 and beta 0.5, whose loss reached 0.0000 and grad_norm
 0.000 by step 30 of 60, the greedy samples 32 repeats of one letter): the loss falls all the way and the
-gradient stays alive. Measured (1 process, strategy=ddp, which 2 processes under zero3 equal; a shared
-2-core machine): eval loss 0.693, 0.551, 0.450, 0.431 at steps 0, 20, 40, 60; eval rewards/accuracies
-0.00, 1.00, 0.98, 0.98; eval margin 0.00, 0.31, 0.57, 0.63; train loss 0.646 (step 10) to 0.434 (step
-60), grad_norm 0.44-0.65 throughout. The tiny model starts untrained, so what DPO teaches it is what the
+gradient stays alive. grad_accum=2 (no global_batch_size): a step is 16 pairs on 1 process, 32 on 2.
+Measured on a shared 2-core machine, 1 process (strategy=ddp, 16 pairs a step): eval loss 0.693, 0.551,
+0.450, 0.431 at steps 0, 20, 40, 60; eval rewards/accuracies 0.00, 1.00, 0.98, 0.98; eval margin 0.00,
+0.31, 0.57, 0.63; train loss 0.646 (step 10) to 0.434 (step 60), grad_norm 0.44-0.65 throughout.
+2 processes under zero3 (the command above, 32 pairs a step, 2026-11-28): eval loss 0.693, 0.523, 0.405,
+0.370; accuracies 0.00, 0.98, 0.98, 0.98; margin 0.00, 0.38, 0.72, 0.83; train loss 0.636 (step 10) to
+0.394 (step 60), grad_norm 0.40-1.23. The tiny model starts untrained, so what DPO teaches it is what the
 pairs tell apart (the case, letters a-m against n-z), not the words: its 8-token greedy samples go from
 noise ('S; 7#"') to the right case and letter range (step 60: Copy: ibmb -> 'kkkkkkkk', Capitals:
 mjegee -> 'CJCJCJCJ'). loss.png shows the loss, accuracy and margin, train and eval.

@@ -347,3 +347,23 @@ def test_a_failed_save_is_one_line(tmp_path):
     message = str(SaveError(root, 4, [(1, line)]))
     assert message.startswith(f"saving checkpoint step_000000004 into {root} failed on rank 1: the filesystem is full")
     assert f"continue from it with --resume {root / 'step_000000002'} once there is room" in message
+
+
+def test_a_missing_checkpoint_is_named_with_the_ones_that_exist(tmp_path, capsys):
+    """`finetune export runs/tiny/checkpoints/step_000000200 out` where tiny wrote step_000000236 (what
+    docs/recipes.md said): the error lists the complete checkpoints beside it (not a partial one), or
+    says the folder is not there either."""
+    from finetune.commands.export import main
+
+    root = tmp_path / "checkpoints"
+    for name in ("step_000000100", "step_000000236"):
+        (root / name).mkdir(parents=True)
+        (root / name / MANIFEST).write_text("{}")
+    (root / ".step_000000300.partial").mkdir()
+    (root / "step_000000250").mkdir()  # no manifest: a save that never finished
+    assert main([str(root / "step_000000200"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: no checkpoint directory at {root / 'step_000000200'}; {root} holds "
+                                       "step_000000100, step_000000236\n")
+    with pytest.raises(RecipeError, match=f"; {tmp_path / 'none'} does not exist either$"):
+        verify(tmp_path / "none" / "step_000000001")
+    assert not (tmp_path / "out").exists()

@@ -192,3 +192,32 @@ def test_the_readmes_recipes_load_validate_and_dry_run(name, tmp_path):
     code, out, err = run_main(["--recipe", str(path), "--dry-run", f"output_dir={tmp_path / 'out'}"])
     assert code == 0, err
     assert f"{recipe.strategy} on 1 " in out
+
+
+def output_dir_of(words: list[str]) -> str | None:
+    """Where a command that trains writes: its output_dir= word, else its recipe's; None for a command
+    that does not train (plan, data, a dry run)."""
+    from finetune.recipe import load_recipe_module
+
+    trains = words[:2] == ["finetune", "train"] or "finetune/run.py" in words
+    if not trains or "--dry-run" in words:
+        return None
+    name, overrides = recipe_and_overrides(words)
+    given = [w.split("=", 1)[1] for w in overrides if w.startswith("output_dir=")]
+    if given:
+        return given[-1]
+    return None if name in readme_recipes() else load_recipe_module(name).output_dir
+
+
+def test_no_docs_command_trains_into_the_readmes_first_run():
+    """The README's first command trains tiny into runs/tiny; a docs command that trains into it again
+    fails after it ("output_dir=runs/tiny holds checkpoints: --resume auto or another output_dir"), so
+    each has an output_dir of its own."""
+    first = "bash scripts/setup.sh && .venv/bin/finetune train tiny --num_processes 2"
+    into = [f"{page.name} line {number}: {' '.join(words)}" for page, number, words in
+            ((p.values[0], p.values[1], p.values[2]) for p in ALL_COMMANDS)
+            if output_dir_of(words) in ("runs/tiny", "runs/tiny/")]
+    readme_first = [entry for entry in into if entry.startswith("README.md") and entry.endswith(
+        "finetune train tiny --num_processes 2")]
+    assert first in (REPO / "README.md").read_text() and len(readme_first) == 1, into
+    assert [entry for entry in into if entry not in readme_first] == []

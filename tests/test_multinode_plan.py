@@ -198,7 +198,7 @@ def test_plan_nodes_prefers_flat_layouts_on_a_fast_network():
 
 @pytest.mark.parametrize("args,words", [
     (["--nodes", "0"], "--nodes 0: must be more than zero"),
-    (["--nodes", "2", "--inter-node-gbps", "-1"], "--inter-node-gbps -1: must be more than zero"),
+    (["--nodes", "2", "--inter-node-gbps", "-1"], "--inter-node-gbps -1: must be a link rate from 0.1 to 100000 Gbit/s"),
     (["--nodes", "2", "--max-seq-len", "--gpu-mem", "80GB"], "--max-seq-len and --nodes"),
 ])
 def test_plan_nodes_errors_are_one_line(args, words):
@@ -235,3 +235,58 @@ def test_where_a_node_cannot_hold_a_copy_hybrid_over_more_nodes_is_offered():
     assert labels[labels.index("hsdp shard 8") + 1] == "hsdp shard 32" and "hsdp shard 16" not in labels
     small = comm.cluster_table(resolve("llama70b_lora_hsdp", []), arch, 8, 8, M.parse_size("80GB"), M.HEADROOM)
     assert "hsdp shard 16" not in small and "hsdp shard 32" not in small  # LoRA: a node holds a copy
+
+
+@pytest.mark.parametrize("flag,value", [("--inter-node-gbps", "nan"), ("--inter-node-gbps", "inf"),
+                                        ("--inter-node-gbps", "1e-300"), ("--intra-node-gbps", "nan"),
+                                        ("--intra-node-gbps", "1e300")])
+def test_plan_nodes_link_rates_must_be_finite_and_sane(flag, value, capsys):
+    """nan died in comm.choose (min() of an empty sequence), inf printed 0.0 ms everywhere and 1e-300
+    300-digit times: each is now one line naming the option, exit code 2."""
+    from finetune.commands.plan import main
+
+    capsys.readouterr()
+    assert main(["--recipe", "llama7b_zero3", "--nodes", "2", flag, value]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(f"error: {flag} {float(value):g}: must be a link rate from "
+                                                          "0.1 to 100000 Gbit/s"), captured.err
+    assert captured.err.count("\n") == 1
+
+
+def cluster_labels(text: str) -> list[str]:
+    return [line[2:].split("  ")[0] for line in text.splitlines() if line[:2] in ("  ", "* ")]
+
+
+@pytest.mark.parametrize("overrides,nodes,words", [
+    (["strategy=hsdp", "shard_size=3"], 2, "the shard groups must divide the 16 processes"),
+    (["strategy=hsdp", "shard_size=16", "global_batch_size=48"], 3, "the shard groups must divide the 24 processes"),
+    (["strategy=zero3", "shard_size=0", "zero_hpz_partition_size=3"], 2, "the hpZ groups must divide the 16 processes"),
+])
+def test_plan_nodes_neither_lists_nor_runs_a_layout_the_run_refuses(overrides, nodes, words):
+    """The recipe's own layout that the run refuses (make_plan on these processes: the strategy's
+    layout_problem) is in no row and never the choice: a line says the run refuses it, and why (the
+    planner said 'would run: hsdp shard 3'). Every layout it lists the run takes."""
+    recipe = resolve("llama70b_lora_hsdp", overrides)
+    arch = load_architecture(recipe.model)
+    text = comm.cluster_table(recipe, arch, nodes, 8, M.parse_size("80GB"), M.HEADROOM)
+    own = M.Setup.of(recipe).label
+    assert own not in cluster_labels(text) and f"would run: {own}" not in text
+    assert f"the recipe's setup ({own}): not listed, the run refuses it on {nodes * 8} GPU(s): " in text and words in text
+    with pytest.raises(RecipeError, match=words):
+        make_plan(recipe, env={"WORLD_SIZE": str(nodes * 8), "ACCELERATE_NUM_MACHINES": str(nodes)}, cuda_available=True)
+    for row in comm.layouts(recipe, arch, nodes, 8):
+        assert M.setup_problem(recipe, row.setup, nodes * 8, nodes) is None
+        make_plan(resolve("llama70b_lora_hsdp", [*overrides, *(f"{k}={v}" for k, v in row.setup.overrides().items())]),
+                  env={"WORLD_SIZE": str(nodes * 8), "ACCELERATE_NUM_MACHINES": str(nodes)}, cuda_available=True)
+
+
+def test_plan_on_one_gpu_lists_no_hybrid_layout(capsys):
+    """On 1 GPU the table listed the recipe's 'hsdp shard 8', which cannot exist there."""
+    from finetune.commands.plan import main
+
+    capsys.readouterr()
+    for extra in ([], ["--max-seq-len"]):
+        assert main(["--recipe", "llama70b_lora_hsdp", "--gpus", "1", "--gpu-mem", "80GB", *extra]) == 0
+        out = capsys.readouterr().out
+        assert not [line for line in out.splitlines() if line[2:].startswith("hsdp")], out
+        assert "the recipe's setup (hsdp shard 8): not listed, the run refuses it on 1 GPU(s): " in out

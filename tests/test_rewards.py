@@ -138,19 +138,22 @@ def test_reward_model_directory_scores_prompt_and_completion(tmp_path):
 def test_reward_model_directory_is_checked_before_the_policy_loads(tmp_path, tiny_tokenizer):
     """GRPO's check_reward_models (its before_model, which the loop calls before the policy loads) refuses, in one line, a reward
     model directory that is missing, whose weights are cut short, or that has no score head (a causal LM's
-    final/ given by mistake: transformers would add a random head, and the run train on random rewards);
-    it passes a real sequence-classification directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+    final/ given by mistake: transformers would add a random head, and the run train on random rewards), or
+    whose model type has no sequence-classification class (Mamba); it passes a real sequence-classification
+    directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, MambaConfig, MambaForCausalLM
 
     from finetune.training.objectives.grpo import GRPO
 
     config = dict(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, pad_token_id=tiny_tokenizer.pad_token_id)
-    good, causal, cut = tmp_path / "rm", tmp_path / "lm", tmp_path / "cut"
+    good, causal, cut, mamba = tmp_path / "rm", tmp_path / "lm", tmp_path / "cut", tmp_path / "mamba"
     LlamaForSequenceClassification(LlamaConfig(**config, num_labels=1)).save_pretrained(good)
     LlamaForCausalLM(LlamaConfig(**config)).save_pretrained(causal)
     LlamaForSequenceClassification(LlamaConfig(**config, num_labels=1)).save_pretrained(cut)
-    for folder in (good, causal, cut):
+    MambaForCausalLM(MambaConfig(vocab_size=len(tiny_tokenizer), hidden_size=16, state_size=4,
+                                 num_hidden_layers=1)).save_pretrained(mamba)
+    for folder in (good, causal, cut, mamba):
         tiny_tokenizer.save_pretrained(folder)
     weights = cut / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
@@ -163,7 +166,8 @@ def test_reward_model_directory_is_checked_before_the_policy_loads(tmp_path, tin
     before_model(good)
     for path, words in ((tmp_path / "missing", "no such directory"),
                         (causal, "its weights have no score head (score.weight: a LlamaForCausalLM directory"),
-                        (cut, "model.safetensors is not a whole safetensors file")):
+                        (cut, "model.safetensors is not a whole safetensors file"),
+                        (mamba, "model type mamba has no sequence-classification class in transformers")):
         with pytest.raises(RecipeError) as e:
             before_model(path)
         assert str(e.value).startswith(f"reward_funcs: reward model {path}: {words}"), str(e.value)

@@ -107,3 +107,25 @@ def test_summary_line_shows_the_steady_figure_first():
     line = next(ln for ln in format_summary({**base, "tokens_per_s_steady": None, "steady_steps": None})
                 .splitlines() if ln.split()[:1] == ["tokens"])
     assert line.split(None, 1)[1] == "30,000 target tokens, 882 tokens/s while training"
+
+
+def test_a_resumed_runs_summary_says_its_times_and_saves_are_since_the_resume():
+    """A resumed launch's summary counts its own saves and seconds (the Checkpointer and the meter start
+    with the launch): the run summary says so, and how many saves, instead of reading as the whole run's."""
+    from finetune.training.metrics import format_summary
+
+    base = {"steps": 12, "train_seconds": 4.0, "wall_seconds": 9.0, "tokens": 3_000, "tokens_per_s": 900.0,
+            "checkpoints": "runs/x/checkpoints (step_000000010, step_000000012)", "async_save": True,
+            "checkpoint_saves": 2, "checkpoint_blocking_seconds": 0.12, "checkpoint_background_seconds": 0.3}
+
+    def rows(summary):
+        return {ln.split()[0]: " ".join(ln.split()[1:]) for ln in format_summary(summary).splitlines()[2:-1]}
+
+    resumed = rows({**base, "resumed_at": 5})
+    assert resumed["steps"] == "12 (resumed at 5)"
+    assert resumed["time"].startswith("4.0 s training since the resume (of which eval")
+    assert resumed["checkpoints"].endswith("; async_save since the resume: 2 save(s), 0.12 s blocking, 0.30 s in "
+                                           "the background")
+    whole = rows(base)
+    assert whole["time"].startswith("4.0 s training (of which eval")
+    assert whole["checkpoints"].endswith("; async_save: 2 save(s), 0.12 s blocking, 0.30 s in the background")

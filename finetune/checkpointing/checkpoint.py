@@ -91,6 +91,14 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / MANIFEST).is_file())
 
 
+def existing_checkpoints(root: Path) -> str:
+    """What to say after "no checkpoint directory at ROOT/NAME": the complete checkpoints ROOT holds."""
+    found = [p.name for p in complete_checkpoints(root)]
+    if found:
+        return f"; {root} holds {', '.join(found)}"
+    return f"; {root} holds no complete checkpoint" if root.is_dir() else f"; {root} does not exist either"
+
+
 def partial_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
@@ -163,7 +171,7 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
     the advice for a checkpoint that is incomplete names --resume (False: export and chat, which take
     another checkpoint instead)."""
     if not path.is_dir():
-        raise RecipeError(f"no checkpoint directory at {path}")
+        raise RecipeError(f"no checkpoint directory at {path}{existing_checkpoints(path.parent)}")
     if not (path / MANIFEST).is_file():
         raise RecipeError(not_a_checkpoint(path, resume))
     manifest = manifest if manifest is not None else read_manifest(path)

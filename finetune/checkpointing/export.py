@@ -306,6 +306,7 @@ def _export_verified(ckpt: Path, out_dir: Path, manifest: dict, max_shard_size: 
     model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(tmp)
     _plain_architecture(tmp / "config.json")
+    write_run_recipe(ckpt, tmp)
 
     reloaded = auto.from_pretrained(tmp, dtype=model.dtype).eval()
     probe = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -320,6 +321,17 @@ def _export_verified(ckpt: Path, out_dir: Path, manifest: dict, max_shard_size: 
     return {"checkpoint": str(ckpt), "step": manifest["step"], "world_size": manifest["world_size"],
             "out_dir": str(out_dir), "dtype": str(model.dtype).replace("torch.", ""),
             "parameters": sum(p.numel() for p in model.parameters()), "probe_max_abs_diff": max_diff}
+
+
+def write_run_recipe(ckpt: Path, tmp: Path) -> None:
+    """The run's recipe.json beside the exported model, as chat finds one beside final/ (in the output_dir
+    above it): the prompt format and answer length `finetune chat` takes from it (finetune/chat.py
+    run_format, max_new_tokens_of), so that chat on an export answers as chat on final/. The output_dir's
+    where the checkpoint still sits in OUTPUT_DIR/checkpoints/ (it also records the data's sources), else
+    the checkpoint's own."""
+    run = ckpt.parent.parent / "recipe.json"
+    source = run if ckpt.parent.name == "checkpoints" and run.is_file() else ckpt / "recipe.json"
+    shutil.copyfile(source, tmp / "recipe.json")
 
 
 def lora_keys(state_dict: dict) -> dict:
@@ -391,6 +403,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     model.save_pretrained(adapter_tmp, safe_serialization=True)
     tokenizer.save_pretrained(adapter_tmp)
     generation_config.save_pretrained(adapter_tmp)
+    write_run_recipe(ckpt, adapter_tmp)
     reloaded = PeftModel.from_pretrained(model.unload(), adapter_tmp).eval()  # the base again, adapter from disk
     with torch.no_grad():
         got = reloaded(input_ids=probe).logits
@@ -414,6 +427,7 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
     tokenizer.save_pretrained(tmp)
     _plain_architecture(tmp / "config.json")
+    write_run_recipe(ckpt, tmp)
     shutil.rmtree(adapter_tmp, ignore_errors=True)
     with torch.no_grad():
         merged_logits = merged(input_ids=probe).logits

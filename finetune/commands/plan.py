@@ -49,10 +49,14 @@ def _parse_planner_args(argv):
     if args.gpus < 1:
         raise RecipeError(f"--gpus {args.gpus}: must be at least 1")
     if args.nodes is not None:
-        for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node),
-                            ("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps)):
+        for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
             if value <= 0:
                 raise RecipeError(f"{flag} {value:g}: must be more than zero")
+        for flag, value in (("--intra-node-gbps", args.intra_node_gbps), ("--inter-node-gbps", args.inter_node_gbps)):
+            low, high = LINK_GBPS
+            if not low <= value <= high:  # nan and inf too: no time per step to compare
+                raise RecipeError(f"{flag} {value:g}: must be a link rate from {low:g} to {high:g} Gbit/s (a 400G NIC "
+                                  f"is 400, NVLink 4 is {INTRA_GBPS:g})")
         if args.max_seq_len:
             raise RecipeError("--max-seq-len and --nodes: one question at a time; drop one of them")
         args.gpus = args.nodes * args.gpus_per_node
@@ -62,6 +66,10 @@ def _parse_planner_args(argv):
         raise RecipeError(f"--headroom {args.headroom}: must be at least 0 and below 1")
     return args
 
+
+# The link rates the planner takes, Gbit/s per GPU: from a slow 100 Mbit/s link to 100 Tbit/s (several times
+# NVLink 5); outside them its times would be meaningless (0.0 ms, or hundreds of digits)
+LINK_GBPS = (0.1, 100_000)
 
 CLUSTER_GPU_MEM = "80GB"  # --nodes without --gpu-mem: an H100's
 

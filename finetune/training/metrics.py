@@ -494,9 +494,12 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
              if summary.get(f"final_eval_{name}") is not None]
     peaks = summary.get("peak_memory_per_rank") or []
     kind = summary.get("peak_memory_kind", "")
+    # a resumed run's times and saves are this launch's, since the resume (every save's are in
+    # metrics.jsonl's checkpoint records)
+    leg = " since the resume" if summary.get("resumed_at") else ""
     rows = [
         ("steps", f"{summary['steps']}" + (f" (resumed at {summary['resumed_at']})" if summary.get("resumed_at") else "")),
-        ("time", f"{summary['train_seconds']:.1f} s training (of which eval {summary.get('eval_seconds', 0):.1f} s, "
+        ("time", f"{summary['train_seconds']:.1f} s training{leg} (of which eval {summary.get('eval_seconds', 0):.1f} s, "
                  f"checkpoints {summary.get('checkpoint_seconds', 0):.1f} s), {summary['wall_seconds']:.1f} s in all"),
         ("tokens", f"{summary['tokens']:,} target tokens, " + speed_line(summary)),
         # an objective without an eval loss (GRPO: a reward) shows its eval metrics alone
@@ -508,7 +511,8 @@ def format_summary(summary: dict, shown: dict[str, str] | None = None) -> str:
         ("model", summary.get("final_model", "")),
         ("stops at", summary.get("end_of_turn") or "n/a"),
         ("checkpoints", (summary.get("checkpoints") or "none written") + (
-            f"; async_save: {summary['checkpoint_blocking_seconds']:.2f} s blocking, "
+            f"; async_save{leg}: {summary['checkpoint_saves']} save(s), "
+            f"{summary['checkpoint_blocking_seconds']:.2f} s blocking, "
             f"{summary['checkpoint_background_seconds'] or 0:.2f} s in the background"
             if summary.get("async_save") and summary.get("checkpoint_saves") else "")),
         *([("undecodable", f"{summary['undecodable_completions']} of {summary['completions']} completions hold "

@@ -45,3 +45,14 @@ def hangs(completions, **kwargs):
 def unscored(completions, **kwargs):
     """Scores no completion (None for each): a step with no learning signal."""
     return [None] * len(completions)
+
+
+def _scorer():
+    from finetune.rewards import RewardModel
+
+    return RewardModel(os.environ.get("GRPO_REWARD_MODEL", "GRPO_REWARD_MODEL is not set"), name="scorer")
+
+
+# A RewardModel itself as a reward function (reward_funcs=grpo_rewards:scorer): GRPO checks it (check)
+# before the policy loads, then loads it on its first call.
+scorer = _scorer()

@@ -208,6 +208,7 @@ def test_each_save_reports_blocking_and_background_seconds(resumed):
     assert summary["async_save"] is True and summary["checkpoint_saves"] == 2
     assert summary["checkpoint_background_seconds"] > 0
     assert "s blocking" in resumed("ddp").stderr and "s in the background" in resumed("ddp").stderr
+    assert "async_save since the resume: 2 save(s), " in resumed("ddp").stderr  # this launch's, not the run's
 
 
 def test_a_user_error_with_a_write_in_flight_waits_and_publishes_it(launch, tmp_path):

@@ -5,7 +5,8 @@ rewards and advantages in rollouts.jsonl; the loss and metrics within 1e-5), wit
 partitioned by ZeRO-3, sharded by FSDP); a SIGKILLed ZeRO-3 run resumed inside a rollout logs and
 samples exactly what the uninterrupted one did, and resumed on 1 process logs and samples what the
 2-process run did; LoRA under FSDP with a reward model (a sequence-classification directory) as one
-reward function samples, scores and trains on 2 processes as on 1; a reward function that raises stops the run with one
+reward function samples, scores and trains on 2 processes as on 1; a RewardModel as a reward function
+under ZeRO-3 on 2 processes scores as the directory does in this process; a reward function that raises stops the run with one
 line naming the step, the function and the prompt, its last checkpoint intact. Every launch but the last
 evaluates at steps 0, 3 and 6 (the eval prompts' completions sampled and scored): the eval records of 2
 processes equal those of 1, and a resumed run's those of the uninterrupted one."""
@@ -181,12 +182,29 @@ def test_sampling_and_rewards_without_a_learning_signal_are_said(launch, tmp_pat
     assert next(r for r in records if "eval_reward" in r)["eval_reward"] is None
 
 
-def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory):
+def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_factory, reward_model_dir):
+    """Under ZeRO-3 on 2 processes, beside a reward function that raises at step 5: a RewardModel itself
+    as a reward function (grpo_rewards:scorer), checked before the policy loads and loaded whole on each
+    process outside zero.Init (before: the check built its skeleton under zero.Init and the run stopped
+    with 'Cannot copy out of meta tensor', called 'no sequence-classification form'). Its scores in
+    rollouts.jsonl are the directory's own, scored here in this process."""
+    from conftest import one_thread
+
+    from finetune.rewards import RewardModel
+
     out = tmp_path_factory.mktemp("grpo-bad-reward")
-    run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "eval_dataset=", "reward_funcs=finetune.rewards:exact_match,grpo_rewards:broken",
+    run = launch(2, "strategy=zero3", *GRPO, "save_every=2", "eval_dataset=",
+                 "reward_funcs=finetune.rewards:exact_match,grpo_rewards:scorer,grpo_rewards:broken",
                  output_dir=out, check=False, recipe="tiny_grpo",
-                 extra_env={"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}"})
-    assert run.returncode != 0
+                 extra_env={"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}",
+                            "GRPO_REWARD_MODEL": str(reward_model_dir)})
+    assert run.returncode != 0 and (out / "rollouts.jsonl").is_file(), run.stderr[-3000:]
+    lines = rollouts(run)
+    assert len(lines) == 32 and all(set(r["rewards"]) == {"exact_match", "scorer", "broken"} for r in lines)
+    with one_thread():
+        want = RewardModel(str(reward_model_dir))([r["prompt"] for r in lines], [r["completion"] for r in lines])
+    got = [r["rewards"]["scorer"] for r in lines]
+    assert len(set(got)) > 1 and max(abs(a - b) for a, b in zip(got, want)) < 1e-5, (got, want)
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, run.stderr[-3000:]
     # num_iterations=2: the function's fourth call (the first is the check before the model loads) is at step

@@ -94,6 +94,26 @@ def test_samples_equal_chat_on_checkpoint(name, sample_run, chat_in_process):
     assert sorted(run.output_dir.rglob("*")) == before  # nothing written anywhere
 
 
+@pytest.mark.parametrize("name", ["fsdp", "fsdp_lora"])
+def test_chat_on_an_export_answers_as_on_final(name, sample_run, export_in_process, chat_in_process, tmp_path):
+    """`finetune export` of the last checkpoint, away from the run's output_dir: chat on it without
+    --max-new-tokens or --format answers as chat on final/ does, and as the run's last samples (an export
+    carried no recipe.json, and chat fell back to the chat template and 256 tokens)."""
+    run = sample_run(name)
+    exported = export_in_process(run.output_dir / "checkpoints" / "step_000000004", tmp_path / "export")
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    last = [s for s in _samples(run) if s["step"] == 4]
+    for sample in last:
+        instruction, input = ALPACA.fullmatch(sample["prompt"]).groups()
+        answers = []
+        for path in (tmp_path / "export", run.output_dir / "final"):
+            proc = chat_in_process(path, instruction, "--input", input)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            answers.append(proc.stdout.removesuffix("\n"))
+        assert answers == [sample["generated"]] * 2, (answers, sample["generated"])
+    assert any(s["generated"] for s in last)
+
+
 def test_more_samples_than_eval_rows_is_one_line(launch):
     run = launch(1, "strategy=ddp", "sample_prompts=40", check=False)  # eval_max_samples=32
     lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
