@@ -260,7 +260,7 @@ def cluster_labels(text: str) -> list[str]:
 @pytest.mark.parametrize("overrides,nodes,words", [
     (["strategy=hsdp", "shard_size=3"], 2, "the shard groups must divide the 16 processes"),
     (["strategy=hsdp", "shard_size=16", "global_batch_size=48"], 3, "the shard groups must divide the 24 processes"),
-    (["strategy=zero3", "shard_size=0", "zero_hpz_partition_size=3"], 2, "the hpZ groups must divide the 16 processes"),
+    (["strategy=zero3", "shard_size=0", "zero_hpz_partition_size=3"], 2, "hpZ's groups must divide the processes; use one of 2, 4, 8, 16"),
 ])
 def test_plan_nodes_neither_lists_nor_runs_a_layout_the_run_refuses(overrides, nodes, words):
     """The recipe's own layout that the run refuses (make_plan on these processes: the strategy's

@@ -181,15 +181,6 @@ class Zero3(Zero):
                     "replicate across nodes) or mics_shard_size=0")
         return super().option_problem(recipe)
 
-    def layout_problem(self, recipe, world_size, machines):
-        """DeepSpeed builds hpZ's secondary groups of zero_hpz_partition_size ranks; it asserts in every
-        rank where they do not divide the processes."""
-        hpz = recipe.zero_hpz_partition_size
-        if hpz > 1 and world_size % hpz:
-            return (f"strategy=zero3 with zero_hpz_partition_size={hpz}: the hpZ groups must divide the {world_size} "
-                    f"processes; use a zero_hpz_partition_size that divides {world_size} (a node's GPUs)")
-        return None
-
     def zero_optimization(self, plan, hidden_size):
         h2 = hidden_size * hidden_size
         section = super().zero_optimization(plan, hidden_size)
