@@ -18,7 +18,9 @@ import torch
 
 from finetune.data import IGNORE
 from finetune.loss import token_logps
-from finetune.training.objectives.grpo import GRPO, group_advantages, policy_loss, rollout_batch
+from finetune.training.objectives.grpo import GRPO
+from finetune.rl_losses import group_advantages, policy_loss
+from finetune.training.rollouts import rollout_batch
 from finetune.rewards import weighted_rewards
 from finetune.recipe import Recipe
 
@@ -385,7 +387,7 @@ def test_the_objective_scores_at_its_sampling_temperature():
 
 # ----------------------------------------------------------------------------- the rollout phase's pure parts
 def test_completion_seeds_are_stable_and_distinct():
-    from finetune.training.objectives.grpo import completion_seed
+    from finetune.training.rollouts import completion_seed
 
     seeds = {completion_seed(42, k, row, j) for k in range(3) for row in (0, 7, 4000) for j in range(8)}
     assert len(seeds) == 3 * 3 * 8 and all(0 <= s < 2**63 for s in seeds)
@@ -395,7 +397,7 @@ def test_completion_seeds_are_stable_and_distinct():
 
 
 def test_each_rank_gets_whole_groups_and_the_prompts_do_not_depend_on_the_process_count():
-    from finetune.training.objectives.grpo import prompt_schedule, rank_prompts
+    from finetune.training.rollouts import prompt_schedule, rank_prompts
 
     schedule = prompt_schedule(100, 8, seed=3)
     step = schedule.rows(2, 0)[0]
@@ -422,7 +424,7 @@ def test_grpo_global_batch_counts_prompts():
 
 
 def test_rollouts_file_is_cut_to_the_resumed_step(tmp_path):
-    from finetune.training.objectives.grpo import keep_rollouts, read_rollouts
+    from finetune.training.rollouts import keep_rollouts, read_rollouts
 
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps({"step": s, "completion": "x"}) + "\n" for s in (1, 1, 3, 3, 5)))
@@ -436,7 +438,7 @@ def test_a_torn_last_line_of_rollouts_is_cut_without_being_read(tmp_path):
     """A kill or a full disk in the middle of a write leaves half a record past the checkpoint: the resume
     cuts the file by step, up to the first line that is not a whole record, and parses nothing past it
     (before: JSONDecodeError on every resume)."""
-    from finetune.training.objectives.grpo import keep_rollouts, read_rollouts, write_rollouts
+    from finetune.training.rollouts import keep_rollouts, read_rollouts, write_rollouts
 
     path = tmp_path / "rollouts.jsonl"
     ds = {"prompt": ["p0", "p1"]}
@@ -463,7 +465,7 @@ def test_a_full_disk_writing_rollouts_names_the_file(tmp_path):
     """/dev/full fails every write with ENOSPC, as a full disk does: one line naming the file (before: a
     bare OSError: [Errno 28] No space left on device)."""
     from finetune.recipe import RecipeError
-    from finetune.training.objectives.grpo import write_rollouts
+    from finetune.training.rollouts import write_rollouts
 
     with pytest.raises(RecipeError, match=r"cannot write /dev/full at step 7: No space left on device; the run "
                                           r"stopped before step 7's update, its last checkpoint is intact"):
@@ -491,7 +493,7 @@ def test_char_rewards():
 
 # ----------------------------------------------------------------------------- the eval's pure parts
 def test_eval_seeds_are_stable_and_apart_from_the_rollouts():
-    from finetune.training.objectives.grpo import completion_seed, eval_seed
+    from finetune.training.rollouts import completion_seed, eval_seed
 
     seeds = {eval_seed(42, row, j) for row in (0, 7, 199) for j in range(8)}
     assert len(seeds) == 3 * 8 and all(0 <= s < 2**63 for s in seeds)
@@ -502,7 +504,7 @@ def test_eval_seeds_are_stable_and_apart_from_the_rollouts():
 
 
 def test_eval_batches_split_over_any_number_of_ranks_in_order():
-    from finetune.training.objectives.grpo import eval_prompt_batches, eval_share
+    from finetune.training.rollouts import eval_prompt_batches, eval_share
 
     assert eval_prompt_batches(5, 4) == [[0, 1, 2, 3], [4]] and eval_prompt_batches(0, 4) == []
     for count in range(10):
@@ -518,7 +520,7 @@ def test_eval_metrics_do_not_depend_on_how_many_ranks_generated():
     """The same completions of 7 eval prompts (3 a batch, groups of 4), split over 1, 2 or 3 ranks as
     GRPO.evaluate splits them: the same metrics exactly, the rollout's metrics over all of them."""
     from finetune.rewards import weighted_rewards
-    from finetune.training.objectives.grpo import eval_metrics, eval_prompt_batches, eval_share, rollout_metrics
+    from finetune.training.rollouts import eval_metrics, eval_prompt_batches, eval_share, rollout_metrics
 
     g, names, weights = 4, ["a", "b"], torch.tensor([1.0, 0.5])
     torch.manual_seed(0)
@@ -549,7 +551,7 @@ def test_eval_metrics_do_not_depend_on_how_many_ranks_generated():
 
 
 def test_a_reward_failure_on_any_rank_is_every_ranks():
-    from finetune.training.objectives.grpo import first_failure
+    from finetune.training.rollouts import first_failure
 
     assert first_failure([([], [], [], None), ([], [], [], None)]) is None
     assert first_failure([([], [], [], None), ([], [], [], "step 3: reward function f raised")]) == \

@@ -42,7 +42,9 @@ from trl.trainer.grpo_trainer import GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 import test_grpo_objective as T
 from finetune.data import IGNORE
-from finetune.training.objectives.grpo import GRPO, policy_loss, rollout_batch
+from finetune.training.objectives.grpo import GRPO
+from finetune.rl_losses import policy_loss
+from finetune.training.rollouts import rollout_batch
 from finetune.training.reference import Frozen
 from finetune.recipe import Recipe
 
