@@ -39,13 +39,20 @@ micro-batch per rank)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 from finetune.rewards import weighted_rewards
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CLIPPED = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")  # PPO's clipped surrogate
+TOKEN_COUNTED = ("dapo", "cispo", "vespo")  # averaged over the global batch's completion tokens, else completions
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
-CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max")
 
 
 def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
@@ -82,44 +89,212 @@ def group_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generati
     return torch.nan_to_num(advantages, nan=0.0).float(), zero_std
 
 
+@dataclasses.dataclass(frozen=True)
+class LossSettings:
+    """A loss type and its hyper-parameters, TRL's GRPOConfig names and defaults (epsilon_high None:
+    epsilon, as TRL's; for cispo it is the cap on the ratio itself, ScaleRL's 5.0)."""
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0
+    bias_correction_kl: bool = True
+    max_completion_len: int = 1
+    importance_sampling_level: str = "token"
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"importance_sampling_level={self.importance_sampling_level!r}: must be one of "
+                             f"{', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+
+    @property
+    def high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @classmethod
+    def from_recipe(cls, r) -> "LossSettings":
+        names = [f.name for f in dataclasses.fields(cls) if f.name not in ("bias_correction_kl", "epsilon_high")]
+        return cls(**{n: getattr(r, n) for n in names}, epsilon_high=r.epsilon_high or r.epsilon,
+                   bias_correction_kl=r.use_bias_correction_kl)
+
+
+def metric_names(loss_type: str, beta: float) -> tuple[str, ...]:
+    """The loss's metrics under TRL's names, in the order metric_values gives them."""
+    names = (("kl",) if beta != 0.0 else ()) + ("entropy",)
+    if loss_type in CLIPPED:
+        return names + CLIP_METRICS
+    return names + {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}[loss_type]
+
+
+# policy_loss's sums: [kl, entropy, tokens, a, b, c, count, -low_min, high_max]: the first 7 summed over
+# micro-batches and ranks, the last MAXED by max (a min kept negated). a, b, c over count: the clip ratios
+# low, high, region (clipped loss types), cispo's clipped share (a), vespo's phi (a); count is the
+# completion tokens at token level, the completions where the quantity is one per sequence.
+SUMS, MAXED = 9, 2
+
+
+def metric_values(sums: torch.Tensor, loss_type: str, beta: float) -> list[float]:
+    """The metrics' values (metric_names' order) from policy_loss's sums reduced over micro-batches and
+    ranks: means over what each counts; NaN where nothing was counted."""
+    def mean(x, n):
+        return x / n if n > 0 else float("nan")
+
+    kl, entropy, tokens, a, b, c, count, low_min, high_max = sums.tolist()
+    values = ([mean(kl, tokens)] if beta != 0.0 else []) + [mean(entropy, tokens)]
+    if loss_type in CLIPPED:
+        extremes = [-low_min if math.isfinite(low_min) else float("nan"),
+                    high_max if math.isfinite(high_max) else float("nan")]
+        return values + [mean(a, count), mean(b, count), mean(c, count)] + extremes
+    return values + ([mean(a, count)] if loss_type in ("cispo", "vespo") else [])
+
+
+def merged_sums(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """Two micro-batches' sums as one: summed, the MAXED ones by max."""
+    if old is None:
+        return new
+    return torch.cat([old[:-MAXED] + new[:-MAXED], torch.maximum(old[-MAXED:], new[-MAXED:])])
+
+
+# ---------------------------------------------------------------- the token losses, one per loss type
+# Each takes coef = exp(log ratio) ([rows, length] at token level, [rows, 1] at sequence level) and the
+# advantages [rows, 1], and gives the per-token loss before the KL term (trl 1.16 _compute_loss).
+
+
+def clipped_loss(coef: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float) -> torch.Tensor:
+    """grpo, dapo, dr_grpo, bnpo, luspo: PPO's clipped surrogate, -min(r A, clip(r, 1 - eps, 1 + eps_high) A)."""
+    clipped = torch.clamp(coef, 1 - epsilon, 1 + epsilon_high)
+    return -torch.min(coef * advantages, clipped * advantages)
+
+
+def cispo_loss(coef: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor, epsilon_high: float) -> torch.Tensor:
+    """cispo (MiniMax-M1, ScaleRL): the ratio capped at epsilon_high and detached, a REINFORCE weight:
+    -sg(min(r, eps_high)) A logp."""
+    return -torch.clamp(coef, max=epsilon_high).detach() * advantages * logps
+
+
+def sapo_loss(coef: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+              temperature_neg: float) -> torch.Tensor:
+    """sapo: a soft gate instead of the clip, -sigmoid(tau (r - 1)) 4 / tau A, tau by the advantage's sign."""
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg)
+    return -torch.sigmoid(tau * (coef - 1)) * 4 / tau * advantages
+
+
+def gamma_weights(advantages: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, is_ratio=None, *,
+                  k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+                  lambda_neg: float = 2.0) -> torch.Tensor:
+    """vespo's per-sequence weight phi(w) = exp(lambda + k log w - lambda w) [rows, 1], no gradient, w the
+    sequence's importance ratio (the summed token log ratios, times a vLLM engine's importance weights),
+    log w clamped to [log 1e-8, 20]; k and lambda by the advantage's sign."""
+    with torch.no_grad():
+        low = math.log(1e-8)
+        log_w = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+        if is_ratio is not None:
+            log_w = log_w + torch.sum(torch.clamp(torch.log(is_ratio), low, 20.0), dim=-1, keepdim=True)
+        log_w = torch.clamp(log_w, low, 20.0)
+        positive = advantages >= 0
+        k = torch.where(positive, k_pos, k_neg)
+        lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+        return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def vespo_loss(phi: torch.Tensor, advantages: torch.Tensor, logps: torch.Tensor) -> torch.Tensor:
+    """vespo: -phi(w) A logp, phi from gamma_weights."""
+    return -phi * advantages * logps
+
+
+def aggregated(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_len: int) -> torch.Tensor:
+    """A micro-batch's token losses summed in the loss type's unit (module docstring): divided by the global
+    batch's count (completions, or completion tokens for TOKEN_COUNTED) it is TRL's loss."""
+    if loss_type in ("grpo", "sapo"):
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
+    if loss_type == "bnpo":  # TRL's mean over the micro-batch's tokens, weighted as its completions
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0) * mask.shape[0]
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum() / max_completion_len
+    return (per_token * mask).sum()  # dapo, cispo, vespo (over tokens); luspo (each completion's sum)
+
+
 def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, old_logps=None,
-                ref_logps=None, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
-                beta: float = 0.0, max_completion_len: int = 1, bias_correction_kl: bool = True,
-                is_ratio=None) -> tuple[torch.Tensor, torch.Tensor]:
+                ref_logps=None, is_ratio=None, entropies=None, settings: LossSettings | None = None,
+                **values) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss terms of some completions ([rows, length] per-token log-probs, their rows'
-    advantages [rows], the tokens that count [rows, length]) and the sums of the metrics over their
-    counted tokens: [kl, clipped low, clipped high, clipped either, tokens], float64. The sum's unit is
-    the loss type's (module docstring): divided by the global batch's count it is TRL's loss."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    advantages [rows], the tokens that count [rows, length]) and the sums of the metrics (the SUMS layout
+    above, float64). settings: a LossSettings, or its fields as keywords. old_logps: the policy's at the
+    rollout (None: logps detached, one iteration); ref_logps: the reference's (beta > 0); is_ratio: a vLLM
+    engine's importance weights; entropies: each token's entropy (the entropy metric only)."""
+    s = settings or LossSettings(**values)
+    eps_high = s.high
     mask = mask.to(logps.dtype)
     advantages = advantages.to(logps).unsqueeze(1)
     old = logps.detach() if old_logps is None else old_logps.to(logps)
-    ratio = torch.exp(logps - old)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
-    if is_ratio is not None:  # vLLM's completions: TRL's importance-sampling correction (generators.importance_weights)
+    log_ratio = logps - old
+    if s.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, its tokens' mean log ratio
+        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:
+        log_weights = log_ratio
+    coef = torch.exp(log_weights)
+    phi = None
+    if s.loss_type in CLIPPED:
+        per_token = clipped_loss(coef, advantages, s.epsilon, eps_high)
+    elif s.loss_type == "cispo":
+        per_token = cispo_loss(coef, advantages, logps, eps_high)
+    elif s.loss_type == "sapo":
+        per_token = sapo_loss(coef, advantages, s.sapo_temperature_pos, s.sapo_temperature_neg)
+    else:
+        phi = gamma_weights(advantages, log_ratio, mask, is_ratio, k_pos=s.vespo_k_pos, lambda_pos=s.vespo_lambda_pos,
+                            k_neg=s.vespo_k_neg, lambda_neg=s.vespo_lambda_neg)
+        per_token = vespo_loss(phi, advantages, logps)
+    if is_ratio is not None and phi is None:  # vLLM's completions: TRL's correction (vespo has it in phi)
         per_token = per_token * is_ratio.to(per_token)
     kl = None
-    if beta != 0.0:
+    if s.beta != 0.0:
         if ref_logps is None:
             raise ValueError("beta > 0 needs the reference's log-probs (ref_logps) in the batch")
         delta = ref_logps.to(logps) - logps
         kl = torch.exp(delta) - delta - 1
-        if bias_correction_kl:
-            kl = kl * ratio
-        per_token = per_token + beta * kl
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / max_completion_len
-    else:
-        loss = (per_token * mask).sum()
+        if s.bias_correction_kl:
+            kl = kl * coef
+        per_token = per_token + s.beta * kl
+    loss = aggregated(per_token, mask, s.loss_type, s.max_completion_len)
     with torch.no_grad():
-        low = (ratio < 1 - epsilon) & (advantages < 0)
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        sums = [(kl * mask).sum() if kl is not None else mask.new_zeros(()),
-                (low * mask).sum(), (high * mask).sum(), ((low | high) * mask).sum(), mask.sum()]
-        sums = torch.stack(sums).double()
-    return loss, sums
+        return loss, metric_sums(s, coef, advantages, mask, kl, entropies, phi)
+
+
+def metric_sums(s: LossSettings, coef, advantages, mask, kl, entropies, phi) -> torch.Tensor:
+    """The SUMS of one micro-batch (policy_loss), TRL's metrics: global_masked_mean's sums and counts (over
+    tokens, or over completions for a per-sequence quantity), masked_seq_mean's min and max."""
+    zero = mask.new_zeros(())
+    tokens = mask.sum()
+    per_sequence = coef.shape[1] == 1
+
+    def total(x):
+        return (x.sum(), mask.new_tensor(float(x.shape[0]))) if x.shape[1] == 1 else ((x * mask).sum(), tokens)
+
+    a = b = c = count = zero
+    low_min = high_max = mask.new_tensor(-math.inf)
+    if s.loss_type in CLIPPED:
+        low = ((coef < 1 - s.epsilon) & (advantages < 0)).to(mask)
+        high = ((coef > 1 + s.high) & (advantages > 0)).to(mask)
+        (a, count), (b, _), (c, _) = total(low), total(high), total(torch.maximum(low, high))
+        if per_sequence:  # one value per completion, every completion's
+            kept, seq_low, seq_high = torch.ones_like(low.squeeze(1), dtype=torch.bool), low.squeeze(1), high.squeeze(1)
+        else:  # each completion's share of its tokens; one without tokens is NaN, left out (TRL's nanmin)
+            kept = mask.sum(-1) > 0
+            seq_low, seq_high = (low * mask).sum(-1) / mask.sum(-1), (high * mask).sum(-1) / mask.sum(-1)
+        if kept.numel():
+            low_min = torch.where(kept, -seq_low, -math.inf).max()
+            high_max = torch.where(kept, seq_high, -math.inf).max()
+    elif s.loss_type == "cispo":
+        a, count = total(((coef > s.high) & (advantages > 0)).to(mask))
+    elif s.loss_type == "vespo":
+        a, count = total(phi.to(mask))
+    sums = [(kl * mask).sum() if kl is not None else zero,
+            (entropies.to(mask) * mask).sum() if entropies is not None else zero, tokens, a, b, c, count]
+    return torch.stack(sums + [low_min, high_max]).double()

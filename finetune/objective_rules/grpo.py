@@ -19,7 +19,9 @@ def default(recipe, key: str):
 
 GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
-               "mask_truncated_completions", "use_bias_correction_kl")
+               "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
+               "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+               "vespo_lambda_neg", "cast_lm_head_to_fp32")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 
@@ -72,6 +74,14 @@ def check(r, strategy) -> None:
     problem = sampling_problem(r)
     if problem:
         raise RecipeError(problem)
+    if r.cast_lm_head_to_fp32 and r.loss_impl == "full":
+        raise RecipeError("cast_lm_head_to_fp32=true with loss_impl=full: the output layer's matmul is computed in "
+                          "float32 on the chunked path (loss_impl=chunked, the default); set loss_impl=chunked or "
+                          "cast_lm_head_to_fp32=false")
+    if r.loss_type == "sapo" and min(r.sapo_temperature_pos, r.sapo_temperature_neg) <= 0:
+        key = "sapo_temperature_pos" if r.sapo_temperature_pos <= 0 else "sapo_temperature_neg"
+        raise RecipeError(f"{key}={getattr(r, key):g}: sapo's gate divides by its temperature; use a value above 0 "
+                          "(TRL's defaults: 1.0 and 1.05)")
 
 
 VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",

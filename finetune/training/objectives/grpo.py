@@ -20,7 +20,7 @@ import torch
 
 from finetune import data as D
 from finetune.data import IGNORE
-from finetune.loss import token_logps, token_logps_within
+from finetune.loss import token_logps, token_logps_entropy, token_logps_within
 from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
@@ -33,7 +33,8 @@ from finetune.training.rollouts import (CACHE_DIR, ROLLOUTS, completion_seed, ev
 from finetune.training.stopping import Interrupted
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
-from finetune.rl_losses import CLIP_METRICS, group_advantages, policy_loss
+from finetune.rl_losses import (MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
+                                metric_values, policy_loss)
 
 
 class GRPO(Basic):
@@ -43,11 +44,12 @@ class GRPO(Basic):
 
     def __init__(self, recipe):
         self.recipe = recipe
+        self.settings = LossSettings.from_recipe(recipe)
         self.loss_type, self.beta = recipe.loss_type, recipe.beta
-        self.bias_correction_kl = recipe.use_bias_correction_kl
+        # cast_lm_head_to_fp32: the output layer's matmul, so the logits, in float32 (ScaleRL)
+        self.head_dtype = torch.float32 if recipe.cast_lm_head_to_fp32 else None
         # the log-probs of the distribution the completions were sampled from (greedy: the logits as they are)
         self.temperature = recipe.temperature if recipe.temperature > 0 else 1.0
-        self.epsilon, self.epsilon_high = recipe.epsilon, recipe.epsilon_high or recipe.epsilon  # 0: epsilon
         self.max_completion_len = recipe.max_completion_len
         self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
@@ -56,7 +58,7 @@ class GRPO(Basic):
             ENGINE_METRICS if recipe.generation_backend == "vllm" else ())
         self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
         self.sampled_logps: list = []  # the engine's log-probs of the last sample()'s completions
-        self.loss_metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
+        self.loss_metrics = metric_names(self.loss_type, self.beta)
         self.metrics = self.loss_metrics + self.rollout_names
         self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
         # loss.png: not the policy loss, which is about 0 whatever the policy
@@ -68,6 +70,7 @@ class GRPO(Basic):
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
+        self.maxed = MAXED  # the loss's sums end with a min and a max over completions (rl_losses.SUMS)
         self.said_unscored = False  # a step whose completions no function scored was said
         self.warned = False  # completions with ids the tokenizer cannot decode were logged once
 
@@ -323,7 +326,7 @@ class GRPO(Basic):
                             b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
                         else:  # and the sampled distribution's: the tokenizer's rows only, as the engine draws
                             full, within = token_logps_within(model, device_batch, len(run.tokenizer), self.loss_impl,
-                                                              self.chunk, self.temperature)
+                                                              self.chunk, self.temperature, self.head_dtype)
                             b["old_logps"], sampler_logps = full.float().cpu(), within.float().cpu()
                     model.train(was_training)
                 elif keep_old:
@@ -334,14 +337,14 @@ class GRPO(Basic):
                 elif is_rows is not None:
                     b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
                 if self.reference is not None:
-                    b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature).float().cpu()
+                    b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature, self.head_dtype).float().cpu()
             out.append(b)
         return out
 
     def token_logps(self, model, batch: dict) -> torch.Tensor:
         """The policy's per-token log-probs of a micro-batch at the sampling temperature (the loss's, and
         the old ones kept at the rollout)."""
-        return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature)
+        return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature, self.head_dtype)
 
     def weigh(self, b: dict, trainer: torch.Tensor, sampled: torch.Tensor) -> None:
         """A micro-batch of the engine's completions: its importance weights (TRL's correction, when on) and
@@ -386,19 +389,18 @@ class GRPO(Basic):
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch of completions; its metrics' sums are kept for take_metrics."""
-        logps = self.token_logps(model, batch)
+        logps, entropies = token_logps_entropy(model, batch, self.loss_impl, self.chunk, self.temperature,
+                                               self.head_dtype)
         mask = (batch["labels"] != IGNORE).to(logps.device)
         loss, sums = policy_loss(
             logps, batch["advantages"], mask, old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
-            loss_type=self.loss_type, epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
-            max_completion_len=self.max_completion_len, bias_correction_kl=self.bias_correction_kl,
-            is_ratio=batch.get("is_ratio"))
-        self.sums = sums if self.sums is None else self.sums + sums
+            entropies=entropies, settings=self.settings, is_ratio=batch.get("is_ratio"))
+        self.sums = merged_sums(self.sums, sums)
         return loss
 
     def count(self, batch: dict) -> int:
         """What a micro-batch's loss is averaged over: completions, or completion tokens for dapo."""
-        if self.loss_type == "dapo":
+        if self.loss_type in TOKEN_COUNTED:
             return D.target_tokens(batch)
         return int(real_rows(batch).sum())
 
@@ -418,14 +420,12 @@ class GRPO(Basic):
         return rollouts_summary(out / ROLLOUTS)
 
     def take_metrics(self) -> torch.Tensor | None:
-        """The metrics' sums since the last call ([kl, clipped low, high, either, tokens]), or None."""
+        """The loss's metric sums since the last call (rl_losses.SUMS: the last `maxed` reduced by max), or None."""
         sums, self.sums = self.sums, None
         return sums
 
     def means(self, sums: torch.Tensor, count: torch.Tensor | None = None) -> list[float]:
         """The metrics' values (in `metrics` order) from take_metrics' sums reduced over ranks: means
-        over the completion tokens they count themselves (not over the global batch's count), then the
+        over what they count themselves (not over the global batch's count), then the
         step's rollout metrics (computed on the whole gathered rollout, the same on every rank)."""
-        values = (sums[:4] / sums[4].clamp(min=1)).tolist()
-        values = values if self.beta != 0.0 else values[1:]
-        return values + [self.rollout_values.get(n, float("nan")) for n in self.rollout_names]
+        return metric_values(sums, self.loss_type, self.beta) + [self.rollout_values.get(n, float("nan")) for n in self.rollout_names]
