@@ -188,13 +188,17 @@ class Recipe:
                                    "more than it saves)")
     max_completion_len: int = _opt(256, min=1, help="grpo: the most tokens a completion gets; also dr_grpo's "
                                    "normaliser")
-    loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"),
+    loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo",
+                                           "rloo"),
                           help="grpo: the policy loss (finetune/rl_losses.py, docs/rl.md): grpo: each completion's "
                           "mean token loss, averaged; dapo: the mean over all completion tokens of the global batch; "
                           "dr_grpo: their sum / (completions x max_completion_len); bnpo: the mean over each "
                           "micro-batch's tokens; cispo: the capped ratio (epsilon_high) times logp; sapo: a soft "
                           "gate for the clip; luspo: each completion's summed loss; vespo: a gamma weight of the "
-                          "sequence ratio times logp")
+                          "sequence ratio times logp; rloo: TRL's RLOOTrainer (leave-one-out baseline, beta's KL in "
+                          "the reward, the clipped ratio of whole sequences)")
+    normalize_advantages: bool = _opt(False, help="grpo, loss_type=rloo: the advantages normalised over the batch "
+                                      "(mean 0, std 1; TRL's RLOOConfig name)")
     importance_sampling_level: str = _opt("token", choices=("token", "sequence"),
                                           help="grpo: the importance ratio per token, or per completion (the mean "
                                           "of its tokens' log ratios: GSPO)")

@@ -46,7 +46,8 @@ import torch
 
 from finetune.rewards import weighted_rewards
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")  # TRL's GRPOTrainer
+LOSS_TYPES = GRPO_LOSS_TYPES + ("rloo",)  # and its RLOOTrainer (rloo_advantages, rloo_loss)
 CLIPPED = ("grpo", "dapo", "dr_grpo", "bnpo", "luspo")  # PPO's clipped surrogate
 TOKEN_COUNTED = ("dapo", "cispo", "vespo")  # averaged over the global batch's completion tokens, else completions
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -126,9 +127,10 @@ class LossSettings:
 
 
 def metric_names(loss_type: str, beta: float) -> tuple[str, ...]:
-    """The loss's metrics under TRL's names, in the order metric_values gives them."""
-    names = (("kl",) if beta != 0.0 else ()) + ("entropy",)
-    if loss_type in CLIPPED:
+    """The loss's metrics under TRL's names, in the order metric_values gives them (rloo: its kl is the
+    rollout's, its penalty is in the reward)."""
+    names = (("kl",) if beta != 0.0 and loss_type != "rloo" else ()) + ("entropy",)
+    if loss_type in CLIPPED or loss_type == "rloo":
         return names + CLIP_METRICS
     return names + {"cispo": ("cispo_clip_ratio",), "vespo": ("vespo/phi_seq_mean",), "sapo": ()}[loss_type]
 
@@ -147,8 +149,8 @@ def metric_values(sums: torch.Tensor, loss_type: str, beta: float) -> list[float
         return x / n if n > 0 else float("nan")
 
     kl, entropy, tokens, a, b, c, count, low_min, high_max = sums.tolist()
-    values = ([mean(kl, tokens)] if beta != 0.0 else []) + [mean(entropy, tokens)]
-    if loss_type in CLIPPED:
+    values = ([mean(kl, tokens)] if beta != 0.0 and loss_type != "rloo" else []) + [mean(entropy, tokens)]
+    if loss_type in CLIPPED or loss_type == "rloo":
         extremes = [-low_min if math.isfinite(low_min) else float("nan"),
                     high_max if math.isfinite(high_max) else float("nan")]
         return values + [mean(a, count), mean(b, count), mean(c, count)] + extremes
@@ -234,6 +236,10 @@ def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tenso
     mask = mask.to(logps.dtype)
     advantages = advantages.to(logps).unsqueeze(1)
     old = logps.detach() if old_logps is None else old_logps.to(logps)
+    if s.loss_type == "rloo":
+        loss, coef = rloo_loss(logps, old, advantages, mask, s.epsilon, eps_high)
+        with torch.no_grad():
+            return loss, metric_sums(s, coef, advantages, mask, None, entropies, None)
     log_ratio = logps - old
     if s.importance_sampling_level == "sequence":  # GSPO: one ratio per completion, its tokens' mean log ratio
         log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
@@ -279,7 +285,7 @@ def metric_sums(s: LossSettings, coef, advantages, mask, kl, entropies, phi) -> 
 
     a = b = c = count = zero
     low_min = high_max = mask.new_tensor(-math.inf)
-    if s.loss_type in CLIPPED:
+    if s.loss_type in CLIPPED or s.loss_type == "rloo":
         low = ((coef < 1 - s.epsilon) & (advantages < 0)).to(mask)
         high = ((coef > 1 + s.high) & (advantages > 0)).to(mask)
         (a, count), (b, _), (c, _) = total(low), total(high), total(torch.maximum(low, high))
@@ -298,3 +304,38 @@ def metric_sums(s: LossSettings, coef, advantages, mask, kl, entropies, phi) -> 
     sums = [(kl * mask).sum() if kl is not None else zero,
             (entropies.to(mask) * mask).sum() if entropies is not None else zero, tokens, a, b, c, count]
     return torch.stack(sums + [low_min, high_max]).double()
+
+
+# ---------------------------------------------------------------- RLOO (trl 1.16 RLOOTrainer)
+
+
+def rloo_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int, kl: torch.Tensor | None = None,
+                    beta: float = 0.0, normalize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024) as TRL's RLOOTrainer computes it
+    (_generate_and_score_completions): each completion's reward (the weighted sum; NaN where no function
+    scored) minus beta times its KL (kl: each completion's summed old - ref token log-probs, k1, at the
+    rollout), minus the mean of its group's other scorable rewards; normalize: then over the whole batch to
+    mean 0 and std 1 (+1e-4); NaN (unscorable, or alone in its group) -> 0. And whether each group's
+    (penalised) rewards have std 0 (frac_reward_zero_std)."""
+    rewards = weighted_rewards(per_func.double(), weights)
+    if beta != 0.0 and kl is not None:
+        rewards = rewards - beta * kl.double()
+    grouped = rewards.view(-1, num_generations)
+    std = nanstd(grouped, dim=1)
+    scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
+    baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)
+    advantages = rewards - baselines.view(-1)
+    if normalize:
+        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+    zero_std = torch.isclose(std, torch.zeros_like(std)).repeat_interleave(num_generations)
+    return torch.nan_to_num(advantages, nan=0.0).float(), zero_std
+
+
+def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              epsilon: float, epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOOTrainer's loss, summed over the completions (the objective averages over the global batch's):
+    the clipped surrogate of each completion's ratio exp(sum logp - sum old_logp) over its whole sequence
+    (a product of token ratios, not GSPO's mean), [rows, 1]; no KL term (it is in the reward). And the ratios."""
+    seq, old_seq = (logps * mask).sum(-1, keepdim=True), (old_logps * mask).sum(-1, keepdim=True)
+    coef = torch.exp(seq - old_seq)
+    return clipped_loss(coef, advantages, epsilon, epsilon_high).sum(), coef

@@ -23,7 +23,7 @@ import torch
 from finetune.data import IGNORE
 from finetune.loss import token_logps, token_logps_entropy
 from finetune.training.objectives.grpo import GRPO
-from finetune.rl_losses import (CLIPPED, LOSS_TYPES, TOKEN_COUNTED, LossSettings, group_advantages,
+from finetune.rl_losses import (CLIPPED, GRPO_LOSS_TYPES, TOKEN_COUNTED, LossSettings, group_advantages,
                                 merged_sums, policy_loss)
 from finetune.training.rollouts import rollout_batch
 from finetune.rewards import weighted_rewards
@@ -258,7 +258,7 @@ def entropies_of(logps, seed=7):
 EPSILON_HIGH = {"cispo": 1.2}
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("iterations", [1, 2])
 @pytest.mark.parametrize("beta,corrected", [(0.0, True), (0.04, True), (0.04, False)])
@@ -332,15 +332,15 @@ def test_the_loss_types_differ():
     formula."""
     base, old, ref, advantages, mask = rollout_tensors(iterations=2)
     grads = {}
-    for loss_type in LOSS_TYPES:
+    for loss_type in GRPO_LOSS_TYPES:
         logps = base.clone().requires_grad_()
         settings = LossSettings(loss_type=loss_type, max_completion_len=9)
         loss = sum(policy_loss(logps[p], advantages[p], mask[p], old_logps=old[p], settings=settings)[0]
                    for p in (slice(0, 4), slice(4, 8)))  # 2 micro-batches: bnpo's token mean is per micro-batch
         (loss / (mask.sum() if loss_type in TOKEN_COUNTED else len(mask))).backward()
         grads[loss_type] = logps.grad
-    for a in LOSS_TYPES:
-        for b in LOSS_TYPES:
+    for a in GRPO_LOSS_TYPES:
+        for b in GRPO_LOSS_TYPES:
             if a < b:
                 assert not torch.allclose(grads[a], grads[b], atol=1e-6), (a, b)
 

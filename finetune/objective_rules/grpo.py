@@ -21,7 +21,7 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
                "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-               "vespo_lambda_neg", "cast_lm_head_to_fp32")
+               "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 
@@ -74,6 +74,7 @@ def check(r, strategy) -> None:
     problem = sampling_problem(r)
     if problem:
         raise RecipeError(problem)
+    check_rloo(r)
     if r.cast_lm_head_to_fp32 and r.loss_impl == "full":
         raise RecipeError("cast_lm_head_to_fp32=true with loss_impl=full: the output layer's matmul is computed in "
                           "float32 on the chunked path (loss_impl=chunked, the default); set loss_impl=chunked or "
@@ -82,6 +83,31 @@ def check(r, strategy) -> None:
         key = "sapo_temperature_pos" if r.sapo_temperature_pos <= 0 else "sapo_temperature_neg"
         raise RecipeError(f"{key}={getattr(r, key):g}: sapo's gate divides by its temperature; use a value above 0 "
                           "(TRL's defaults: 1.0 and 1.05)")
+
+
+# GRPO's keys that loss_type=rloo (TRL's RLOOTrainer) has no use for, and normalize_advantages, rloo's only
+NOT_RLOO = ("scale_rewards", "importance_sampling_level", "use_bias_correction_kl")
+
+
+def check_rloo(r) -> None:
+    """loss_type=rloo: its advantages are leave-one-out (not scaled), its ratio a whole sequence's, its KL in
+    the reward (k1): GRPO's keys for those left at their defaults; normalize_advantages only with it; the
+    vLLM engine not tried with it."""
+    if r.loss_type != "rloo":
+        if r.normalize_advantages:
+            raise RecipeError(f"normalize_advantages=true applies to loss_type=rloo only (loss_type={r.loss_type} "
+                              "scales advantages by scale_rewards); set loss_type=rloo, or leave normalize_advantages "
+                              "out")
+        return
+    changed = [k for k in NOT_RLOO if getattr(r, k) != default(r, k)]
+    if changed:
+        key = changed[0]
+        raise RecipeError(f"{key}={getattr(r, key)} does not apply to loss_type=rloo (TRL's RLOOTrainer: leave-one-out "
+                          "advantages, normalize_advantages to scale them; the ratio of whole sequences; the KL as a "
+                          f"reward penalty); leave {key} out")
+    if r.generation_backend == "vllm":
+        raise RecipeError("loss_type=rloo with generation_backend=vllm: not tried (TRL's RLOOTrainer applies no "
+                          "importance-sampling correction); use generation_backend=finetune")
 
 
 VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",

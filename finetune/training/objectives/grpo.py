@@ -34,7 +34,7 @@ from finetune.training.stopping import Interrupted
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
 from finetune.rl_losses import (MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
-                                metric_values, policy_loss)
+                                metric_values, policy_loss, rloo_advantages)
 
 
 class GRPO(Basic):
@@ -54,7 +54,9 @@ class GRPO(Basic):
         self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
         self.rewards = Rewards.from_recipe(recipe)
-        self.rollout_names = rollout_metric_names(self.rewards.names) + (
+        # rloo's kl is the rollout's (its penalty is in the reward), the others' the loss's
+        self.rollout_names = (("kl",) if self.loss_type == "rloo" and self.beta != 0.0 else ()) + \
+            rollout_metric_names(self.rewards.names) + (
             ENGINE_METRICS if recipe.generation_backend == "vllm" else ())
         self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
         self.sampled_logps: list = []  # the engine's log-probs of the last sample()'s completions
@@ -171,15 +173,20 @@ class GRPO(Basic):
             log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
                         "reward None): their advantages are 0 and the step trains on nothing (its reward is null in "
                         "metrics.jsonl); said once")
-        advantages, zero_std = group_advantages(all_rewards, self.rewards.weights, g, r.scale_rewards)
+        share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
+        engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
+        # the micro-batches (old and reference log-probs) before the advantages: rloo's penalise the reward by them
+        batches = self.batches(run, prompt_ids, tokens, stopped, torch.zeros(len(tokens)),
+                               engine_logps=self.sampled_logps if engine else None)
+        advantages, zero_std, kl = self.advantages(all_rewards, batches)
+        for b, part in zip(batches, advantages[share].split(r.micro_batch_size)):
+            b["advantages"] = part.clone()
         values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
                                  torch.tensor([len(t) for t in all_tokens]),
                                  ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
-        share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
-        engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
-        batches = self.batches(run, prompt_ids, tokens, stopped, advantages[share],
-                               engine_logps=self.sampled_logps if engine else None)
+        if kl is not None:
+            values["kl"] = kl
         if engine:
             values |= self.engine_values(batches, k)
             values["vllm/push_seconds"] = self.generator.push_seconds
@@ -201,6 +208,25 @@ class GRPO(Basic):
             self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
+
+    def advantages(self, rewards: torch.Tensor, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """The whole global batch's advantages from its [completions, functions] rewards (every rank's, in
+        order), whether each completion's group has reward std 0, and rloo's kl metric (None for the
+        others). rloo with beta > 0 (a collective): each completion's k1 KL, sum(old_logp - ref_logp) over
+        its tokens, gathered from this rank's micro-batches (TRL's RLOOTrainer)."""
+        r, g = self.recipe, self.num_generations
+        if self.loss_type != "rloo":
+            return (*group_advantages(rewards, self.rewards.weights, g, r.scale_rewards), None)
+        kl, metric = None, None
+        if self.beta != 0.0:
+            per_token = [(b["old_logps"] - b["ref_logps"]) * (b["labels"] != IGNORE) for b in batches]
+            parts = gather_objects(([x for t in per_token for x in t.sum(-1).tolist()],
+                                    sum(t.sum().item() for t in per_token), sum(D.target_tokens(b) for b in batches)))
+            kl = torch.tensor([x for part in parts for x in part[0]], dtype=torch.float64)
+            metric = sum(part[1] for part in parts) / max(sum(part[2] for part in parts), 1)
+        advantages, zero_std = rloo_advantages(rewards, self.rewards.weights, g, kl, self.beta,
+                                               r.normalize_advantages)
+        return advantages, zero_std, metric
 
     def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages) -> None:
         """Rank 0: rollout k's completions, their rewards and advantages into rollouts.jsonl, under `step`
@@ -309,7 +335,9 @@ class GRPO(Basic):
         (self.engine_sums); is_rows: the weights saved with a recorded rollout."""
         r, model = run.recipe, run.model
         m = r.micro_batch_size
-        keep_old = self.num_iterations > 1 or engine_logps is not None or is_rows is not None
+        # rloo with beta > 0 penalises the reward by the KL of the old log-probs (also with one iteration)
+        keep_old = (self.num_iterations > 1 or engine_logps is not None or is_rows is not None
+                    or (self.loss_type == "rloo" and self.beta != 0.0))
         self.engine_sums = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
         out = []
         for a in range(0, len(tokens), m):
