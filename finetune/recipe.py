@@ -197,6 +197,10 @@ class Recipe:
                           "gate for the clip; luspo: each completion's summed loss; vespo: a gamma weight of the "
                           "sequence ratio times logp; rloo: TRL's RLOOTrainer (leave-one-out baseline, beta's KL in "
                           "the reward, the clipped ratio of whole sequences)")
+    dynamic_sampling: bool = _opt(False, help="grpo: groups whose rewards are all equal (no learning signal) are "
+                                  "dropped and more prompts sampled until the batch is full (DAPO)")
+    max_generation_batches: int = _opt(10, min=1, help="grpo, dynamic_sampling: the most generation batches a step "
+                                       "samples; then it trains on what it found (verl's max_num_gen_batches)")
     normalize_advantages: bool = _opt(False, help="grpo, loss_type=rloo: the advantages normalised over the batch "
                                       "(mean 0, std 1; TRL's RLOOConfig name)")
     importance_sampling_level: str = _opt("token", choices=("token", "sequence"),

@@ -739,3 +739,34 @@ def test_the_eval_shows_the_reward_where_there_is_no_eval_loss():
                "final_eval_loss": None, "best_eval_loss": None, "final_eval_reward": 0.25}
     rows = [" ".join(line.split()) for line in format_summary(summary, grpo.shown).splitlines()]
     assert "eval metrics reward 0.2500 (final)" in rows and not any(r.startswith("eval loss") for r in rows)
+
+
+def test_dynamic_sampling_keeps_the_groups_with_a_signal_in_generation_order():
+    """Half the groups have equal rewards (std 0, or none scored): the batch takes the groups with a signal
+    in the order the generation batches made them, the first `wanted`; with too few, groups of equal
+    rewards after them; the dropped groups not in the batch are named (batch, group)."""
+    from finetune.training.rollouts import fill_groups, signal_groups
+
+    g, weights = 2, torch.tensor([1.0])
+    nan = float("nan")
+    first = ([10, 11, 12, 13], [[i] for i in range(8)], [True] * 8,
+             torch.tensor([[1.0], [0.0], [0.5], [0.5], [nan], [nan], [0.2], [0.3]]))
+    second = ([20, 21], [[i] for i in range(8, 12)], [False] * 4, torch.tensor([[0.0], [0.0], [1.0], [nan]]))
+    assert signal_groups(first[3], weights, g).tolist() == [True, False, False, True]
+    assert signal_groups(second[3], weights, g).tolist() == [False, False]  # one scored: no std
+    rows, tokens, stopped, rewards, found, dropped = fill_groups([first, second], 2, weights, g)
+    assert rows == [10, 13] and tokens == [[0], [1], [6], [7]] and found == 2 and stopped == [True] * 4
+    assert rewards.view(-1)[:2].tolist() == [1.0, 0.0] and dropped == [(0, 1), (0, 2), (1, 0), (1, 1)]
+    rows, tokens, _, _, found, dropped = fill_groups([first, second], 4, weights, g)
+    assert rows == [10, 13, 11, 12] and found == 2 and dropped == [(1, 0), (1, 1)]  # short: equal groups fill in
+
+
+def test_refill_prompts_and_seeds_are_their_own_and_stable():
+    from finetune.training.rollouts import completion_seed, prompt_schedule, refill_schedule
+
+    base = prompt_schedule(100, 4, 7).rows(3, 0)[0]
+    refills = [refill_schedule(100, 4, 7, b).rows(3, 0)[0] for b in (1, 2)]
+    assert refills[0] != base and refills[1] != refills[0]
+    assert refills[0] == refill_schedule(100, 4, 7, 1).rows(3, 0)[0]  # a pure function of (seed, batch, rollout)
+    assert completion_seed(7, 3, 5, 0) == completion_seed(7, 3, 5, 0, batch=0)  # batch 0: the seeds as before
+    assert len({completion_seed(7, 3, 5, 0, batch=b) for b in range(3)}) == 3

@@ -21,7 +21,8 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
                "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-               "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages")
+               "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages", "dynamic_sampling",
+               "max_generation_batches")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 
@@ -75,6 +76,13 @@ def check(r, strategy) -> None:
     if problem:
         raise RecipeError(problem)
     check_rloo(r)
+    if r.max_generation_batches != default(r, "max_generation_batches") and not r.dynamic_sampling:
+        raise RecipeError(f"max_generation_batches={r.max_generation_batches} applies to dynamic_sampling=true only; "
+                          "set dynamic_sampling=true, or leave max_generation_batches out")
+    if r.dynamic_sampling and r.generation_backend == "vllm":
+        raise RecipeError("dynamic_sampling=true with generation_backend=vllm: not tried (a refilled batch trains a "
+                          "rank on completions another rank's engine sampled, whose log-probs it does not hold); use "
+                          "generation_backend=finetune")
     if r.cast_lm_head_to_fp32 and r.loss_impl == "full":
         raise RecipeError("cast_lm_head_to_fp32=true with loss_impl=full: the output layer's matmul is computed in "
                           "float32 on the chunked path (loss_impl=chunked, the default); set loss_impl=chunked or "

@@ -226,6 +226,11 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
                                 "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
                                 "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"
                     for i, (t, text) in enumerate(zip(tokens, texts)))
+    append_lines(path, step, lines)
+
+
+def append_lines(path, step: int, lines: str) -> None:
+    """rollouts.jsonl's lines of `step` appended; a full disk is one line naming the file."""
     try:
         with open(path, "a") as f:
             f.write(lines)
@@ -273,13 +278,94 @@ def load_rollout(out, k: int, step: int) -> dict:
 # other sequences in the batch, and a resumed run samples what the uninterrupted one did.
 
 
-def completion_seed(seed: int, rollout: int, row: int, completion: int) -> int:
+def completion_seed(seed: int, rollout: int, row: int, completion: int, batch: int = 0) -> int:
     """A completion's sampling seed: a stable 63-bit hash of (recipe seed, rollout index, the prompt's
-    dataset row, the completion's index in its group); not Python's hash(), which varies per process."""
+    dataset row, the completion's index in its group, and for dynamic sampling's further generation batches
+    their index); not Python's hash(), which varies per process."""
     import hashlib
 
-    digest = hashlib.blake2b(f"grpo:{seed}:{rollout}:{row}:{completion}".encode(), digest_size=8).digest()
+    key = f"grpo:{seed}:{rollout}:{row}:{completion}" if not batch else f"grpo:{seed}:{rollout}:{batch}:{row}:{completion}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+# ---------------------------------------------------------------- dynamic sampling (DAPO)
+#
+# dynamic_sampling=true: a group whose rewards are all equal (std 0, or none scored) has every advantage 0
+# and trains on nothing; it is dropped, and rollout k samples more prompts until the step's
+# global_batch_size groups have a learning signal or max_generation_batches batches were generated.
+# Generation batch 0 is the prompt schedule's (as without dynamic sampling); batch b > 0 reads the k-th
+# batch of its own prompt schedule (refill_schedule: the rows permuted with a seed of (seed, b)), its
+# completions seeded with b too (completion_seed), so that what a rollout samples depends on nothing
+# but (seed, k) and the policy: the same on any process count and after a resume (a kill in the middle
+# of refilling re-runs the rollout from its start, from the checkpoint's weights).
+
+
+# the rollout's metrics under dynamic sampling: generation batches sampled, groups dropped (rewards all equal),
+# and how many of the batch's groups have no signal all the same (max_generation_batches reached)
+DYNAMIC_METRICS = ("dynamic_sampling/generation_batches", "dynamic_sampling/dropped_groups",
+                   "dynamic_sampling/short_groups")
+
+
+def refill_schedule(num_rows: int, prompts_per_step: int, seed: int, batch: int):
+    """Dynamic sampling's prompt schedule for the further generation batch `batch` (>= 1) of every rollout."""
+    import hashlib
+
+    digest = hashlib.blake2b(f"grpo-refill:{seed}:{batch}".encode(), digest_size=4).digest()
+    return prompt_schedule(num_rows, prompts_per_step, int.from_bytes(digest, "little"))
+
+
+def signal_groups(per_func: torch.Tensor, weights: torch.Tensor, g: int) -> torch.Tensor:
+    """Which groups of g adjacent completions have a learning signal: weighted rewards not all equal (two or
+    more scored, std above 0, as frac_reward_zero_std counts them)."""
+    rewards = weighted_rewards(per_func.double(), weights).view(-1, g)
+    std = nanstd(rewards, dim=1)
+    return ~(torch.isnan(std) | torch.isclose(std, torch.zeros_like(std)))
+
+
+def fill_groups(batches: list[tuple[list[int], list, list, torch.Tensor]], wanted: int,
+                weights: torch.Tensor, g: int) -> tuple[list[int], list, list, torch.Tensor, int, list[tuple[int, int]]]:
+    """Dynamic sampling's batch from its generation batches (each: its prompt rows, every completion's
+    tokens, whether each stopped, [completions, functions] rewards; the whole batch, every rank's in
+    order): the first `wanted` groups with a learning signal in generation order; when fewer were found,
+    dropped groups (advantage 0: they train on nothing) in generation order after them. Returns the rows,
+    tokens, stopped, rewards of the batch, how many of its groups have a signal, and the (batch, group)
+    of every dropped group that is not in it."""
+    kept, dropped = [], []
+    for b, (rows, tokens, stopped, rewards) in enumerate(batches):
+        signal = signal_groups(rewards, weights, g).tolist()
+        for i, row in enumerate(rows):
+            (kept if signal[i] else dropped).append((b, i))
+    chosen = kept[:wanted]
+    found = len(chosen)
+    chosen += dropped[:wanted - found]
+    out_rows, out_tokens, out_stopped, out_rewards = [], [], [], []
+    for b, i in chosen:
+        rows, tokens, stopped, rewards = batches[b]
+        out_rows.append(rows[i])
+        out_tokens += tokens[i * g:(i + 1) * g]
+        out_stopped += stopped[i * g:(i + 1) * g]
+        out_rewards.append(rewards[i * g:(i + 1) * g])
+    left_out = [d for d in dropped if d not in chosen]
+    return out_rows, out_tokens, out_stopped, torch.cat(out_rewards), found, left_out
+
+
+def write_dropped(path, step: int, rollout: int, batches: list, dropped: list[tuple[int, int]], ds, g: int,
+                  names: list[str], weights: torch.Tensor) -> None:
+    """One line per group dynamic sampling dropped (its rewards all equal): the step, rollout, generation
+    batch, dataset row and prompt, and the group's rewards (weighted, per completion)."""
+    import json
+
+    if not dropped:
+        return
+    rows = [batches[b][0][i] for b, i in dropped]
+    prompts = ds[rows]["prompt"]
+    lines = []
+    for (b, i), row, prompt in zip(dropped, rows, prompts):
+        rewards = weighted_rewards(batches[b][3][i * g:(i + 1) * g].double(), weights)
+        lines.append(json.dumps({"step": step, "rollout": rollout, "row": row, "prompt": prompt, "dropped": True,
+                                 "generation_batch": b, "rewards": [json_values(float(x)) for x in rewards]}) + "\n")
+    append_lines(path, step, "".join(lines))
 
 
 def eval_seed(seed: int, row: int, completion: int) -> int:

@@ -45,3 +45,12 @@ def hangs(completions, **kwargs):
 def unscored(completions, **kwargs):
     """Scores no completion (None for each): a step with no learning signal."""
     return [None] * len(completions)
+
+
+def half_equal(completions, answer, **kwargs):
+    """answer_chars where the answer's first letter is odd (a, c, e, ...), 0.0 for every completion where it
+    is even: about half the groups have equal rewards (dynamic sampling drops them)."""
+    from finetune.rewards import answer_chars
+
+    dense = answer_chars(completions, answer)
+    return [d if ord(str(a)[0]) % 2 else 0.0 for d, a in zip(dense, answer)]

@@ -25,15 +25,17 @@ from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
 from finetune.training.metrics import log
-from finetune.training.rollouts import (CACHE_DIR, ROLLOUTS, completion_seed, eval_metrics, eval_prompt_batches,
-                                        eval_seed, eval_share, first_failure, generate_completions, joined,
+from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, ROLLOUTS, completion_seed, eval_metrics, eval_prompt_batches,
+                                        eval_seed, eval_share, fill_groups, first_failure, generate_completions, joined,
                                         keep_rollouts, load_rollout, padded_rows, rank_prompts, real_rows,
-                                        rollout_batch, rollout_metric_names, rollout_metrics, rollouts_summary,
-                                        save_rollout, prompt_schedule, warn_undecodable, write_rollouts)
+                                        refill_schedule, rollout_batch, rollout_metric_names, rollout_metrics,
+                                        rollouts_summary, save_rollout, prompt_schedule, signal_groups,
+                                        warn_undecodable, write_dropped, write_rollouts)
+from finetune.faults import fault_point
 from finetune.training.stopping import Interrupted
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
-from finetune.rl_losses import (MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
+from finetune.rl_losses import (CLIPPED, MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
                                 metric_values, policy_loss, rloo_advantages)
 
 
@@ -56,7 +58,7 @@ class GRPO(Basic):
         self.rewards = Rewards.from_recipe(recipe)
         # rloo's kl is the rollout's (its penalty is in the reward), the others' the loss's
         self.rollout_names = (("kl",) if self.loss_type == "rloo" and self.beta != 0.0 else ()) + \
-            rollout_metric_names(self.rewards.names) + (
+            rollout_metric_names(self.rewards.names) + (DYNAMIC_METRICS if recipe.dynamic_sampling else ()) + (
             ENGINE_METRICS if recipe.generation_backend == "vllm" else ())
         self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
         self.sampled_logps: list = []  # the engine's log-probs of the last sample()'s completions
@@ -66,6 +68,9 @@ class GRPO(Basic):
         # loss.png: not the policy loss, which is about 0 whatever the policy
         self.panels = (("reward: the weighted sum of the reward functions", "reward (mean per completion)", "reward"),
                        ("completion length", "tokens per completion (mean)", "completions/mean_length"),
+                       ("entropy of the sampled distribution", "nats (mean per completion token)", "entropy"),
+                       *([("clipped ratios", "share of completion tokens clipped", "clip_ratio/region_mean")]
+                         if self.loss_type in CLIPPED else []),
                        *([("KL to the reference", "KL (mean per completion token)", "kl")] if self.beta else []))
         self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
         self.reference = None
@@ -152,12 +157,14 @@ class GRPO(Basic):
         self.rollout_values = self.cached[2]
         return self.cached[1]
 
-    def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
-        r, accelerator = run.recipe, run.accelerator
-        sp, g = run.parallel.sp, self.num_generations
-        rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
+    def generation_batch(self, run, k: int, b: int, rows: list[int], step: int, stop=None):
+        """Generation batch b of rollout k: this rank's share of the prompt rows sampled (a collective) and
+        scored, gathered: (every completion's tokens, whether each stopped, [completions, functions]
+        rewards, this rank's prompts' ids and completions, the generation's seconds), or None where a stop
+        request cut it."""
+        r, sp, g = run.recipe, run.parallel.sp, self.num_generations
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
-        seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
+        seeds = [completion_seed(r.seed, k, row, j, batch=b) for row in mine for j in range(g)]
         prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
                                                                                  step + 1, updates=step, stop=stop)
         parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
@@ -167,7 +174,58 @@ class GRPO(Basic):
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
-        all_tokens, all_stopped, all_rewards = joined(parts, len(self.rewards.names))
+        return (*joined(parts, len(self.rewards.names)), prompt_ids, tokens, seconds)
+
+    def dynamic_batch(self, run, k: int, step: int, rows: list[int], stop=None):
+        """dynamic_sampling=true (rollouts.py, "dynamic sampling"): generation batches until the step's groups
+        with a learning signal fill it or max_generation_batches were generated; the dropped groups' lines
+        in rollouts.jsonl. (rows, tokens, stopped, rewards, seconds, counts) of the batch, or None (a stop
+        request)."""
+        r, g = run.recipe, self.num_generations
+        made, seconds = [], 0.0
+        for b in range(r.max_generation_batches):
+            if b:
+                fault_point("refill", run.accelerator.process_index, step + 1)  # a kill mid-refill (tests)
+                rows = refill_schedule(len(run.datasets.train), len(rows), r.seed, b).rows(k, 0)[0]
+            out = self.generation_batch(run, k, b, rows, step, stop)
+            if out is None:
+                return None
+            made.append((rows, *out[:3]))
+            seconds += out[5]
+            if int(sum(signal_groups(m[3], self.rewards.weights, g).sum() for m in made)) >= len(rows):
+                break
+        batch_rows, tokens, stopped, rewards, found, dropped = fill_groups(made, len(rows), self.rewards.weights, g)
+        if run.accelerator.is_main_process:
+            write_dropped(run.out / ROLLOUTS, step + 1, k, made, dropped, run.datasets.train, g, self.rewards.names,
+                          self.rewards.weights)
+            if found < len(rows):
+                log.warning(f"step {step + 1}: dynamic sampling found {found} of {len(rows)} groups with unequal "
+                            f"rewards in max_generation_batches={r.max_generation_batches} generation batches; "
+                            f"training on them and {len(rows) - found} groups of equal rewards (advantage 0)")
+        counts = dict(zip(DYNAMIC_METRICS, (float(len(made)), float(len(made) * len(rows) - found),
+                                            float(len(rows) - found))))
+        return batch_rows, tokens, stopped, rewards, seconds, counts
+
+    def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
+        r, accelerator = run.recipe, run.accelerator
+        sp, g = run.parallel.sp, self.num_generations
+        rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
+        counts = {}
+        if r.dynamic_sampling:
+            made = self.dynamic_batch(run, k, step, rows, stop)
+            if made is None:
+                return None
+            rows, all_tokens, all_stopped, all_rewards, seconds, counts = made
+            mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
+            n = len(mine) * g
+            tokens, stopped = all_tokens[sp.dp_rank * n:(sp.dp_rank + 1) * n], all_stopped[sp.dp_rank * n:(sp.dp_rank + 1) * n]
+            prompt_ids = [p for p in run.datasets.train[mine]["prompt_input_ids"] for _ in range(g)]
+        else:
+            made = self.generation_batch(run, k, 0, rows, step, stop)
+            if made is None:
+                return None
+            all_tokens, all_stopped, all_rewards, prompt_ids, tokens, seconds = made
+            stopped = all_stopped[sp.dp_rank * len(tokens):(sp.dp_rank + 1) * len(tokens)]
         if torch.isnan(all_rewards).all() and not self.said_unscored and accelerator.is_main_process:
             self.said_unscored = True
             log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
@@ -185,6 +243,7 @@ class GRPO(Basic):
                                  torch.tensor([len(t) for t in all_tokens]),
                                  ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
+        values |= counts
         if kl is not None:
             values["kl"] = kl
         if engine:
