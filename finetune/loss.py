@@ -129,7 +129,7 @@ class OutputHeadLoss:
     def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0,
                  vocab_size: int | None = None, entropy: bool = False, head_dtype: torch.dtype | None = None):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
-        self.entropy = entropy  # per_token: also each token's entropy (self.entropies, no gradient)
+        self.entropy = entropy  # per_token: also each token's entropy (self.entropies)
         self.entropies = None
         self.head_dtype = head_dtype  # per_token: the output layer's matmul in this dtype (cast_lm_head_to_fp32)
         self.temperature = temperature  # per_token: the logits, as the model makes them, divided by it
@@ -313,7 +313,7 @@ def token_logps_entropy(model, batch: dict, impl: str = "chunked", chunk: int | 
                         temperature: float = 1.0, head_dtype: torch.dtype | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_logps, each of those positions' entropy of softmax(logits / temperature), laid out as the
-    labels, without gradient: TRL's `entropy` metric), from one forward."""
+    labels: TRL's `entropy` metric, and with its gradient its entropy bonus), from one forward."""
     return _token_logps(model, batch, impl, chunk, temperature, None, entropy=True, head_dtype=head_dtype)
 
 
@@ -366,9 +366,7 @@ def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: 
 
     full = gathered(logits)
     if entropy:
-        with torch.no_grad():
-            z = logits.detach()
-            h = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+        h = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
         return full, F.pad((h * mask)[:, :-1], (1, 0))
     if vocab_size is None:
         return full, None
@@ -381,7 +379,7 @@ def linear_token_logps(hidden, weight, bias, targets, impl: str = "chunked", *, 
     """log softmax(softcap(scale * (hidden_i @ weight.T + bias)) / temperature)[targets_i] for each i: [n]
     in fp32, a chunk of rows at a time (liger has no per-token form: the chunked path serves it too).
     dtype: the matmul's (None: autocast's, else the weight's). entropy: also each row's entropy of that
-    distribution ([n] fp32, no gradient), returned second."""
+    distribution ([n] fp32, differentiable), returned second."""
     device_type = hidden.device.type
     if dtype is None:
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
@@ -414,12 +412,12 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                     entropies[part] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
         ctx.save_for_backward(hidden, targets)
         ctx.weight, ctx.bias, ctx.options = weight, bias, (scale, softcap, rows, dtype, temperature)
-        ctx.mark_non_differentiable(entropies)
+        ctx.set_materialize_grads(False)  # entropies only a metric: no gradient of theirs to compute
         return out, entropies
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, _grad_entropies=None):
+    def backward(ctx, grad_out, grad_entropies=None):
         hidden, targets = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         scale, softcap, rows, dtype, temperature = ctx.options
@@ -434,9 +432,18 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 part = slice(start, start + rows)
                 h = hidden[part].to(dtype)
                 z, tanh = _logits(h, w, b, scale, softcap, temperature)
-                g = torch.softmax(z, dim=-1).neg_()  # d log p[y] / dz = onehot(y) - softmax(z)
-                g[torch.arange(g.shape[0], device=g.device), targets[part]] += 1.0
-                g.mul_(grad_out[part, None].float())
+                p = torch.softmax(z, dim=-1)
+                # d log p[y] / dz = onehot(y) - p; d H / dz = -p (log p + H) (the entropy bonus)
+                g = p.neg() if grad_entropies is not None else p.neg_()
+                if grad_out is not None:
+                    g[torch.arange(g.shape[0], device=g.device), targets[part]] += 1.0
+                    g.mul_(grad_out[part, None].float())
+                else:
+                    g.zero_()
+                if grad_entropies is not None:
+                    logp = torch.log_softmax(z, dim=-1)
+                    entropy = -(p * logp).sum(-1, keepdim=True)
+                    g.sub_(p.mul_(logp.add_(entropy)).mul_(grad_entropies[part, None].float()))
                 if temperature != 1.0:  # z is the model's logits / temperature
                     g.div_(temperature)
                 if tanh is not None:

@@ -213,6 +213,8 @@ class Recipe:
     vespo_lambda_pos: float = _opt(3.0, help="grpo, loss_type=vespo: the gamma weight's decay where the advantage >= 0")
     vespo_k_neg: float = _opt(3.0, help="grpo, loss_type=vespo: the gamma weight's power where the advantage < 0")
     vespo_lambda_neg: float = _opt(2.0, help="grpo, loss_type=vespo: the gamma weight's decay where the advantage < 0")
+    entropy_coef: float = _opt(0.0, help="grpo: an entropy bonus: the loss less entropy_coef x the mean token "
+                               "entropy of each micro-batch (TRL's name, its static form; 0: none)")
     cast_lm_head_to_fp32: bool = _opt(False, help="grpo: the output layer's matmul (the logits) in float32 for the "
                                       "policy, old and reference log-probs (ScaleRL); needs loss_impl=chunked")
     scale_rewards: str = _opt("group", choices=("group", "batch", "none"),

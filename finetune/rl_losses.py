@@ -107,6 +107,7 @@ class LossSettings:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
+    entropy_coef: float = 0.0
 
     def __post_init__(self):
         if self.loss_type not in LOSS_TYPES:
@@ -225,13 +226,32 @@ def aggregated(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_
 
 def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, old_logps=None,
                 ref_logps=None, is_ratio=None, entropies=None, settings: LossSettings | None = None,
-                **values) -> tuple[torch.Tensor, torch.Tensor]:
+                micro_batch_count: float | None = None, **values) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed loss terms of some completions ([rows, length] per-token log-probs, their rows'
     advantages [rows], the tokens that count [rows, length]) and the sums of the metrics (the SUMS layout
     above, float64). settings: a LossSettings, or its fields as keywords. old_logps: the policy's at the
     rollout (None: logps detached, one iteration); ref_logps: the reference's (beta > 0); is_ratio: a vLLM
-    engine's importance weights; entropies: each token's entropy (the entropy metric only)."""
+    engine's importance weights; entropies: each token's entropy (the entropy metric, and with entropy_coef
+    the bonus: entropy_bonus). micro_batch_count: the loss's count over the global batch divided by its
+    micro-batches (entropy_coef only; None: the rows, right for the types counted in completions)."""
     s = settings or LossSettings(**values)
+    loss, sums = _policy_loss(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropies, s)
+    if s.entropy_coef != 0.0:
+        loss = loss - entropy_bonus(entropies, mask, s.entropy_coef,
+                                    mask.shape[0] if micro_batch_count is None else micro_batch_count)
+    return loss, sums
+
+
+def entropy_bonus(entropies: torch.Tensor, mask: torch.Tensor, coef: float, micro_batch_count: float) -> torch.Tensor:
+    """TRL's entropy bonus (entropy_coef; its static form): coef x the micro-batch's mean token entropy, in
+    the loss's unit (x micro_batch_count, the global count over the micro-batches): over the global
+    count, the mean over micro-batches of their mean token entropy, as TRL's per micro-batch mean
+    divided by the accumulation steps and averaged over ranks comes to."""
+    mask = mask.to(entropies.dtype)
+    return coef * (entropies * mask).sum() / mask.sum().clamp(min=1.0) * micro_batch_count
+
+
+def _policy_loss(logps, advantages, mask, old_logps, ref_logps, is_ratio, entropies, s: LossSettings):
     eps_high = s.high
     mask = mask.to(logps.dtype)
     advantages = advantages.to(logps).unsqueeze(1)

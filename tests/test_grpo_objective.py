@@ -187,6 +187,15 @@ def trl_compute_loss(self, per_token_logps, inputs, entropies=None):
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         loss = loss / normalizer
 
+    if self._entropy_bonus_enabled:
+        effective_mask = mask
+        accumulation_factor = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        entropy_loss = (
+            (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor
+        )
+        apply_coef = self.entropy_coef
+        loss = loss - apply_coef * entropy_loss
+
     def masked_seq_mean(x):
         if x.shape[1] == 1:  # when importance_sampling_level == "sequence": already one value per sequence
             return x.squeeze(1)
@@ -234,7 +243,8 @@ def trainer(loss_type, beta, *, ga, world, max_len, epsilon=0.2, epsilon_high=0.
         loss_type=loss_type, beta=beta, epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=max_len,
         importance_sampling_level=level, current_gradient_accumulation_steps=ga,
         accelerator=types.SimpleNamespace(num_processes=world, reduce=lambda t, reduction: t, gather=lambda t: t),
-        args=args, model=types.SimpleNamespace(training=True), _metrics={"train": collections.defaultdict(list)})
+        args=args, model=types.SimpleNamespace(training=True), _metrics={"train": collections.defaultdict(list)},
+        _entropy_bonus_enabled=False, entropy_coef=0.0)
 
 
 def rollout_tensors(rows=8, length=9, seed=0, iterations=1):
@@ -324,6 +334,34 @@ def test_loss_gradient_and_metrics_as_trl(loss_type, level, iterations, beta, co
         assert 0 < theirs["cispo_clip_ratio"] < 1
     if beta:
         assert theirs["kl"] > 0
+
+
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+def test_entropy_bonus_as_trl(loss_type):
+    """entropy_coef (TRL's static entropy bonus: each micro-batch's mean token entropy, scaled for
+    accumulation) on 2 ranks x 2 micro-batches: the loss and its gradients (of the log-probs and of the
+    entropies) as TRL's, for every loss type (the bonus in each one's unit: rl_losses.entropy_bonus)."""
+    world, ga, max_len, coef = 2, 2, 9, 0.3
+    base, old, _, advantages, mask = rollout_tensors(iterations=2)
+    entropies = entropies_of(base)
+    micro = [slice(i, i + 2) for i in range(0, 8, 2)]
+    t = trainer(loss_type, 0.0, ga=ga, world=world, max_len=max_len, epsilon_high=EPSILON_HIGH.get(loss_type, 0.28))
+    t._entropy_bonus_enabled, t.entropy_coef = True, coef
+    trl_logps, trl_ent = base.clone().requires_grad_(), entropies.clone().requires_grad_()
+    trl_loss = sum(trl_compute_loss(t, trl_logps[p], {"completion_mask": mask[p], "advantages": advantages[p],
+                                                      "old_per_token_logps": old[p], "num_items_in_batch": mask.sum()},
+                                    trl_ent[p]) for p in micro) / world
+    trl_loss.backward()
+    count = mask.sum() if loss_type in TOKEN_COUNTED else 8
+    settings = LossSettings(loss_type=loss_type, epsilon_high=EPSILON_HIGH.get(loss_type, 0.28), max_completion_len=max_len,
+                            entropy_coef=coef)
+    ours_logps, ours_ent = base.clone().requires_grad_(), entropies.clone().requires_grad_()
+    ours_loss = sum(policy_loss(ours_logps[p], advantages[p], mask[p], old_logps=old[p], entropies=ours_ent[p],
+                                settings=settings, micro_batch_count=count / len(micro))[0] for p in micro) / count
+    ours_loss.backward()
+    assert abs(ours_loss.item() - trl_loss.item()) < 1e-6
+    assert torch.allclose(ours_logps.grad, trl_logps.grad, atol=1e-6)
+    assert torch.allclose(ours_ent.grad, trl_ent.grad, atol=1e-7) and trl_ent.grad.abs().sum() > 0
 
 
 def test_the_loss_types_differ():
@@ -432,6 +470,24 @@ def test_token_entropy_chunked_as_full_as_a_hand_computation(temperature):
             assert torch.allclose(entropies, expected, atol=1e-5), impl
             assert torch.equal(logps, token_logps(model, batch, impl, 3, temperature))
     assert expected[mask].min() > 0
+
+
+def test_token_entropy_gradient_chunked_as_full():
+    """The entropy's gradient (TRL's entropy bonus, entropy_coef) through the chunked output layer equals
+    autograd's through the full logits, together with the log-probs' and alone."""
+    batch = rollout()
+    weights = torch.randn(batch["labels"].shape, generator=torch.Generator().manual_seed(3))
+    for with_logps in (True, False):
+        grads = []
+        for impl in ("chunked", "full"):
+            model = tiny_model()
+            logps, entropies = token_logps_entropy(model, batch, impl, 3, 0.7)
+            loss = (entropies * weights).sum() + ((logps * weights.flip(0)).sum() if with_logps else 0.0)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*grads):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+        assert max(g.abs().max() for g in grads[0]) > 0
 
 
 def test_cast_lm_head_to_fp32_computes_the_logits_in_float32():
@@ -770,3 +826,16 @@ def test_refill_prompts_and_seeds_are_their_own_and_stable():
     assert refills[0] == refill_schedule(100, 4, 7, 1).rows(3, 0)[0]  # a pure function of (seed, batch, rollout)
     assert completion_seed(7, 3, 5, 0) == completion_seed(7, 3, 5, 0, batch=0)  # batch 0: the seeds as before
     assert len({completion_seed(7, 3, 5, 0, batch=b) for b in range(3)}) == 3
+
+
+def test_the_entropy_bonus_unit_is_the_loss_count_per_micro_batch():
+    """The entropy bonus's scale (GRPO.count_per_micro_batch): the rollout's count over its micro-batches,
+    completions for completion-counted types, completion tokens (those in the loss) for the others."""
+    tokens, stopped = [[1] * 3, [1] * 5, [1] * 2, [1] * 6], [True, False, True, True]
+    grpo = GRPO(Recipe(objective="grpo", loss_type="grpo", micro_batch_size=2, **REWARD))
+    assert grpo.count_per_micro_batch(tokens, stopped) == 2.0
+    dapo = GRPO(Recipe(objective="grpo", loss_type="dapo", micro_batch_size=2, **REWARD))
+    assert dapo.count_per_micro_batch(tokens, stopped) == 16 / 2
+    masked = GRPO(Recipe(objective="grpo", loss_type="cispo", micro_batch_size=2, mask_truncated_completions=True,
+                         **REWARD))
+    assert masked.count_per_micro_batch(tokens, stopped) == 11 / 2

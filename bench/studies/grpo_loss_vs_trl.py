@@ -35,6 +35,7 @@ from pathlib import Path
 import collections
 import contextlib
 import copy
+import dataclasses
 import sys
 import types
 
@@ -201,6 +202,40 @@ def tensors() -> tuple[list, float, float]:
     return rows, worst_all, worst_copy
 
 
+def bonus_rows() -> tuple[list, float]:
+    """entropy_coef 0.3 (TRL's static entropy bonus) for every GRPO loss type at num_iterations 2: TRL's real
+    _compute_loss on 2 ranks x 2 micro-batches against policy_loss, the loss and its gradients of the
+    log-probs and of the entropies."""
+    rows, worst = [], 0.0
+    base, old, ref, adv, mask = T.rollout_tensors(iterations=2)
+    for loss_type in GRPO_LOSS_TYPES:
+        entropies = T.entropies_of(base)
+        inputs = {"prompt_ids": torch.ones(ROWS, 1, dtype=torch.long), "prompt_mask": torch.ones(ROWS, 1),
+                  "completion_ids": torch.ones(ROWS, MAX_LEN, dtype=torch.long), "completion_mask": mask,
+                  "advantages": adv, "old_per_token_logps": old, "num_items_in_batch": mask.sum()}
+        fake = stand_in(loss_type, 0.0, True, max_len=MAX_LEN, ga=2, world=2)
+        fake._entropy_bonus_enabled, fake.entropy_coef, fake.use_adaptive_entropy = True, 0.3, False
+        fake.accelerator.sync_gradients = False
+        logp, ent = base.clone().requires_grad_(), entropies.clone().requires_grad_()
+        trl_loss = 0.0
+        for part in MICRO:
+            fake._get_per_token_logps_and_entropies = lambda *a, part=part, **k: (logp[part], ent[part], None)
+            trl_loss = trl_loss + GRPOTrainer._compute_loss(fake, None, sliced(inputs, part)) / 2
+        trl_loss.backward()
+        count = mask.sum().item() if loss_type in TOKEN_COUNTED else ROWS
+        ours_logp, ours_ent = base.clone().requires_grad_(), entropies.clone().requires_grad_()
+        s = dataclasses.replace(settings(loss_type, 0.0, True), entropy_coef=0.3)
+        ours_loss = sum(policy_loss(ours_logp[p], adv[p], mask[p], old_logps=old[p], entropies=ours_ent[p], settings=s,
+                                    micro_batch_count=count / len(MICRO))[0] for p in MICRO) / count
+        ours_loss.backward()
+        d = (abs(ours_loss.item() - trl_loss.item()), (ours_logp.grad - logp.grad).abs().max().item(),
+             (ours_ent.grad - ent.grad).abs().max().item())
+        assert ent.grad.abs().sum() > 0
+        worst = max(worst, *d)
+        rows.append((loss_type, trl_loss.item(), *d))
+    return rows, worst
+
+
 # ---------------------------------------------------------------- part 2: on a model, log-probs included
 
 
@@ -347,6 +382,8 @@ def main():
     import trl
 
     t_rows, worst_all, worst_copy = tensors()
+    b_rows, worst_bonus = bonus_rows()
+    worst_all = max(worst_all, worst_bonus)
     copied_lines = advantages_copy_in_trl_source()
     m_rows, worst_model = model_rows()
     print(f"trl {trl.__version__}, torch {torch.__version__}; epsilon {EPS}, epsilon_high {EPS_HIGH} "
@@ -363,8 +400,17 @@ def main():
               f"{'-' if not beta else str(corrected).lower()} | {loss:.6f} | {dl:.1e} | {dg:.1e} | {dm:.1e} | "
               f"{'-' if kl != kl else f'{kl:.6f}'} | {'-' if clip != clip else f'{clip:.4f}'} |")
     print()
-    print(f"largest difference, finetune against TRL's _compute_loss (loss, gradient, metrics): {worst_all:.1e}; "
+    print("The entropy bonus (entropy_coef 0.3, num_iterations 2, beta 0):")
+    print()
+    print("| loss_type | TRL loss | loss: abs diff | gradient of the log-probs: max abs diff | gradient of the entropies: "
+          "max abs diff |")
+    print("| --- | --- | --- | --- | --- |")
+    for lt, loss, dl, dg, de in b_rows:
+        print(f"| {lt} | {loss:.6f} | {dl:.1e} | {dg:.1e} | {de:.1e} |")
+    print()
+    print(f"largest difference, finetune against TRL's _compute_loss (loss, gradient, metrics; the bonus too): {worst_all:.1e}; "
           f"within {TOLERANCE:g}: {'yes' if worst_all <= TOLERANCE else 'NO'}")
+    print()
     print(f"tests/test_grpo_objective.py's and tests/test_rloo.py's copied lines against TRL's _compute_loss: "
           f"{worst_copy:.1e}; tests/test_rloo.py's {copied_lines} lines of RLOO's advantages found in TRL's source")
     print()

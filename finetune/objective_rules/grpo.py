@@ -22,7 +22,7 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages", "dynamic_sampling",
-               "max_generation_batches")
+               "max_generation_batches", "entropy_coef")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 
 
@@ -94,7 +94,7 @@ def check(r, strategy) -> None:
 
 
 # GRPO's keys that loss_type=rloo (TRL's RLOOTrainer) has no use for, and normalize_advantages, rloo's only
-NOT_RLOO = ("scale_rewards", "importance_sampling_level", "use_bias_correction_kl")
+NOT_RLOO = ("scale_rewards", "importance_sampling_level", "use_bias_correction_kl", "entropy_coef")
 
 
 def check_rloo(r) -> None:

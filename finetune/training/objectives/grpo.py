@@ -77,6 +77,7 @@ class GRPO(Basic):
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
+        self.micro_batch_count = float(recipe.micro_batch_size)  # the rollout's (count_per_micro_batch)
         self.maxed = MAXED  # the loss's sums end with a min and a max over completions (rl_losses.SUMS)
         self.said_unscored = False  # a step whose completions no function scored was said
         self.warned = False  # completions with ids the tokenizer cannot decode were logged once
@@ -244,6 +245,7 @@ class GRPO(Basic):
                                  ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
         values |= counts
+        self.micro_batch_count = self.count_per_micro_batch(all_tokens, all_stopped)
         if kl is not None:
             values["kl"] = kl
         if engine:
@@ -267,6 +269,15 @@ class GRPO(Basic):
             self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
+
+    def count_per_micro_batch(self, tokens: list, stopped: list) -> float:
+        """What the loss averages over (counts), of the whole rollout (every rank's completions), per
+        micro-batch: the entropy bonus's unit (rl_losses.entropy_bonus)."""
+        m = self.recipe.micro_batch_size
+        if self.loss_type not in TOKEN_COUNTED:
+            return float(m)
+        counted = sum(len(t) for t, s in zip(tokens, stopped) if s or not self.recipe.mask_truncated_completions)
+        return counted * m / len(tokens)
 
     def advantages(self, rewards: torch.Tensor, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float | None]:
         """The whole global batch's advantages from its [completions, functions] rewards (every rank's, in
@@ -377,6 +388,7 @@ class GRPO(Basic):
         share = slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
         prompt_ids = run.datasets.train[mine]["prompt_input_ids"]
         ratios = saved.get("is_ratio")
+        self.micro_batch_count = self.count_per_micro_batch(saved["tokens"], saved["stopped"])
         batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], saved["tokens"][share],
                                saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share],
                                is_rows=ratios[share] if ratios is not None else None)
@@ -481,7 +493,8 @@ class GRPO(Basic):
         mask = (batch["labels"] != IGNORE).to(logps.device)
         loss, sums = policy_loss(
             logps, batch["advantages"], mask, old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
-            entropies=entropies, settings=self.settings, is_ratio=batch.get("is_ratio"))
+            entropies=entropies, settings=self.settings, is_ratio=batch.get("is_ratio"),
+            micro_batch_count=self.micro_batch_count)
         self.sums = merged_sums(self.sums, sums)
         return loss
 
