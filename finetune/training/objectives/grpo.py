@@ -161,8 +161,7 @@ class GRPO(Basic):
     def generation_batch(self, run, k: int, b: int, rows: list[int], step: int, stop=None):
         """Generation batch b of rollout k: this rank's share of the prompt rows sampled (a collective) and
         scored, gathered: (every completion's tokens, whether each stopped, [completions, functions]
-        rewards, this rank's prompts' ids and completions, the generation's seconds), or None where a stop
-        request cut it."""
+        rewards, the generation's seconds), or None where a stop request cut it."""
         r, sp, g = run.recipe, run.parallel.sp, self.num_generations
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
         seeds = [completion_seed(r.seed, k, row, j, batch=b) for row in mine for j in range(g)]
@@ -175,7 +174,7 @@ class GRPO(Basic):
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
-        return (*joined(parts, len(self.rewards.names)), prompt_ids, tokens, seconds)
+        return (*joined(parts, len(self.rewards.names)), seconds)
 
     def dynamic_batch(self, run, k: int, step: int, rows: list[int], stop=None):
         """dynamic_sampling=true (rollouts.py, "dynamic sampling"): generation batches until the step's groups
@@ -192,7 +191,7 @@ class GRPO(Basic):
             if out is None:
                 return None
             made.append((rows, *out[:3]))
-            seconds += out[5]
+            seconds += out[3]
             if int(sum(signal_groups(m[3], self.rewards.weights, g).sum() for m in made)) >= len(rows):
                 break
         batch_rows, tokens, stopped, rewards, found, dropped = fill_groups(made, len(rows), self.rewards.weights, g)
@@ -209,30 +208,23 @@ class GRPO(Basic):
 
     def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
         r, accelerator = run.recipe, run.accelerator
-        sp, g = run.parallel.sp, self.num_generations
         rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
-        counts = {}
         if r.dynamic_sampling:
             made = self.dynamic_batch(run, k, step, rows, stop)
-            if made is None:
-                return None
-            rows, all_tokens, all_stopped, all_rewards, seconds, counts = made
-            mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
-            n = len(mine) * g
-            tokens, stopped = all_tokens[sp.dp_rank * n:(sp.dp_rank + 1) * n], all_stopped[sp.dp_rank * n:(sp.dp_rank + 1) * n]
-            prompt_ids = [p for p in run.datasets.train[mine]["prompt_input_ids"] for _ in range(g)]
         else:
             made = self.generation_batch(run, k, 0, rows, step, stop)
-            if made is None:
-                return None
-            all_tokens, all_stopped, all_rewards, prompt_ids, tokens, seconds = made
-            stopped = all_stopped[sp.dp_rank * len(tokens):(sp.dp_rank + 1) * len(tokens)]
+            if made is not None:
+                made = (rows, *made, {})
+        if made is None:
+            return None
+        rows, all_tokens, all_stopped, all_rewards, seconds, counts = made
+        prompt_ids, share = self.rank_share(run, rows)
+        tokens, stopped = all_tokens[share], all_stopped[share]
         if torch.isnan(all_rewards).all() and not self.said_unscored and accelerator.is_main_process:
             self.said_unscored = True
             log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
                         "reward None): their advantages are 0 and the step trains on nothing (its reward is null in "
                         "metrics.jsonl); said once")
-        share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
         engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
         # the micro-batches (old and reference log-probs) before the advantages: rloo's penalise the reward by them
         batches = self.batches(run, prompt_ids, tokens, stopped, torch.zeros(len(tokens)),
@@ -269,6 +261,15 @@ class GRPO(Basic):
             self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
+
+    def rank_share(self, run, rows: list[int]) -> tuple[list, slice]:
+        """This data-parallel rank's part of a rollout of prompt `rows`: its prompts' ids, one per completion,
+        and the slice of the rollout's completions that are theirs."""
+        sp, g = run.parallel.sp, self.num_generations
+        mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
+        n = len(mine) * g
+        return [p for p in run.datasets.train[mine]["prompt_input_ids"] for _ in range(g)], \
+            slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
 
     def count_per_micro_batch(self, tokens: list, stopped: list) -> float:
         """What the loss averages over (counts), of the whole rollout (every rank's completions), per
@@ -380,16 +381,12 @@ class GRPO(Basic):
         engine's importance weights) from the cache file the run wrote when it generated them (the policy has
         moved since). first: the resumed run starts at rollout k's first step, which the engine had generated
         before the interruption; its rollouts.jsonl records are written again."""
-        sp, g = run.parallel.sp, self.num_generations
         saved = load_rollout(run.out, k, step)
         rows = saved["rows"]
-        mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
-        n = len(mine) * g
-        share = slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
-        prompt_ids = run.datasets.train[mine]["prompt_input_ids"]
+        prompt_ids, share = self.rank_share(run, rows)
         ratios = saved.get("is_ratio")
         self.micro_batch_count = self.count_per_micro_batch(saved["tokens"], saved["stopped"])
-        batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], saved["tokens"][share],
+        batches = self.batches(run, prompt_ids, saved["tokens"][share],
                                saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share],
                                is_rows=ratios[share] if ratios is not None else None)
         if first and run.accelerator.is_main_process:
