@@ -127,8 +127,11 @@ class OutputHeadLoss:
     and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
 
     def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, entropy: bool = False, head_dtype: torch.dtype | None = None):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
+        self.entropy = entropy  # per_token: also each token's entropy (self.entropies)
+        self.entropies = None
+        self.head_dtype = head_dtype  # per_token: the output layer's matmul in this dtype (cast_lm_head_to_fp32)
         self.temperature = temperature  # per_token: the logits, as the model makes them, divided by it
         self.vocab_size = vocab_size  # per_token: also the log-probs over the first vocab_size rows (self.within)
         self.within = None
@@ -202,11 +205,16 @@ class OutputHeadLoss:
             options = {"scale": self.scale, "softcap": self.softcap, "chunk": self.chunk}
             if self.per_token:
                 self.rows, self.positions = keep // targets.shape[-1], keep
-                compute, options = linear_token_logps, options | {"temperature": self.temperature}
+                compute, options = linear_token_logps, options | {"temperature": self.temperature,
+                                                                  "dtype": self.head_dtype}
             else:
                 compute = linear_cross_entropy
             kept, kept_targets = hidden.index_select(0, keep), flat.index_select(0, keep)
-            self.loss = compute(kept, head.weight, head.bias, kept_targets, self.impl, **options)
+            if self.per_token and self.entropy:
+                self.loss, self.entropies = compute(kept, head.weight, head.bias, kept_targets, self.impl, **options,
+                                                    entropy=True)
+            else:
+                self.loss = compute(kept, head.weight, head.bias, kept_targets, self.impl, **options)
             if self.per_token and self.vocab_size is not None and self.vocab_size >= head.weight.shape[0]:
                 self.within = self.loss.detach()  # no padded rows
             elif self.per_token and self.vocab_size is not None:
@@ -288,7 +296,7 @@ def sequence_logps(model, batch: dict, impl: str = "chunked", chunk: int | None 
 
 
 def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = None,
-                temperature: float = 1.0) -> torch.Tensor:
+                temperature: float = 1.0, head_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Each target token's log-probability, [rows, length] fp32 laid out as the labels: out[b, t] =
     log softmax(logits / temperature)[labels[b, t]] of the position before t where labels[b, t] is set, 0
     elsewhere (what a policy-gradient loss weighs token by token, finetune/training/objectives/grpo.py). The
@@ -296,28 +304,39 @@ def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = N
     distribution a sampler at that temperature drew from (finetune/generation.py), as TRL's GRPOTrainer
     and verl score a policy. As sequence_logps, computed inside the output layer a chunk of tokens at a
     time, no [tokens, vocab] logits at once; impl=full from the full logits. Not for sequence-parallel
-    shards (their targets are shifted over the whole row)."""
-    return _token_logps(model, batch, impl, chunk, temperature, None)[0]
+    shards (their targets are shifted over the whole row). head_dtype: the output layer's matmul (and so
+    the logits) in this dtype rather than the weight's or autocast's (float32: cast_lm_head_to_fp32)."""
+    return _token_logps(model, batch, impl, chunk, temperature, None, head_dtype=head_dtype)[0]
+
+
+def token_logps_entropy(model, batch: dict, impl: str = "chunked", chunk: int | None = None,
+                        temperature: float = 1.0, head_dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_logps, each of those positions' entropy of softmax(logits / temperature), laid out as the
+    labels: TRL's `entropy` metric, and with its gradient its entropy bonus), from one forward."""
+    return _token_logps(model, batch, impl, chunk, temperature, None, entropy=True, head_dtype=head_dtype)
 
 
 def token_logps_within(model, batch: dict, vocab_size: int, impl: str = "chunked", chunk: int | None = None,
-                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                       temperature: float = 1.0, head_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_logps, the same tokens' log-probs over the output layer's first vocab_size rows only), from one
     forward, the second without gradient. vocab_size: the tokenizer's vocabulary (len(tokenizer)); the rows
     past it (an embedding padded to a multiple) are never sampled (finetune/generation.py, the vLLM engine),
     so the second is the distribution a sampler drew from, which an inference engine's log-probs are
     compared with (finetune/training/generators.py); the first stays the policy's, the loss's."""
-    return _token_logps(model, batch, impl, chunk, temperature, vocab_size)
+    return _token_logps(model, batch, impl, chunk, temperature, vocab_size, head_dtype=head_dtype)
 
 
-def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: float,
-                 vocab_size: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: float, vocab_size: int | None,
+                 entropy: bool = False, head_dtype: torch.dtype | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not temperature > 0:
         raise ValueError(f"token_logps: temperature={temperature} must be > 0")
     inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
     labels = batch["labels"]
     if impl != "full":
-        head = OutputHeadLoss(model, impl, chunk, per_token=True, temperature=temperature, vocab_size=vocab_size)
+        head = OutputHeadLoss(model, impl, chunk, per_token=True, temperature=temperature, vocab_size=vocab_size,
+                              entropy=entropy, head_dtype=head_dtype)
         if head.supported:
             with head.computing_loss(shifted_labels(labels)):
                 out = model(**inputs)
@@ -329,7 +348,12 @@ def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: 
                 flat = torch.zeros(labels.numel(), dtype=values.dtype, device=values.device).index_put((where,), values)
                 return flat.view(labels.shape)
 
+            if entropy:
+                return laid_out(logps), laid_out(head.entropies)
             return laid_out(logps), laid_out(head.within) if vocab_size is not None else None
+    if head_dtype is not None:
+        raise ValueError(f"head_dtype={head_dtype}: the output layer's dtype is chosen on the chunked path only "
+                         "(loss_impl=chunked, a plain Linear output layer)")
     out = model(**inputs)
     targets = shifted_labels(labels).to(out.logits.device)
     mask = targets != IGNORE
@@ -341,20 +365,27 @@ def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: 
         return F.pad((logps.masked_fill(past, float("-inf")) * mask)[:, :-1], (1, 0))
 
     full = gathered(logits)
+    if entropy:
+        h = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+        return full, F.pad((h * mask)[:, :-1], (1, 0))
     if vocab_size is None:
         return full, None
     return full, (full.detach() if vocab_size >= logits.shape[-1] else gathered(logits[..., :vocab_size].detach()))
 
 
 def linear_token_logps(hidden, weight, bias, targets, impl: str = "chunked", *, scale: float = 1.0,
-                       softcap: float | None = None, chunk: int | None = None,
-                       temperature: float = 1.0) -> torch.Tensor:
+                       softcap: float | None = None, chunk: int | None = None, temperature: float = 1.0,
+                       dtype: torch.dtype | None = None, entropy: bool = False):
     """log softmax(softcap(scale * (hidden_i @ weight.T + bias)) / temperature)[targets_i] for each i: [n]
-    in fp32, a chunk of rows at a time (liger has no per-token form: the chunked path serves it too)."""
+    in fp32, a chunk of rows at a time (liger has no per-token form: the chunked path serves it too).
+    dtype: the matmul's (None: autocast's, else the weight's). entropy: also each row's entropy of that
+    distribution ([n] fp32, differentiable), returned second."""
     device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
-    return _ChunkedTokenLogps.apply(hidden, weight, bias, targets, scale, softcap,
-                                    chunk or chunk_rows(weight.shape[0]), dtype, temperature)
+    if dtype is None:
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    logps, entropies = _ChunkedTokenLogps.apply(hidden, weight, bias, targets, scale, softcap,
+                                                chunk or chunk_rows(weight.shape[0]), dtype, temperature, entropy)
+    return (logps, entropies) if entropy else logps
 
 
 class _ChunkedTokenLogps(torch.autograd.Function):
@@ -366,22 +397,27 @@ class _ChunkedTokenLogps(torch.autograd.Function):
     layer's backward, which is when this backward reads it."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype, temperature=1.0):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype, temperature=1.0, entropy=False):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+            entropies = torch.empty(hidden.shape[0] if entropy else 0, dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
                 z, _ = _logits(hidden[part].to(dtype), w, b, scale, softcap, temperature)
-                out[part] = z.gather(1, targets[part, None]).squeeze(1) - torch.logsumexp(z, dim=-1)
+                lse = torch.logsumexp(z, dim=-1)
+                out[part] = z.gather(1, targets[part, None]).squeeze(1) - lse
+                if entropy:  # H = logsumexp(z) - sum softmax(z) z
+                    entropies[part] = lse - (torch.softmax(z, dim=-1) * z).sum(-1)
         ctx.save_for_backward(hidden, targets)
         ctx.weight, ctx.bias, ctx.options = weight, bias, (scale, softcap, rows, dtype, temperature)
-        return out
+        ctx.set_materialize_grads(False)  # entropies only a metric: no gradient of theirs to compute
+        return out, entropies
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_entropies=None):
         hidden, targets = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         scale, softcap, rows, dtype, temperature = ctx.options
@@ -396,9 +432,18 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 part = slice(start, start + rows)
                 h = hidden[part].to(dtype)
                 z, tanh = _logits(h, w, b, scale, softcap, temperature)
-                g = torch.softmax(z, dim=-1).neg_()  # d log p[y] / dz = onehot(y) - softmax(z)
-                g[torch.arange(g.shape[0], device=g.device), targets[part]] += 1.0
-                g.mul_(grad_out[part, None].float())
+                p = torch.softmax(z, dim=-1)
+                # d log p[y] / dz = onehot(y) - p; d H / dz = -p (log p + H) (the entropy bonus)
+                g = p.neg() if grad_entropies is not None else p.neg_()
+                if grad_out is not None:
+                    g[torch.arange(g.shape[0], device=g.device), targets[part]] += 1.0
+                    g.mul_(grad_out[part, None].float())
+                else:
+                    g.zero_()
+                if grad_entropies is not None:
+                    logp = torch.log_softmax(z, dim=-1)
+                    entropy = -(p * logp).sum(-1, keepdim=True)
+                    g.sub_(p.mul_(logp.add_(entropy)).mul_(grad_entropies[part, None].float()))
                 if temperature != 1.0:  # z is the model's logits / temperature
                     g.div_(temperature)
                 if tanh is not None:
@@ -413,7 +458,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 if grad_b is not None:
                     grad_b += g.float().sum(0)
         return (grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None)
+                grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None, None)
 
 
 def _logits(h, w, b, scale: float, softcap: float | None, temperature: float = 1.0):

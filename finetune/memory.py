@@ -573,8 +573,10 @@ class Rollout:
         prompt = recipe.max_prompt_len or max(0, recipe.max_seq_len - completion)
         tokens = min(recipe.max_seq_len, prompt + completion)
         engine = recipe.generation_backend == "vllm"
-        # the engine's rollouts keep the trainer's log-probs and their importance weights
-        copies = (recipe.num_iterations > 1 or engine) + (recipe.beta > 0) + engine
+        # the engine's rollouts keep the trainer's log-probs and their importance weights; rloo's KL penalty
+        # in the reward keeps the old log-probs at one iteration too
+        old = recipe.num_iterations > 1 or engine or (recipe.loss_type == "rloo" and recipe.beta > 0)
+        copies = old + (recipe.beta > 0) + engine
         return cls(rows=rows, prompt_tokens=min(prompt, tokens), tokens=tokens, logp_copies=copies, engine=engine,
                    engine_sleeps=engine and recipe.vllm_enable_sleep_mode,
                    engine_share=recipe.vllm_gpu_memory_utilization if engine else 0.0,

@@ -200,14 +200,40 @@ class Recipe:
                                    "more than it saves)")
     max_completion_len: int = _opt(256, min=1, help="grpo: the most tokens a completion gets; also dr_grpo's "
                                    "normaliser")
-    loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo"),
-                          help="grpo: each completion's mean token loss, averaged; dapo: the mean over all "
-                          "completion tokens of the global batch; dr_grpo: their sum / (completions x "
-                          "max_completion_len)")
+    loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo",
+                                           "rloo"),
+                          help="grpo: the policy loss (finetune/rl_losses.py, docs/rl.md): grpo: each completion's "
+                          "mean token loss, averaged; dapo: the mean over all completion tokens of the global batch; "
+                          "dr_grpo: their sum / (completions x max_completion_len); bnpo: the mean over each "
+                          "micro-batch's tokens; cispo: the capped ratio (epsilon_high) times logp; sapo: a soft "
+                          "gate for the clip; luspo: each completion's summed loss; vespo: a gamma weight of the "
+                          "sequence ratio times logp; rloo: TRL's RLOOTrainer (leave-one-out baseline, beta's KL in "
+                          "the reward, the clipped ratio of whole sequences)")
+    dynamic_sampling: bool = _opt(False, help="grpo: groups whose rewards are all equal (no learning signal) are "
+                                  "dropped and more prompts sampled until the batch is full (DAPO)")
+    max_generation_batches: int = _opt(10, min=1, help="grpo, dynamic_sampling: the most generation batches a step "
+                                       "samples; then it trains on what it found (verl's max_num_gen_batches)")
+    normalize_advantages: bool = _opt(False, help="grpo, loss_type=rloo: the advantages normalised over the batch "
+                                      "(mean 0, std 1; TRL's RLOOConfig name)")
+    importance_sampling_level: str = _opt("token", choices=("token", "sequence"),
+                                          help="grpo: the importance ratio per token, or per completion (the mean "
+                                          "of its tokens' log ratios: GSPO)")
+    sapo_temperature_pos: float = _opt(1.0, min=0.0, help="grpo, loss_type=sapo: the gate's temperature where the "
+                                       "advantage is positive")
+    sapo_temperature_neg: float = _opt(1.05, min=0.0, help="grpo, loss_type=sapo: ... where it is not")
+    vespo_k_pos: float = _opt(2.0, help="grpo, loss_type=vespo: the gamma weight's power where the advantage >= 0")
+    vespo_lambda_pos: float = _opt(3.0, help="grpo, loss_type=vespo: the gamma weight's decay where the advantage >= 0")
+    vespo_k_neg: float = _opt(3.0, help="grpo, loss_type=vespo: the gamma weight's power where the advantage < 0")
+    vespo_lambda_neg: float = _opt(2.0, help="grpo, loss_type=vespo: the gamma weight's decay where the advantage < 0")
+    entropy_coef: float = _opt(0.0, help="grpo: an entropy bonus: the loss less entropy_coef x the mean token "
+                               "entropy of each micro-batch (TRL's name, its static form; 0: none)")
+    cast_lm_head_to_fp32: bool = _opt(False, help="grpo: the output layer's matmul (the logits) in float32 for the "
+                                      "policy, old and reference log-probs (ScaleRL); needs loss_impl=chunked")
     scale_rewards: str = _opt("group", choices=("group", "batch", "none"),
                               help="grpo: advantages divided by the group's reward std, the batch's, or not")
     epsilon: float = _opt(0.2, min=0.0, help="grpo: the importance ratio is clipped below at 1 - epsilon")
-    epsilon_high: float = _opt(0.0, min=0.0, help="grpo: ... and above at 1 + epsilon_high (0: epsilon; DAPO: 0.28)")
+    epsilon_high: float = _opt(0.0, min=0.0, help="grpo: ... and above at 1 + epsilon_high (0: epsilon; DAPO: 0.28); "
+                               "cispo: the cap on the ratio itself (ScaleRL: 5.0)")
     num_iterations: int = _opt(1, min=1, help="grpo: optimizer steps per rollout (old log-probs kept from it)")
     beta: float = _opt(0.0, min=0.0, help="grpo: the KL penalty's weight against the reference (0: no reference "
                        "held)")

@@ -1,24 +1,31 @@
-"""GRPO's loss and advantages against TRL's formulas on the same random tensors, per-token log-probs a
-chunk at a time against the full logits, the objective on a real (tiny) model, the rollout batch's layout.
+"""GRPO's loss family and advantages against TRL's formulas on the same random tensors, per-token log-probs and
+entropies a chunk at a time against the full logits, the objective on a real (tiny) model, the rollout
+batch's layout.
 
 TRL is not a dependency (bench only) and its loss is a method of GRPOTrainer that needs a model and an
 accelerator, so TRL's lines are reproduced below as written in trl 1.16.0, trl/trainer/grpo_trainer.py:
-GRPOTrainer._compute_loss lines 3058-3066 (old log-probs), 3083-3086 (token-level ratio), 3095-3105
-(coef_1, k3 KL, its bias correction), 3112-3119 (clipping), 3149-3150 (KL term), 3152-3173 (grpo, dr_grpo, dapo
-normalisations), 3259-3279 (global_masked_mean, kl and clip_ratio metrics); _generate_and_score_completions
-lines 2756-2790 and 2807 (sum_then_normalize advantages); trl/trainer/utils.py nanstd lines 1037-1050.
-Branches for settings this toolkit does not offer (vLLM, entropy masks, off-policy masks, sequence-level
-importance sampling, delta, other loss types) are left out; nothing else is changed."""
+GRPOTrainer._compute_loss (lines 3020-3290: old log-probs, token- and sequence-level ratios, the k3 KL and
+its bias correction, the cispo, clipped, sapo and vespo token losses, the eight normalisations, the
+entropy, kl, clip_ratio, cispo_clip_ratio and vespo/phi_seq_mean metrics) and get_gamma_weights (lines
+2965-3018); _generate_and_score_completions lines 2756-2790 and 2807 (sum_then_normalize advantages);
+trl/trainer/utils.py nanstd, nanmin, nanmax. Branches for settings this toolkit does not offer (vLLM's
+correction, entropy masks, off-policy masks, delta, the entropy bonus, aux loss) are left out; nothing
+else is changed. bench/studies/grpo_loss_vs_trl.py checks these copies against TRL's real method."""
 
+import collections
 import json
+import math
 import types
 
 import pytest
 import torch
 
 from finetune.data import IGNORE
-from finetune.loss import token_logps
-from finetune.training.objectives.grpo import GRPO, group_advantages, policy_loss, rollout_batch
+from finetune.loss import token_logps, token_logps_entropy
+from finetune.training.objectives.grpo import GRPO
+from finetune.rl_losses import (CLIPPED, GRPO_LOSS_TYPES, TOKEN_COUNTED, LossSettings, group_advantages,
+                                merged_sums, policy_loss)
+from finetune.training.rollouts import rollout_batch
 from finetune.rewards import weighted_rewards
 from finetune.recipe import Recipe
 
@@ -67,10 +74,42 @@ def trl_advantages(self, rewards_per_func, num_generations, device="cpu"):
     return advantages, is_std_zero
 
 
-def trl_compute_loss(self, per_token_logps, inputs):
-    """One micro-batch's loss on one rank, and the metrics it appends (TRL's accelerator.reduce is the
-    identity here: one rank)."""
+def trl_nanmin(tensor):
+    if torch.isnan(tensor).all():
+        return torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
+    return torch.min(tensor[~torch.isnan(tensor)])
+
+
+def trl_nanmax(tensor):
+    if torch.isnan(tensor).all():
+        return torch.tensor(float("nan"), dtype=tensor.dtype, device=tensor.device)
+    return torch.max(tensor[~torch.isnan(tensor)])
+
+
+@torch.no_grad()
+def trl_get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos=2.0, lambda_pos=3.0,
+                          k_neg=3.0, lambda_neg=2.0):
+    lower_clamp = math.log(1e-8)
+    log_ratio_clamped = torch.clamp(log_ratio_per_token, -20.0, 20.0)
+    seq_log_ratio = torch.sum(log_ratio_clamped * mask, dim=-1, keepdim=True)  # (B, 1)
+    if importance_sampling_ratio is not None:
+        log_is_ratio = torch.clamp(torch.log(importance_sampling_ratio), lower_clamp, 20.0)
+        seq_log_ratio += torch.sum(log_is_ratio, dim=-1, keepdim=True)
+    log_w_seq = torch.clamp(seq_log_ratio, lower_clamp, 20.0)
+    w_seq = torch.exp(log_w_seq)
+    is_nonneg_adv = advantages >= 0
+    k_seq = torch.where(is_nonneg_adv, k_pos, k_neg)
+    lambda_seq = torch.where(is_nonneg_adv, lambda_pos, lambda_neg).clamp(min=1e-4)
+    log_phi = lambda_seq + k_seq * log_w_seq - lambda_seq * w_seq
+    phi_seq = torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return phi_seq  # (B, 1)
+
+
+def trl_compute_loss(self, per_token_logps, inputs, entropies=None):
+    """One micro-batch's loss on one rank, and the metrics it appends (TRL's accelerator.reduce and gather
+    are the identity here: one rank)."""
     mask = inputs["completion_mask"]
+    entropies = torch.zeros_like(per_token_logps) if entropies is None else entropies
     advantages = inputs["advantages"]
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
@@ -80,6 +119,9 @@ def trl_compute_loss(self, per_token_logps, inputs):
     log_ratio = per_token_logps - old_per_token_logps
     if self.importance_sampling_level == "token":
         log_importance_weights = log_ratio
+    elif self.importance_sampling_level == "sequence":
+        log_importance_weights = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+        log_importance_weights = log_importance_weights.unsqueeze(-1)
 
     coef_1 = torch.exp(log_importance_weights)
 
@@ -93,11 +135,30 @@ def trl_compute_loss(self, per_token_logps, inputs):
         if self.args.use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
-    if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
+    if self.loss_type == "cispo":
+        clamped_ratios = torch.clamp(coef_1, max=self.epsilon_high).detach()
+        per_token_loss = -clamped_ratios * advantages * per_token_logps
+    elif self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
         per_token_loss1 = coef_1 * advantages
         per_token_loss2 = coef_2 * advantages
         per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    elif self.loss_type == "sapo":
+        temperatures = torch.where(advantages > 0, self.args.sapo_temperature_pos, self.args.sapo_temperature_neg)
+        soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures
+        per_token_loss = -soft_coef_1 * advantages
+    elif self.loss_type == "vespo":
+        phi_seq = trl_get_gamma_weights(
+            advantages=advantages,
+            log_ratio_per_token=log_ratio,
+            mask=mask,
+            importance_sampling_ratio=inputs.get("importance_sampling_ratio"),
+            k_pos=self.args.vespo_k_pos,
+            lambda_pos=self.args.vespo_lambda_pos,
+            k_neg=self.args.vespo_k_neg,
+            lambda_neg=self.args.vespo_lambda_neg,
+        )
+        per_token_loss = -phi_seq * advantages * per_token_logps
 
     if self.beta != 0.0:
         per_token_loss = per_token_loss + self.beta * per_token_kl
@@ -105,6 +166,10 @@ def trl_compute_loss(self, per_token_logps, inputs):
     mode = "train" if self.model.training else "eval"
     if self.loss_type in ["grpo", "sapo"]:
         loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # no accum in eval
+        loss = loss / normalizer
+    elif self.loss_type == "bnpo":
+        loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
         normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0  # no accum in eval
         loss = loss / normalizer
     elif self.loss_type == "dr_grpo":
@@ -117,14 +182,37 @@ def trl_compute_loss(self, per_token_logps, inputs):
         if mode == "train":  # in eval, the batch is neither split across steps nor accumulated
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         loss = (per_token_loss * mask).sum() / normalizer
+    elif self.loss_type == "luspo":
+        loss = (per_token_loss * mask).sum(-1).mean()
+        normalizer = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        loss = loss / normalizer
+
+    if self._entropy_bonus_enabled:
+        effective_mask = mask
+        accumulation_factor = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        entropy_loss = (
+            (entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor
+        )
+        apply_coef = self.entropy_coef
+        loss = loss - apply_coef * entropy_loss
+
+    def masked_seq_mean(x):
+        if x.shape[1] == 1:  # when importance_sampling_level == "sequence": already one value per sequence
+            return x.squeeze(1)
+        return (x * mask).sum(-1) / mask.sum(-1)
 
     def global_masked_mean(x):
-        local_sum, local_count = (x * mask).sum(), mask.sum().float()
+        if x.shape[1] == 1:  # when importance_sampling_level == "sequence": one value per sequence
+            local_sum, local_count = x.sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        else:
+            local_sum, local_count = (x * mask).sum(), mask.sum().float()
         totals = self.accelerator.reduce(torch.stack([local_sum, local_count]), reduction="sum")
         return (totals[0] / totals[1].clamp(min=1.0)).item()
 
     if self.beta != 0.0:
         self._metrics[mode]["kl"].append(global_masked_mean(per_token_kl))
+
+    self._metrics[mode]["entropy"].append(global_masked_mean(entropies))
 
     if self.loss_type in ["grpo", "bnpo", "dr_grpo", "dapo", "luspo"]:
         is_low_clipped = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
@@ -133,19 +221,30 @@ def trl_compute_loss(self, per_token_logps, inputs):
         self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(is_low_clipped.float()))
         self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(is_high_clipped.float()))
         self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(is_region_clipped.float()))
+        gathered_low_clip = self.accelerator.gather(masked_seq_mean(is_low_clipped.float()))
+        self._metrics[mode]["clip_ratio/low_min"].append(trl_nanmin(gathered_low_clip).item())
+        gathered_high_clip = self.accelerator.gather(masked_seq_mean(is_high_clipped.float()))
+        self._metrics[mode]["clip_ratio/high_max"].append(trl_nanmax(gathered_high_clip).item())
+    elif self.loss_type == "cispo":
+        is_cispo_clipped = (coef_1 > self.epsilon_high) & (advantages > 0)
+        self._metrics[mode]["cispo_clip_ratio"].append(global_masked_mean(is_cispo_clipped.float()))
+    elif self.loss_type == "vespo":
+        self._metrics[mode]["vespo/phi_seq_mean"].append(global_masked_mean(phi_seq))
     return loss
 
 
 # ----------------------------------------------------------------------------- the comparison
-def trainer(loss_type, beta, *, ga, world, max_len, epsilon=0.2, epsilon_high=0.28, bias_correction_kl=True):
+def trainer(loss_type, beta, *, ga, world, max_len, epsilon=0.2, epsilon_high=0.28, bias_correction_kl=True,
+            level="token"):
+    args = types.SimpleNamespace(steps_per_generation=ga, use_bias_correction_kl=bias_correction_kl,
+                                 sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                                 vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
     return types.SimpleNamespace(
         loss_type=loss_type, beta=beta, epsilon_low=epsilon, epsilon_high=epsilon_high, max_completion_length=max_len,
-        importance_sampling_level="token", current_gradient_accumulation_steps=ga,
-        accelerator=types.SimpleNamespace(num_processes=world, reduce=lambda t, reduction: t),
-        args=types.SimpleNamespace(steps_per_generation=ga, use_bias_correction_kl=bias_correction_kl),
-        model=types.SimpleNamespace(training=True),
-        _metrics={"train": {"kl": [], "clip_ratio/low_mean": [], "clip_ratio/high_mean": [],
-                            "clip_ratio/region_mean": []}})
+        importance_sampling_level=level, current_gradient_accumulation_steps=ga,
+        accelerator=types.SimpleNamespace(num_processes=world, reduce=lambda t, reduction: t, gather=lambda t: t),
+        args=args, model=types.SimpleNamespace(training=True), _metrics={"train": collections.defaultdict(list)},
+        _entropy_bonus_enabled=False, entropy_coef=0.0)
 
 
 def rollout_tensors(rows=8, length=9, seed=0, iterations=1):
@@ -161,20 +260,36 @@ def rollout_tensors(rows=8, length=9, seed=0, iterations=1):
     return logps, old, ref, advantages, mask
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def entropies_of(logps, seed=7):
+    return 2 * torch.rand(logps.shape, generator=torch.Generator().manual_seed(seed))
+
+
+# each loss type's upper epsilon here: where the ratios of num_iterations 2 (old log-probs 0.3 away) cross it
+EPSILON_HIGH = {"cispo": 1.2}
+
+
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("iterations", [1, 2])
 @pytest.mark.parametrize("beta,corrected", [(0.0, True), (0.04, True), (0.04, False)])
-def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta, corrected):
-    """The global batch of 8 completions split over 2 ranks x 2 micro-batches: TRL's loss (per
+def test_loss_gradient_and_metrics_as_trl(loss_type, level, iterations, beta, corrected):
+    """Each loss type of finetune/rl_losses.py against TRL's _compute_loss (as copied above) on the same
+    tensors: the global batch of 8 completions split over 2 ranks x 2 micro-batches; TRL's loss (per
     micro-batch, summed over accumulation, averaged over ranks as DDP does) against ours (micro-batch
-    sums over the global batch's count), values and gradients; metrics on one micro-batch. With beta > 0
-    under both values of use_bias_correction_kl (TRL's default: true)."""
+    sums over the global batch's count), values and gradients; the metrics (entropy, kl, clip ratios and
+    their min/max, cispo's and vespo's) on one micro-batch. Token- and sequence-level (GSPO) ratios; with
+    beta > 0 under both values of use_bias_correction_kl (TRL's default: true)."""
     world, ga, max_len = 2, 2, 9
+    eps_high = EPSILON_HIGH.get(loss_type, 0.28)
     base, old, ref, advantages, mask = rollout_tensors(iterations=iterations)
+    entropies = entropies_of(base)
     micro = [slice(i, i + 2) for i in range(0, 8, 2)]  # rank r's micro-batch k: micro[r * ga + k]
+    settings = LossSettings(loss_type=loss_type, epsilon=0.2, epsilon_high=eps_high, beta=beta,
+                            max_completion_len=max_len, bias_correction_kl=corrected, importance_sampling_level=level)
 
     trl_logps = base.clone().requires_grad_()
-    t = trainer(loss_type, beta, ga=ga, world=world, max_len=max_len, bias_correction_kl=corrected)
+    t = trainer(loss_type, beta, ga=ga, world=world, max_len=max_len, bias_correction_kl=corrected, level=level,
+                epsilon_high=eps_high)
     trl_loss = 0.0
     for part in micro:
         inputs = {"completion_mask": mask[part], "advantages": advantages[part],
@@ -185,37 +300,87 @@ def test_loss_gradient_and_metrics_as_trl(loss_type, iterations, beta, corrected
     trl_loss.backward()
 
     ours_logps = base.clone().requires_grad_()
-    count = mask.sum() if loss_type == "dapo" else 8
+    count = mask.sum() if loss_type in TOKEN_COUNTED else 8
     ours_loss = 0.0
     for part in micro:
         loss, _ = policy_loss(ours_logps[part], advantages[part], mask[part],
-                              old_logps=old[part] if old is not None else None, ref_logps=ref[part],
-                              loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta, max_completion_len=max_len,
-                              bias_correction_kl=corrected)
+                              old_logps=old[part] if old is not None else None, ref_logps=ref[part], settings=settings)
         ours_loss = ours_loss + loss / count
     ours_loss.backward()
     assert abs(ours_loss.item() - trl_loss.item()) < 1e-6
     assert torch.allclose(ours_logps.grad, trl_logps.grad, rtol=0, atol=1e-6)
     assert trl_logps.grad.abs().sum() > 0
 
-    t = trainer(loss_type, beta, ga=1, world=1, max_len=max_len, bias_correction_kl=corrected)  # metrics: one batch
+    t = trainer(loss_type, beta, ga=1, world=1, max_len=max_len, bias_correction_kl=corrected, level=level,
+                epsilon_high=eps_high)  # metrics: one batch
     trl_compute_loss(t, base, {"completion_mask": mask, "advantages": advantages, "ref_per_token_logps": ref,
                                "num_items_in_batch": mask.sum(), **({"old_per_token_logps": old} if old is not None
-                                                                    else {})})
-    sums = sum(policy_loss(base[p], advantages[p], mask[p], old_logps=old[p] if old is not None else None,
-                           ref_logps=ref[p], loss_type=loss_type, epsilon=0.2, epsilon_high=0.28, beta=beta,
-                           max_completion_len=max_len, bias_correction_kl=corrected)[1] for p in micro)
-    objective = GRPO(Recipe(objective="grpo", loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=0.28,
-                            max_completion_len=max_len, use_bias_correction_kl=corrected, **REWARD))
+                                                                    else {})}, entropies)
+    sums = None
+    for p in micro:
+        sums = merged_sums(sums, policy_loss(base[p], advantages[p], mask[p], old_logps=old[p] if old is not None
+                                             else None, ref_logps=ref[p], entropies=entropies[p], settings=settings)[1])
+    objective = GRPO(Recipe(objective="grpo", loss_type=loss_type, beta=beta, epsilon=0.2, epsilon_high=eps_high,
+                            max_completion_len=max_len, use_bias_correction_kl=corrected,
+                            importance_sampling_level=level, **REWARD))
     ours = dict(zip(objective.loss_metrics, objective.means(sums)))  # then the rollout's (NaN: none yet)
     theirs = {k: v[0] for k, v in t._metrics["train"].items() if v}
     assert set(ours) == set(theirs)
     for name in ours:
         assert abs(ours[name] - theirs[name]) < 1e-6, name
-    if iterations == 2:
-        assert theirs["clip_ratio/region_mean"] > 0  # the clipping is exercised
+    if iterations == 2 and loss_type in CLIPPED and level == "token":
+        assert theirs["clip_ratio/region_mean"] > 0 and theirs["clip_ratio/high_max"] > 0  # the clipping is exercised
+    if iterations == 2 and loss_type == "cispo" and level == "token":
+        assert 0 < theirs["cispo_clip_ratio"] < 1
     if beta:
         assert theirs["kl"] > 0
+
+
+@pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
+def test_entropy_bonus_as_trl(loss_type):
+    """entropy_coef (TRL's static entropy bonus: each micro-batch's mean token entropy, scaled for
+    accumulation) on 2 ranks x 2 micro-batches: the loss and its gradients (of the log-probs and of the
+    entropies) as TRL's, for every loss type (the bonus in each one's unit: rl_losses.entropy_bonus)."""
+    world, ga, max_len, coef = 2, 2, 9, 0.3
+    base, old, _, advantages, mask = rollout_tensors(iterations=2)
+    entropies = entropies_of(base)
+    micro = [slice(i, i + 2) for i in range(0, 8, 2)]
+    t = trainer(loss_type, 0.0, ga=ga, world=world, max_len=max_len, epsilon_high=EPSILON_HIGH.get(loss_type, 0.28))
+    t._entropy_bonus_enabled, t.entropy_coef = True, coef
+    trl_logps, trl_ent = base.clone().requires_grad_(), entropies.clone().requires_grad_()
+    trl_loss = sum(trl_compute_loss(t, trl_logps[p], {"completion_mask": mask[p], "advantages": advantages[p],
+                                                      "old_per_token_logps": old[p], "num_items_in_batch": mask.sum()},
+                                    trl_ent[p]) for p in micro) / world
+    trl_loss.backward()
+    count = mask.sum() if loss_type in TOKEN_COUNTED else 8
+    settings = LossSettings(loss_type=loss_type, epsilon_high=EPSILON_HIGH.get(loss_type, 0.28), max_completion_len=max_len,
+                            entropy_coef=coef)
+    ours_logps, ours_ent = base.clone().requires_grad_(), entropies.clone().requires_grad_()
+    ours_loss = sum(policy_loss(ours_logps[p], advantages[p], mask[p], old_logps=old[p], entropies=ours_ent[p],
+                                settings=settings, micro_batch_count=count / len(micro))[0] for p in micro) / count
+    ours_loss.backward()
+    assert abs(ours_loss.item() - trl_loss.item()) < 1e-6
+    assert torch.allclose(ours_logps.grad, trl_logps.grad, atol=1e-6)
+    assert torch.allclose(ours_ent.grad, trl_ent.grad, atol=1e-7) and trl_ent.grad.abs().sum() > 0
+
+
+def test_the_loss_types_differ():
+    """The eight loss types are eight losses on the same tensors (num_iterations 2): no two give the same
+    gradient of the loss (over its count), so a test above that passes for one cannot pass by another's
+    formula."""
+    base, old, ref, advantages, mask = rollout_tensors(iterations=2)
+    grads = {}
+    for loss_type in GRPO_LOSS_TYPES:
+        logps = base.clone().requires_grad_()
+        settings = LossSettings(loss_type=loss_type, max_completion_len=9)
+        loss = sum(policy_loss(logps[p], advantages[p], mask[p], old_logps=old[p], settings=settings)[0]
+                   for p in (slice(0, 4), slice(4, 8)))  # 2 micro-batches: bnpo's token mean is per micro-batch
+        (loss / (mask.sum() if loss_type in TOKEN_COUNTED else len(mask))).backward()
+        grads[loss_type] = logps.grad
+    for a in GRPO_LOSS_TYPES:
+        for b in GRPO_LOSS_TYPES:
+            if a < b:
+                assert not torch.allclose(grads[a], grads[b], atol=1e-6), (a, b)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch", "none"])
@@ -287,6 +452,67 @@ def test_token_logps_chunked_as_full_values_and_gradients():
     assert abs(direct.item() - grads["chunked"][0][b, t].item()) < 1e-5
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_entropy_chunked_as_full_as_a_hand_computation(temperature):
+    """Each completion token's entropy of softmax(logits / T) (TRL's `entropy` metric, its entropy_from_logits
+    on the same logits), a chunk of tokens at a time inside the output layer as from the full logits, laid
+    out as the labels, 0 elsewhere; the log-probs of the same call are token_logps'."""
+    model = tiny_model()
+    batch = rollout()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float() / temperature
+        h = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # the position before each token
+        mask = batch["labels"] != IGNORE
+        expected = torch.zeros_like(h)
+        expected[:, 1:] = h[:, :-1] * mask[:, 1:]
+        for impl in ("chunked", "full"):
+            logps, entropies = token_logps_entropy(model, batch, impl, 3, temperature)
+            assert torch.allclose(entropies, expected, atol=1e-5), impl
+            assert torch.equal(logps, token_logps(model, batch, impl, 3, temperature))
+    assert expected[mask].min() > 0
+
+
+def test_token_entropy_gradient_chunked_as_full():
+    """The entropy's gradient (TRL's entropy bonus, entropy_coef) through the chunked output layer equals
+    autograd's through the full logits, together with the log-probs' and alone."""
+    batch = rollout()
+    weights = torch.randn(batch["labels"].shape, generator=torch.Generator().manual_seed(3))
+    for with_logps in (True, False):
+        grads = []
+        for impl in ("chunked", "full"):
+            model = tiny_model()
+            logps, entropies = token_logps_entropy(model, batch, impl, 3, 0.7)
+            loss = (entropies * weights).sum() + ((logps * weights.flip(0)).sum() if with_logps else 0.0)
+            loss.backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*grads):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+        assert max(g.abs().max() for g in grads[0]) > 0
+
+
+def test_cast_lm_head_to_fp32_computes_the_logits_in_float32():
+    """cast_lm_head_to_fp32 (TRL's name, ScaleRL): a bf16 model's output layer computed in float32 from its
+    (bf16) hidden states and weight, as a float32 lm_head would; without it the matmul is bf16's, which
+    differs. The objective passes it to every log-prob it takes (policy, old, reference)."""
+    import torch.nn.functional as F
+
+    model = tiny_model().to(torch.bfloat16)
+    batch = rollout()
+    with torch.no_grad():
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        logits = F.linear(hidden.float(), model.lm_head.weight.float()) / 0.7
+        mask = batch["labels"] != IGNORE
+        targets = batch["labels"][:, 1:].clamp(min=0)
+        expected = torch.zeros(mask.shape)
+        expected[:, 1:] = torch.log_softmax(logits, -1)[:, :-1].gather(-1, targets[..., None]).squeeze(-1) * mask[:, 1:]
+        cast = token_logps(model, batch, "chunked", None, 0.7, torch.float32)
+        plain = token_logps(model, batch, "chunked", None, 0.7)
+    assert torch.allclose(cast, expected, rtol=0, atol=1e-5)
+    assert (plain - expected).abs().max() > 1e-4 > 10 * (cast - expected).abs().max()  # bf16 logits: visibly not fp32
+    objective = GRPO(Recipe(objective="grpo", cast_lm_head_to_fp32=True, **REWARD))
+    assert objective.head_dtype is torch.float32 and GRPO(Recipe(objective="grpo", **REWARD)).head_dtype is None
+
+
 def test_objective_on_a_model_is_policy_loss_of_its_logps():
     model = tiny_model()
     batch = rollout()
@@ -297,20 +523,23 @@ def test_objective_on_a_model_is_policy_loss_of_its_logps():
     objective = GRPO(recipe)
     loss = objective.loss(model, batch)
     mask = batch["labels"] != IGNORE
-    expected, sums = policy_loss(token_logps(model, batch, "full"), batch["advantages"], mask,
-                                 old_logps=batch["old_logps"], ref_logps=batch["ref_logps"], loss_type="grpo",
-                                 beta=0.04, epsilon=0.2, epsilon_high=0.2)
+    full, entropies = token_logps_entropy(model, batch, "full")
+    expected, sums = policy_loss(full, batch["advantages"], mask, old_logps=batch["old_logps"],
+                                 ref_logps=batch["ref_logps"], entropies=entropies, loss_type="grpo", beta=0.04,
+                                 epsilon=0.2, epsilon_high=0.2)
     assert abs(loss.item() - expected.item()) < 1e-5
-    assert objective.loss_metrics == ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-    assert objective.metrics[4:] == ("rewards/exact_match/mean", "rewards/exact_match/std", "reward", "reward_std",
+    assert objective.loss_metrics == ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+                                      "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")
+    assert objective.metrics[7:] == ("rewards/exact_match/mean", "rewards/exact_match/std", "reward", "reward_std",
                                      "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
                                      "completions/max_length", "completions/clipped_ratio", "rollout_seconds")
     taken = objective.take_metrics()
     assert torch.allclose(taken, sums, rtol=1e-5) and objective.take_metrics() is None
-    assert taken[1] > 0 and taken[1] == taken[3] and taken[2] == 0  # negative advantages' tokens clipped low
+    assert taken[1] > 0  # the entropy
+    assert taken[3] > 0 and taken[3] == taken[5] and taken[4] == 0  # negative advantages' tokens clipped low
     assert objective.counts([batch]).tolist() == [4, mask.sum().item(), batch["attention_mask"].sum().item()]
     dapo = GRPO(Recipe(objective="grpo", loss_type="dapo", max_completion_len=8, **REWARD))
-    assert dapo.counts([batch])[0] == mask.sum() and dapo.metrics[0] == "clip_ratio/low_mean"
+    assert dapo.counts([batch])[0] == mask.sum() and dapo.metrics[:2] == ("entropy", "clip_ratio/low_mean")
 
 
 def test_bias_corrected_kl_against_a_hand_computation():
@@ -337,7 +566,7 @@ def test_bias_corrected_kl_against_a_hand_computation():
 
 def test_recipe_offers_use_bias_correction_kl_with_trls_default():
     assert Recipe(objective="grpo", **REWARD).use_bias_correction_kl is True
-    assert GRPO(Recipe(objective="grpo", beta=0.04, use_bias_correction_kl=False, **REWARD)).bias_correction_kl is False
+    assert GRPO(Recipe(objective="grpo", beta=0.04, use_bias_correction_kl=False, **REWARD)).settings.bias_correction_kl is False
 
 
 def test_the_objective_scores_at_its_sampling_temperature():
@@ -385,7 +614,7 @@ def test_the_objective_scores_at_its_sampling_temperature():
 
 # ----------------------------------------------------------------------------- the rollout phase's pure parts
 def test_completion_seeds_are_stable_and_distinct():
-    from finetune.training.objectives.grpo import completion_seed
+    from finetune.training.rollouts import completion_seed
 
     seeds = {completion_seed(42, k, row, j) for k in range(3) for row in (0, 7, 4000) for j in range(8)}
     assert len(seeds) == 3 * 3 * 8 and all(0 <= s < 2**63 for s in seeds)
@@ -395,7 +624,7 @@ def test_completion_seeds_are_stable_and_distinct():
 
 
 def test_each_rank_gets_whole_groups_and_the_prompts_do_not_depend_on_the_process_count():
-    from finetune.training.objectives.grpo import prompt_schedule, rank_prompts
+    from finetune.training.rollouts import prompt_schedule, rank_prompts
 
     schedule = prompt_schedule(100, 8, seed=3)
     step = schedule.rows(2, 0)[0]
@@ -422,7 +651,7 @@ def test_grpo_global_batch_counts_prompts():
 
 
 def test_rollouts_file_is_cut_to_the_resumed_step(tmp_path):
-    from finetune.training.objectives.grpo import keep_rollouts, read_rollouts
+    from finetune.training.rollouts import keep_rollouts, read_rollouts
 
     path = tmp_path / "rollouts.jsonl"
     path.write_text("".join(json.dumps({"step": s, "completion": "x"}) + "\n" for s in (1, 1, 3, 3, 5)))
@@ -436,7 +665,7 @@ def test_a_torn_last_line_of_rollouts_is_cut_without_being_read(tmp_path):
     """A kill or a full disk in the middle of a write leaves half a record past the checkpoint: the resume
     cuts the file by step, up to the first line that is not a whole record, and parses nothing past it
     (before: JSONDecodeError on every resume)."""
-    from finetune.training.objectives.grpo import keep_rollouts, read_rollouts, write_rollouts
+    from finetune.training.rollouts import keep_rollouts, read_rollouts, write_rollouts
 
     path = tmp_path / "rollouts.jsonl"
     ds = {"prompt": ["p0", "p1"]}
@@ -463,7 +692,7 @@ def test_a_full_disk_writing_rollouts_names_the_file(tmp_path):
     """/dev/full fails every write with ENOSPC, as a full disk does: one line naming the file (before: a
     bare OSError: [Errno 28] No space left on device)."""
     from finetune.recipe import RecipeError
-    from finetune.training.objectives.grpo import write_rollouts
+    from finetune.training.rollouts import write_rollouts
 
     with pytest.raises(RecipeError, match=r"cannot write /dev/full at step 7: No space left on device; the run "
                                           r"stopped before step 7's update, its last checkpoint is intact"):
@@ -491,7 +720,7 @@ def test_char_rewards():
 
 # ----------------------------------------------------------------------------- the eval's pure parts
 def test_eval_seeds_are_stable_and_apart_from_the_rollouts():
-    from finetune.training.objectives.grpo import completion_seed, eval_seed
+    from finetune.training.rollouts import completion_seed, eval_seed
 
     seeds = {eval_seed(42, row, j) for row in (0, 7, 199) for j in range(8)}
     assert len(seeds) == 3 * 8 and all(0 <= s < 2**63 for s in seeds)
@@ -502,7 +731,7 @@ def test_eval_seeds_are_stable_and_apart_from_the_rollouts():
 
 
 def test_eval_batches_split_over_any_number_of_ranks_in_order():
-    from finetune.training.objectives.grpo import eval_prompt_batches, eval_share
+    from finetune.training.rollouts import eval_prompt_batches, eval_share
 
     assert eval_prompt_batches(5, 4) == [[0, 1, 2, 3], [4]] and eval_prompt_batches(0, 4) == []
     for count in range(10):
@@ -518,7 +747,7 @@ def test_eval_metrics_do_not_depend_on_how_many_ranks_generated():
     """The same completions of 7 eval prompts (3 a batch, groups of 4), split over 1, 2 or 3 ranks as
     GRPO.evaluate splits them: the same metrics exactly, the rollout's metrics over all of them."""
     from finetune.rewards import weighted_rewards
-    from finetune.training.objectives.grpo import eval_metrics, eval_prompt_batches, eval_share, rollout_metrics
+    from finetune.training.rollouts import eval_metrics, eval_prompt_batches, eval_share, rollout_metrics
 
     g, names, weights = 4, ["a", "b"], torch.tensor([1.0, 0.5])
     torch.manual_seed(0)
@@ -549,7 +778,7 @@ def test_eval_metrics_do_not_depend_on_how_many_ranks_generated():
 
 
 def test_a_reward_failure_on_any_rank_is_every_ranks():
-    from finetune.training.objectives.grpo import first_failure
+    from finetune.training.rollouts import first_failure
 
     assert first_failure([([], [], [], None), ([], [], [], None)]) is None
     assert first_failure([([], [], [], None), ([], [], [], "step 3: reward function f raised")]) == \
@@ -566,3 +795,47 @@ def test_the_eval_shows_the_reward_where_there_is_no_eval_loss():
                "final_eval_loss": None, "best_eval_loss": None, "final_eval_reward": 0.25}
     rows = [" ".join(line.split()) for line in format_summary(summary, grpo.shown).splitlines()]
     assert "eval metrics reward 0.2500 (final)" in rows and not any(r.startswith("eval loss") for r in rows)
+
+
+def test_dynamic_sampling_keeps_the_groups_with_a_signal_in_generation_order():
+    """Half the groups have equal rewards (std 0, or none scored): the batch takes the groups with a signal
+    in the order the generation batches made them, the first `wanted`; with too few, groups of equal
+    rewards after them; the dropped groups not in the batch are named (batch, group)."""
+    from finetune.training.rollouts import fill_groups, signal_groups
+
+    g, weights = 2, torch.tensor([1.0])
+    nan = float("nan")
+    first = ([10, 11, 12, 13], [[i] for i in range(8)], [True] * 8,
+             torch.tensor([[1.0], [0.0], [0.5], [0.5], [nan], [nan], [0.2], [0.3]]))
+    second = ([20, 21], [[i] for i in range(8, 12)], [False] * 4, torch.tensor([[0.0], [0.0], [1.0], [nan]]))
+    assert signal_groups(first[3], weights, g).tolist() == [True, False, False, True]
+    assert signal_groups(second[3], weights, g).tolist() == [False, False]  # one scored: no std
+    rows, tokens, stopped, rewards, found, dropped = fill_groups([first, second], 2, weights, g)
+    assert rows == [10, 13] and tokens == [[0], [1], [6], [7]] and found == 2 and stopped == [True] * 4
+    assert rewards.view(-1)[:2].tolist() == [1.0, 0.0] and dropped == [(0, 1), (0, 2), (1, 0), (1, 1)]
+    rows, tokens, _, _, found, dropped = fill_groups([first, second], 4, weights, g)
+    assert rows == [10, 13, 11, 12] and found == 2 and dropped == [(1, 0), (1, 1)]  # short: equal groups fill in
+
+
+def test_refill_prompts_and_seeds_are_their_own_and_stable():
+    from finetune.training.rollouts import completion_seed, prompt_schedule, refill_schedule
+
+    base = prompt_schedule(100, 4, 7).rows(3, 0)[0]
+    refills = [refill_schedule(100, 4, 7, b).rows(3, 0)[0] for b in (1, 2)]
+    assert refills[0] != base and refills[1] != refills[0]
+    assert refills[0] == refill_schedule(100, 4, 7, 1).rows(3, 0)[0]  # a pure function of (seed, batch, rollout)
+    assert completion_seed(7, 3, 5, 0) == completion_seed(7, 3, 5, 0, batch=0)  # batch 0: the seeds as before
+    assert len({completion_seed(7, 3, 5, 0, batch=b) for b in range(3)}) == 3
+
+
+def test_the_entropy_bonus_unit_is_the_loss_count_per_micro_batch():
+    """The entropy bonus's scale (GRPO.count_per_micro_batch): the rollout's count over its micro-batches,
+    completions for completion-counted types, completion tokens (those in the loss) for the others."""
+    tokens, stopped = [[1] * 3, [1] * 5, [1] * 2, [1] * 6], [True, False, True, True]
+    grpo = GRPO(Recipe(objective="grpo", loss_type="grpo", micro_batch_size=2, **REWARD))
+    assert grpo.count_per_micro_batch(tokens, stopped) == 2.0
+    dapo = GRPO(Recipe(objective="grpo", loss_type="dapo", micro_batch_size=2, **REWARD))
+    assert dapo.count_per_micro_batch(tokens, stopped) == 16 / 2
+    masked = GRPO(Recipe(objective="grpo", loss_type="cispo", micro_batch_size=2, mask_truncated_completions=True,
+                         **REWARD))
+    assert masked.count_per_micro_batch(tokens, stopped) == 11 / 2

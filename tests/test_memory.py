@@ -588,6 +588,9 @@ def test_grpo_rollout_terms_by_hand():
     assert M.Rollout.of(replace(r, global_batch_size=0, grad_accum=2), 8).rows == 16
     # a prompt budget of max_seq_len - max_completion_len when max_prompt_len is 0
     assert M.Rollout.of(replace(r, max_prompt_len=0, max_seq_len=2048), 8).prompt_tokens == 1536
+    # rloo's KL penalty in the reward keeps the old log-probs beside the reference's at one iteration too
+    assert M.Rollout.of(replace(r, loss_type="rloo", beta=0.05), 8).logp_copies == 2
+    assert M.Rollout.of(replace(r, loss_type="rloo"), 8).logp_copies == 0
     # other objectives have no rollout phase
     assert M.Rollout.of(resolve("llama8b_dpo_zero3", []), 8) is None
     assert M.recipe_estimate(resolve("llama8b_dpo_zero3", []), 8, a).rollout_peak == 0

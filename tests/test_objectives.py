@@ -44,10 +44,12 @@ def test_the_metrics_reduction_is_the_objectives():
     """SFT and DPO average their sums over the global batch's count; GRPO over the tokens its sums count."""
     sums, count = torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0], dtype=torch.float64), torch.tensor(4.0)
     assert DPO(Recipe(objective="dpo")).means(sums, count) == [0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
-    grpo = torch.tensor([1.0, 2.0, 3.0, 4.0, 8.0], dtype=torch.float64)  # kl, low, high, either, tokens
+    # kl, entropy, tokens, clipped low, high, either, their count; then -low_min, high_max (reduced by max)
+    grpo = torch.tensor([1.0, 4.0, 8.0, 2.0, 3.0, 4.0, 8.0, -0.25, 0.5], dtype=torch.float64)
     # then the rollout's metrics (NaN before any rollout)
-    assert GRPO(Recipe(objective="grpo", beta=0.04)).means(grpo, count)[:4] == [0.125, 0.25, 0.375, 0.5]
-    assert GRPO(Recipe(objective="grpo")).means(grpo, count)[:3] == [0.25, 0.375, 0.5]
+    assert GRPO(Recipe(objective="grpo", beta=0.04)).means(grpo, count)[:7] == [0.125, 0.5, 0.25, 0.375, 0.5, 0.25, 0.5]
+    assert GRPO(Recipe(objective="grpo")).means(grpo, count)[:4] == [0.5, 0.25, 0.375, 0.5]
+    assert GRPO(Recipe(objective="grpo")).maxed == 2 and DPO(Recipe(objective="dpo")).maxed == 0
 
 
 @pytest.mark.parametrize("change,kind", [

@@ -1,7 +1,7 @@
 """loss.png by objective (finetune/training/metrics.py plot_losses with the objective's panels,
 Objective.panels), from metrics.jsonl as runs write it:
-SFT the loss; GRPO the reward, the completion length and the KL when beta > 0 (not the policy loss,
-about 0 whatever the policy); DPO the loss, accuracy and margin; a reward model the loss and accuracy; KTO the loss, the rewards of the
+SFT the loss; GRPO the reward, the completion length, the entropy, the clipped share (clipped loss
+types) and the KL when beta > 0 (not the policy loss, about 0 whatever the policy); DPO the loss, accuracy and margin; a reward model the loss and accuracy; KTO the loss, the rewards of the
 desirable and of the undesirable completions and the KL;
 train and eval each; the learning rate in a panel of its own only when it changes. The PNG records how
 many points each curve has (its Description), which is what these tests read."""
@@ -27,7 +27,8 @@ def records(objective: str, lr_constant: bool, beta: float = 0.0) -> list[dict]:
     for step in range(1, 11):
         r = {"step": step, "loss": 1.0 / step, "lr": 1e-3 if lr_constant else 1e-3 * step / 10, "grad_norm": 0.1}
         if objective == "grpo":
-            r |= {"loss": 0.0, "reward": step / 10, "completions/mean_length": 8 - step / 5}
+            r |= {"loss": 0.0, "reward": step / 10, "completions/mean_length": 8 - step / 5, "entropy": 3 - step / 10,
+                  "clip_ratio/region_mean": step / 100}
             r |= {"kl": step / 100} if beta else {}
         if objective == "dpo":
             r |= {"rewards/accuracies": step / 10, "rewards/margins": step / 5}
@@ -52,7 +53,7 @@ def records(objective: str, lr_constant: bool, beta: float = 0.0) -> list[dict]:
 EXPECTED = {
     "sft": {"train_loss": 10, "eval_loss": 2},
     "grpo": {"train_reward": 10, "eval_reward": 2, "train_completions/mean_length": 10,
-             "eval_completions/mean_length": 2},
+             "eval_completions/mean_length": 2, "train_entropy": 10, "train_clip_ratio/region_mean": 10},
     "dpo": {"train_loss": 10, "eval_loss": 2, "train_rewards/accuracies": 10, "eval_rewards/accuracies": 2,
             "train_rewards/margins": 10, "eval_rewards/margins": 2},
     "reward": {"train_loss": 10, "eval_loss": 2, "train_accuracy": 10, "eval_accuracy": 2},
@@ -82,3 +83,6 @@ def test_grpo_plots_the_kl_when_beta_is_set(tmp_path):
     assert drawn["train_kl"] == 10 and drawn["train_reward"] == 10
     drawn = json.loads(Image.open(plot_losses(metrics, tmp_path / "loss.png", panels("grpo"))).text["Description"])
     assert "train_kl" not in drawn  # beta 0: no reference, no KL panel
+    drawn = json.loads(Image.open(plot_losses(metrics, tmp_path / "loss.png", panels("grpo", "loss_type=sapo")))
+                       .text["Description"])
+    assert "train_clip_ratio/region_mean" not in drawn and drawn["train_entropy"] == 10  # sapo does not clip

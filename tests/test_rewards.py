@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from finetune import rewards as R
-from finetune.training.objectives.grpo import group_advantages
+from finetune.rl_losses import group_advantages
 from finetune.recipe import Recipe, RecipeError, apply_overrides, validate
 
 PROMPTS = ["2+2=", "3*3="]
@@ -255,7 +255,7 @@ def test_bools_count_alike_from_python_torch_and_numpy():
 def test_huge_rewards_keep_their_advantages():
     """Rewards near 1e30 overflowed the std's float32 squares to inf and made every advantage 0 without a
     word; beyond float32's range a reward cannot be kept and is refused in one line."""
-    from finetune.training.objectives.grpo import rollout_metrics
+    from finetune.training.rollouts import rollout_metrics
 
     per_func = torch.tensor([[1e30], [3e30], [-1e30], [1e30]])
     advantages, zero_std = group_advantages(per_func, torch.ones(1), 2)

@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from finetune.training.metrics import format_summary
-from finetune.training.objectives.grpo import rollouts_summary, undecodable, warn_undecodable, write_rollouts
+from finetune.training.rollouts import rollouts_summary, undecodable, warn_undecodable, write_rollouts
 
 VOCAB = 10
 

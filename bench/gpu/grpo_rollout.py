@@ -248,14 +248,14 @@ def before_run(argv: list[str]) -> None:
     import runpy
 
     from finetune import generation
-    import finetune.training.objectives.grpo as grpo
+    from finetune.training import rollouts
 
     old = before_module()
 
     def generate(*args, vocab_size=None, compiled=False, **kwargs):
         return old.generate(*args, **kwargs)
 
-    generation.generate = grpo.generate = generate
+    generation.generate = rollouts.generate = generate
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
 

@@ -12,7 +12,10 @@ from finetune.objective_rules.common import default
 NAME = "grpo"
 GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "top_k",
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
-               "mask_truncated_completions", "use_bias_correction_kl")
+               "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
+               "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
+               "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages", "dynamic_sampling",
+               "max_generation_batches", "entropy_coef")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 FIELDS, LISTS = GRPO_FIELDS, GRPO_LISTS
 SHARES = ("max_prompt_len",)
@@ -67,6 +70,47 @@ def check(r, strategy) -> None:
     problem = sampling_problem(r)
     if problem:
         raise RecipeError(problem)
+    check_rloo(r)
+    if r.max_generation_batches != default(r, "max_generation_batches") and not r.dynamic_sampling:
+        raise RecipeError(f"max_generation_batches={r.max_generation_batches} applies to dynamic_sampling=true only; "
+                          "set dynamic_sampling=true, or leave max_generation_batches out")
+    if r.dynamic_sampling and r.generation_backend == "vllm":
+        raise RecipeError("dynamic_sampling=true with generation_backend=vllm: not tried (a refilled batch trains a "
+                          "rank on completions another rank's engine sampled, whose log-probs it does not hold); use "
+                          "generation_backend=finetune")
+    if r.cast_lm_head_to_fp32 and r.loss_impl == "full":
+        raise RecipeError("cast_lm_head_to_fp32=true with loss_impl=full: the output layer's matmul is computed in "
+                          "float32 on the chunked path (loss_impl=chunked, the default); set loss_impl=chunked or "
+                          "cast_lm_head_to_fp32=false")
+    if r.loss_type == "sapo" and min(r.sapo_temperature_pos, r.sapo_temperature_neg) <= 0:
+        key = "sapo_temperature_pos" if r.sapo_temperature_pos <= 0 else "sapo_temperature_neg"
+        raise RecipeError(f"{key}={getattr(r, key):g}: sapo's gate divides by its temperature; use a value above 0 "
+                          "(TRL's defaults: 1.0 and 1.05)")
+
+
+# GRPO's keys that loss_type=rloo (TRL's RLOOTrainer) has no use for, and normalize_advantages, rloo's only
+NOT_RLOO = ("scale_rewards", "importance_sampling_level", "use_bias_correction_kl", "entropy_coef")
+
+
+def check_rloo(r) -> None:
+    """loss_type=rloo: its advantages are leave-one-out (not scaled), its ratio a whole sequence's, its KL in
+    the reward (k1): GRPO's keys for those left at their defaults; normalize_advantages only with it; the
+    vLLM engine not tried with it."""
+    if r.loss_type != "rloo":
+        if r.normalize_advantages:
+            raise RecipeError(f"normalize_advantages=true applies to loss_type=rloo only (loss_type={r.loss_type} "
+                              "scales advantages by scale_rewards); set loss_type=rloo, or leave normalize_advantages "
+                              "out")
+        return
+    changed = [k for k in NOT_RLOO if getattr(r, k) != default(r, k)]
+    if changed:
+        key = changed[0]
+        raise RecipeError(f"{key}={getattr(r, key)} does not apply to loss_type=rloo (TRL's RLOOTrainer: leave-one-out "
+                          "advantages, normalize_advantages to scale them; the ratio of whole sequences; the KL as a "
+                          f"reward penalty); leave {key} out")
+    if r.generation_backend == "vllm":
+        raise RecipeError("loss_type=rloo with generation_backend=vllm: not tried (TRL's RLOOTrainer applies no "
+                          "importance-sampling correction); use generation_backend=finetune")
 
 
 VLLM_FIELDS = ("vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_importance_sampling_correction",

@@ -99,7 +99,18 @@ def mean_metrics(objective, reduce, count) -> dict:
     sums = objective.take_metrics()
     if sums is None:
         return {}
-    return dict(zip(objective.metrics, objective.means(reduce(sums), count)))
+    return dict(zip(objective.metrics, objective.means(reduced_metrics(sums, objective.maxed, reduce), count)))
+
+
+def reduced_metrics(sums: torch.Tensor, maxed: int, reduce) -> torch.Tensor:
+    """An objective's metric sums over ranks: summed (reduce), the last `maxed` by max (a min kept negated:
+    GRPO's clip_ratio/low_min and high_max)."""
+    if not maxed:
+        return reduce(sums)
+    tail = sums[-maxed:].clone()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tail, op=torch.distributed.ReduceOp.MAX)
+    return torch.cat([reduce(sums[:-maxed]), tail])
 
 
 class NonFiniteError(RecipeError):
@@ -419,7 +430,8 @@ class Reporter:
                       "tokens": state.tokens, **meter.window(), "epoch": epoch,
                       "peak_memory_gib": [round(b / 2**30, 3) for b in memory]}
             if result.metrics is not None:
-                sums = accelerator.reduce(result.metrics, reduction="sum")
+                sums = reduced_metrics(result.metrics, self.objective.maxed,
+                                       lambda t: accelerator.reduce(t, reduction="sum"))
                 record.update(zip(self.objective.metrics, self.objective.means(sums, result.count)))
             if result.aux:
                 record["aux_loss"] = float(accelerator.reduce(torch.stack(result.aux).mean(), reduction="sum")

@@ -257,10 +257,10 @@ LOSS_PANELS = (("loss", "cross-entropy (mean per target token)", "loss"),)
 
 def plot_losses(metrics_path: Path, png_path: Path, panels=LOSS_PANELS) -> Path | None:
     """loss.png: the curves the objective optimizes against optimizer steps, one panel each (`panels`,
-    Objective.panels: SFT the loss; GRPO the reward, the completion length and the KL when beta > 0; DPO
-    the loss, accuracy and margin; a reward model the loss and accuracy; KTO the loss, rewards/chosen,
-    rewards/rejected and kl), train and eval; the learning rate in a small panel below when it changes, in
-    the title when it is constant."""
+    Objective.panels: SFT the loss; GRPO the reward, the completion length, the entropy, the clipped share
+    (clipped loss types) and the KL when beta > 0; DPO the loss, accuracy and margin; a reward model the
+    loss and accuracy; KTO the loss, rewards/chosen, rewards/rejected and kl), train and eval; the learning
+    rate in a small panel below when it changes, in the title when it is constant."""
     records = run_history(read_metrics(metrics_path)) if Path(metrics_path).exists() else []
     records = [r for r in records if "resumed_from" not in r]
     if not records:

@@ -53,11 +53,11 @@ class AdapterDisabled:
         with torch.no_grad(), _peft_model(model).disable_adapter():
             return SP.row_logps(model, batch, self.impl, self.chunk)[0]
 
-    def token_logps(self, model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    def token_logps(self, model, batch: dict, temperature: float = 1.0, head_dtype=None) -> torch.Tensor:
         """Per target token, laid out as the labels, of the logits / temperature (GRPO's KL term:
-        loss.token_logps at the policy's sampling temperature)."""
+        loss.token_logps at the policy's sampling temperature, its output layer in head_dtype)."""
         with torch.no_grad(), _peft_model(model).disable_adapter():
-            return token_logps(model, batch, self.impl, self.chunk, temperature)
+            return token_logps(model, batch, self.impl, self.chunk, temperature, head_dtype)
 
 
 class Frozen:
@@ -72,11 +72,11 @@ class Frozen:
         with torch.no_grad(), self.accelerator.autocast():
             return SP.row_logps(self.model, batch, self.impl, self.chunk)[0]
 
-    def token_logps(self, policy, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    def token_logps(self, policy, batch: dict, temperature: float = 1.0, head_dtype=None) -> torch.Tensor:
         """Per target token, laid out as the labels, of the logits / temperature (GRPO's KL term:
-        loss.token_logps at the policy's sampling temperature)."""
+        loss.token_logps at the policy's sampling temperature, its output layer in head_dtype)."""
         with torch.no_grad(), self.accelerator.autocast():
-            return token_logps(self.model, batch, self.impl, self.chunk, temperature)
+            return token_logps(self.model, batch, self.impl, self.chunk, temperature, head_dtype)
 
 
 class Precomputed:

@@ -56,3 +56,12 @@ def _scorer():
 # A RewardModel itself as a reward function (reward_funcs=grpo_rewards:scorer): GRPO checks it (check)
 # before the policy loads, then loads it on its first call.
 scorer = _scorer()
+
+
+def half_equal(completions, answer, **kwargs):
+    """answer_chars where the answer's first letter is odd (a, c, e, ...), 0.0 for every completion where it
+    is even: about half the groups have equal rewards (dynamic sampling drops them)."""
+    from finetune.rewards import answer_chars
+
+    dense = answer_chars(completions, answer)
+    return [d if ord(str(a)[0]) % 2 else 0.0 for d, a in zip(dense, answer)]

@@ -63,7 +63,7 @@ def grpo_run(launch):
     return get
 
 
-def assert_same_run(got, want, tolerance=1e-5):
+def assert_same_run(got, want, tolerance=1e-5, reward="exact_match"):
     assert rollouts(got) == rollouts(want), "the same completions, rewards and advantages"
     a, b = records(got), records(want)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
@@ -76,7 +76,7 @@ def assert_same_run(got, want, tolerance=1e-5):
     evals = eval_records(got)
     assert [r["step"] for r in evals] == [0, 3, 6] and evals == eval_records(want)
     assert all("eval_loss" not in r and math.isfinite(v) for r in evals for k, v in r.items())
-    assert {"eval_reward", "eval_reward_std", "eval_rewards/exact_match/mean", "eval_rewards/exact_match/std",
+    assert {"eval_reward", "eval_reward_std", f"eval_rewards/{reward}/mean", f"eval_rewards/{reward}/std",
             "eval_completions/mean_length"} <= set(evals[0])
 
 
@@ -280,3 +280,78 @@ def test_hybrid_2x2_on_four_processes_equals_one(grpo_run, launch, tmp_path_fact
     assert "hsdp (2 replicas, each sharded over 2 GPUs) on 4 cpu process(es)" in run.stderr
     assert_same_run(run, grpo_run("ddp", 1), tolerance=1e-6)
     assert_planner_matches(run, counts, "tiny_grpo", [*HYBRID, *GRPO], steps=range(1, 7))
+
+
+# loss_type=rloo (recipes/tiny_rloo.py, TRL's RLOOTrainer) on GRPO's numbers: its KL penalty in the reward
+# needs the old and reference log-probs at every rollout; normalize_advantages over the gathered batch
+RLOO = ["beta=0.05", "normalize_advantages=true"]
+
+
+@pytest.fixture(scope="module")
+def rloo_runs(launch, tmp_path_factory):
+    """loss_type=rloo under ZeRO-3: a 2-process run; the same run SIGKILLed after step 5 (rank 1), then
+    resumed on 1 process from step 3's checkpoint, inside the rollout generated at step 3."""
+    want = launch(2, "strategy=zero3", *GRPO, *RLOO, recipe="tiny_rloo")
+    out = tmp_path_factory.mktemp("rloo-fault")
+    first = launch(2, "strategy=zero3", *GRPO, *RLOO, output_dir=out, check=False, recipe="tiny_rloo",
+                   extra_env={"FINETUNE_FAULT": "after_step:1:5"})
+    assert first.returncode != 0
+    resumed = launch(1, "strategy=zero3", *GRPO, *RLOO, "--resume", "auto", output_dir=out, recipe="tiny_rloo")
+    return want, resumed
+
+
+def test_rloo_resumed_on_one_process_equals_two(rloo_runs):
+    """RLOO's resume inside a rollout is exact and its steps on 1 process equal those on 2: the same
+    completions, rewards and leave-one-out advantages (each group's KL-penalised, normalised over the
+    batch), the same losses and metrics, TRL's RLOO metrics among them."""
+    want, resumed = rloo_runs
+    assert "at step 3" in resumed.stderr and "zero3 on 1" in resumed.stderr
+    assert_same_run(resumed, want)
+    recs = records(want)
+    assert {"kl", "entropy", "clip_ratio/low_min", "clip_ratio/high_max", "clip_ratio/region_mean"} <= set(recs[0])
+    assert recs[0]["kl"] == 0.0 and recs[2]["kl"] != 0.0, "the old policy's KL to the reference, once it moved"
+    lines = rollouts(want)
+    for step in (1, 3, 5):  # normalised over the batch: mean 0
+        assert abs(sum(r["advantage"] for r in lines if r["step"] == step)) < 1e-3
+
+
+# dynamic sampling: a reward that gives every completion of about half the prompts 0.0 (equal rewards)
+DYNAMIC = ["dynamic_sampling=true", "reward_funcs=grpo_rewards:half_equal"]
+
+
+@pytest.fixture(scope="module")
+def dynamic_runs(launch, tmp_path_factory):
+    """dynamic_sampling=true: a 1-process run; a 2-process ZeRO-3 run SIGKILLed (rank 1) in the middle of
+    refilling step 5's batch, then resumed (on 2 processes) from step 3's checkpoint."""
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests' / 'distributed'}"}
+    one = launch(1, "strategy=ddp", *GRPO, *DYNAMIC, recipe="tiny_grpo", extra_env=env)
+    out = tmp_path_factory.mktemp("dynamic-fault")
+    first = launch(2, "strategy=zero3", *GRPO, *DYNAMIC, output_dir=out, check=False, recipe="tiny_grpo",
+                   extra_env=env | {"FINETUNE_FAULT": "refill:1:5"})
+    assert first.returncode != 0  # killed while refilling step 5 (its batch 0 had groups of equal rewards)
+    resumed = launch(2, "strategy=zero3", *GRPO, *DYNAMIC, "--resume", "auto", output_dir=out, recipe="tiny_grpo",
+                     extra_env=env)
+    return one, resumed
+
+
+def test_dynamic_sampling_fills_batches_on_two_processes_as_on_one_and_resumes_mid_refill(dynamic_runs):
+    """Half the groups have equal rewards: each rollout drops them and samples more prompts until its 4
+    groups all have a signal; the dropped groups are lines of rollouts.jsonl, the counts metrics. A kill
+    while refilling step 5 resumed on 2 processes repeats the 1-process run: the same completions, dropped
+    groups, losses and metrics."""
+    one, resumed = dynamic_runs
+    assert "at step 3" in resumed.stderr
+    assert_same_run(resumed, one, reward="half_equal")
+    lines = rollouts(one)
+    trained = [r for r in lines if not r.get("dropped")]
+    dropped = [r for r in lines if r.get("dropped")]
+    assert [r["step"] for r in trained] == [1] * 16 + [3] * 16 + [5] * 16
+    assert dropped and all(len(set(r["rewards"])) == 1 for r in dropped)  # each dropped group: equal rewards
+    for step in (1, 3, 5):  # every trained group has unequal rewards: a learning signal
+        group_rewards = [[r["reward"] for r in trained if r["step"] == step][i:i + 4] for i in range(0, 16, 4)]
+        assert all(len(set(g)) > 1 for g in group_rewards)
+    recs = records(one)
+    assert all(r["frac_reward_zero_std"] == 0.0 for r in recs)
+    assert any(r["dynamic_sampling/generation_batches"] >= 2 for r in recs)  # refilled
+    assert sum(r["dynamic_sampling/dropped_groups"] for r in recs[::2]) == len(dropped)
+    assert all(r["dynamic_sampling/short_groups"] == 0 for r in recs)

@@ -64,6 +64,7 @@ class Context:
 class Objective(Protocol):
     name: str
     metrics: tuple[str, ...]
+    maxed: int  # the last `maxed` of take_metrics' values reduce over ranks by max (the rest by sum)
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
     panels: tuple  # loss.png's panels: (title, y label, metric key), train and eval (training/metrics.py)
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
@@ -106,6 +107,7 @@ class Basic:
     makes_batches = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows
     evaluates = True  # False: the loop runs no eval
     sums: torch.Tensor | None = None
+    maxed = 0  # the last `maxed` of take_metrics' sums are reduced over ranks by max, not summed (a min negated)
 
     def before_model(self, context: Context) -> None:
         return None

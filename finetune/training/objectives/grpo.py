@@ -1,54 +1,14 @@
-"""Group relative policy optimization (GRPO, DAPO, Dr. GRPO) as TRL's GRPOTrainer defines it (trl 1.16,
-trl/trainer/grpo_trainer.py: _generate_and_score_completions for the advantages, _compute_loss for the
-loss and its metrics), so that users can carry their settings over.
+"""Group relative policy optimization (GRPO, DAPO, Dr. GRPO) as TRL's GRPOTrainer defines it (trl 1.16),
+the objective the loop asks (objectives/base.py): each step's rollout (sampled, scored, recorded, kept
+for num_iterations steps and for a resumed run), its micro-batches with the old and the reference's
+log-probs, each micro-batch's loss, how a global batch is counted, its metrics. The loss family itself,
+pure functions on tensors, is finetune/rl_losses.py; the rollout machinery (seeds, shares, the
+generation, records, the cache) is finetune/training/rollouts.py.
 
-Each prompt of a step has num_generations completions (a group). Their rewards (one column per reward
-function, NaN where a function did not score, finetune/rewards.py) are summed with the weights (nansum)
-and the advantage of each completion is its reward minus its group's mean, divided by (std + 1e-4)
-where std is the group's (scale_rewards=group), the whole batch's (batch), or not divided (none); a
-completion no function scored gets advantage 0. Per completion token, with r = exp(logp - old_logp):
-
-    loss_t = -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) + beta kl_t,
-    kl_t = r (exp(ref_logp - logp) - (ref_logp - logp) - 1)  (only when beta > 0)
-
-kl_t is the k3 estimator times the importance ratio (use_bias_correction_kl=true, TRL 1.16's default: the
-gradient of the unbiased reverse KL, DeepSeek-V3.2); use_bias_correction_kl=false leaves the plain k3
-term. The ratio is differentiable, so it changes the KL's gradient even where its value is 1.
-old_logp is the policy's at the rollout (num_iterations > 1 steps reuse one rollout); with one iteration
-it is logp itself, detached, so r = 1 and only its gradient acts.
-
-Every log-prob (logp, old_logp, ref_logp) is of the logits divided by the sampling temperature
-(loss.token_logps): the distribution the completions were drawn from, as TRL's GRPOTrainer and verl
-score them; temperature=0 (greedy) scores the logits as they are. How the token losses make the loss
-the optimizer steps on, over the whole global batch whatever its split into ranks and micro-batches
-(TRL's per micro-batch normalisations, averaged by DDP over ranks and summed over accumulation steps,
-come to the same when every micro-batch holds as many completions):
-
-    grpo:     the mean over completions of each completion's mean token loss
-    dapo:     the mean over all completion tokens of the global batch
-    dr_grpo:  the sum over all completion tokens / (completions x max_completion_len)
-
-so `loss` returns a micro-batch's sum of those terms and `counts` says what it is averaged over
-(completions, or completion tokens for dapo), as SFT and DPO do.
-
-What the rollout phase (the objective's `rollout`, objectives/base.py) gives the loop, per micro-batch
-(`rollout_batch` builds it):
-    input_ids, attention_mask   [rows, length]: prompt then completion, right-padded
-    labels                      [rows, length]: the completion's tokens where they count in the loss,
-                                IGNORE elsewhere (prompt, padding, a truncated completion when
-                                mask_truncated_completions)
-    advantages                  [rows] float32 (group_advantages, computed on the whole global batch)
-    real                        [rows] bool: False for a placeholder row keeping ranks in lock-step
-    old_logps                   [rows, length] fp32 laid out as the labels (loss.token_logps under
-                                no_grad at the rollout): only when num_iterations > 1
-    ref_logps                   [rows, length] fp32, the reference's: only when beta > 0
-
-Metrics (take_metrics gives their sums; `means` turns the rank-summed sums into values): kl (beta > 0),
-clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean, each a mean over the global batch's
-completion tokens (TRL: a mean per micro-batch, then over micro-batches; the same with one micro-batch
-per rank). TRL's clip_ratio/low_min and high_max (a min / max over sequences) are not kept: the loop
-reduces metrics by sum. The rollout's own metrics (rewards per function, completion lengths) come from
-`rollout_metrics`, on the gathered global batch."""
+The rollout's own metrics (rewards per function, completion lengths) come from rollouts.rollout_metrics,
+on the gathered global batch; the loss's (kl, clip ratios) from rl_losses.policy_loss's sums, reduced over
+ranks by sum. TRL's clip_ratio/low_min and high_max (a min / max over sequences) are not kept: the loop
+reduces metrics by sum."""
 
 from __future__ import annotations
 
@@ -60,147 +20,23 @@ import torch
 
 from finetune import data as D
 from finetune.data import IGNORE
-from finetune.loss import token_logps, token_logps_within
+from finetune.loss import token_logps, token_logps_entropy, token_logps_within
 from finetune.training.objectives.base import Basic
-from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
-from finetune.training.metrics import json_values, log
+from finetune.training.metrics import log
+from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, ROLLOUTS, completion_seed, eval_metrics, eval_prompt_batches,
+                                        eval_seed, eval_share, fill_groups, first_failure, generate_completions, joined,
+                                        keep_rollouts, load_rollout, padded_rows, rank_prompts, real_rows,
+                                        refill_schedule, rollout_batch, rollout_metric_names, rollout_metrics,
+                                        rollouts_summary, save_rollout, prompt_schedule, signal_groups,
+                                        warn_undecodable, write_dropped, write_rollouts)
+from finetune.faults import fault_point
 from finetune.training.stopping import Interrupted
-from finetune.model import context_length
 from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
-
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
-CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
-
-
-def nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """The standard deviation ignoring NaN, with Bessel's correction; NaN where fewer than 2 values
-    (TRL's trl/trainer/utils.py nanstd)."""
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
-    correction = torch.where(count > 1, count / (count - 1), torch.full_like(variance, float("nan")))
-    std = torch.sqrt(variance * correction)
-    if keepdim:
-        return std
-    return std.squeeze() if dim is None else std.squeeze(dim)
-
-
-def group_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
-                     scale_rewards: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
-    """The advantages of a whole global batch of completions, each prompt's num_generations adjacent,
-    and whether each one's std was zero (TRL's frac_reward_zero_std): TRL's sum_then_normalize."""
-    if scale_rewards not in SCALE_REWARDS:
-        raise ValueError(f"scale_rewards={scale_rewards!r}: must be one of {', '.join(SCALE_REWARDS)}")
-    # in float64: the squares of float32 rewards beyond about 1e19 overflow float32 (an inf std would make
-    # every advantage 0); the advantages themselves are of order 1, float32 again
-    rewards = weighted_rewards(per_func.double(), weights)
-    mean = torch.nanmean(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-    if scale_rewards == "batch":
-        std = nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
-    else:
-        std = nanstd(rewards.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
-    advantages = rewards - mean
-    if scale_rewards != "none":
-        advantages = advantages / (std + 1e-4)
-    zero_std = torch.isclose(std, torch.zeros_like(std))
-    return torch.nan_to_num(advantages, nan=0.0).float(), zero_std
-
-
-def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[str], zero_std: torch.Tensor,
-                    lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
-    """A step's rollout metrics, on the gathered global batch, under TRL's names: reward (mean, std) in
-    all and per function (over the completions it scored), the share of completions in a group of
-    equal rewards, completion lengths (mean, min, max, and the share cut at max_completion_len)."""
-    out = {}
-    per_func = per_func.double()  # as group_advantages: float32 squares of large rewards overflow
-    for i, name in enumerate(names):
-        out[f"rewards/{name}/mean"] = torch.nanmean(per_func[:, i]).item()
-        out[f"rewards/{name}/std"] = nanstd(per_func[:, i]).item()
-    rewards = weighted_rewards(per_func, weights)
-    out["reward"] = torch.nanmean(rewards).item()
-    out["reward_std"] = nanstd(rewards).item()
-    out["frac_reward_zero_std"] = zero_std.float().mean().item()
-    lengths = lengths.float()
-    out["completions/mean_length"] = lengths.mean().item()
-    out["completions/min_length"] = lengths.min().item()
-    out["completions/max_length"] = lengths.max().item()
-    out["completions/clipped_ratio"] = truncated.float().mean().item()
-    return out
-
-
-def policy_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, old_logps=None,
-                ref_logps=None, loss_type: str = "dapo", epsilon: float = 0.2, epsilon_high: float | None = None,
-                beta: float = 0.0, max_completion_len: int = 1, bias_correction_kl: bool = True,
-                is_ratio=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed loss terms of some completions ([rows, length] per-token log-probs, their rows'
-    advantages [rows], the tokens that count [rows, length]) and the sums of the metrics over their
-    counted tokens: [kl, clipped low, clipped high, clipped either, tokens], float64. The sum's unit is
-    the loss type's (module docstring): divided by the global batch's count it is TRL's loss."""
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type={loss_type!r}: must be one of {', '.join(LOSS_TYPES)}")
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    mask = mask.to(logps.dtype)
-    advantages = advantages.to(logps).unsqueeze(1)
-    old = logps.detach() if old_logps is None else old_logps.to(logps)
-    ratio = torch.exp(logps - old)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * advantages, clipped * advantages)
-    if is_ratio is not None:  # vLLM's completions: TRL's importance-sampling correction (generators.importance_weights)
-        per_token = per_token * is_ratio.to(per_token)
-    kl = None
-    if beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("beta > 0 needs the reference's log-probs (ref_logps) in the batch")
-        delta = ref_logps.to(logps) - logps
-        kl = torch.exp(delta) - delta - 1
-        if bias_correction_kl:
-            kl = kl * ratio
-        per_token = per_token + beta * kl
-    if loss_type == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum()
-    elif loss_type == "dr_grpo":
-        loss = (per_token * mask).sum() / max_completion_len
-    else:
-        loss = (per_token * mask).sum()
-    with torch.no_grad():
-        low = (ratio < 1 - epsilon) & (advantages < 0)
-        high = (ratio > 1 + epsilon_high) & (advantages > 0)
-        sums = [(kl * mask).sum() if kl is not None else mask.new_zeros(()),
-                (low * mask).sum(), (high * mask).sum(), ((low | high) * mask).sum(), mask.sum()]
-        sums = torch.stack(sums).double()
-    return loss, sums
-
-
-def real_rows(batch: dict) -> torch.Tensor:
-    """Which rows are completions of the step (not placeholders keeping ranks in lock-step)."""
-    real = batch.get("real")
-    return torch.ones(batch["input_ids"].shape[0], dtype=torch.bool) if real is None else real.bool()
-
-
-def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stopped: list[bool],
-                  advantages: torch.Tensor, pad_id: int, *, mask_truncated: bool = False,
-                  real: list[bool] | None = None) -> dict:
-    """One micro-batch of the rollout as the loss reads it: each row the prompt's tokens then the
-    completion's, right-padded; the completion's tokens as labels, none for a truncated completion
-    (not stopped) when mask_truncated. old_logps / ref_logps are added by the caller (token_logps of
-    this batch under no_grad)."""
-    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-    length = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), length), dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        input_ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
-        attention[i, :len(p) + len(c)] = 1
-        if not (mask_truncated and not stopped[i]):
-            labels[i, len(p):len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
-            "advantages": advantages.float(),
-            "real": torch.tensor([True] * len(rows) if real is None else real, dtype=torch.bool)}
+from finetune.rl_losses import (CLIPPED, MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
+                                metric_values, policy_loss, rloo_advantages)
 
 
 class GRPO(Basic):
@@ -210,31 +46,39 @@ class GRPO(Basic):
 
     def __init__(self, recipe):
         self.recipe = recipe
+        self.settings = LossSettings.from_recipe(recipe)
         self.loss_type, self.beta = recipe.loss_type, recipe.beta
-        self.bias_correction_kl = recipe.use_bias_correction_kl
+        # cast_lm_head_to_fp32: the output layer's matmul, so the logits, in float32 (ScaleRL)
+        self.head_dtype = torch.float32 if recipe.cast_lm_head_to_fp32 else None
         # the log-probs of the distribution the completions were sampled from (greedy: the logits as they are)
         self.temperature = recipe.temperature if recipe.temperature > 0 else 1.0
-        self.epsilon, self.epsilon_high = recipe.epsilon, recipe.epsilon_high or recipe.epsilon  # 0: epsilon
         self.max_completion_len = recipe.max_completion_len
         self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
         self.rewards = Rewards.from_recipe(recipe)
-        self.rollout_names = rollout_metric_names(self.rewards.names) + (
+        # rloo's kl is the rollout's (its penalty is in the reward), the others' the loss's
+        self.rollout_names = (("kl",) if self.loss_type == "rloo" and self.beta != 0.0 else ()) + \
+            rollout_metric_names(self.rewards.names) + (DYNAMIC_METRICS if recipe.dynamic_sampling else ()) + (
             ENGINE_METRICS if recipe.generation_backend == "vllm" else ())
         self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
         self.sampled_logps: list = []  # the engine's log-probs of the last sample()'s completions
-        self.loss_metrics = (("kl",) if self.beta != 0.0 else ()) + CLIP_METRICS
+        self.loss_metrics = metric_names(self.loss_type, self.beta)
         self.metrics = self.loss_metrics + self.rollout_names
         self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
         # loss.png: not the policy loss, which is about 0 whatever the policy
         self.panels = (("reward: the weighted sum of the reward functions", "reward (mean per completion)", "reward"),
                        ("completion length", "tokens per completion (mean)", "completions/mean_length"),
+                       ("entropy of the sampled distribution", "nats (mean per completion token)", "entropy"),
+                       *([("clipped ratios", "share of completion tokens clipped", "clip_ratio/region_mean")]
+                         if self.loss_type in CLIPPED else []),
                        *([("KL to the reference", "KL (mean per completion token)", "kl")] if self.beta else []))
         self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
         self.reference = None
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
         self.rollout_values: dict = {}
         self.sums = None
+        self.micro_batch_count = float(recipe.micro_batch_size)  # the rollout's (count_per_micro_batch)
+        self.maxed = MAXED  # the loss's sums end with a min and a max over completions (rl_losses.SUMS)
         self.said_unscored = False  # a step whose completions no function scored was said
         self.warned = False  # completions with ids the tokenizer cannot decode were logged once
 
@@ -314,12 +158,13 @@ class GRPO(Basic):
         self.rollout_values = self.cached[2]
         return self.cached[1]
 
-    def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
-        r, accelerator = run.recipe, run.accelerator
-        sp, g = run.parallel.sp, self.num_generations
-        rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
+    def generation_batch(self, run, k: int, b: int, rows: list[int], step: int, stop=None):
+        """Generation batch b of rollout k: this rank's share of the prompt rows sampled (a collective) and
+        scored, gathered: (every completion's tokens, whether each stopped, [completions, functions]
+        rewards, the generation's seconds), or None where a stop request cut it."""
+        r, sp, g = run.recipe, run.parallel.sp, self.num_generations
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
-        seeds = [completion_seed(r.seed, k, row, j) for row in mine for j in range(g)]
+        seeds = [completion_seed(r.seed, k, row, j, batch=b) for row in mine for j in range(g)]
         prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
                                                                                  step + 1, updates=step, stop=stop)
         parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
@@ -329,21 +174,72 @@ class GRPO(Basic):
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
                               "intact: fix the function and continue with --resume auto")
-        all_tokens, all_stopped, all_rewards = joined(parts, len(self.rewards.names))
+        return (*joined(parts, len(self.rewards.names)), seconds)
+
+    def dynamic_batch(self, run, k: int, step: int, rows: list[int], stop=None):
+        """dynamic_sampling=true (rollouts.py, "dynamic sampling"): generation batches until the step's groups
+        with a learning signal fill it or max_generation_batches were generated; the dropped groups' lines
+        in rollouts.jsonl. (rows, tokens, stopped, rewards, seconds, counts) of the batch, or None (a stop
+        request)."""
+        r, g = run.recipe, self.num_generations
+        made, seconds = [], 0.0
+        for b in range(r.max_generation_batches):
+            if b:
+                fault_point("refill", run.accelerator.process_index, step + 1)  # a kill mid-refill (tests)
+                rows = refill_schedule(len(run.datasets.train), len(rows), r.seed, b).rows(k, 0)[0]
+            out = self.generation_batch(run, k, b, rows, step, stop)
+            if out is None:
+                return None
+            made.append((rows, *out[:3]))
+            seconds += out[3]
+            if int(sum(signal_groups(m[3], self.rewards.weights, g).sum() for m in made)) >= len(rows):
+                break
+        batch_rows, tokens, stopped, rewards, found, dropped = fill_groups(made, len(rows), self.rewards.weights, g)
+        if run.accelerator.is_main_process:
+            write_dropped(run.out / ROLLOUTS, step + 1, k, made, dropped, run.datasets.train, g, self.rewards.names,
+                          self.rewards.weights)
+            if found < len(rows):
+                log.warning(f"step {step + 1}: dynamic sampling found {found} of {len(rows)} groups with unequal "
+                            f"rewards in max_generation_batches={r.max_generation_batches} generation batches; "
+                            f"training on them and {len(rows) - found} groups of equal rewards (advantage 0)")
+        counts = dict(zip(DYNAMIC_METRICS, (float(len(made)), float(len(made) * len(rows) - found),
+                                            float(len(rows) - found))))
+        return batch_rows, tokens, stopped, rewards, seconds, counts
+
+    def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
+        r, accelerator = run.recipe, run.accelerator
+        rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
+        if r.dynamic_sampling:
+            made = self.dynamic_batch(run, k, step, rows, stop)
+        else:
+            made = self.generation_batch(run, k, 0, rows, step, stop)
+            if made is not None:
+                made = (rows, *made, {})
+        if made is None:
+            return None
+        rows, all_tokens, all_stopped, all_rewards, seconds, counts = made
+        prompt_ids, share = self.rank_share(run, rows)
+        tokens, stopped = all_tokens[share], all_stopped[share]
         if torch.isnan(all_rewards).all() and not self.said_unscored and accelerator.is_main_process:
             self.said_unscored = True
             log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
                         "reward None): their advantages are 0 and the step trains on nothing (its reward is null in "
                         "metrics.jsonl); said once")
-        advantages, zero_std = group_advantages(all_rewards, self.rewards.weights, g, r.scale_rewards)
+        engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
+        # the micro-batches (old and reference log-probs) before the advantages: rloo's penalise the reward by them
+        batches = self.batches(run, prompt_ids, tokens, stopped, torch.zeros(len(tokens)),
+                               engine_logps=self.sampled_logps if engine else None)
+        advantages, zero_std, kl = self.advantages(all_rewards, batches)
+        for b, part in zip(batches, advantages[share].split(r.micro_batch_size)):
+            b["advantages"] = part.clone()
         values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
                                  torch.tensor([len(t) for t in all_tokens]),
                                  ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
-        share = slice(sp.dp_rank * len(tokens), (sp.dp_rank + 1) * len(tokens))
-        engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
-        batches = self.batches(run, prompt_ids, tokens, stopped, advantages[share],
-                               engine_logps=self.sampled_logps if engine else None)
+        values |= counts
+        self.micro_batch_count = self.count_per_micro_batch(all_tokens, all_stopped)
+        if kl is not None:
+            values["kl"] = kl
         if engine:
             values |= self.engine_values(batches, k)
             values["vllm/push_seconds"] = self.generator.push_seconds
@@ -365,6 +261,43 @@ class GRPO(Basic):
             self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
+
+    def rank_share(self, run, rows: list[int]) -> tuple[list, slice]:
+        """This data-parallel rank's part of a rollout of prompt `rows`: its prompts' ids, one per completion,
+        and the slice of the rollout's completions that are theirs."""
+        sp, g = run.parallel.sp, self.num_generations
+        mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
+        n = len(mine) * g
+        return [p for p in run.datasets.train[mine]["prompt_input_ids"] for _ in range(g)], \
+            slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
+
+    def count_per_micro_batch(self, tokens: list, stopped: list) -> float:
+        """What the loss averages over (counts), of the whole rollout (every rank's completions), per
+        micro-batch: the entropy bonus's unit (rl_losses.entropy_bonus)."""
+        m = self.recipe.micro_batch_size
+        if self.loss_type not in TOKEN_COUNTED:
+            return float(m)
+        counted = sum(len(t) for t, s in zip(tokens, stopped) if s or not self.recipe.mask_truncated_completions)
+        return counted * m / len(tokens)
+
+    def advantages(self, rewards: torch.Tensor, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """The whole global batch's advantages from its [completions, functions] rewards (every rank's, in
+        order), whether each completion's group has reward std 0, and rloo's kl metric (None for the
+        others). rloo with beta > 0 (a collective): each completion's k1 KL, sum(old_logp - ref_logp) over
+        its tokens, gathered from this rank's micro-batches (TRL's RLOOTrainer)."""
+        r, g = self.recipe, self.num_generations
+        if self.loss_type != "rloo":
+            return (*group_advantages(rewards, self.rewards.weights, g, r.scale_rewards), None)
+        kl, metric = None, None
+        if self.beta != 0.0:
+            per_token = [(b["old_logps"] - b["ref_logps"]) * (b["labels"] != IGNORE) for b in batches]
+            parts = gather_objects(([x for t in per_token for x in t.sum(-1).tolist()],
+                                    sum(t.sum().item() for t in per_token), sum(D.target_tokens(b) for b in batches)))
+            kl = torch.tensor([x for part in parts for x in part[0]], dtype=torch.float64)
+            metric = sum(part[1] for part in parts) / max(sum(part[2] for part in parts), 1)
+        advantages, zero_std = rloo_advantages(rewards, self.rewards.weights, g, kl, self.beta,
+                                               r.normalize_advantages)
+        return advantages, zero_std, metric
 
     def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages) -> None:
         """Rank 0: rollout k's completions, their rewards and advantages into rollouts.jsonl, under `step`
@@ -448,15 +381,12 @@ class GRPO(Basic):
         engine's importance weights) from the cache file the run wrote when it generated them (the policy has
         moved since). first: the resumed run starts at rollout k's first step, which the engine had generated
         before the interruption; its rollouts.jsonl records are written again."""
-        sp, g = run.parallel.sp, self.num_generations
         saved = load_rollout(run.out, k, step)
         rows = saved["rows"]
-        mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
-        n = len(mine) * g
-        share = slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
-        prompt_ids = run.datasets.train[mine]["prompt_input_ids"]
+        prompt_ids, share = self.rank_share(run, rows)
         ratios = saved.get("is_ratio")
-        batches = self.batches(run, [p for p in prompt_ids for _ in range(g)], saved["tokens"][share],
+        self.micro_batch_count = self.count_per_micro_batch(saved["tokens"], saved["stopped"])
+        batches = self.batches(run, prompt_ids, saved["tokens"][share],
                                saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share],
                                is_rows=ratios[share] if ratios is not None else None)
         if first and run.accelerator.is_main_process:
@@ -473,7 +403,9 @@ class GRPO(Basic):
         (self.engine_sums); is_rows: the weights saved with a recorded rollout."""
         r, model = run.recipe, run.model
         m = r.micro_batch_size
-        keep_old = self.num_iterations > 1 or engine_logps is not None or is_rows is not None
+        # rloo with beta > 0 penalises the reward by the KL of the old log-probs (also with one iteration)
+        keep_old = (self.num_iterations > 1 or engine_logps is not None or is_rows is not None
+                    or (self.loss_type == "rloo" and self.beta != 0.0))
         self.engine_sums = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
         out = []
         for a in range(0, len(tokens), m):
@@ -490,7 +422,7 @@ class GRPO(Basic):
                             b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
                         else:  # and the sampled distribution's: the tokenizer's rows only, as the engine draws
                             full, within = token_logps_within(model, device_batch, len(run.tokenizer), self.loss_impl,
-                                                              self.chunk, self.temperature)
+                                                              self.chunk, self.temperature, self.head_dtype)
                             b["old_logps"], sampler_logps = full.float().cpu(), within.float().cpu()
                     model.train(was_training)
                 elif keep_old:
@@ -501,14 +433,14 @@ class GRPO(Basic):
                 elif is_rows is not None:
                     b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
                 if self.reference is not None:
-                    b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature).float().cpu()
+                    b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature, self.head_dtype).float().cpu()
             out.append(b)
         return out
 
     def token_logps(self, model, batch: dict) -> torch.Tensor:
         """The policy's per-token log-probs of a micro-batch at the sampling temperature (the loss's, and
         the old ones kept at the rollout)."""
-        return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature)
+        return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature, self.head_dtype)
 
     def weigh(self, b: dict, trainer: torch.Tensor, sampled: torch.Tensor) -> None:
         """A micro-batch of the engine's completions: its importance weights (TRL's correction, when on) and
@@ -553,19 +485,19 @@ class GRPO(Basic):
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch of completions; its metrics' sums are kept for take_metrics."""
-        logps = self.token_logps(model, batch)
+        logps, entropies = token_logps_entropy(model, batch, self.loss_impl, self.chunk, self.temperature,
+                                               self.head_dtype)
         mask = (batch["labels"] != IGNORE).to(logps.device)
         loss, sums = policy_loss(
             logps, batch["advantages"], mask, old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
-            loss_type=self.loss_type, epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta,
-            max_completion_len=self.max_completion_len, bias_correction_kl=self.bias_correction_kl,
-            is_ratio=batch.get("is_ratio"))
-        self.sums = sums if self.sums is None else self.sums + sums
+            entropies=entropies, settings=self.settings, is_ratio=batch.get("is_ratio"),
+            micro_batch_count=self.micro_batch_count)
+        self.sums = merged_sums(self.sums, sums)
         return loss
 
     def count(self, batch: dict) -> int:
         """What a micro-batch's loss is averaged over: completions, or completion tokens for dapo."""
-        if self.loss_type == "dapo":
+        if self.loss_type in TOKEN_COUNTED:
             return D.target_tokens(batch)
         return int(real_rows(batch).sum())
 
@@ -585,296 +517,12 @@ class GRPO(Basic):
         return rollouts_summary(out / ROLLOUTS)
 
     def take_metrics(self) -> torch.Tensor | None:
-        """The metrics' sums since the last call ([kl, clipped low, high, either, tokens]), or None."""
+        """The loss's metric sums since the last call (rl_losses.SUMS: the last `maxed` reduced by max), or None."""
         sums, self.sums = self.sums, None
         return sums
 
     def means(self, sums: torch.Tensor, count: torch.Tensor | None = None) -> list[float]:
         """The metrics' values (in `metrics` order) from take_metrics' sums reduced over ranks: means
-        over the completion tokens they count themselves (not over the global batch's count), then the
+        over what they count themselves (not over the global batch's count), then the
         step's rollout metrics (computed on the whole gathered rollout, the same on every rank)."""
-        values = (sums[:4] / sums[4].clamp(min=1)).tolist()
-        values = values if self.beta != 0.0 else values[1:]
-        return values + [self.rollout_values.get(n, float("nan")) for n in self.rollout_names]
-
-
-ROLLOUTS = "rollouts.jsonl"
-CACHE_DIR = "rollout-cache"
-
-
-def rollout_metric_names(reward_names: list[str]) -> tuple[str, ...]:
-    per_func = tuple(f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std"))
-    return per_func + ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
-                       "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-                       "rollout_seconds")
-
-
-def padded_rows(rows: list[list[float]], shape, fill: float = 0.0) -> torch.Tensor:
-    """Saved per-row values (each row's first tokens) back into a [rows, length] fp32 tensor."""
-    out = torch.full(shape, fill, dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
-    return out
-
-
-def first_failure(parts: list) -> str | None:
-    """The first rank's reward failure (the fourth item of each rank's gathered part), or None."""
-    return next((p[3] for p in parts if p[3] is not None), None)
-
-
-def joined(parts: list, functions: int) -> tuple[list, list, torch.Tensor]:
-    """The ranks' gathered parts ((tokens, stopped, [completions, functions] rewards, failure) per rank)
-    joined in their order: every completion's tokens, whether it stopped, and the rewards as one
-    [completions, functions] tensor."""
-    tokens = [t for p in parts for t in p[0]]
-    stopped = [s for p in parts for s in p[1]]
-    rewards = torch.tensor([v for p in parts for v in p[2]], dtype=torch.float32).view(len(tokens), functions)
-    return tokens, stopped, rewards
-
-
-def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g: int,
-                 scale_rewards: str = "group") -> dict:
-    """An eval's metrics (rollout_metrics' but the rollout's seconds) from its batches, each the ranks'
-    gathered parts in rank order ((tokens, stopped, [completions, functions] rewards, failure) per rank):
-    the completions in their global order (batch, then rank: each rank's share is contiguous), so the
-    values do not depend on how many ranks generated them."""
-    tokens, stopped, per_func = joined([p for batch in batches for p in batch], len(names))
-    _, zero_std = group_advantages(per_func, weights, g, scale_rewards)
-    return rollout_metrics(per_func, weights, names, zero_std, torch.tensor([len(t) for t in tokens]),
-                           ~torch.tensor(stopped, dtype=torch.bool))
-
-
-def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=None) -> list:
-    """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
-    once for the whole batch (a collective: every rank calls it), in eval mode, back to train after. A
-    rank without prompts (an eval batch's uneven split) runs one forward of a one-token prompt, its token
-    discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join. A
-    stop request (stop) ends the generation before its next token, from the second on (the first
-    forward is that collective)."""
-    r, model, accelerator = run.recipe, run.model, run.accelerator
-    sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
-    idle = not prompts
-    if idle:
-        prompts, seeds, sampling = [[pad_id_for(run.tokenizer)]], None, Sampling(1)
-    was_training = model.training
-    asked = []  # should_stop's calls: none before the first token
-
-    def should_stop() -> bool:
-        asked.append(True)
-        return stop is not None and len(asked) > 1 and bool(stop.requested)
-
-    model.eval()
-    try:
-        with torch.compiler.set_stance("force_eager"), \
-                run.parallel.strategy.whole_weights(accelerator, model) as whole:
-            out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
-                           pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
-                           seeds=seeds if sampling.temperature > 0 else None, should_stop=should_stop,
-                           vocab_size=len(run.tokenizer), compiled=decode_compiled(r.generation_compile, accelerator.device))
-            return [] if idle else out
-    finally:
-        model.train(was_training)
-
-
-def undecodable(tokens: list[list[int]], vocab: int) -> tuple[int, int]:
-    """(completions holding ids the tokenizer has no token for, how many such ids): ids of the output
-    layer's rows past len(tokenizer) (a vocabulary padded to a multiple), which decode to nothing."""
-    counts = undecodable_counts(tokens, vocab)
-    return sum(c > 0 for c in counts), sum(counts)
-
-
-def undecodable_counts(tokens: list[list[int]], vocab: int) -> list[int]:
-    """Each completion's ids past the tokenizer's `vocab` tokens."""
-    return [sum(t >= vocab for t in ids) for ids in tokens]
-
-
-def warn_undecodable(step: int, tokens: list[list[int]], vocab: int, warned: bool) -> bool:
-    """One line, the first time a rollout holds ids the tokenizer cannot decode: the reward functions
-    see those completions shorter than the model wrote them (an empty text where all ids are such).
-    Whether that line has been written now."""
-    completions, ids = undecodable(tokens, vocab)
-    if completions and not warned:
-        log.warning(f"step {step}: {completions} of {len(tokens)} completions hold {ids} token ids past the "
-                    f"tokenizer's {vocab} tokens, which decode to nothing (the reward functions see the text "
-                    "without them); rollouts.jsonl counts them per completion (undecodable_ids), the run summary "
-                    "in all")
-    return warned or bool(completions)
-
-
-def rollouts_summary(path) -> dict:
-    """The run summary's count of completions whose ids the tokenizer could not decode (rollouts.jsonl,
-    the run's history, resumed attempts included): {} where there were none."""
-    import json
-    from pathlib import Path
-
-    completions = ids = total = 0
-    if Path(path).is_file():
-        with open(path) as f:
-            for line in f:
-                total += 1
-                if '"undecodable_ids": 0,' in line:  # the usual case, without parsing the line
-                    continue
-                try:
-                    n = json.loads(line).get("undecodable_ids") or 0
-                except ValueError:  # a torn last line
-                    continue
-                completions, ids = completions + (n > 0), ids + n
-    return {"undecodable_completions": completions, "undecodable_ids": ids, "completions": total} if ids else {}
-
-
-def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, tokens, texts, stopped,
-                   names: list[str], per_func: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor,
-                   vocab: int | None = None):
-    """One line per completion: the step that generated it, its prompt (dataset row and value), the
-    row's other columns as the reward functions received them (`answer`, ...), its text and token ids,
-    how many of those ids the tokenizer cannot decode (past its `vocab` tokens), whether it stopped, each
-    function's reward (None: not scored), the weighted reward and the advantage."""
-    import json
-
-    data = ds[rows]
-    prompts = data["prompt"]
-    columns = [c for c in ds.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
-    undecodable_ids = undecodable_counts(tokens, vocab) if vocab else [0] * len(tokens)
-
-    def number(x):
-        return json_values(float(x))  # None for NaN (not scored), as metrics.jsonl writes it
-
-    lines = "".join(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
-                                "columns": {c: data[c][i // g] for c in columns},
-                                "undecodable_ids": undecodable_ids[i],
-                                "completion": text, "completion_ids": t, "stopped": stopped[i],
-                                "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
-                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"
-                    for i, (t, text) in enumerate(zip(tokens, texts)))
-    try:
-        with open(path, "a") as f:
-            f.write(lines)
-    except OSError as e:  # a full disk: what it left past the last checkpoint is cut on resume (keep_rollouts)
-        raise RecipeError(f"cannot write {path} at step {step}: {e.strerror or e}; the run stopped before step {step}'s "
-                          "update, its last checkpoint is intact: free space there and continue with --resume "
-                          "auto") from None
-
-
-def save_rollout(out, k: int, record: dict, keep: int = 2) -> None:
-    """num_iterations > 1 or a vLLM engine: rollout k kept on disk (the main process), so that a run resumed
-    inside it (or, with the engine, at it) trains on the same completions with the same old log-probs; the
-    files of rollouts before the last `keep` removed."""
-    import os
-
-    folder = out / CACHE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{k}.pt.tmp{os.getpid()}"
-    torch.save(record, tmp)
-    os.replace(tmp, folder / f"{k}.pt")
-    for old in folder.glob("*.pt"):
-        if old.stem.isdigit() and int(old.stem) <= k - keep:
-            old.unlink()
-
-
-def load_rollout(out, k: int, step: int) -> dict:
-    path = out / CACHE_DIR / f"{k}.pt"
-    if not path.is_file():
-        raise RecipeError(f"resuming at step {step} (inside rollout {k}, num_iterations > 1) needs {path}, written "
-                          "when that rollout was generated, and it is gone; resume from a checkpoint at a multiple "
-                          "of num_iterations")
-    return torch.load(path, weights_only=False)
-
-
-# ---------------------------------------------------------------- the rollout phase
-#
-# Each rollout serves num_iterations optimizer steps: steps k*n .. k*n + n - 1 (0-based, n =
-# num_iterations) train on rollout k, generated at step k*n with the policy as it was then (TRL's
-# num_iterations: the same generations reused; its old log-probs are that policy's). Rollout k's prompts
-# are the k-th global batch of prompts of the prompt schedule (finetune/data/batches.py BatchSchedule over
-# the prompt rows, one "micro-batch" of all the step's prompts), split into contiguous equal shares, one
-# per data-parallel rank: every prompt's whole group on one rank. Completion j of the prompt at dataset row
-# i in rollout k samples with its own seed completion_seed(seed, k, i, j), which keys the noise of its every
-# token (finetune/generation.py next_tokens), so the tokens do not depend on the process count nor on the
-# other sequences in the batch, and a resumed run samples what the uninterrupted one did.
-
-
-def completion_seed(seed: int, rollout: int, row: int, completion: int) -> int:
-    """A completion's sampling seed: a stable 63-bit hash of (recipe seed, rollout index, the prompt's
-    dataset row, the completion's index in its group); not Python's hash(), which varies per process."""
-    import hashlib
-
-    digest = hashlib.blake2b(f"grpo:{seed}:{rollout}:{row}:{completion}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def eval_seed(seed: int, row: int, completion: int) -> int:
-    """An eval completion's sampling seed: completion j of eval row i, the same at every eval (a stable
-    63-bit hash as completion_seed's, apart from the training rollouts' seeds)."""
-    import hashlib
-
-    digest = hashlib.blake2b(f"grpo-eval:{seed}:{row}:{completion}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def eval_prompt_batches(count: int, size: int) -> list[list[int]]:
-    """The eval rows 0..count-1 in batches of `size` prompts (the last may be smaller)."""
-    return [list(range(a, min(a + size, count))) for a in range(0, count, size)]
-
-
-def eval_share(rows: list[int], rank: int, ranks: int) -> list[int]:
-    """This rank's contiguous share of an eval batch: the first len(rows) % ranks ranks one row more (a
-    rank may get none; it joins the generation's collective all the same)."""
-    q, extra = divmod(len(rows), ranks)
-    start = rank * q + min(rank, extra)
-    return rows[start:start + q + (rank < extra)]
-
-
-def rank_prompts(prompts: list[int], rank: int, ranks: int) -> list[int]:
-    """This data-parallel rank's contiguous share of a step's prompts (len(prompts) divisible by ranks)."""
-    if len(prompts) % ranks:
-        raise ValueError(f"{len(prompts)} prompts do not split over {ranks} ranks")
-    share = len(prompts) // ranks
-    return prompts[rank * share:(rank + 1) * share]
-
-
-def prompt_schedule(num_rows: int, prompts_per_step: int, seed: int):
-    """The prompt rows each rollout reads: a BatchSchedule whose one micro-batch is the step's prompts."""
-    return D.BatchSchedule(num_rows, prompts_per_step, 1, 1, seed)
-
-
-def read_rollouts(path) -> list[dict]:
-    import json
-    from pathlib import Path
-
-    path = Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def kept_length(lines, step: int) -> int:
-    """How many bytes at the start of rollouts.jsonl (`lines`: the file opened in binary) hold the records
-    of steps up to `step`: the lines up to the first one of a later step, or the first one that is not
-    a whole record line (a write cut short by a kill or a full disk). Each line is read only as far as
-    its step ({"step": N, ... as write_rollouts starts it); nothing past the cut is parsed."""
-    import re
-
-    head = re.compile(rb'\{"step": (\d+), .*\}\n\Z', re.DOTALL)
-    end = 0
-    for line in lines:
-        match = head.match(line)
-        if match is None or int(match.group(1)) > step:
-            break
-        end += len(line)
-    return end
-
-
-def keep_rollouts(path, step: int) -> None:
-    """rollouts.jsonl cut to the records of steps up to `step` (a resumed run writes the rest again), or
-    removed (step 0: a fresh run)."""
-    import os
-    from pathlib import Path
-
-    path = Path(path)
-    if not path.exists():
-        return
-    if step == 0:
-        path.unlink()
-        return
-    with path.open("rb") as lines:
-        end = kept_length(lines, step)
-    if end < path.stat().st_size:
-        os.truncate(path, end)
+        return metric_values(sums, self.loss_type, self.beta) + [self.rollout_values.get(n, float("nan")) for n in self.rollout_names]
