@@ -127,8 +127,11 @@ class OutputHeadLoss:
     and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
 
     def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, on_kept=None):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
+        # on_kept(hidden, head): another loss from the target positions' hidden states [n, h] and the output
+        # layer, returned in place of the cross-entropy (finetune/divergence.py: distillation)
+        self.on_kept = on_kept
         self.temperature = temperature  # per_token: the logits, as the model makes them, divided by it
         self.vocab_size = vocab_size  # per_token: also the log-probs over the first vocab_size rows (self.within)
         self.within = None
@@ -206,6 +209,9 @@ class OutputHeadLoss:
             else:
                 compute = linear_cross_entropy
             kept, kept_targets = hidden.index_select(0, keep), flat.index_select(0, keep)
+            if self.on_kept is not None:
+                self.loss = self.on_kept(kept, head)
+                return self.loss
             self.loss = compute(kept, head.weight, head.bias, kept_targets, self.impl, **options)
             if self.per_token and self.vocab_size is not None and self.vocab_size >= head.weight.shape[0]:
                 self.within = self.loss.detach()  # no padded rows

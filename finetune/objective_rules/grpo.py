@@ -21,13 +21,15 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "max_completion_len", "loss_type", "scale_rewards", "epsilon", "epsilon_high", "num_iterations", "beta",
                "mask_truncated_completions", "use_bias_correction_kl")
 GRPO_LISTS = ("reward_funcs", "reward_weights")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_completion_len")  # objective=distill's too
 
 
 def check(r, strategy) -> None:
     """GRPO's fields only with it; with it, reward functions that import, one weight each, groups of 2 or more."""
     check_generation_backend(r)
     if r.objective != "grpo":
-        changed = [k for k in GRPO_FIELDS if getattr(r, k) != default(r, k)]
+        shared = SAMPLING_FIELDS if r.objective == "distill" else ()  # distillation samples as GRPO does
+        changed = [k for k in GRPO_FIELDS if k not in shared and getattr(r, k) != default(r, k)]
         if changed:
             key = changed[0]
             shown = ",".join(map(str, getattr(r, key))) if key in GRPO_LISTS else getattr(r, key)
@@ -84,9 +86,9 @@ def check_generation_backend(r) -> None:
     the engine only with what it can serve (a 16-bit or fp32 base, no sequence parallelism). Whether vLLM is
     installed is the run's check (a recipe plans on any machine): generators.check_installed."""
     vllm = r.generation_backend == "vllm"
-    if r.objective != "grpo" and vllm:
-        raise RecipeError("generation_backend=vllm applies to objective=grpo only (the rollouts and the eval's "
-                          "completions); set objective=grpo, or leave generation_backend out")
+    if r.objective not in ("grpo", "distill") and vllm:
+        raise RecipeError("generation_backend=vllm applies to objective=grpo and distill only (the sampled "
+                          "completions); set objective=grpo or distill, or leave generation_backend out")
     changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)]
     if changed and not vllm:
         key = changed[0]

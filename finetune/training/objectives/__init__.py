@@ -3,17 +3,19 @@ and sets up what it holds beside the policy (base.py: the interface the loop ask
 The loop asks it; it never asks the loop. sft.py: next-token loss on target tokens; dpo.py: preference
 pairs (DPO, IPO, SimPO) and their reference; grpo.py: group relative policy optimization (its rollout
 phase generates the step's completions, scores and weighs them); reward.py: a reward model on preference
-pairs (Bradley-Terry)."""
+pairs (Bradley-Terry); distill.py: on-policy distillation from a teacher (generalized JSD on the student's
+own completions)."""
 
 from __future__ import annotations
 
 from finetune.training.objectives.base import Basic, Context, Objective
+from finetune.training.objectives.distill import Distill
 from finetune.training.objectives.dpo import DPO
 from finetune.training.objectives.grpo import GRPO
 from finetune.training.objectives.reward import Reward
 from finetune.training.objectives.sft import SFT
 
-__all__ = ["Basic", "Context", "DPO", "GRPO", "Objective", "Reward", "SFT", "objective_for"]
+__all__ = ["Basic", "Context", "DPO", "Distill", "GRPO", "Objective", "Reward", "SFT", "objective_for"]
 
 
 def objective_for(recipe) -> Objective:
@@ -24,4 +26,6 @@ def objective_for(recipe) -> Objective:
         return GRPO(recipe)
     if recipe.objective == "reward":
         return Reward(recipe)
+    if recipe.objective == "distill":
+        return Distill(recipe)
     return SFT(recipe)
