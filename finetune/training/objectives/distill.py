@@ -9,7 +9,7 @@ probability lmbda, drawn from (seed, step) alone (on_policy_step), so every rank
 resumed run agree: its rows keep their prompt (each row's tokens before its first target token) and get
 the student's own completion in place of the dataset's, sampled through the generator seam
 (finetune/training/generators.py: ours, or a vLLM engine) at temperature, top_p, top_k, up to
-max_completion_len tokens. Completion of dataset row i at step s samples with its own seed
+max_completion_len tokens (and within max_seq_len with the prompt). Completion of dataset row i at step s samples with its own seed
 completion_seed(seed, s, i), which keys the noise of its every token (finetune/generation.py), so the
 tokens do not depend on the process count nor on the other rows of the batch, and a resumed run samples
 what the uninterrupted one did. Other steps train on the dataset's completions as they are (GKD's
@@ -194,7 +194,9 @@ class Distill(Basic):
             return None
         made, it = [], iter(outs)
         for batch in prompts:
-            completions = [next(it).tokens if p is not None else [] for p in batch]
+            # cut to max_seq_len with the prompt: as if sampling had stopped there (each token is seeded alone)
+            completions = [next(it).tokens[:max(0, self.recipe.max_seq_len - len(p))] if p is not None else []
+                           for p in batch]
             b = on_policy_batch(batch, completions, run.tokenizer.pad_token_id)
             b["on_policy"] = torch.tensor(True)
             made.append(b)
