@@ -19,9 +19,9 @@ Rows:
 
 Prompts are all PROMPT_LEN tokens long, so that TRL's left-padded prompts carry no padding and both trainers
 compute on the same positions. Needs trl importable (PYTHONPATH=DIR holding a `pip install --no-deps --target DIR
-trl==1.16.0`):
+trl==1.16.0`), figures in docs/distillation.md:
 
-    PYTHONPATH=$PWD:/tmp/trlpkg python bench/studies/distill_vs_trl.py
+    PYTHONPATH=$PWD:trl-1.16 python bench/studies/distill_vs_trl.py
 """
 from pathlib import Path
 import copy
