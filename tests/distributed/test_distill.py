@@ -3,7 +3,7 @@ wider sibling, builtin:tiny-llama-h64, with its vocabulary): 4 steps of lmbda=0.
 4 (the student's own completions, sampled at temperature 0.7) and off-policy at steps 2 and 3 (the dataset's
 completions), under the JSD (distill_beta=0.5), evaluated at steps 0, 2 and 4. 2 processes under ZeRO-3
 (the teacher partitioned) and FSDP (the teacher sharded) train as 1 process does (loss and metrics within
-1e-5); a 2-process ZeRO-3 run SIGKILLed after step 3 and resumed from step 2's checkpoint logs exactly what
+1e-5), also with a LoRA student under FSDP; a 2-process ZeRO-3 run SIGKILLed after step 3 and resumed from step 2's checkpoint logs exactly what
 the uninterrupted one did, and resumed on 1 process what it did within 1e-5; the checkpoint exports to the
 weights of final/, which `finetune chat` answers from."""
 
@@ -42,10 +42,11 @@ def assert_same(got, want, tolerance=1e-5):
 def distill_run(launch):
     runs = {}
 
-    def get(strategy: str, nprocs: int):
-        if (strategy, nprocs) not in runs:
-            runs[strategy, nprocs] = launch(nprocs, f"strategy={strategy}", *DISTILL, recipe="tiny_distill")
-        return runs[strategy, nprocs]
+    def get(strategy: str, nprocs: int, *extra: str):
+        if (strategy, nprocs, extra) not in runs:
+            runs[strategy, nprocs, extra] = launch(nprocs, f"strategy={strategy}", *DISTILL, *extra,
+                                                   recipe="tiny_distill")
+        return runs[strategy, nprocs, extra]
 
     return get
 
@@ -64,6 +65,18 @@ def test_two_processes_train_as_one(distill_run, strategy):
     assert [r["step"] for r in evals] == [0, 2, 4]
     assert evals[2]["eval_loss"] < evals[0]["eval_loss"], "the student moved towards the teacher"
     assert all(r["eval_on_policy"] == 0.0 for r in evals), "the eval scores the dataset's completions"
+
+
+def test_lora_student_under_fsdp(distill_run):
+    """A LoRA student (the teacher a separate frozen model, sharded by FSDP2): 2 processes train as 1, and the
+    adapter alone moves towards the teacher."""
+    lora = ("lora=true", "lora_r=8", "lora_dropout=0", "lr=1e-2")  # no dropout: its masks differ by process count
+    one, two = distill_run("ddp", 1, *lora), distill_run("fsdp", 2, *lora)
+    assert "fsdp on 2" in two.stderr
+    assert_same(two, one)
+    evals = [r for r in records(one) if "eval_loss" in r]
+    assert evals[2]["eval_loss"] < evals[0]["eval_loss"]
+    assert (two.output_dir / "final" / "adapter_model.safetensors").is_file(), "the student's adapter, as any LoRA run's"
 
 
 @pytest.fixture(scope="module")
