@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data import IGNORE
-from finetune.loss import CHUNK_BYTES, IMPLS, OutputHeadLoss, _logits, shifted_labels
+from finetune.loss import CHUNK_BYTES, IMPLS, OutputHeadLoss, _logits, grad_buffers, handed_over, shifted_labels
 
 # divergence, student entropy, top-1 agreement: per token, summed
 STATS = 3
@@ -173,21 +173,18 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher, options, sums):
         beta, temperature, scale, softcap, rows, dtype, needs = options
-        need_h, need_w, need_b = needs
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             tw, tb = teacher.weight, teacher.bias
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            grad_h, grad_w, grad_b = grad_buffers(hidden, weight, bias, needs)
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
                 h = hidden[part].to(dtype)
                 total += _chunk(h, w, b, teacher.hidden[part].to(tw.dtype), tw, tb, teacher.scale, teacher.softcap,
-                                beta, temperature, scale, softcap, sums, grad_h[part] if need_h else None, grad_w,
-                                grad_b)
+                                beta, temperature, scale, softcap, sums, grad_h[part] if grad_h is not None else None,
+                                grad_w, grad_b)
         ctx.grads = [grad_h, grad_w, grad_b]
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -195,17 +192,7 @@ class _ChunkedDivergence(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("the chunked divergence supports one backward per forward")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_out).to(ctx.dtypes[0])
-        if grad_b is not None:
-            grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
-        return grad_h, grad_w, grad_b, None, None, None
+        return (*handed_over(ctx, grad_out), None, None, None)
 
 
 def _chunk(h, w, b, th, tw, tb, t_scale, t_softcap, beta, temperature, scale, softcap, sums, grad_h, grad_w,

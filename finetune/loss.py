@@ -391,13 +391,10 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         hidden, targets = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         scale, softcap, rows, dtype, temperature = ctx.options
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
-            grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            grad_h, grad_w, grad_b = grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3])
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
                 h = hidden[part].to(dtype)
@@ -463,19 +460,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype, needs):
-        need_h, need_w, need_b = needs
         n = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            grad_h, grad_w, grad_b = grad_buffers(hidden, weight, bias, needs)
             for start in range(0, n, rows):
                 part = slice(start, start + rows)
                 total += _chunk(hidden[part].to(dtype), w, b, targets[part], scale, softcap,
-                                grad_h[part] if need_h else None, grad_w, grad_b)
+                                grad_h[part] if grad_h is not None else None, grad_w, grad_b)
         ctx.grads = [grad_h, grad_w, grad_b]
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -483,17 +477,32 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("the chunked loss supports one backward per forward")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_out).to(ctx.dtypes[0])
-        if grad_b is not None:
-            grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return (*handed_over(ctx, grad_out), None, None, None, None, None, None)
+
+
+def grad_buffers(hidden, weight, bias, needs) -> tuple:
+    """The fp32 gradients of the hidden states, the output layer's weight and bias a chunked loss fills in its
+    forward (None where not needed: needs, three booleans)."""
+    need_h, need_w, need_b = needs
+    return (torch.empty_like(hidden) if need_h else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None,
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None)
+
+
+def handed_over(ctx, grad_out) -> tuple:
+    """The gradients a forward computed (ctx.grads: hidden states, weight, bias), scaled by the incoming
+    gradient, in the parameters' dtypes (ctx.dtypes); one backward only."""
+    if ctx.grads is None:
+        raise RuntimeError("the chunked loss supports one backward per forward")
+    grad_h, grad_w, grad_b = ctx.grads
+    ctx.grads = None
+    if grad_h is not None:
+        grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
+    if grad_w is not None:
+        grad_w = grad_w.mul_(grad_out).to(ctx.dtypes[0])
+    if grad_b is not None:
+        grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
+    return grad_h, grad_w, grad_b
 
 
 def _chunk(h, w, b, y, scale: float, softcap: float | None, grad_h, grad_w, grad_b) -> torch.Tensor:
