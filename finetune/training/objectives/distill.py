@@ -126,7 +126,6 @@ class Distill(Basic):
         self.teacher = None
         self.generator = None
         self.sums = None
-        self.rollout_seconds = 0.0
 
     def before_model(self, context: Context) -> None:
         """The teacher's config and tokenizer read, before either model loads: one line where its vocabulary is
@@ -165,9 +164,10 @@ class Distill(Basic):
         teacher.eval()
         self.teacher = context.plan.strategy.wrap_reference(context.accelerator, teacher)
         self.accelerator = context.accelerator
-        if context.accelerator.is_main_process:
-            log.info(f"teacher: {r.teacher_model} ({sum(p.numel() for p in teacher.parameters()) / 1e6:.1f}M "
-                     f"parameters as loaded on rank 0), a frozen model placed by strategy={r.strategy}")
+        if context.accelerator.is_main_process:  # ZeRO-3 partitions as it loads: ds_numel is the whole count
+            count = sum(getattr(p, "ds_numel", p.numel()) for p in teacher.parameters())
+            log.info(f"teacher: {r.teacher_model} ({count / 1e6:.1f}M parameters), a frozen model placed by "
+                     f"strategy={r.strategy}")
         self.generator = generator_for(context, generate_completions) if r.lmbda > 0 else None
         return {"teacher_model": r.teacher_model}
 
@@ -179,9 +179,6 @@ class Distill(Basic):
             b["on_policy"] = torch.tensor(False)
         if not on_policy_step(self.recipe.seed, step, self.lmbda):
             return micro_batches
-        import time
-
-        t0 = time.perf_counter()
         rows = run.schedule.rows(step, run.parallel.sp.dp_rank)
         prompts = [[prompt_of(b["input_ids"][i], b["labels"][i]) for i in range(len(b["input_ids"]))]
                    for b in micro_batches]
@@ -200,7 +197,6 @@ class Distill(Basic):
             b = on_policy_batch(batch, completions, run.tokenizer.pad_token_id)
             b["on_policy"] = torch.tensor(True)
             made.append(b)
-        self.rollout_seconds = time.perf_counter() - t0
         return made
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
