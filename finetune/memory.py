@@ -863,29 +863,33 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "", gpus_p
         return f"memory per GPU: not estimated: {err}"
     unit, name = (GiB, "GiB") if e.peak + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")
     off = f"; offloaded per GPU: {_offloaded(e, unit)} {name}" if e.cpu or e.nvme else ""
+    held = "teacher" if recipe.objective == "distill" else "reference"
+    phase = "distill on-policy generation" if recipe.objective == "distill" else "GRPO rollout"
+    if recipe.objective == "distill" and teacher_architecture(recipe.teacher_model)[0] is None:
+        unchecked.append(f"the teacher ({teacher_architecture(recipe.teacher_model)[1]})")
     sp = recipe.sequence_parallel
     where = f"{world_size} process(es)" + (f", sequence_parallel={sp}" if sp > 1 else "")
     lines = [f"memory per GPU (planner estimate, {e.setup.label} on {where}): "
              f"params {gib(e.params, unit)}, grads {gib(e.grads, unit)}, optimizer {gib(e.optimizer, unit)}, "
-             + (f"reference {gib(e.reference, unit)}, " if e.reference else "")
+             + (f"{held} {gib(e.reference, unit)}, " if e.reference else "")
              + (f"log-probs {gib(e.logps, unit)}, " if e.logps else "")
              + f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
     rollout = Rollout.of(recipe, world_size)
     if rollout is not None and rollout.engine:
-        lines.insert(1, f"GRPO rollout per GPU by a vLLM engine ({rollout.rows} completions of up to {rollout.tokens} "
+        lines.insert(1, f"{phase} per GPU by a vLLM engine ({rollout.rows} completions of up to {rollout.tokens} "
                         f"tokens): engine weights and KV cache {gib(e.engine, unit)} at least (on a GPU the share "
                         f"vllm_gpu_memory_utilization={recipe.vllm_gpu_memory_utilization:g} of it while awake), "
                         f"push transient {gib(e.push, unit)}; a peak of {gib(e.rollout_peak, unit)} {name} per GPU "
                         f"while it generates; during the step the engine keeps {gib(e.engine_asleep, unit)} {name}"
                         + (" (asleep)" if rollout.engine_sleeps else " (vllm_enable_sleep_mode=true frees it on GPUs)"))
     elif rollout is not None:
-        lines.insert(1, f"GRPO rollout per GPU ({rollout.rows} completions of up to {rollout.tokens} tokens generated "
+        lines.insert(1, f"{phase} per GPU ({rollout.rows} completions of up to {rollout.tokens} tokens generated "
                         f"in one batch): gathered weights {gib(e.rollout_weights, unit)}, KV cache "
                         f"{gib(e.kv_cache, unit)}, prefill {gib(e.prefill, unit)}; a peak of "
                         f"{gib(e.rollout_peak, unit)} {name} per GPU (with the model states"
-                        + (", reference" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
+                        + (f", {held}" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
     if e.staging:
         lines.insert(1, f"async_save=true: each save stages {gib(e.staging, unit)} {name} per rank in host memory "
                         "(counted in the cpu column; docs/async-checkpoints.md)")

@@ -215,3 +215,14 @@ def test_distill_keys_only_with_distill_and_sampling_keys_shared():
         validate(Recipe(objective="dpo", teacher_model="x"))
     validate(Recipe(objective="distill", teacher_model="t", temperature=0.7, top_k=5, max_completion_len=32,
                     distill_beta=0.5, lmbda=0.5))
+
+
+def test_a_missing_teacher_is_one_line_before_the_models_load(tmp_path):
+    import types
+
+    from finetune.training.objectives.distill import Distill
+
+    objective = Distill(Recipe(objective="distill", teacher_model=str(tmp_path / "final")))
+    context = types.SimpleNamespace(recipe=objective.recipe, tokenizer=None, config=None)
+    with pytest.raises(RecipeError, match=r"teacher_model=.*final: no such directory; .*run it first"):
+        objective.before_model(context)

@@ -136,8 +136,16 @@ class Distill(Basic):
         from finetune.training.generators import check_installed
 
         check_installed(context.recipe)
+        from pathlib import Path
+
+        from finetune.recipe import looks_local
+
         r = context.recipe
         self.teacher_path = resolve_model(r.teacher_model)
+        if looks_local(r.teacher_model) and not Path(self.teacher_path).is_dir():
+            raise RecipeError(f"teacher_model={r.teacher_model}: no such directory; point it at a model directory "
+                              "(a run's final/: the tiny_distill recipe's teacher is made by `finetune/run.py --recipe "
+                              "tiny`, run it first) or a hub id")
         try:
             self.teacher_config = AutoConfig.from_pretrained(self.teacher_path)
         except (OSError, ValueError) as e:
