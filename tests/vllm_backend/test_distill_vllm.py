@@ -7,30 +7,18 @@ scripts/test_vllm.sh)."""
 
 from __future__ import annotations
 
-import pytest
-
-from finetune.training.metrics import read_metrics, run_history
+from test_distill import assert_same, records  # tests/distributed, on the path (conftest.py)
 
 VLLM = ["model=builtin:tiny-llama-h64", "teacher_model=builtin:tiny-llama", "generation_backend=vllm",
         "max_steps=6", "eval_every=3", "eval_at_start=true", "eval_max_samples=16", "max_completion_len=8",
         "warmup_steps=0", "log_every=1", "save_every=0"]
-TIMING = ("tokens_per_s", "peak_memory_gib", "step_seconds", "mfu")
-
-
-def records(run) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING and not k.startswith("tokens_per")}
-            for r in run_history(read_metrics(run.output_dir / "metrics.jsonl")) if "loss" in r or "eval_loss" in r]
 
 
 def test_two_processes_with_engines_train_as_one(launch):
     two = launch(2, "strategy=zero3", *VLLM, recipe="tiny_distill")
     one = launch(1, "strategy=ddp", *VLLM, recipe="tiny_distill")
-    a, b = records(two), records(one)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [0, 1, 2, 3, 3, 4, 5, 6, 6]
-    for x, y in zip(a, b):
-        for k, v in x.items():
-            if isinstance(v, float):
-                assert v == pytest.approx(y[k], abs=1e-5, rel=1e-5), (x["step"], k, v, y[k])
+    assert_same(two, one, steps=(0, 1, 2, 3, 3, 4, 5, 6, 6))
+    a = records(two)
     train = [r for r in a if "loss" in r]
     assert all(r["on_policy"] == 1.0 and 0 < r["completions/mean_length"] <= 8 for r in train)
     evals = [r for r in a if "eval_loss" in r]
