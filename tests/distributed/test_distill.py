@@ -4,8 +4,8 @@ wider sibling, builtin:tiny-llama-h64, with its vocabulary): 4 steps of lmbda=0.
 completions), under the JSD (distill_beta=0.5), evaluated at steps 0, 2 and 4. 2 processes under ZeRO-3
 (the teacher partitioned) and FSDP (the teacher sharded) train as 1 process does (loss and metrics within
 1e-5), also with a LoRA student under FSDP; a 2-process ZeRO-3 run SIGKILLed after step 3 and resumed from step 2's checkpoint logs exactly what
-the uninterrupted one did, and resumed on 1 process what it did within 1e-5; the checkpoint exports to the
-weights of final/, which `finetune chat` answers from."""
+the uninterrupted one did, and resumed on 1 process what it did within 1e-5 (and with another teacher is
+refused in one line); the checkpoint exports to the weights of final/, which `finetune chat` answers from."""
 
 from __future__ import annotations
 
@@ -110,6 +110,22 @@ def test_resume_on_one_process(distill_run, launch, killed_zero3, tmp_path_facto
     resumed = launch(1, "strategy=zero3", *DISTILL, "--resume", "auto", output_dir=out, recipe="tiny_distill")
     assert "at step 2" in resumed.stderr
     assert_same(resumed, want)
+
+
+def test_resume_with_another_teacher_is_one_line(killed_zero3, launch, tmp_path):
+    """The killed run's step-2 checkpoint resumed (1 process) with another teacher (the builtin tiny Llama: one
+    vocabulary, other weights) is refused in one line before any model loads: the checkpoint records its
+    teacher's identity. A launch: the check is the objective's, in the run itself."""
+    out = tmp_path / "run"
+    shutil.copytree(killed_zero3[1], out)
+    manifest = json.loads((out / "checkpoints" / "step_000000002" / "manifest.json").read_text())
+    assert manifest["teacher_identity"]["files"], "the teacher's weight files hashed"
+    run = launch(1, "strategy=zero3", *DISTILL, "teacher_model=builtin:tiny-llama", "--resume", "auto",
+                 output_dir=out, recipe="tiny_distill", check=False)
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1, run.stderr[-3000:]
+    assert "teacher_model=builtin:tiny-llama is not the teacher checkpoint" in errors[0]
+    assert "model.safetensors changed" in errors[0]
 
 
 def test_export_and_chat(distill_run, export_in_process, chat_in_process, tmp_path):

@@ -19,7 +19,8 @@ The teacher (teacher_model: a hub id, local directory or builtin:NAME, of the st
 checked before either model loads) is a frozen model beside the student, loaded in the compute dtype and
 placed by the strategy as DPO's reference is (Strategy.wrap_reference: ZeRO-3 partitions it, FSDP2 shards
 it on the student's mesh and offloads it with the parameters, ddp/zero1/zero2 hold it whole); never in
-checkpoints: a resume reads it from teacher_model again.
+checkpoints: a resume reads it from teacher_model again, refused in one line where its weights are not those
+the checkpoint recorded (teacher_identity, in every checkpoint's manifest and recipe.json).
 
 The loss a step optimizes is the mean divergence over the global batch's completion tokens (TRL's:
 the sum over a micro-batch divided by the global batch's completion tokens), whatever its split into
@@ -38,6 +39,7 @@ import torch
 
 from finetune import data as D
 from finetune.data import IGNORE
+from finetune.checkpointing.identity import identity_change
 from finetune.divergence import divergence_sum
 from finetune.errors import RecipeError
 from finetune.training.generators import generator_for
@@ -110,6 +112,17 @@ def same_vocabulary(student_tokenizer, teacher_path: str, student_config, teache
     return None
 
 
+def teacher_identity(path: str, main: bool) -> dict:
+    """The teacher's weights' identity (finetune/checkpointing/identity.py: its files' hashes, or its hub
+    revision), computed on the main process and shared: recorded in every checkpoint, compared on resume."""
+    from finetune.checkpointing.identity import model_identity
+
+    identity = [model_identity(path) if main else None]
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.broadcast_object_list(identity, src=0)
+    return identity[0]
+
+
 class Distill(Basic):
     name = "distill"
     metrics = METRICS
@@ -140,8 +153,11 @@ class Distill(Basic):
 
         from finetune.recipe import looks_local
 
+        from finetune.unwrap import without_zero3_init
+
         r = context.recipe
-        self.teacher_path = resolve_model(r.teacher_model)
+        with without_zero3_init():  # a builtin teacher made now is built whole, not partitioned by ZeRO-3's zero.Init
+            self.teacher_path = resolve_model(r.teacher_model)
         if looks_local(r.teacher_model) and not Path(self.teacher_path).is_dir():
             raise RecipeError(f"teacher_model={r.teacher_model}: no such directory; point it at a model directory "
                               "(a run's final/: the tiny_distill recipe's teacher is made by `finetune/run.py --recipe "
@@ -154,6 +170,15 @@ class Distill(Basic):
         problem = same_vocabulary(context.tokenizer, self.teacher_path, context.config, self.teacher_config)
         if problem:
             raise RecipeError(f"teacher_model={r.teacher_model}: {problem}")
+        self.teacher_identity = teacher_identity(self.teacher_path, context.accelerator.is_main_process)
+        resume = context.plan.resume
+        saved = resume.manifest.get("teacher_identity") if resume is not None else None
+        change = identity_change(saved, self.teacher_identity) if saved else None
+        if change:
+            raise RecipeError(f"teacher_model={r.teacher_model} is not the teacher checkpoint {resume.path} was trained "
+                              f"with ({change}): the resumed steps would learn another model's distributions; restore "
+                              f"that teacher, or export the checkpoint (python -m finetune.export {resume.path} OUT) "
+                              "and start a new run with model=OUT")
 
     def after_prepare(self, context: Context, model) -> dict:
         """The teacher, loaded and placed by the strategy, and the generator of the on-policy completions."""
@@ -177,7 +202,7 @@ class Distill(Basic):
             log.info(f"teacher: {r.teacher_model} ({count / 1e6:.1f}M parameters), a frozen model placed by "
                      f"strategy={r.strategy}")
         self.generator = generator_for(context, generate_completions) if r.lmbda > 0 else None
-        return {"teacher_model": r.teacher_model}
+        return {"teacher_model": r.teacher_model, "teacher_identity": self.teacher_identity}
 
     def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None:
         """The step's batches: the dataset's (an off-policy step), or the same rows' prompts with the student's
