@@ -43,9 +43,9 @@ def source_format(source: dict) -> str | None:
 
 def max_new_tokens_of(recipe: dict) -> int:
     """How long the run's own answers were (finetune.generation.answer_length, read from recipe.json): a
-    GRPO run's completions (max_completion_len), else its samples at eval (sample_max_new_tokens);
-    DEFAULT_MAX_NEW_TOKENS without a recipe.json."""
-    key = "max_completion_len" if recipe.get("objective") == "grpo" else "sample_max_new_tokens"
+    GRPO or distillation run's completions (max_completion_len), else its samples at eval
+    (sample_max_new_tokens); DEFAULT_MAX_NEW_TOKENS without a recipe.json."""
+    key = "max_completion_len" if recipe.get("objective") in ("grpo", "distill") else "sample_max_new_tokens"
     value = recipe.get(key)
     return value if isinstance(value, int) and value > 0 else DEFAULT_MAX_NEW_TOKENS
 

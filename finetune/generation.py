@@ -63,8 +63,8 @@ def render_prompt(tokenizer, text: str, fmt: str, input: str = "") -> list[int]:
 
 def answer_length(recipe) -> int:
     """The most tokens a run's own answers get, in its samples at eval (and `finetune chat`'s default): a
-    GRPO run's completions are max_completion_len long; other runs' samples sample_max_new_tokens."""
-    return recipe.max_completion_len if recipe.objective == "grpo" else recipe.sample_max_new_tokens
+    GRPO or distillation run's completions are max_completion_len long; other runs' samples sample_max_new_tokens."""
+    return recipe.max_completion_len if recipe.objective in ("grpo", "distill") else recipe.sample_max_new_tokens
 
 
 def stop_ids(tokenizer, model, generation_config=None) -> set[int]:

@@ -127,11 +127,15 @@ class OutputHeadLoss:
     and what to apply per chunk instead, and the check that the model returned our loss unchanged."""
 
     def __init__(self, model, impl: str, chunk: int | None, per_token: bool = False, temperature: float = 1.0,
-                 vocab_size: int | None = None, entropy: bool = False, head_dtype: torch.dtype | None = None):
+                 vocab_size: int | None = None, entropy: bool = False, head_dtype: torch.dtype | None = None,
+                 on_kept=None):
         self.impl, self.chunk, self.per_token = impl, chunk, per_token
         self.entropy = entropy  # per_token: also each token's entropy (self.entropies)
         self.entropies = None
         self.head_dtype = head_dtype  # per_token: the output layer's matmul in this dtype (cast_lm_head_to_fp32)
+        # on_kept(hidden, head): another loss from the target positions' hidden states [n, h] and the output
+        # layer, returned in place of the cross-entropy (finetune/divergence.py: distillation)
+        self.on_kept = on_kept
         self.temperature = temperature  # per_token: the logits, as the model makes them, divided by it
         self.vocab_size = vocab_size  # per_token: also the log-probs over the first vocab_size rows (self.within)
         self.within = None
@@ -210,6 +214,9 @@ class OutputHeadLoss:
             else:
                 compute = linear_cross_entropy
             kept, kept_targets = hidden.index_select(0, keep), flat.index_select(0, keep)
+            if self.on_kept is not None:
+                self.loss = self.on_kept(kept, head)
+                return self.loss
             if self.per_token and self.entropy:
                 self.loss, self.entropies = compute(kept, head.weight, head.bias, kept_targets, self.impl, **options,
                                                     entropy=True)
@@ -405,7 +412,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             entropies = torch.empty(hidden.shape[0] if entropy else 0, dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
-                z, _ = _logits(hidden[part].to(dtype), w, b, scale, softcap, temperature)
+                z, _ = chunk_logits(hidden[part].to(dtype), w, b, scale, softcap, temperature)
                 lse = torch.logsumexp(z, dim=-1)
                 out[part] = z.gather(1, targets[part, None]).squeeze(1) - lse
                 if entropy:  # H = logsumexp(z) - sum softmax(z) z
@@ -421,17 +428,14 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         hidden, targets = ctx.saved_tensors
         weight, bias = ctx.weight, ctx.bias
         scale, softcap, rows, dtype, temperature = ctx.options
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
-            grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            grad_h, grad_w, grad_b = grad_buffers(hidden, weight, bias, ctx.needs_input_grad[:3])
             for start in range(0, hidden.shape[0], rows):
                 part = slice(start, start + rows)
                 h = hidden[part].to(dtype)
-                z, tanh = _logits(h, w, b, scale, softcap, temperature)
+                z, tanh = chunk_logits(h, w, b, scale, softcap, temperature)
                 p = torch.softmax(z, dim=-1)
                 # d log p[y] / dz = onehot(y) - p; d H / dz = -p (log p + H) (the entropy bonus)
                 g = p.neg() if grad_entropies is not None else p.neg_()
@@ -461,7 +465,7 @@ class _ChunkedTokenLogps(torch.autograd.Function):
                 grad_b.to(bias.dtype) if grad_b is not None else None, None, None, None, None, None, None, None)
 
 
-def _logits(h, w, b, scale: float, softcap: float | None, temperature: float = 1.0):
+def chunk_logits(h, w, b, scale: float, softcap: float | None, temperature: float = 1.0):
     """A chunk's fp32 logits as the model would produce them (its scale, then its softcap), divided by
     the sampling temperature, and the softcap's tanh for the backward."""
     z = F.linear(h, w, b).float()
@@ -502,19 +506,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, rows, dtype, needs):
-        need_h, need_w, need_b = needs
         n = hidden.shape[0]
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
             b = bias.to(dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(hidden) if need_h else None
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+            grad_h, grad_w, grad_b = grad_buffers(hidden, weight, bias, needs)
             for start in range(0, n, rows):
                 part = slice(start, start + rows)
                 total += _chunk(hidden[part].to(dtype), w, b, targets[part], scale, softcap,
-                                grad_h[part] if need_h else None, grad_w, grad_b)
+                                grad_h[part] if grad_h is not None else None, grad_w, grad_b)
         ctx.grads = [grad_h, grad_w, grad_b]
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return total
@@ -522,17 +523,32 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        if ctx.grads is None:
-            raise RuntimeError("the chunked loss supports one backward per forward")
-        grad_h, grad_w, grad_b = ctx.grads
-        ctx.grads = None
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_out).to(ctx.dtypes[0])
-        if grad_b is not None:
-            grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return (*handed_over(ctx, grad_out), None, None, None, None, None, None)
+
+
+def grad_buffers(hidden, weight, bias, needs) -> tuple:
+    """The fp32 gradients of the hidden states, the output layer's weight and bias a chunked loss fills in its
+    forward (None where not needed: needs, three booleans)."""
+    need_h, need_w, need_b = needs
+    return (torch.empty_like(hidden) if need_h else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None,
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None)
+
+
+def handed_over(ctx, grad_out) -> tuple:
+    """The gradients a forward computed (ctx.grads: hidden states, weight, bias), scaled by the incoming
+    gradient, in the parameters' dtypes (ctx.dtypes); one backward only."""
+    if ctx.grads is None:
+        raise RuntimeError("the chunked loss supports one backward per forward")
+    grad_h, grad_w, grad_b = ctx.grads
+    ctx.grads = None
+    if grad_h is not None:
+        grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
+    if grad_w is not None:
+        grad_w = grad_w.mul_(grad_out).to(ctx.dtypes[0])
+    if grad_b is not None:
+        grad_b = grad_b.mul_(grad_out).to(ctx.dtypes[1])
+    return grad_h, grad_w, grad_b
 
 
 def _chunk(h, w, b, y, scale: float, softcap: float | None, grad_h, grad_w, grad_b) -> torch.Tensor:

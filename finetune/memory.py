@@ -127,6 +127,7 @@ the architecture facts (parameter counts, shapes) are finetune/arch.py's.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -422,7 +423,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
              loss_chunk_tokens: int = 0, one_row: bool = False, samples: bool = False, reference: bool = False,
              pairs: bool = False, sequence_parallel: int = 1, attn_implementation: str = "sdpa",
              activation_offload: bool = False, rollout: "Rollout | None" = None,
-             gpus_per_node: int | None = None, async_save: bool = False) -> Estimate:
+             gpus_per_node: int | None = None, async_save: bool = False,
+             teacher: Architecture | None = None) -> Estimate:
     """Bytes per GPU for one setup. lora_params > 0: a LoRA run with that many adapter parameters
     (the base is frozen); 0: a full fine-tune. quantized_base: QLoRA (model._load_4bit), the decoder
     layers' Linear weights of the frozen base in 4-bit NF4: 0.5 byte per weight (QUANT_PACKED, stored
@@ -437,8 +439,11 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     in one forward. reference: it also holds a frozen reference (a full fine-tune without
     precompute_reference or SimPO), in the compute dtype: sharded by fsdp and zero3 (and offloaded with
     the parameters), whole on each rank under ddp, zero1 and zero2 (Strategy.reference_sharded).
-    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5). gpus_per_node: a
-    node's GPUs (default world_size), hsdp's default shard group.
+    rollout: a GRPO run's rollout phase (Rollout; this module's docstring, item 5), or a distillation run's
+    (its on-policy completions). teacher: a distillation run's teacher (finetune/training/objectives/distill.py),
+    held as the reference is (counted in the reference column), in the compute dtype, and its output layer's
+    weight copied whole while the loss runs (finetune/divergence.py: in buffers). gpus_per_node: a node's GPUs
+    (default world_size), hsdp's default shard group.
     async_save: each save copies the rank's part of the checkpoint (its trained weights and optimizer
     states as saved; a ZeroRedundancyOptimizer's consolidated on rank 0) into host memory, buffers
     kept for the next save: the cpu column. The background writer writes torch.save and safetensors
@@ -482,6 +487,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
     params, grads, optimizer, off = strategy.offload(setup, params, grads, optimizer, trained, gb, n)
     off["cpu"] += staging
     held = base * lp / (n if strategy.reference_sharded else 1) if reference else 0
+    if teacher is not None:
+        held += teacher.num_parameters() * lp / (n if strategy.reference_sharded else 1)
     if held and setup.offload_params != "none" and strategy.reference_sharded:
         off[setup.offload_params] += held
         held = 0
@@ -498,6 +505,8 @@ def estimate(arch: Architecture, setup: Setup, *, world_size: int, mixed_precisi
         layer_trained = layer
     buffers = strategy.buffers(arch, setup, trained, gb, n, lp, sixteen, layer, layer_trained)
     buffers += dequantized
+    if teacher is not None:  # the teacher's output layer, copied whole for the divergence (finetune/divergence.py)
+        buffers += teacher.vocab_size * teacher.hidden_size * lp
     rows = micro_batch_size * (2 if pairs else 1)
     acts = activation_bytes(arch, rows, seq_len, mixed_precision, activation_checkpointing, loss_impl,
                             loss_chunk_tokens, one_row, sequence_parallel, attn_implementation,
@@ -558,13 +567,25 @@ class Rollout:
 
     @classmethod
     def of(cls, recipe: Recipe, world_size: int) -> "Rollout | None":
-        """None unless objective=grpo. The rank's completions: its share of the global batch's prompts
-        (rounded up) x num_generations, or micro_batch_size x grad_accum without a global batch."""
-        if recipe.objective != "grpo":
+        """None unless objective=grpo, or distill with on-policy steps (lmbda > 0). The rank's completions:
+        GRPO: its share of the global batch's prompts (rounded up) x num_generations, or micro_batch_size x
+        grad_accum without a global batch; distill: its rows of the step (one completion each, after a
+        prompt of up to max_seq_len tokens)."""
+        distill = recipe.objective == "distill"
+        if not (recipe.objective == "grpo" or distill and recipe.lmbda > 0):
             return None
         from finetune.plan import data_parallel_size
 
         dp = data_parallel_size(recipe, world_size)
+        if distill:
+            rows = -(-recipe.global_batch_size // dp) if recipe.global_batch_size else \
+                recipe.micro_batch_size * recipe.grad_accum
+            engine = recipe.generation_backend == "vllm"
+            return cls(rows=rows, prompt_tokens=recipe.max_seq_len - 1,
+                       tokens=recipe.max_seq_len - 1 + recipe.max_completion_len, logp_copies=0, engine=engine,
+                       engine_sleeps=engine and recipe.vllm_enable_sleep_mode,
+                       engine_share=recipe.vllm_gpu_memory_utilization if engine else 0.0,
+                       push_layers=recipe.vllm_push_layers, compiled=not engine and recipe.generation_compile != "false")
         if recipe.global_batch_size:
             rows = -(-recipe.global_batch_size // dp) * recipe.num_generations
         else:
@@ -599,7 +620,18 @@ def recipe_estimate(recipe: Recipe, world_size: int, arch: Architecture, setup: 
                     reference=holds_reference(recipe), pairs=objective_rules.rules(recipe).FORWARD_ROWS == 2,
                     sequence_parallel=recipe.sequence_parallel, attn_implementation=recipe.attn_implementation,
                     activation_offload=recipe.activation_offload, rollout=Rollout.of(recipe, world_size),
-                    gpus_per_node=gpus_per_node, async_save=recipe.async_save)
+                    gpus_per_node=gpus_per_node, async_save=recipe.async_save,
+                    teacher=teacher_architecture(recipe.teacher_model)[0] if recipe.objective == "distill" else None)
+
+
+@functools.lru_cache(maxsize=8)
+def teacher_architecture(model: str) -> tuple[Architecture | None, str]:
+    """A distillation run's teacher (load_architecture, read once), or None and why it cannot be read (a
+    directory made by a run not yet launched, as the tiny_distill recipe's teacher before `tiny` has run)."""
+    try:
+        return load_architecture(model), ""
+    except EstimateError as e:
+        return None, str(e)
 
 
 def holds_reference(recipe: Recipe) -> bool:
@@ -729,12 +761,21 @@ def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
                 f"{recipe.kto_loss} loss on unpaired rows (and a KL row each, scored without gradient)")
         what += f"; {loss}, reference: {reference}"
     rollout = Rollout.of(recipe, world_size)
-    if rollout is not None:
+    if rollout is not None and recipe.objective == "grpo":
         reference = {None: "none (beta=0)", "adapter": "the base, adapter disabled",
                      "frozen": "a frozen copy"}[reference_kind(recipe)]
         what += (f"; GRPO {recipe.loss_type}: {rollout.rows} completions per GPU each rollout "
                  f"(num_generations={recipe.num_generations}), up to {rollout.prompt_tokens} prompt + "
                  f"{recipe.max_completion_len} completion tokens, reference: {reference}")
+    if recipe.objective == "distill":
+        teacher, why = teacher_architecture(recipe.teacher_model)
+        held = (f"{teacher.num_parameters():,} parameters, held as a reference is" if teacher is not None else
+                f"NOT counted: {why}")
+        what += (f"; distillation (beta {recipe.distill_beta:g}, lmbda {recipe.lmbda:g}) from teacher "
+                 f"{recipe.teacher_model} ({held})")
+        if rollout is not None:
+            what += (f", {rollout.rows} completions per GPU each on-policy step, up to "
+                     f"{recipe.max_completion_len} tokens")
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
     sp = recipe.sequence_parallel
     split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
@@ -764,10 +805,12 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                      f"{gib(budget * (1 - headroom))} GiB")
     unit, unit_name = (GiB, "GiB") if max(e.peak + e.cpu + e.nvme for _, e in rows) >= GiB else (2**20, "MiB")
     with_reference = any(e.reference for _, e in rows) or holds_reference(recipe)
-    with_rollout = recipe.objective == "grpo"
+    distill = recipe.objective == "distill"
+    with_rollout = recipe.objective == "grpo" or distill and recipe.lmbda > 0
     with_engine = with_rollout and recipe.generation_backend == "vllm"
-    header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (["reference"] if with_reference else []) + (
-        ["log-probs"] if with_rollout else []) + ["activations", "buffers", "total"] + (
+    header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (
+        ["teacher" if distill else "reference"] if with_reference else []) + (
+        ["log-probs"] if with_rollout and not distill else []) + ["activations", "buffers", "total"] + (
         (["engine", "push", "rollout"] if with_engine else ["gathered", "kv cache", "prefill", "rollout"])
         if with_rollout else []) + ["offloaded"]
     if budget:
@@ -776,7 +819,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
     for _, e in rows:
         mark = "* " if e.setup == own else "  "
         values = (e.params, e.grads, e.optimizer) + ((e.reference,) if with_reference else ()) + (
-            (e.logps,) if with_rollout else ()) + (e.activations, e.buffers, e.total) + (
+            (e.logps,) if with_rollout and not distill else ()) + (e.activations, e.buffers, e.total) + (
             ((e.engine, e.push, e.rollout_peak) if with_engine else (e.rollout_weights, e.kv_cache, e.prefill,
                                                                      e.rollout_peak)) if with_rollout else ())
         row = [mark + e.setup.label] + [gib(x, unit) for x in values] + [_offloaded(e, unit)]
@@ -800,10 +843,15 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                      "push's transient (vllm_push_layers layers), rollout the generation phase's peak; total the "
                      "step's, with what the engine keeps then")
     elif with_rollout:
-        lines.append("GRPO: total is the step's peak, rollout the generation phase's (model states, reference, "
-                     "log-probs, the weights gathered for generation under zero3/fsdp, the KV cache of every "
+        lines.append(("distill" if distill else "GRPO") + ": total is the step's peak, rollout the generation "
+                     "phase's (model states, " + ("teacher" if distill else "reference, log-probs") + ", "
+                     "the weights gathered for generation under zero3/fsdp, the KV cache of every "
                      "completion of the GPU, one layer's prefill); fits: both do")
-    if with_reference:
+    if distill and with_reference:
+        lines.append("teacher: the distillation teacher in the compute dtype, sharded under fsdp and zero3, whole on "
+                     "each GPU under ddp, zero1 and zero2; buffers add its output layer, copied whole for the loss"
+                     + ("; rollout: the on-policy completions' generation phase" if with_rollout else ""))
+    elif with_reference:
         lines.append("reference: the " + ("GRPO KL penalty's (beta > 0)" if with_rollout else "DPO") + " reference model, "
                      "a frozen copy in the compute dtype: sharded under fsdp and zero3, whole on each GPU under ddp, "
                      "zero1 and zero2 (none with LoRA, " + ("beta=0" if with_rollout else
@@ -846,29 +894,33 @@ def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "", gpus_p
         return f"memory per GPU: not estimated: {err}"
     unit, name = (GiB, "GiB") if e.peak + e.cpu + e.nvme >= GiB / 10 else (2**20, "MiB")
     off = f"; offloaded per GPU: {_offloaded(e, unit)} {name}" if e.cpu or e.nvme else ""
+    held = "teacher" if recipe.objective == "distill" else "reference"
+    phase = "distill on-policy generation" if recipe.objective == "distill" else "GRPO rollout"
+    if recipe.objective == "distill" and teacher_architecture(recipe.teacher_model)[0] is None:
+        unchecked.append(f"the teacher ({teacher_architecture(recipe.teacher_model)[1]})")
     sp = recipe.sequence_parallel
     where = f"{world_size} process(es)" + (f", sequence_parallel={sp}" if sp > 1 else "")
     lines = [f"memory per GPU (planner estimate, {e.setup.label} on {where}): "
              f"params {gib(e.params, unit)}, grads {gib(e.grads, unit)}, optimizer {gib(e.optimizer, unit)}, "
-             + (f"reference {gib(e.reference, unit)}, " if e.reference else "")
+             + (f"{held} {gib(e.reference, unit)}, " if e.reference else "")
              + (f"log-probs {gib(e.logps, unit)}, " if e.logps else "")
              + f"activations {gib(e.activations, unit)}, buffers {gib(e.buffers, unit)}; total {gib(e.total, unit)} "
              f"{name}{off}",
              f"model: {arch.num_parameters():,} parameters; config from {arch.source}"]
     rollout = Rollout.of(recipe, world_size)
     if rollout is not None and rollout.engine:
-        lines.insert(1, f"GRPO rollout per GPU by a vLLM engine ({rollout.rows} completions of up to {rollout.tokens} "
+        lines.insert(1, f"{phase} per GPU by a vLLM engine ({rollout.rows} completions of up to {rollout.tokens} "
                         f"tokens): engine weights and KV cache {gib(e.engine, unit)} at least (on a GPU the share "
                         f"vllm_gpu_memory_utilization={recipe.vllm_gpu_memory_utilization:g} of it while awake), "
                         f"push transient {gib(e.push, unit)}; a peak of {gib(e.rollout_peak, unit)} {name} per GPU "
                         f"while it generates; during the step the engine keeps {gib(e.engine_asleep, unit)} {name}"
                         + (" (asleep)" if rollout.engine_sleeps else " (vllm_enable_sleep_mode=true frees it on GPUs)"))
     elif rollout is not None:
-        lines.insert(1, f"GRPO rollout per GPU ({rollout.rows} completions of up to {rollout.tokens} tokens generated "
+        lines.insert(1, f"{phase} per GPU ({rollout.rows} completions of up to {rollout.tokens} tokens generated "
                         f"in one batch): gathered weights {gib(e.rollout_weights, unit)}, KV cache "
                         f"{gib(e.kv_cache, unit)}, prefill {gib(e.prefill, unit)}; a peak of "
                         f"{gib(e.rollout_peak, unit)} {name} per GPU (with the model states"
-                        + (", reference" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
+                        + (f", {held}" if e.reference else "") + (" and log-probs" if e.logps else "") + ")")
     if e.staging:
         lines.insert(1, f"async_save=true: each save stages {gib(e.staging, unit)} {name} per rank in host memory "
                         "(counted in the cpu column; docs/async-checkpoints.md)")

@@ -154,8 +154,9 @@ class Recipe:
                                   "chunk's fp32 logits within 256 MiB (finetune/loss.py CHUNK_BYTES)")
     # What to optimize: sft (next-token loss on the responses), dpo (preference pairs: finetune/training/objectives/dpo.py),
     # grpo (rewarded completions: finetune/training/objectives/grpo.py) or reward (a reward model trained on preference
-    # pairs, Bradley-Terry: finetune/training/objectives/reward.py) or kto (unpaired rows, each completion desirable
-    # or not: finetune/training/objectives/kto.py)
+    # pairs, Bradley-Terry: finetune/training/objectives/reward.py), kto (unpaired rows, each completion desirable
+    # or not: finetune/training/objectives/kto.py) or distill (on-policy distillation from a teacher:
+    # finetune/training/objectives/distill.py)
     objective: str = _opt("sft", choices=objective_rules.NAMES)
     dpo_loss: str = _opt("sigmoid", choices=("sigmoid", "ipo", "simpo"),
                          help="sigmoid: DPO (Rafailov et al.); ipo: IPO's squared loss; simpo: SimPO, reference-free "
@@ -191,14 +192,14 @@ class Recipe:
                                "exact_match_on(column), regex_reward(pattern), RewardModel(directory))")
     reward_weights: tuple[object, ...] = _opt((), help="grpo: one weight per reward function, comma-separated; empty: 1 each")
     num_generations: int = _opt(8, help="grpo: completions sampled per prompt (a group), at least 2")
-    temperature: float = _opt(1.0, min=0.0, help="grpo: sampling temperature (0: greedy)")
-    top_p: float = _opt(1.0, min=0.0, max=1.0, help="grpo: nucleus sampling's probability mass (1: off)")
-    top_k: int = _opt(0, min=0, help="grpo: sample among the k likeliest tokens (0: off)")
+    temperature: float = _opt(1.0, min=0.0, help="grpo, distill: sampling temperature (0: greedy; distill: also the divergence's)")
+    top_p: float = _opt(1.0, min=0.0, max=1.0, help="grpo, distill: nucleus sampling's probability mass (1: off)")
+    top_k: int = _opt(0, min=0, help="grpo, distill: sample among the k likeliest tokens (0: off)")
     generation_compile: str = _opt("auto", choices=("auto", "true", "false"),
                                    help="grpo: the rollout's decode loop in a static KV cache with its one-token step "
                                    "compiled (CUDA graphs on a GPU); auto: on a GPU only (on CPU the compile costs "
                                    "more than it saves)")
-    max_completion_len: int = _opt(256, min=1, help="grpo: the most tokens a completion gets; also dr_grpo's "
+    max_completion_len: int = _opt(256, min=1, help="grpo, distill: the most tokens a completion gets; also dr_grpo's "
                                    "normaliser")
     loss_type: str = _opt("dapo", choices=("grpo", "dapo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo",
                                            "rloo"),
@@ -241,6 +242,17 @@ class Recipe:
                                         "unbiased reverse KL's gradient (TRL's default); false: the plain k3 term")
     mask_truncated_completions: bool = _opt(False, help="grpo: completions cut at max_completion_len count in no "
                                             "loss term (DAPO)")
+    # On-policy distillation (finetune/training/objectives/distill.py; TRL's DistillationConfig, lmbda GKD's): the
+    # student samples completions with temperature, top_p, top_k, max_completion_len and learns the teacher's
+    # next-token distributions on them (docs/distillation.md)
+    teacher_model: str = _opt("", help="distill: the teacher, a hub id, local directory or builtin:NAME, with the "
+                              "student's vocabulary (TRL's teacher_model)")
+    lmbda: float = _opt(1.0, min=0.0, max=1.0, help="distill: the share of steps trained on the student's own "
+                        "sampled completions (on-policy), the rest on the dataset's completions (1: TRL's "
+                        "DistillationTrainer; GKD's default 0.5)")
+    distill_beta: float = _opt(1.0, min=0.0, max=1.0, help="distill: the generalized JSD's beta (TRL's beta): 0 "
+                               "forward KL(teacher || student), 1 reverse KL(student || teacher), between: the JSD "
+                               "against the mixture (1 - beta) student + beta teacher")
     # GRPO's generator (docs/vllm.md): finetune's own (finetune/generation.py), or a vLLM engine in each process
     # (finetune/vllm_engine.py) built once from the model's directory and given the trained weights before each
     # rollout; TRL's names and defaults for the vllm_ keys it has

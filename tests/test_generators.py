@@ -28,7 +28,7 @@ def recipe(*overrides: str) -> Recipe:
 
 def test_the_engine_and_its_keys_only_where_they_apply():
     assert recipe(*GRPO, "generation_backend=vllm", "vllm_importance_sampling_clip_max=2").generation_backend == "vllm"
-    with pytest.raises(RecipeError, match=r"^generation_backend=vllm applies to objective=grpo only"):
+    with pytest.raises(RecipeError, match=r"^generation_backend=vllm applies to objective=grpo and distill only"):
         recipe("generation_backend=vllm")
     with pytest.raises(RecipeError, match=r"^vllm_push_layers=2 applies to generation_backend=vllm only"):
         recipe(*GRPO, "vllm_push_layers=2")

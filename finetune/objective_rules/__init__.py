@@ -25,12 +25,12 @@ class in finetune/training/objectives."""
 
 from __future__ import annotations
 
-from finetune.objective_rules import dpo, grpo, kto, reward, sft
+from finetune.objective_rules import distill, dpo, grpo, kto, reward, sft
 from finetune.objective_rules.common import refuse_foreign
 
 # In the order their keys are checked (a recipe that breaks several rules is told of the first).
-OBJECTIVES = {m.NAME: m for m in (sft, grpo, reward, dpo, kto)}
-NAMES = ("sft", "dpo", "grpo", "reward", "kto")  # the recipe's choices, as the docs list them
+OBJECTIVES = {m.NAME: m for m in (sft, grpo, reward, dpo, kto, distill)}
+NAMES = ("sft", "dpo", "grpo", "reward", "kto", "distill")  # the recipe's choices, as the docs list them
 
 
 def rules(recipe):

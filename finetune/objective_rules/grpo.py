@@ -123,9 +123,9 @@ def check_generation_backend(r) -> None:
     the engine only with what it can serve (a 16-bit or fp32 base, no sequence parallelism). Whether vLLM is
     installed is the run's check (a recipe plans on any machine): generators.check_installed."""
     vllm = r.generation_backend == "vllm"
-    if r.objective != "grpo" and vllm:
-        raise RecipeError("generation_backend=vllm applies to objective=grpo only (the rollouts and the eval's "
-                          "completions); set objective=grpo, or leave generation_backend out")
+    if r.objective not in ("grpo", "distill") and vllm:
+        raise RecipeError("generation_backend=vllm applies to objective=grpo and distill only (the sampled "
+                          "completions); set objective=grpo or distill, or leave generation_backend out")
     changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)]
     if changed and not vllm:
         key = changed[0]
