@@ -102,7 +102,11 @@ def tiny_model_dir(name: str = "tiny-llama") -> Path:
             tie_word_embeddings=False, rms_norm_eps=1e-5,
         )
         assert len(tok) <= config.vocab_size
-        with torch.random.fork_rng():
+        from finetune.unwrap import without_zero3_init
+
+        # built whole wherever it is first asked for: inside a ZeRO-3 run transformers would build it under
+        # zero.Init, partitioned, and save a model without its weights (a distillation run's builtin teacher)
+        with torch.random.fork_rng(), without_zero3_init():
             torch.manual_seed(0)
             model = LlamaForCausalLM(config)
         out = tmp / "model"

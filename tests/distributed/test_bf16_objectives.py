@@ -1,5 +1,6 @@
 """Every objective as a GPU user runs it (mixed_precision=bf16), on 2 CPU processes under ZeRO-3 and FSDP2:
-SFT (tests/distributed/test_bf16.py), DPO and KTO with their frozen reference, the reward model, and GRPO with the
+SFT (tests/distributed/test_bf16.py), DPO and KTO with their frozen reference, the reward model, on-policy
+distillation with its teacher, and GRPO with the
 compiled decode loop (a StaticCache and a torch.compile'd one-token step: what generation_compile=auto
 runs on a GPU) and with the eager one, both with a reference (beta > 0) and old-policy log-probs kept for a
 second optimizer step (num_iterations=2). CPU autocast has bf16, so these runs take the dtypes a GPU's
@@ -49,6 +50,10 @@ def bf16_objective_runs(launch):
                 runs[kind, strategy] = launch(2, f"strategy={strategy}", *SHORT, recipe="tiny_dpo")
             elif kind in ("reward", "kto"):
                 runs[kind, strategy] = launch(2, f"strategy={strategy}", *SHORT, recipe=f"tiny_{kind}")
+            elif kind == "distill":  # every step on-policy: the student's completions from the compiled loop
+                runs[kind, strategy] = launch(2, f"strategy={strategy}", *SHORT, "teacher_model=builtin:tiny-llama-h64",
+                                              "lmbda=1.0", "max_completion_len=8", "generation_compile=true",
+                                              recipe="tiny_distill")
             else:
                 compiled = "true" if kind == "grpo_compiled" else "false"
                 runs[kind, strategy] = launch(2, f"strategy={strategy}", *GRPO, f"generation_compile={compiled}",
@@ -85,6 +90,12 @@ def test_kto_at_bf16_trains_with_its_reference(strategy, bf16_objective_runs):
     records = finished(bf16_objective_runs("kto", strategy), "rewards/margins")
     assert abs(records[0]["rewards/chosen"]) < 0.05 and abs(records[0]["rewards/rejected"]) < 0.05, records[0]
     assert any(abs(r["rewards/margins"]) > 1e-3 for r in records[1:]), records
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_distillation_at_bf16_samples_and_scores_with_its_teacher(strategy, bf16_objective_runs):
+    records = finished(bf16_objective_runs("distill", strategy), "teacher_agreement")
+    assert all(r["on_policy"] == 1 for r in records), records
 
 
 @pytest.mark.internals
