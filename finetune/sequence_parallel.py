@@ -45,6 +45,15 @@ per side with placeholder pairs (no targets), and shard() carries the pairs' who
 policy) runs on the same shards and is summed over the group too; precompute_reference scores the
 pairs so before training.
 
+GRPO's completions (objective=grpo, every loss type) are sampled, and their old and reference log-probs
+computed, on whole sequences (whole_sequences: every rank of a group holds its group's completions, and
+GRPO's gathers keep each group's first rank). The loss's per-token log-probs (and entropies) are computed
+on the shards and made the whole rows' on every rank of the group by `whole_tokens` (each rank's slice put
+in place, summed over the group with the backward of sum_over_sequence), so that the loss type's
+per-sequence sums, means and ratios are those of whole rows; shard() carries the rows' labels, advantages
+and old, reference and engine values whole. As for pairs, the group's first rank counts the completions,
+the loss and the metrics; the others' loss is 0 times it.
+
 The attention mask is dropped (Ulysses runs causal attention over the gathered sequence), which is
 why packed rows (several examples per row, kept apart only by a mask) are refused with SP, and eager
 attention (DeepSpeed refuses it: it needs a 4D mask).

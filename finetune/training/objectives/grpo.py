@@ -7,8 +7,11 @@ generation, records, the cache) is finetune/training/rollouts.py.
 
 The rollout's own metrics (rewards per function, completion lengths) come from rollouts.rollout_metrics,
 on the gathered global batch; the loss's (kl, clip ratios) from rl_losses.policy_loss's sums, reduced over
-ranks by sum. TRL's clip_ratio/low_min and high_max (a min / max over sequences) are not kept: the loop
-reduces metrics by sum."""
+ranks by sum (the MAXED ones by max).
+
+Under sequence parallelism (finetune/sequence_parallel.py) the rollout (sampling, old and reference
+log-probs) runs on whole sequences, the loss on each rank's slice of every row, made whole over the SP
+group (SP.whole_tokens); the group's first rank counts the completions, the loss and its metrics."""
 
 from __future__ import annotations
 
