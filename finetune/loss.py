@@ -305,7 +305,8 @@ def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = N
     and verl score a policy. As sequence_logps, computed inside the output layer a chunk of tokens at a
     time, no [tokens, vocab] logits at once; impl=full from the full logits. Of a sequence-parallel
     shard: laid out as its shift_labels (out[b, p] the log-prob of shift_labels[b, p]: the targets are
-    shifted over the whole row; sequence_parallel.whole_tokens makes the row's). head_dtype: the output layer's matmul (and so
+    shifted over the whole row; sequence_parallel.whole_tokens makes the row's). head_dtype: the output
+    layer's matmul (and so
     the logits) in this dtype rather than the weight's or autocast's (float32: cast_lm_head_to_fp32)."""
     return _token_logps(model, batch, impl, chunk, temperature, None, head_dtype=head_dtype)[0]
 
@@ -350,7 +351,8 @@ def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: 
             where = head.positions.to(logps.device) + offset
 
             def laid_out(values):
-                flat = torch.zeros(targets.numel(), dtype=values.dtype, device=values.device).index_put((where,), values)
+                flat = torch.zeros(targets.numel(), dtype=values.dtype, device=values.device)
+                flat = flat.index_put((where,), values)
                 return flat.view(targets.shape)
 
             if entropy:

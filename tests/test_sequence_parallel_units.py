@@ -321,8 +321,8 @@ def test_grpo_shards_carry_whole_rows_and_their_token_logps_make_the_whole_rows(
     for rank in range(2):
         shard = SP.shard(batch, 2, rank, rows=3, pad_id=0)  # rows padded to 3, length 5 to 6
         assert shard["input_ids"].shape == (3, 3)
-        assert torch.equal(shard["row_labels"], batch["labels"]) and torch.equal(shard["advantages"], batch["advantages"])
-        assert torch.equal(shard["real"], batch["real"])
+        for key, whole_key in (("row_labels", "labels"), ("advantages", "advantages"), ("real", "real")):
+            assert torch.equal(shard[key], batch[whole_key])
         monkeypatch.setattr(SP, "_GROUP", {"size": 2, "rank": rank})  # no process group: the slice in place, unsummed
         parts.append(SP.whole_tokens(token_logps(model, shard, "full", temperature=0.7), 5)[:2])
     assert (whole != 0).sum() == 5, "the completions' 5 tokens scored"

@@ -433,8 +433,9 @@ class GRPO(Basic):
                             if engine_logps is None:
                                 b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
                             else:  # and the sampled distribution's: the tokenizer's rows only, as the engine draws
-                                full, within = token_logps_within(model, device_batch, len(run.tokenizer), self.loss_impl,
-                                                                  self.chunk, self.temperature, self.head_dtype)
+                                full, within = token_logps_within(model, device_batch, len(run.tokenizer),
+                                                                  self.loss_impl, self.chunk, self.temperature,
+                                                                  self.head_dtype)
                                 b["old_logps"], sampler_logps = full.float().cpu(), within.float().cpu()
                         model.train(was_training)
                     elif keep_old:
@@ -445,7 +446,8 @@ class GRPO(Basic):
                     elif is_rows is not None:
                         b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
                     if self.reference is not None:
-                        b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature, self.head_dtype).float().cpu()
+                        b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature,
+                                                                    self.head_dtype).float().cpu()
                 out.append(b)
         return out
 
