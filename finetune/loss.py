@@ -310,8 +310,10 @@ def token_logps(model, batch: dict, impl: str = "chunked", chunk: int | None = N
     logits are the model's own (its logit scale and softcap applied), then divided by the temperature: the
     distribution a sampler at that temperature drew from (finetune/generation.py), as TRL's GRPOTrainer
     and verl score a policy. As sequence_logps, computed inside the output layer a chunk of tokens at a
-    time, no [tokens, vocab] logits at once; impl=full from the full logits. Not for sequence-parallel
-    shards (their targets are shifted over the whole row). head_dtype: the output layer's matmul (and so
+    time, no [tokens, vocab] logits at once; impl=full from the full logits. Of a sequence-parallel
+    shard: laid out as its shift_labels (out[b, p] the log-prob of shift_labels[b, p]: the targets are
+    shifted over the whole row; sequence_parallel.whole_tokens makes the row's). head_dtype: the output
+    layer's matmul (and so
     the logits) in this dtype rather than the weight's or autocast's (float32: cast_lm_head_to_fp32)."""
     return _token_logps(model, batch, impl, chunk, temperature, None, head_dtype=head_dtype)[0]
 
@@ -339,21 +341,26 @@ def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: 
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not temperature > 0:
         raise ValueError(f"token_logps: temperature={temperature} must be > 0")
-    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
-    labels = batch["labels"]
+    if "shift_labels" in batch:  # a sequence-parallel shard: laid out as its shift_labels (no attention_mask)
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "position_ids")}
+        targets, offset = batch["shift_labels"], 0
+    else:
+        inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "position_ids")}
+        targets, offset = shifted_labels(batch["labels"]), 1
     if impl != "full":
         head = OutputHeadLoss(model, impl, chunk, per_token=True, temperature=temperature, vocab_size=vocab_size,
                               entropy=entropy, head_dtype=head_dtype)
         if head.supported:
-            with head.computing_loss(shifted_labels(labels)):
+            with head.computing_loss(targets):
                 out = model(**inputs)
             logps = head.check(out.logits)
             # shifted position p predicts the label at p + 1 (the last position of a row has no target)
-            where = head.positions.to(logps.device) + 1
+            where = head.positions.to(logps.device) + offset
 
             def laid_out(values):
-                flat = torch.zeros(labels.numel(), dtype=values.dtype, device=values.device).index_put((where,), values)
-                return flat.view(labels.shape)
+                flat = torch.zeros(targets.numel(), dtype=values.dtype, device=values.device)
+                flat = flat.index_put((where,), values)
+                return flat.view(targets.shape)
 
             if entropy:
                 return laid_out(logps), laid_out(head.entropies)
@@ -362,19 +369,22 @@ def _token_logps(model, batch: dict, impl: str, chunk: int | None, temperature: 
         raise ValueError(f"head_dtype={head_dtype}: the output layer's dtype is chosen on the chunked path only "
                          "(loss_impl=chunked, a plain Linear output layer)")
     out = model(**inputs)
-    targets = shifted_labels(labels).to(out.logits.device)
+    targets = targets.to(out.logits.device)
     mask = targets != IGNORE
     logits = out.logits.float() / temperature if temperature != 1.0 else out.logits.float()
+
+    def laid_out(values):  # as the labels (shifted one position on), or as a shard's shift_labels
+        return F.pad(values[:, :-1], (1, 0)) if offset else values
 
     def gathered(z):
         past = targets >= z.shape[-1]  # an id past the first vocab_size rows: -inf
         logps = torch.log_softmax(z, dim=-1).gather(-1, targets.clamp(0, z.shape[-1] - 1)[..., None]).squeeze(-1)
-        return F.pad((logps.masked_fill(past, float("-inf")) * mask)[:, :-1], (1, 0))
+        return laid_out(logps.masked_fill(past, float("-inf")) * mask)
 
     full = gathered(logits)
     if entropy:
         h = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-        return full, F.pad((h * mask)[:, :-1], (1, 0))
+        return full, laid_out(h * mask)
     if vocab_size is None:
         return full, None
     return full, (full.detach() if vocab_size >= logits.shape[-1] else gathered(logits[..., :vocab_size].detach()))

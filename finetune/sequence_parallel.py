@@ -45,6 +45,15 @@ per side with placeholder pairs (no targets), and shard() carries the pairs' who
 policy) runs on the same shards and is summed over the group too; precompute_reference scores the
 pairs so before training.
 
+GRPO's completions (objective=grpo, every loss type) are sampled, and their old and reference log-probs
+computed, on whole sequences (whole_sequences: every rank of a group holds its group's completions, and
+GRPO's gathers keep each group's first rank). The loss's per-token log-probs (and entropies) are computed
+on the shards and made the whole rows' on every rank of the group by `whole_tokens` (each rank's slice put
+in place, summed over the group with the backward of sum_over_sequence), so that the loss type's
+per-sequence sums, means and ratios are those of whole rows; shard() carries the rows' labels, advantages
+and old, reference and engine values whole. As for pairs, the group's first rank counts the completions,
+the loss and the metrics; the others' loss is 0 times it.
+
 The attention mask is dropped (Ulysses runs causal attention over the gathered sequence), which is
 why packed rows (several examples per row, kept apart only by a mask) are refused with SP, and eager
 attention (DeepSpeed refuses it: it needs a 4D mask).
@@ -147,7 +156,11 @@ def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool
     sequence, then every rejected one); each side is padded to `rows` with placeholder pairs, and the
     shard carries, whole, which pairs are real (real_pairs, [rows]: a pair whose chosen sequence has a
     target token), the precomputed reference log-probs where the pairs have them (ref_logps, [2 rows]) and
-    KTO's labels (desirable, [rows])."""
+    KTO's labels (desirable, [rows]).
+
+    A micro-batch of GRPO's completions (it has advantages) keeps its whole rows' labels (row_labels),
+    advantages, placeholder flags and old, reference and engine per-token values (ROLLOUT_KEYS), unsliced
+    and without the padding rows."""
     import torch
     import torch.nn.functional as F
 
@@ -170,6 +183,9 @@ def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool
     part = slice(rank * width // size, (rank + 1) * width // size)
     out = {"input_ids": ids[:, part].contiguous(), "position_ids": positions[:, part].contiguous(),
            "shift_labels": targets[:, part].contiguous(), "attention_mask": mask[:, part].contiguous()}
+    if "advantages" in batch:  # GRPO's completions: the loss reads their whole rows (whole_tokens)
+        out["row_labels"] = batch["labels"]
+        out.update({k: batch[k] for k in ROLLOUT_KEYS if k in batch})
     if pairs:
         n = ids.shape[0] // 2
         out["real_pairs"] = (targets[:n] != IGNORE).any(-1)
@@ -182,7 +198,23 @@ def shard(batch: dict, size: int, rank: int, rows: int, pad_id: int, pairs: bool
     return out
 
 
-_GROUP: dict = {}  # "group": this rank's SP process group (DeepSpeed's, the one Ulysses attention uses), "rank"
+ROLLOUT_KEYS = ("advantages", "real", "old_logps", "ref_logps", "is_ratio")  # GRPO's whole-row facts (shard)
+
+
+def whole_tokens(t, length: int):
+    """Per-token values of a shard ([rows, width / N], laid out as its shift_labels) as the whole rows'
+    laid out as the labels ([rows, length]: out[b, t] the value of the label at t, 0 at t = 0), on every
+    rank of the SP group, differentiably (sum_over_sequence: each rank puts its slice in place, the
+    all-reduce sums them; the backward hands each shard the sum of the ranks' gradients of its slice)."""
+    import torch.nn.functional as F
+
+    size, rank = _GROUP["size"], _GROUP["rank"]
+    width = t.shape[1] * size
+    placed = F.pad(t, (rank * t.shape[1], width - (rank + 1) * t.shape[1]))
+    return F.pad(sum_over_sequence(placed)[:, :length - 1], (1, 0))
+
+
+_GROUP: dict = {}  # "group": this rank's SP process group (DeepSpeed's, the one Ulysses attention uses), "rank", "size"
 
 
 @functools.cache
@@ -217,6 +249,11 @@ def sum_over_sequence(t):
     if group is None:
         return t
     return _sum_function().apply(t, group)
+
+
+def group_size() -> int:
+    """The ranks of this rank's SP group (1 without SP)."""
+    return _GROUP.get("size", 1)
 
 
 def counts_pairs() -> bool:
@@ -264,7 +301,7 @@ def start(recipe, model) -> None:
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
 
     group = parallel_state_sp.get_sequence_parallel_group()
-    _GROUP.update(group=group, rank=torch.distributed.get_rank(group=group))
+    _GROUP.update(group=group, rank=torch.distributed.get_rank(group=group), size=n)
 
 
 @contextmanager

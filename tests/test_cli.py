@@ -113,8 +113,8 @@ ERROR_CASES = {
                         ["output_dir={busy} is in use by another run: pid ", "started 2026-11-23 08:00:00",
                          "(finetune/run.py --recipe tiny)", "kill -TERM "]),
     # issue 38, item 3: sequence parallelism with the objectives it does not serve, refused before any model loads
-    "grpo_sequence_parallel": (["--recipe", "tiny_grpo", "sequence_parallel=2"],
-                               ["sequence_parallel=2 with objective=grpo", "set sequence_parallel=1"]),
+    "grpo_vllm_sequence_parallel": (["--recipe", "tiny_grpo", "sequence_parallel=2", "generation_backend=vllm"],
+                                    ["generation_backend=vllm with sequence_parallel=2", "set sequence_parallel=1"]),
     "reward_sequence_parallel": (["--recipe", "tiny_reward", "sequence_parallel=2"],
                                  ["sequence_parallel=2 with objective=reward", "set sequence_parallel=1"]),
     "resume_into_another_run": (["--recipe", "tiny", "dataset={good}", "output_dir={mine}", "--resume",

@@ -295,3 +295,35 @@ def test_tiled_mlp_gives_the_untiled_loss_and_gradients():
     assert torch.allclose(plain[0], tiled[0], rtol=1e-6, atol=0)
     for name, grad in plain[1].items():
         assert torch.allclose(grad, tiled[1][name], rtol=1e-5, atol=1e-6), name
+
+
+def test_grpo_shards_carry_whole_rows_and_their_token_logps_make_the_whole_rows(monkeypatch):
+    """GRPO under SP: a shard of a rollout micro-batch carries its rows' labels, advantages and placeholder
+    flags whole, and its per-token log-probs (laid out as its shift_labels), put in place by whole_tokens
+    and summed over the ranks (what the SP all-reduce does), are the whole rows' laid out as the labels.
+    A bigram model (logits from the token alone) scores a slice as the whole row does, without Ulysses."""
+    from finetune.loss import token_logps
+    from finetune.training.rollouts import rollout_batch
+
+    class Bigram(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(11, 11)
+
+        def forward(self, input_ids, **_):
+            return types.SimpleNamespace(logits=self.table(input_ids))
+
+    torch.manual_seed(0)
+    model = Bigram()
+    batch = rollout_batch([[1, 2], [3]], [[4, 5, 6], [7, 8]], [True, True], torch.tensor([0.5, -0.5]), pad_id=0)
+    whole = token_logps(model, batch, "full", temperature=0.7)
+    parts = []
+    for rank in range(2):
+        shard = SP.shard(batch, 2, rank, rows=3, pad_id=0)  # rows padded to 3, length 5 to 6
+        assert shard["input_ids"].shape == (3, 3)
+        for key, whole_key in (("row_labels", "labels"), ("advantages", "advantages"), ("real", "real")):
+            assert torch.equal(shard[key], batch[whole_key])
+        monkeypatch.setattr(SP, "_GROUP", {"size": 2, "rank": rank})  # no process group: the slice in place, unsummed
+        parts.append(SP.whole_tokens(token_logps(model, shard, "full", temperature=0.7), 5)[:2])
+    assert (whole != 0).sum() == 5, "the completions' 5 tokens scored"
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=0, atol=1e-6)

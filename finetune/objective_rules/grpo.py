@@ -56,11 +56,6 @@ def check(r, strategy) -> None:
                           "of num_generations")
     refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=grpo",
                        "a completion is scored on its own tokens")
-    if r.sequence_parallel > 1:
-        raise RecipeError(f"sequence_parallel={r.sequence_parallel} with objective=grpo: GRPO's rollouts and per-token "
-                          "log-probs are not split across ranks yet (sequence parallelism serves sft and dpo); set "
-                          "sequence_parallel=1 (shorter max_completion_len, activation_checkpointing or a sharding "
-                          "strategy lower the memory instead)")
     if r.max_prompt_len and r.max_prompt_len + r.max_completion_len > r.max_seq_len:
         raise RecipeError(f"max_prompt_len={r.max_prompt_len} + max_completion_len={r.max_completion_len} exceed "
                           f"max_seq_len={r.max_seq_len}; lower one of them or raise max_seq_len")

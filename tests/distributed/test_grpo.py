@@ -55,18 +55,18 @@ def eval_records(run) -> list[dict]:
 def grpo_run(launch):
     runs = {}
 
-    def get(strategy: str, nprocs: int):
-        if (strategy, nprocs) not in runs:
-            runs[strategy, nprocs] = launch(nprocs, f"strategy={strategy}", *GRPO, recipe="tiny_grpo")
-        return runs[strategy, nprocs]
+    def get(strategy: str, nprocs: int, *extra: str):
+        if (strategy, nprocs, *extra) not in runs:
+            runs[strategy, nprocs, *extra] = launch(nprocs, f"strategy={strategy}", *GRPO, *extra, recipe="tiny_grpo")
+        return runs[strategy, nprocs, *extra]
 
     return get
 
 
-def assert_same_run(got, want, tolerance=1e-5, reward="exact_match"):
+def assert_same_run(got, want, tolerance=1e-5, reward="exact_match", steps=6):
     assert rollouts(got) == rollouts(want), "the same completions, rewards and advantages"
     a, b = records(got), records(want)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
     assert [sorted(r) for r in a] == [sorted(r) for r in b]
     for x, y in zip(a, b):
         for k, v in x.items():
@@ -74,7 +74,7 @@ def assert_same_run(got, want, tolerance=1e-5, reward="exact_match"):
                 assert v == pytest.approx(y[k], abs=tolerance, rel=tolerance), (x["step"], k, v, y[k])
     # the eval samples the same completions (seeded per eval prompt and completion), scored alike
     evals = eval_records(got)
-    assert [r["step"] for r in evals] == [0, 3, 6] and evals == eval_records(want)
+    assert [r["step"] for r in evals] == [0, 3, 6][:1 + steps // 3] and evals == eval_records(want)
     assert all("eval_loss" not in r and math.isfinite(v) for r in evals for k, v in r.items())
     assert {"eval_reward", "eval_reward_std", f"eval_rewards/{reward}/mean", f"eval_rewards/{reward}/std",
             "eval_completions/mean_length"} <= set(evals[0])
@@ -103,6 +103,30 @@ def test_two_processes_sample_and_train_as_one(grpo_run, strategy):
     assert summary["final_eval_reward"] == evals[2]["eval_reward"] and summary["final_eval_loss"] is None
     assert "eval metrics" in two.stderr and "eval loss" not in two.stderr
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and r["completions/max_length"] <= 8 for r in recs)
+
+
+SP2 = "sequence_parallel=2"
+# Adam divides each gradient component by its size + adam_eps: components whose terms nearly cancel (a
+# group's advantages sum to 0) are float noise of about 1e-9, which the shards sum in another order, and at
+# eps=1e-8 that noise moves the update: measured kl 4.6e-5 apart at step 3 (1.5e-3 relative; 1.4e-7 with
+# beta=0). At adam_eps=1e-5 SP 2 logs the 1-process curve within 8e-7 relative for every loss type.
+SP_EXACT = ("adam_eps=1e-5",)
+# GRPO's loss with sequence-level importance ratios (GSPO), 3 steps: the other per-completion sums under SP
+SEQUENCE_LEVEL = (*SP_EXACT, "loss_type=grpo", "importance_sampling_level=sequence", "max_steps=3")
+
+
+@pytest.mark.parametrize("strategy", ["zero3", "fsdp"])
+def test_sequence_parallel_2_samples_and_trains_as_one_process(grpo_run, strategy):
+    """2 processes with sequence_parallel=2 (one data-parallel rank; each completion's row split in two for
+    the loss, the sampling and the old and reference log-probs on whole rows): the 1-process run's
+    completions, rewards and advantages, loss and metrics within 1e-5, evals alike; dapo (the recipe's)
+    with num_iterations=2 and beta > 0 over 6 steps, and (zero3) grpo at the sequence level over 3."""
+    sp = grpo_run(strategy, 2, SP2, *SP_EXACT)
+    resolved = json.loads((sp.output_dir / "recipe.json").read_text())
+    assert (resolved["sequence_parallel"], resolved["world_size"], resolved["loss_type"]) == (2, 2, "dapo")
+    assert_same_run(sp, grpo_run("ddp", 1, *SP_EXACT))
+    if strategy == "zero3":
+        assert_same_run(grpo_run(strategy, 2, SP2, *SEQUENCE_LEVEL), grpo_run("ddp", 1, *SEQUENCE_LEVEL), steps=3)
 
 
 @pytest.fixture(scope="module")

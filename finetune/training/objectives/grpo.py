@@ -7,8 +7,11 @@ generation, records, the cache) is finetune/training/rollouts.py.
 
 The rollout's own metrics (rewards per function, completion lengths) come from rollouts.rollout_metrics,
 on the gathered global batch; the loss's (kl, clip ratios) from rl_losses.policy_loss's sums, reduced over
-ranks by sum. TRL's clip_ratio/low_min and high_max (a min / max over sequences) are not kept: the loop
-reduces metrics by sum."""
+ranks by sum (the MAXED ones by max).
+
+Under sequence parallelism (finetune/sequence_parallel.py) the rollout (sampling, old and reference
+log-probs) runs on whole sequences, the loss on each rank's slice of every row, made whole over the SP
+group (SP.whole_tokens); the group's first rank counts the completions, the loss and its metrics."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import time
 import torch
 
 from finetune import data as D
+from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import token_logps, token_logps_entropy, token_logps_within
 from finetune.training.objectives.base import Basic
@@ -37,6 +41,12 @@ from finetune.recipe import RecipeError
 from finetune.rewards import RewardError, Rewards, weighted_rewards
 from finetune.rl_losses import (CLIPPED, MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
                                 metric_values, policy_loss, rloo_advantages)
+
+
+def gather_rows(obj) -> list:
+    """Every data-parallel rank's obj, in rank order: the ranks of a sequence-parallel group hold the same
+    completions, so only each group's first is kept."""
+    return gather_objects(obj)[::SP.group_size()]
 
 
 class GRPO(Basic):
@@ -167,7 +177,7 @@ class GRPO(Basic):
         seeds = [completion_seed(r.seed, k, row, j, batch=b) for row in mine for j in range(g)]
         prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
                                                                                  step + 1, updates=step, stop=stop)
-        parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
+        parts = gather_rows((tokens, stopped, per_func.tolist(), error, cut))
         if any(p[4] for p in parts):
             return None
         failed = first_failure(parts)
@@ -247,7 +257,7 @@ class GRPO(Basic):
             def rows_of(key):
                 kept = [[b[key][i, :int(b["attention_mask"][i].sum())].tolist() for i in range(len(b["real"]))]
                         for b in batches]
-                return [x for part in gather_objects([row for rows_ in kept for row in rows_]) for x in part]
+                return [x for part in gather_rows([row for rows_ in kept for row in rows_]) for x in part]
 
             olds = rows_of("old_logps")
             ratios = rows_of("is_ratio") if "is_ratio" in batches[0] else None
@@ -291,7 +301,7 @@ class GRPO(Basic):
         kl, metric = None, None
         if self.beta != 0.0:
             per_token = [(b["old_logps"] - b["ref_logps"]) * (b["labels"] != IGNORE) for b in batches]
-            parts = gather_objects(([x for t in per_token for x in t.sum(-1).tolist()],
+            parts = gather_rows(([x for t in per_token for x in t.sum(-1).tolist()],
                                     sum(t.sum().item() for t in per_token), sum(D.target_tokens(b) for b in batches)))
             kl = torch.tensor([x for part in parts for x in part[0]], dtype=torch.float64)
             metric = sum(part[1] for part in parts) / max(sum(part[2] for part in parts), 1)
@@ -320,7 +330,8 @@ class GRPO(Basic):
         t0, g = time.perf_counter(), self.num_generations
         cols = ds[mine] if mine else {c: [] for c in ds.column_names}
         prompt_ids = [p for p in cols["prompt_input_ids"] for _ in range(g)]
-        outs = self.generator(run, prompt_ids, seeds, updates, stop)
+        with SP.whole_sequences():  # every rank of an SP group samples its group's prompts whole
+            outs = self.generator(run, prompt_ids, seeds, updates, stop)
         self.generator.sleep()  # a vLLM engine on GPUs gives its memory back to the step (vllm_enable_sleep_mode)
         tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
         self.sampled_logps = [o.logprobs for o in outs] if self.generator.logprobs else []
@@ -366,7 +377,7 @@ class GRPO(Basic):
             mine = eval_share(rows, sp.dp_rank, sp.dp_size)
             seeds = [eval_seed(r.seed, row, j) for row in mine for j in range(g)]
             _, tokens, stopped, per_func, error, _, cut = self.sample(run, ds, mine, seeds, step, updates=step, stop=stop)
-            parts = gather_objects((tokens, stopped, per_func.tolist(), error, cut))
+            parts = gather_rows((tokens, stopped, per_func.tolist(), error, cut))
             if any(p[4] for p in parts):
                 return None
             failed = first_failure(parts)
@@ -408,33 +419,36 @@ class GRPO(Basic):
                     or (self.loss_type == "rloo" and self.beta != 0.0))
         self.engine_sums = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
         out = []
-        for a in range(0, len(tokens), m):
-            b = rollout_batch(prompts[a:a + m], tokens[a:a + m], stopped[a:a + m], advantages[a:a + m],
-                              run.tokenizer.pad_token_id, mask_truncated=r.mask_truncated_completions)
-            if keep_old or self.reference is not None:
-                device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
-                if keep_old and old_rows is None:
-                    # against an engine's: the policy that sampled, without dropout (LoRA's lora_dropout)
-                    was_training = model.training
-                    model.train(was_training and engine_logps is None)
-                    with torch.no_grad():
-                        if engine_logps is None:
-                            b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
-                        else:  # and the sampled distribution's: the tokenizer's rows only, as the engine draws
-                            full, within = token_logps_within(model, device_batch, len(run.tokenizer), self.loss_impl,
-                                                              self.chunk, self.temperature, self.head_dtype)
-                            b["old_logps"], sampler_logps = full.float().cpu(), within.float().cpu()
-                    model.train(was_training)
-                elif keep_old:
-                    b["old_logps"] = padded_rows(old_rows[a:a + m], b["labels"].shape)
-                if engine_logps is not None:
-                    self.weigh(b, sampler_logps,
-                               engine_logps_rows(engine_logps[a:a + m], prompts[a:a + m], b["labels"].shape))
-                elif is_rows is not None:
-                    b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
-                if self.reference is not None:
-                    b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature, self.head_dtype).float().cpu()
-            out.append(b)
+        with SP.whole_sequences():  # the old and reference log-probs of whole sequences (every rank of an SP group)
+            for a in range(0, len(tokens), m):
+                b = rollout_batch(prompts[a:a + m], tokens[a:a + m], stopped[a:a + m], advantages[a:a + m],
+                                  run.tokenizer.pad_token_id, mask_truncated=r.mask_truncated_completions)
+                if keep_old or self.reference is not None:
+                    device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
+                    if keep_old and old_rows is None:
+                        # against an engine's: the policy that sampled, without dropout (LoRA's lora_dropout)
+                        was_training = model.training
+                        model.train(was_training and engine_logps is None)
+                        with torch.no_grad():
+                            if engine_logps is None:
+                                b["old_logps"] = self.token_logps(model, device_batch).float().cpu()
+                            else:  # and the sampled distribution's: the tokenizer's rows only, as the engine draws
+                                full, within = token_logps_within(model, device_batch, len(run.tokenizer),
+                                                                  self.loss_impl, self.chunk, self.temperature,
+                                                                  self.head_dtype)
+                                b["old_logps"], sampler_logps = full.float().cpu(), within.float().cpu()
+                        model.train(was_training)
+                    elif keep_old:
+                        b["old_logps"] = padded_rows(old_rows[a:a + m], b["labels"].shape)
+                    if engine_logps is not None:
+                        self.weigh(b, sampler_logps,
+                                   engine_logps_rows(engine_logps[a:a + m], prompts[a:a + m], b["labels"].shape))
+                    elif is_rows is not None:
+                        b["is_ratio"] = padded_rows(is_rows[a:a + m], b["labels"].shape, fill=1.0)
+                    if self.reference is not None:
+                        b["ref_logps"] = self.reference.token_logps(model, device_batch, self.temperature,
+                                                                    self.head_dtype).float().cpu()
+                out.append(b)
         return out
 
     def token_logps(self, model, batch: dict) -> torch.Tensor:
@@ -487,19 +501,24 @@ class GRPO(Basic):
         """The summed loss of one micro-batch of completions; its metrics' sums are kept for take_metrics."""
         logps, entropies = token_logps_entropy(model, batch, self.loss_impl, self.chunk, self.temperature,
                                                self.head_dtype)
-        mask = (batch["labels"] != IGNORE).to(logps.device)
+        labels = batch["row_labels"] if "row_labels" in batch else batch["labels"]
+        if "shift_labels" in batch:  # a sequence-parallel shard: the whole rows' values, on every rank of the group
+            logps, entropies = (SP.whole_tokens(x, labels.shape[1])[:labels.shape[0]] for x in (logps, entropies))
+        mask = (labels != IGNORE).to(logps.device)
         loss, sums = policy_loss(
             logps, batch["advantages"], mask, old_logps=batch.get("old_logps"), ref_logps=batch.get("ref_logps"),
             entropies=entropies, settings=self.settings, is_ratio=batch.get("is_ratio"),
             micro_batch_count=self.micro_batch_count)
+        if not SP.counts_pairs():  # the group's first rank counts the completions; the others pass gradients on
+            loss, sums = loss * 0, torch.cat([sums[:-MAXED] * 0, sums[-MAXED:]])
         self.sums = merged_sums(self.sums, sums)
         return loss
 
     def count(self, batch: dict) -> int:
         """What a micro-batch's loss is averaged over: completions, or completion tokens for dapo."""
         if self.loss_type in TOKEN_COUNTED:
-            return D.target_tokens(batch)
-        return int(real_rows(batch).sum())
+            return D.target_tokens(batch)  # a shard's own: summed over the SP group, the rows'
+        return int(real_rows(batch).sum()) if SP.counts_pairs() else 0
 
     def counts(self, micro_batches: list[dict]) -> torch.Tensor:
         """This rank's part of the global batch as [what the loss is averaged over, completion tokens in
