@@ -659,14 +659,19 @@ def all_estimates(recipe: Recipe, world_size: int, arch: Architecture) -> list[t
 def longest_sequence(recipe: Recipe, world_size: int, arch: Architecture, setup: Setup, budget: int,
                      headroom: float = HEADROOM, sequence_parallel: int | None = None, limit: int = 2**24) -> int:
     """The longest max_seq_len (a multiple of sequence_parallel, which splits it) whose estimate for
-    `setup` fits budget*(1-headroom) per GPU; 0 if not even one token per rank fits. The estimate
-    grows with the length, so a bisection finds it."""
+    `setup` fits budget*(1-headroom) per GPU; 0 if not even one token per rank fits. GRPO: the longest
+    max_completion_len after the recipe's prompt (grpo_prompt_tokens), the rollout phase's peak included.
+    The estimate grows with the length, so a bisection finds it."""
     from dataclasses import replace
 
     n = sequence_parallel or recipe.sequence_parallel
+    prompt = grpo_prompt_tokens(recipe)
 
     def fits(tokens: int) -> bool:
-        r = replace(recipe, max_seq_len=tokens, sequence_parallel=n)
+        if prompt is None:
+            r = replace(recipe, max_seq_len=tokens, sequence_parallel=n)
+        else:
+            r = replace(recipe, max_seq_len=prompt + tokens, max_completion_len=max(tokens, 1), sequence_parallel=n)
         return recipe_estimate(r, world_size, arch, setup).fits(budget, headroom)
 
     low, high = 0, limit // n  # in units of n tokens: low fits (or is 0), high does not (or is the limit)
@@ -676,6 +681,14 @@ def longest_sequence(recipe: Recipe, world_size: int, arch: Architecture, setup:
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid * n) else (low, mid)
     return low * n
+
+
+def grpo_prompt_tokens(recipe: Recipe) -> int | None:
+    """GRPO: the prompt's tokens a completion follows (max_prompt_len, else what max_seq_len leaves beside
+    max_completion_len), so that the planner's length question is the completion's; None for the others."""
+    if recipe.objective != "grpo":
+        return None
+    return recipe.max_prompt_len or max(recipe.max_seq_len - recipe.max_completion_len, 0)
 
 
 def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: float = HEADROOM,
@@ -691,8 +704,11 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
         and arch.num_attention_heads % n == 0 and (arch.kv_heads % n == 0 or n % arch.kv_heads == 0)]
     rows = all_estimates(recipe, world_size, arch)
     given = f" ({budget_text})" if budget_text else ""
+    prompt = grpo_prompt_tokens(recipe)
+    what = "max_seq_len" if prompt is None else \
+        f"max_completion_len after a {prompt}-token prompt (the rollout's peak and the step's)"
     lines = [f"recipe {name or '(given)'}: {describe_run(recipe, world_size, arch)}",
-             f"longest max_seq_len whose estimate fits {gib(budget * (1 - headroom))} GiB per GPU{given}, "
+             f"longest {what} whose estimate fits {gib(budget * (1 - headroom))} GiB per GPU{given}, "
              f"{headroom:.0%} headroom, micro batch {recipe.micro_batch_size}:"]
     header = ["setup"] + [f"sequence_parallel={n}" for n in sizes]
     table = [header]
@@ -708,7 +724,8 @@ def max_seq_len_table(recipe: Recipe, world_size: int, budget: int, headroom: fl
             lines.append("-" * len(lines[-1]))
     scores = ("attn_implementation=eager keeps each layer's attention scores (a T^2 term)" if recipe.attn_implementation
               == "eager" else f"attn_implementation={recipe.attn_implementation} keeps no attention scores (no T^2 term)")
-    lines.append(f"* the recipe's own setup; tokens per row; 0: not even the model states fit. {scores}; activations "
+    lines.append(f"* the recipe's own setup; tokens per {'row' if prompt is None else 'completion'}; 0: not even the "
+                 f"model states fit. {scores}; activations "
                  "as measured on CPU (docs/benchmarks.md section 11), not yet on a GPU"
                  + ("; activation_offload: the layer inputs in CPU memory" if recipe.activation_offload else ""))
     refused = own_setup_line(recipe, world_size)

@@ -679,3 +679,28 @@ def test_a_dry_run_without_a_gpu_checks_this_machines_memory(monkeypatch):
     assert "the estimate does NOT fit" in M.memory_report(r, 2, "tiny_grpo")
     monkeypatch.setattr(M, "_host_memory", lambda: None)
     assert "this machine's memory" not in M.memory_report(r, 2, "tiny_grpo")
+
+
+def test_grpo_longest_completion_fits_and_one_step_more_does_not():
+    """python -m finetune.plan --max-seq-len under objective=grpo answers with the longest
+    max_completion_len after the recipe's prompt, the rollout's peak counted: at that length the
+    estimate fits, at the next multiple of sequence_parallel it does not."""
+    from dataclasses import replace
+
+    from finetune.recipe import resolve
+
+    recipe = resolve("llama8b_grpo_longctx", [])
+    arch = M.load_architecture(recipe.model)
+    budget = M.parse_size("80GB")
+    for n in (1, 2):
+        setup = M.Setup.of(recipe)
+        longest = M.longest_sequence(recipe, 8, arch, setup, budget, sequence_parallel=n)
+        assert longest > 0 and longest % n == 0
+
+        def estimate(tokens):
+            r = replace(recipe, max_seq_len=512 + tokens, max_completion_len=tokens, sequence_parallel=n)
+            return M.recipe_estimate(r, 8, arch, setup)
+
+        assert estimate(longest).fits(budget, M.HEADROOM) and not estimate(longest + n).fits(budget, M.HEADROOM)
+        assert estimate(longest + n).rollout_peak > estimate(longest).rollout_peak
+    assert "longest max_completion_len after a 512-token prompt" in M.max_seq_len_table(recipe, 8, budget)
