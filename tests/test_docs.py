@@ -166,10 +166,10 @@ def test_the_readme_is_a_front_door():
     assert len(text.splitlines()) <= 150
     assert "bash scripts/setup.sh && .venv/bin/finetune train tiny --num_processes 2" in text
     assert "bash .ci/run" in text and "source .venv/bin/activate" in text
-    assert sorted(readme_recipes()) == ["my_dpo", "my_grpo", "my_sft"]
+    assert sorted(readme_recipes()) == ["my_distill", "my_dpo", "my_grpo", "my_kto", "my_sft"]
 
 
-@pytest.mark.parametrize("name", ["my_sft", "my_dpo", "my_grpo"])
+@pytest.mark.parametrize("name", ["my_sft", "my_dpo", "my_kto", "my_distill", "my_grpo"])
 def test_the_readmes_recipes_load_validate_and_dry_run(name, tmp_path):
     """Each of the README's recipes, saved as a user saves it: at most ten lines of recipe below its
     imports (the GRPO one with its reward function), loaded and validated, and a dry run of it (the data
