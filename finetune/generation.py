@@ -24,6 +24,7 @@ compiled one-token step (CUDA graphs on a GPU); the default on a GPU through gen
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -304,9 +305,7 @@ class _Decoder:
         return result.logits[:, -1].clone()  # a CUDA graph's output is overwritten by its next replay
 
 
-_CACHE_CLASS: list = []  # made once: the compiled step guards on the cache's type, a new class would retrace it
-
-
+@functools.cache  # made once: the compiled step guards on the cache's type, a new class would retrace it
 def _one_dtype_cache():
     """A StaticCache subclass that stores each layer's keys in its values' dtype.
 
@@ -319,15 +318,13 @@ def _one_dtype_cache():
     dtype changes no token against the eager loop's cache, which keeps the fp32 keys and rounds them at
     each attention (tests/test_generation.py)."""
 
-    if not _CACHE_CLASS:
-        from transformers.cache_utils import StaticCache
+    from transformers.cache_utils import StaticCache
 
-        class OneDtypeStaticCache(StaticCache):
-            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-                return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
+    class OneDtypeStaticCache(StaticCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states.to(value_states.dtype), value_states, layer_idx, *args, **kwargs)
 
-        _CACHE_CLASS.append(OneDtypeStaticCache)
-    return _CACHE_CLASS[0]
+    return OneDtypeStaticCache
 
 
 def _one_step(model, **inputs):

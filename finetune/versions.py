@@ -13,26 +13,17 @@ from importlib import metadata
 TESTED = {"transformers": ("5.17.0", "5.23.0")}
 
 
-def _release(version: str) -> tuple[int, ...]:
-    """The numeric release of a version string: 5.23.0 -> (5, 23, 0); 5.24.0.dev0 -> (5, 24, 0)."""
-    out = []
-    for part in version.split("+")[0].split("."):
-        digits = "".join(c for c in part if c.isdigit()) if part[:1].isdigit() else ""
-        if not digits:
-            break
-        out.append(int(digits))
-        if not part.isdigit():
-            break
-    return tuple(out)
-
-
 def untested_release(package: str, installed: str, tested: tuple[str, str]) -> str | None:
     """One line when `installed` lies outside the tested (oldest, newest) range of minor releases, else None."""
-    oldest, newest = (_release(v)[:2] for v in tested)  # a patch release of a tested minor counts as tested
-    if oldest <= _release(installed)[:2] <= newest:
-        return None
-    side = "older than the oldest" if _release(installed)[:2] < oldest else "newer than the newest"
+    from packaging.version import Version
+
+    def minor(version: str) -> tuple[int, ...]:  # a patch release of a tested minor counts as tested
+        return Version(version).release[:2]
+
     oldest, newest = tested
+    if minor(oldest) <= minor(installed) <= minor(newest):
+        return None
+    side = "older than the oldest" if minor(installed) < minor(oldest) else "newer than the newest"
     return (f"note: {package} {installed} is {side} release finetune is tested with ({oldest} to {newest}); "
             f"it may work, but if it fails, pip install {package}=={newest} (the tested pin)")
 

@@ -58,6 +58,16 @@ def recipe_row(name: str, run_dir: str, seconds: float, rc: int, smoke: bool = F
     return row
 
 
+# the compiled-against-eager check's shapes: on a GPU a 4-layer model; on CPU (the script's smoke mode) a
+# smaller one and fewer tokens
+COMPARE_SIZES = {
+    "cuda": {"model": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                           num_key_value_heads=4), "rows": 32, "new_tokens": 128},
+    "cpu": {"model": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2), "rows": 8, "new_tokens": 16},
+}
+
+
 def compiled_equals_eager() -> dict:
     """The compiled decode loop (StaticCache, compiled one-token step, CUDA graphs on a GPU) against the
     eager loop in fp32, greedy and sampled, on a random-weight Llama of 4 layers: the same tokens in
@@ -69,16 +79,14 @@ def compiled_equals_eager() -> dict:
     from finetune.generation import Sampling, generate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    gpu = device == "cuda"  # on CPU (the script's smoke mode) a smaller model and fewer tokens
+    size = COMPARE_SIZES[device]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=4096, hidden_size=512 if gpu else 64, intermediate_size=1408 if gpu else 128,
-                         num_hidden_layers=4 if gpu else 2, num_attention_heads=8 if gpu else 4, num_key_value_heads=4 if gpu else 2,
-                         max_position_embeddings=1024)
+    config = LlamaConfig(vocab_size=4096, max_position_embeddings=1024, **size["model"])
     model = LlamaForCausalLM(config).to(device).eval()
     rng = torch.Generator().manual_seed(1)
-    new_tokens = 128 if gpu else 16
+    new_tokens = size["new_tokens"]
     prompts = [torch.randint(3, 4096, (int(n),), generator=rng).tolist()
-               for n in torch.randint(16, 64, (32 if gpu else 8,), generator=rng)]
+               for n in torch.randint(16, 64, (size["rows"],), generator=rng)]
     out = {"device": device, "rows": len(prompts), "new_tokens": new_tokens}
     for name, sampling, seeds in (("greedy", Sampling(new_tokens), None),
                                   ("sampled", Sampling(new_tokens, temperature=1.0), list(range(len(prompts))))):

@@ -363,7 +363,7 @@ def _copy_tensor(t, pin: bool, memo: dict, buffers=None):
     storage = t.untyped_storage()
     key = ("storage", storage._cdata)
     if key not in memo:
-        pinned = t.device.type == "cuda" or t.is_pinned() if pin == "same" else bool(pin) and t.device.type == "cuda"
+        pinned = (t.device.type == "cuda" or t.is_pinned()) if pin == "same" else (bool(pin) and t.device.type == "cuda")
         memo[key] = (storage, host_copy(storage, pinned, buffers) if storage.nbytes() else torch.UntypedStorage(0))
     out = torch.empty(0, dtype=t.dtype).set_(memo[key][1], t.storage_offset(), t.size(), t.stride())
     if isinstance(t, torch.nn.Parameter):
@@ -388,8 +388,8 @@ def state_storage_sizes(model, optimizer, device_type: str = "cuda") -> list[int
 
     def add(t) -> None:
         if isinstance(t, torch.Tensor):
-            t = getattr(t, "ds_tensor", None) if getattr(t, "ds_tensor", None) is not None else t
-            t = getattr(t, "_local_tensor", t)
+            ds_tensor = getattr(t, "ds_tensor", None)  # ZeRO-3: the rank's partition
+            t = ds_tensor if ds_tensor is not None else getattr(t, "_local_tensor", t)  # FSDP2: the local shard
             if t.device.type != device_type:
                 return
             storage = t.untyped_storage()
