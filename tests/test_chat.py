@@ -1,5 +1,5 @@
 """`finetune chat` on what a user may point it at: a checkpoint is verified as export verifies it
-(sizes and checksums: finetune.checkpointing.checkpoint.verify), a damaged or foreign directory is one `error:` line
+(sizes and checksums: finetune.checkpointing.manifest.verify), a damaged or foreign directory is one `error:` line
 and exit 2, and the prompt is rendered the way the run trained its prompts. The checkpoints here are
 the tiny model's real weights written the way a DDP run's save_state writes them (model.safetensors,
 hf/, recipe.json, a sealed manifest); chat on the checkpoints of real launches is in
@@ -133,7 +133,7 @@ def test_a_checkpoint_deleted_during_its_export_is_named(tmp_path, capsys, monke
     read = export.checkpoint_state_dict
 
     def rotated_away(path, template):
-        shutil.rmtree(path)  # as checkpoint.rotate removes an old checkpoint
+        shutil.rmtree(path)  # as layout.rotate removes an old checkpoint
         return read(path, template)
 
     monkeypatch.setattr(export, "checkpoint_state_dict", rotated_away)
@@ -273,6 +273,41 @@ def test_a_garbage_model_directory_is_one_line(tmp_path, capsys, kind):
     line = one_error_line(err)
     assert code == 2 and out == "", err
     assert line.startswith(f"error: {path}") and "cannot be loaded" in line, line
+
+
+@pytest.mark.parametrize("kind", ["model-bin-bare-pickle", "model-bin-archive", "adapter-bin-archive"])
+def test_a_planted_payload_in_what_chat_reads_never_runs(tmp_path, capsys, kind):
+    """Issue 52: the exports chat reads (final/, an export, final_merged/: a plain model directory; a LoRA
+    adapter) with a pickle payload as their weights (pytorch_model.bin, adapter_model.bin, bare or inside
+    a torch.save archive): one line, exit 2, and the payload never runs (every load under safe_loading)."""
+    import pickle
+
+    import torch
+
+    from finetune.assets import tiny_model_dir
+    from test_checkpoint_files import RunsCode
+
+    tiny, marker, path = tiny_model_dir(), tmp_path / "code-ran", tmp_path / "model"
+    path.mkdir()
+    if kind.startswith("adapter"):
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+            "base_model_name_or_path": str(tiny)}))
+        weights = path / "adapter_model.bin"
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (path / name).write_text((tiny / name).read_text())
+    else:
+        (path / "config.json").write_text((tiny / "config.json").read_text())
+        weights = path / "pytorch_model.bin"
+    if kind.endswith("bare-pickle"):
+        weights.write_bytes(pickle.dumps(RunsCode(marker)))
+    else:
+        torch.save({"model.embed_tokens.weight": torch.zeros(2, 2), "hook": RunsCode(marker)}, weights)
+    code, out, err = chat(capsys, path, "Say hi", "--max-new-tokens", "2")
+    line = one_error_line(err)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert line.startswith(f"error: {path}"), line
+    assert not marker.exists(), f"{weights.name} ran code"
 
 
 class Unreadable:

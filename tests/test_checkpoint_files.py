@@ -354,7 +354,7 @@ def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
 
 
 def test_a_sealed_directory_is_checked_file_by_file(tmp_path):
-    """checkpoint.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
+    """manifest.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
     from finetune.checkpointing.manifest import seal, seal_problem
 
     d = tmp_path / "universal"

@@ -33,7 +33,7 @@ from finetune.checkpointing.run_state import (LOOP_STATE, RNG_DIR, LoopState, lo
                                               save_rng)
 from finetune.checkpointing.safe_loading import UnsafeCheckpointError, safe_loading
 from finetune.checkpointing.snapshot import Snapshotter, reserve_pinned, state_storage_sizes
-from finetune.checkpointing.staging import run_staging_dir, wait_limit_s
+from finetune.checkpointing.staging import claim_staging_dir, run_staging_dir, wait_limit_s
 from finetune.files import publish
 from finetune.recipe import RecipeError
 from finetune.faults import fault_point
@@ -168,8 +168,9 @@ class Checkpointer:
         self.new_save_id(name)
 
         def start():
+            claim_staging_dir(self.staging)  # this user's alone: nothing another can read or plant there
             shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
+            staged.mkdir()
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)

@@ -26,7 +26,7 @@ from finetune.checkpointing.layout import (MANIFEST, UNIVERSAL, checkpoints_dir,
 from finetune.checkpointing.manifest import (DATA_KEYS, HARD_KEYS, UnreadableManifest, checksum_mismatches,
                                              damaged_by_checksum, fingerprint, manifest_digest, read_manifest, seal,
                                              seal_problem, verify)
-from finetune.checkpointing.run_state import check_small_files
+from finetune.checkpointing.run_state import check_small_files, in_flight_files
 from finetune.files import publish, staging
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
@@ -75,6 +75,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     check_fits(point, recipe, allow_data_change)
     check_model(point, resolve_model(recipe.model))
     changed = changes(point, recipe)
+    check_in_flight_held(point, recipe)
     check_identity(point, recipe, allow_model_change)
     asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * data_parallel_size(recipe, world_size)
     if asked != point.global_batch_size:
@@ -205,6 +206,15 @@ def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> N
                           "mean the same; restore those values, or pass --allow-data-change to continue anyway")
 
 
+def check_in_flight_held(point: ResumePoint, recipe: Recipe) -> None:
+    """What the resumed run's next steps train on but cannot make again (the objective's in_flight rule)
+    must be in the checkpoint, listed by its manifest (run_state.save_in_flight): said before any model
+    loads, not at the first step."""
+    needed = getattr(objective_rules.rules(recipe), "in_flight", lambda r, step: None)(recipe, point.step)
+    if needed and not set(in_flight_files(needed[0])) <= set(point.manifest["files"]):
+        raise RecipeError(f"checkpoint {point.path} {needed[1]}")
+
+
 def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
     """The recipe fields this resumed run changes, each with what the change does; refuses (one line,
     all of them) the changes a checkpoint cannot honour. Data and model keys are check_fits' job."""
@@ -317,7 +327,7 @@ def check_model(point: ResumePoint, model_path: str) -> None:
 # ---------------------------------------------------------------- DeepSpeed on another world size
 
 
-CONVERSION = "conversion.json"  # the universal conversion's own listing: files, sizes, checksums (checkpoint.seal)
+CONVERSION = "conversion.json"  # the universal conversion's own listing: files, sizes, checksums (manifest.seal)
 UNIVERSAL_CACHE = "universal-cache"  # in output_dir: conversions of checkpoints on storage this run cannot write
 
 

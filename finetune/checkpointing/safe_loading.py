@@ -1,9 +1,16 @@
 """The one place that decides what a file any command reads may contain: tensors and plain data, never
-pickled code. Every torch.load of a checkpoint file, of DeepSpeed's ZeRO files and of Accelerate's
-optimizer.bin, scheduler.bin and random states runs weights_only (with DeepSpeed's few classes allowed);
-torch.distributed.checkpoint's `.metadata` pickle is read with an allow-list of its own. Resume, export and
-chat load through `safe_loading()`; `python -m finetune.checkpointing.safe_loading to-universal` runs
-DeepSpeed's conversion under it.
+pickled code.
+
+- Before anything loads, torch_file_problem reads a torch.save archive's pickle without running it (its
+  opcodes, not its objects) and names any global outside the allow-list (torch's weights-only set,
+  DeepSpeed's classes, Accelerate's numpy RNG states); manifest.verify asks it of every such file in a
+  checkpoint, on every rank alike, so a hostile optimizer.bin is one line, exit 2.
+- At the load, within safe_loading(), every torch.load runs weights_only (DeepSpeed's and Accelerate's
+  own calls included, with DeepSpeed's few classes allowed) and torch.distributed.checkpoint's `.metadata`
+  pickle is read with an allow-list of its own. Resume, export and chat load through it;
+  `python -m finetune.checkpointing.safe_loading to-universal` runs DeepSpeed's conversion under it.
+- What finetune writes itself beside tensors is safetensors and JSON (RNG states, work in flight: run_state),
+  read with read_tensors / read_plain / safetensors_header: formats that hold no code.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """GRPO's rollout machinery: the prompts a rollout reads and each rank's share, every completion's
 sampling seed, the generation itself (generate_completions), the micro-batches the loss reads
-(rollout_batch), the rollout's metrics, the record of every completion (rollouts.jsonl) and the
-rollout cache a resumed run reads (rollout-cache/). The objective that drives them is
+(rollout_batch), the rollout's metrics, the record of every completion (rollouts.jsonl), and a rollout as
+the state a resumed run reads: in the checkpoint inside it (rollout_state), or recorded after a checkpoint by
+a vLLM engine (save_recorded, rollout-cache/K/). The objective that drives them is
 finetune/training/objectives/grpo.py; the loss they feed is finetune/rl_losses.py.
 
 What a rollout gives the loop, per micro-batch (rollout_batch builds it):
@@ -23,6 +24,7 @@ from finetune import data as D
 from finetune.data import IGNORE
 from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.model import context_length
+from finetune.objective_rules.grpo import IN_FLIGHT_ROLLOUT
 from finetune.recipe import RecipeError
 from finetune.rl_losses import group_advantages, nanstd
 from finetune.rewards import weighted_rewards
@@ -247,7 +249,6 @@ def append_lines(path, step: int, lines: str) -> None:
 # rollout generated after the newest checkpoint, in output_dir/rollout-cache/K/, sealed with that
 # checkpoint's save_id, so that a run resumed from that very checkpoint trains on what its engine had
 # generated (and no other run's leftovers are ever read).
-IN_FLIGHT_ROLLOUT = "grpo_rollout"
 SEAL = "seal.json"
 
 

@@ -3,7 +3,7 @@ the objective the loop asks (objectives/base.py): each step's rollout (sampled, 
 for num_iterations steps and for a resumed run), its micro-batches with the old and the reference's
 log-probs, each micro-batch's loss, how a global batch is counted, its metrics. The loss family itself,
 pure functions on tensors, is finetune/rl_losses.py; the rollout machinery (seeds, shares, the
-generation, records, the cache) is finetune/training/rollouts.py.
+generation, records, a rollout kept for a resume) is finetune/training/rollouts.py.
 
 The rollout's own metrics (rewards per function, completion lengths) come from rollouts.rollout_metrics,
 on the gathered global batch; the loss's (kl, clip ratios) from rl_losses.policy_loss's sums, reduced over
@@ -30,6 +30,7 @@ from finetune.training.generators import (ENGINE_METRICS, check_installed, engin
                                           generator_for, importance_weights)
 from finetune.training.metrics import log
 from finetune.checkpointing.run_state import load_in_flight
+from finetune.objective_rules import grpo as grpo_rules
 from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, IN_FLIGHT_ROLLOUT, ROLLOUTS, completion_seed,
                                         eval_metrics, eval_prompt_batches, eval_seed, eval_share, fill_groups,
                                         first_failure, generate_completions, joined, keep_rollouts, load_recorded,
@@ -117,7 +118,6 @@ class GRPO(Basic):
         """Checked before the policy loads, so each is one line before any expensive work: the reward
         models (check_reward_models), vLLM where generation_backend=vllm, a reward function that needs a column the prompt rows lack; and
         sampling that gives no learning signal (a warning)."""
-        from finetune.objective_rules import grpo as grpo_rules
         from finetune.rewards import missing_column_problem
 
         check_installed(context.recipe)  # generation_backend=vllm where vLLM imports, before the model loads
@@ -415,11 +415,8 @@ class GRPO(Basic):
                               "the checkpoint it resumed from")
         what = f"checkpoint {point.path}"
         found = load_in_flight(point.path, IN_FLIGHT_ROLLOUT, point.manifest, what)
-        if found is None:
-            raise RecipeError(f"{what} was saved inside rollout {k} (step {step}, num_iterations="
-                              f"{self.num_iterations}) and holds no in-flight rollout (an older finetune kept it "
-                              "outside the checkpoint, where a resume no longer reads it); resume from a checkpoint at "
-                              "a multiple of num_iterations")
+        if found is None:  # (resume.check_in_flight_held said so before the launch)
+            raise RecipeError(f"{what} {grpo_rules.in_flight(self.recipe, step)[1]}")
         tensors, data = found
         if data.get("rollout") != k:
             raise RecipeError(f"{what} is damaged: its in-flight rollout is rollout {data.get('rollout')!r}, not {k}; "
