@@ -232,7 +232,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
                       weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device,
-                      sp=sp)
+                      sp=sp, schedule=schedule, total_steps=total_steps)
     objective.before_model(context)
 
     model, optimizer, scheduler = load_and_prepare(plan, accelerator, model_path, config, total_steps)
