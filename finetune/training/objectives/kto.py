@@ -89,7 +89,7 @@ class KTO(DPO):
         self.to_device = None  # a batch onto the training device (the loop's, given by before_model)
         # kto: rollout fetches the step's rows itself, to make their KL rows from each micro-batch (TRL's rule)
         self.makes_batches = self.kind == "kto"
-        self.schedule, self.total_steps = None, 0
+        self.batch_schedule, self.total_steps = None, 0
         self.epoch_reference = None  # precomputed, kto: per epoch, [rows, 2] a training row's and its KL row's
 
     def before_model(self, context: Context) -> None:
@@ -97,21 +97,21 @@ class KTO(DPO):
         file, if any."""
         r, datasets = context.recipe, context.datasets
         self.to_device = context.to_device
-        self.schedule, self.total_steps = context.schedule, context.total_steps
+        self.batch_schedule, self.total_steps = context.schedule, context.total_steps
         if self.kind == "kto" and datasets.eval is not None:
             datasets.eval = with_kl_rows(datasets.eval, r.micro_batch_size, r.max_seq_len)
         super().before_model(context)
 
     def epochs(self) -> int:
         """The epochs of the training rows the run reaches (their KL rows differ from epoch to epoch)."""
-        return -(-self.total_steps // self.schedule.steps_per_epoch)
+        return -(-self.total_steps // self.batch_schedule.steps_per_epoch)
 
     def reference_key(self, context: Context) -> dict:
         """DPO's, and for kto the schedule that makes the training KL rows: seed, micro-batch, global batch and
         the epochs the run reaches."""
         key = super().reference_key(context)
         if self.kind == "kto":
-            s = self.schedule
+            s = self.batch_schedule
             key["data"] = D.cache_fingerprint(key["data"], "KL rows per micro-batch", s.seed, s.micro_batch_size,
                                             s.global_batch, self.epochs())
         return key
@@ -122,7 +122,7 @@ class KTO(DPO):
         passes = super().reference_passes(context)
         if self.kind != "kto":
             return passes
-        s, rank, per_epoch = self.schedule, context.sp.dp_rank, self.schedule.steps_per_epoch
+        s, rank, per_epoch = self.batch_schedule, context.sp.dp_rank, self.batch_schedule.steps_per_epoch
         for epoch in range(self.epochs()):
             batches = [rows for step in range(epoch * per_epoch, (epoch + 1) * per_epoch) for rows in s.rows(step, rank)]
             passes.append((f"train/{epoch}", context.datasets.train, batches, context.recipe.max_seq_len))
