@@ -168,6 +168,16 @@ def test_groups_of_equal_rewards_keep_trl_s_rounding_and_its_clip_metrics(normal
     assert clip_metrics(exact.float())["clip_ratio/high_mean"] != theirs["clip_ratio/high_mean"]
 
 
+def test_huge_rewards_keep_their_normalized_advantages():
+    """Rewards near 1e30 under normalize_advantages: float32's squares overflow (TRL's advantages would all be
+    0, without a word); those are computed in float64 and keep their advantages."""
+    per_func = torch.tensor([[1e30], [3e30], [-1e30], [1e30]])
+    advantages, zero_std = rloo_advantages(per_func, torch.ones(1), 2, normalize=True)
+    small, _ = rloo_advantages(per_func / 1e30, torch.ones(1), 2, normalize=True)
+    assert advantages.dtype == torch.float32 and torch.allclose(advantages, small, rtol=1e-4)
+    assert advantages.abs().min() > 0.5 and not zero_std.any()
+
+
 @pytest.mark.parametrize("iterations", [1, 2])
 def test_loss_gradient_and_metrics_as_trl(iterations):
     """RLOO's loss on 8 completions split over 2 ranks x 2 micro-batches: TRL's (each micro-batch's mean,
