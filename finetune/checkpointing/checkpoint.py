@@ -178,11 +178,11 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
     for rel, size in manifest["files"].items():
         f = path / rel
         if not f.is_file():
-            raise RecipeError(f"checkpoint {path} is damaged: {rel} is missing; nothing was deleted; resume from an "
-                              "earlier checkpoint with --resume PATH")
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} is missing; nothing was deleted; "
+                              + set_aside(path))
         if f.stat().st_size != size:
             raise RecipeError(f"checkpoint {path} is damaged: {rel} has {f.stat().st_size} bytes, the manifest says "
-                              f"{size}; nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+                              f"{size}; nothing was deleted; " + set_aside(path))
     for meta in sorted(path.rglob(DCP_METADATA)):
         with open(meta, "rb") as f:
             try:
@@ -192,7 +192,7 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
                                   "run or loaded; use a checkpoint from a source you trust") from None
             except Exception as e:  # truncated or garbled: damaged rather than hostile
                 raise RecipeError(f"checkpoint {path} is damaged: {meta.relative_to(path)} cannot be read "
-                                  f"({type(e).__name__}: {e}); resume from an earlier checkpoint with --resume PATH") \
+                                  f"({type(e).__name__}: {e}); " + set_aside(path)) \
                     from None
     if checksums:
         bad = checksum_mismatches(path, manifest, sorted(manifest.get("checksums") or {}))
@@ -235,10 +235,17 @@ def checksum_mismatches(path: Path, manifest: dict, rels: list[str]) -> list[str
     return [rel for rel, digest in got.items() if digest != expected[rel]]
 
 
+def set_aside(path: Path) -> str:
+    """The advice for a damaged checkpoint, as commands that run: --resume of an earlier one is refused while
+    this newer one is in checkpoints/ (resume.check_lineage), so it is moved out of the way first."""
+    return (f"to continue from the newest intact checkpoint before it, move it out of the way (mv {path} "
+            f"{path.with_name('damaged-' + path.name)}) and --resume auto")
+
+
 def damaged_by_checksum(path: Path, bad: list[str]) -> RecipeError:
     return RecipeError(f"checkpoint {path} is damaged: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} "
                        f"do{'es' if len(bad) == 1 else ''} not match the {CHECKSUM} checksum in its {MANIFEST}; "
-                       "nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+                       "nothing was deleted; " + set_aside(path))
 
 
 def verify_checksums(path: Path, manifest: dict, rank: int, world: int, all_gather=None, log=print) -> None:
@@ -493,8 +500,8 @@ def check_small_files(path: Path, manifest: dict) -> None:
             problem = ("holds no 'torch' generator state" if "torch" not in tensors else
                        f"holds {bad[0]!r}, which is not a generator state (a uint8 vector)" if bad else None)
         if problem:
-            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing was loaded; resume from an "
-                              "earlier checkpoint with --resume PATH")
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing was loaded; "
+                              + set_aside(path))
 
 
 def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
@@ -540,7 +547,7 @@ def read_loop_state(path: Path) -> LoopState:
         values = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} is unreadable ({type(e).__name__}); "
-                          "resume from an earlier checkpoint with --resume PATH") from None
+                          + set_aside(path)) from None
     fields = {f.name: f.type for f in dataclasses.fields(LoopState)}
     problem = (f"a JSON {type(values).__name__}, not an object" if not isinstance(values, dict) else None)
     if problem is None:
@@ -552,7 +559,7 @@ def read_loop_state(path: Path) -> LoopState:
                    f"{wrong[0]}={values[wrong[0]]!r}, not a number" if wrong else None)
     if problem:
         raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} holds {problem}; nothing was loaded; restore "
-                          "the file as the save wrote it, or resume from an earlier checkpoint with --resume PATH")
+                          "the file as the save wrote it, or " + set_aside(path))
     return LoopState(**values)
 
 

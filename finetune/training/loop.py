@@ -28,6 +28,7 @@ from finetune.model import (concatenation_problem, load_config, load_model, load
                             sample_length_problem)
 from finetune.training.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
+from finetune.objective_rules import loss_settings_named
 from finetune.offload import activation_offload
 from finetune.generation import answer_length
 from finetune.plan import Plan
@@ -137,8 +138,10 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
         return True
     allowed = (f"{recipe.max_nonfinite_steps} such step(s) were skipped already; " if recipe.max_nonfinite_steps
                else "")
+    named = loss_settings_named(recipe)  # GRPO's entropy_coef, sapo's, vespo's, where changed
     raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}stopped "
-                         f"without saving ({after_nonfinite(out / 'checkpoints', recipe, step)})")
+                         f"without saving ({named + '; ' if named else ''}"
+                         f"{after_nonfinite(out / 'checkpoints', recipe, step)})")
 
 
 def to_device(data, device):
