@@ -129,6 +129,18 @@ def test_the_advice_for_a_damaged_checkpoint_works_as_typed(tmp_path):
     assert (root / "damaged-step_000000008" / MANIFEST).is_file(), "moved, not deleted"
 
 
+def test_what_a_stopped_run_leaves_is_said_as_it_is(tmp_path):
+    """A reward function failing before the first checkpoint said "its last checkpoint is intact": there was none.
+    Now the line names the newest checkpoint, or says there is none yet."""
+    from finetune.checkpointing.resume import kept_checkpoint
+
+    assert kept_checkpoint(tmp_path) == "no checkpoint had been saved yet (--resume auto starts it again)"
+    make_checkpoint(tmp_path / "checkpoints" / "step_000000002", step=2)
+    make_checkpoint(tmp_path / "checkpoints" / "step_000000004", step=4)
+    (tmp_path / "checkpoints" / ".step_000000006.partial").mkdir()
+    assert kept_checkpoint(tmp_path) == "its newest checkpoint, step_000000004, is intact"
+
+
 # ---------------------------------------------------------------- checksums
 
 
