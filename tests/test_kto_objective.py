@@ -317,3 +317,20 @@ def test_a_resume_may_not_change_the_micro_batch_that_pairs_the_kl_rows(monkeypa
     assert changes(point, Recipe(objective="kto", kto_loss="apo_zero_unpaired", max_steps=12, micro_batch_size=8,
                                  global_batch_size=16)) == [
         "micro_batch_size: 4 -> 8 (the global batch is kept, accumulation is recomputed)"]
+
+
+def test_conversational_rows_without_a_chat_template_are_called_unpaired_rows(tiny_tokenizer):
+    """The refusal spoke of "preference rows" for KTO's rows; it names them as they are."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = None
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}],
+             "label": True}]
+    with pytest.raises(D.DataError) as e:
+        encode_unpaired(rows, tokenizer, 64)
+    assert str(e.value).startswith("unpaired rows (objective=kto) of messages need a tokenizer with a chat_template; "
+                                   "set chat_template=...")
+    with pytest.raises(D.DataError, match="^preference rows of messages need a tokenizer with a chat_template"):
+        encode_pairs([{"prompt": rows[0]["prompt"], "chosen": rows[0]["completion"],
+                       "rejected": rows[0]["completion"]}], tokenizer, 64)

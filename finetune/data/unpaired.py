@@ -32,7 +32,8 @@ def encode_unpaired(rows: list[dict], tokenizer, max_len: int, max_prompt_len: i
     """Checked unpaired rows (formats.check_unpaired) -> the columns of prepared rows."""
     items = [(r["prompt"], r["completion"], isinstance(r["completion"], list)) for r in rows]
     out = {"input_ids": [], "labels": [], "desirable": [], "n_tokens": [], "n_targets": []}
-    for row, (ids, labels) in zip(rows, encode_completions(items, tokenizer)):
+    encoded = encode_completions(items, tokenizer, rows="unpaired rows (objective=kto)")
+    for row, (ids, labels) in zip(rows, encoded):
         ids, labels = fit_budgets(ids, labels, tokenizer.bos_token_id, max_len, max_prompt_len)
         out["input_ids"].append(ids)
         out["labels"].append(labels)
