@@ -334,3 +334,29 @@ def test_conversational_rows_without_a_chat_template_are_called_unpaired_rows(ti
     with pytest.raises(D.DataError, match="^preference rows of messages need a tokenizer with a chat_template"):
         encode_pairs([{"prompt": rows[0]["prompt"], "chosen": rows[0]["completion"],
                        "rejected": rows[0]["completion"]}], tokenizer, 64)
+
+
+@pytest.mark.parametrize("labels,side", [([True] * 5, "desirable (label true)"),
+                                         ([False] * 5, "undesirable (label false)"), ([True, False] * 3, None)])
+def test_data_with_one_label_only_is_said(labels, side, tiny_tokenizer, caplog):
+    """Every row true (or false) trained with `margin nan` and no word. KTO's loss takes each row alone
+    against the KL, so one side trains (TRL too); the run says, once, what that does."""
+    import types
+
+    import datasets
+
+    rows = [r | {"label": label} for r, label in zip(tiny_rows() * 2, labels)]
+    ds = datasets.Dataset.from_dict(encode_unpaired(rows, tiny_tokenizer, 64))
+    objective = KTO(Recipe(objective="kto", micro_batch_size=2))
+    context = types.SimpleNamespace(recipe=objective.recipe, datasets=types.SimpleNamespace(train=ds, eval=None),
+                                    to_device=None, schedule=None, total_steps=0,
+                                    accelerator=types.SimpleNamespace(is_main_process=True))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        objective.before_model(context)
+    said = [r.getMessage() for r in caplog.records if "training rows is labelled" in r.getMessage()]
+    if side is None:
+        assert not said
+    else:
+        assert len(said) == 1 and said[0].startswith(f"every one of the {len(labels)} training rows is labelled {side}")
+        assert said[0].endswith("check which field they are read from")

@@ -43,6 +43,22 @@ def encode_unpaired(rows: list[dict], tokenizer, max_len: int, max_prompt_len: i
     return out
 
 
+def one_sided(desirable: list[int]) -> str | None:
+    """A line where every row has the same label (None where both occur). KTO's loss takes each row alone
+    against the KL estimate, so it trains on one side only (TRL trains too, without a word), but such data is
+    more often a label column read wrong than a choice."""
+    if not desirable or 0 < sum(desirable) < len(desirable):
+        return None
+    if desirable[0]:
+        return (f"every one of the {len(desirable)} training rows is labelled desirable (label true): KTO only raises "
+                "their likelihood against the reference's, with no undesirable row to push down (rewards/rejected "
+                "and rewards/margins stay null); if the labels mean otherwise, check which field they are read from")
+    return (f"every one of the {len(desirable)} training rows is labelled undesirable (label false): KTO only pushes "
+            "their likelihood down against the reference's, with no desirable row to hold it to good answers "
+            "(rewards/chosen and rewards/margins stay null), which can degrade every answer; if the labels mean "
+            "otherwise, check the label column (columns=...)")
+
+
 def kl_partners(num_rows: int, chunk: int) -> list[int]:
     """Each row's KL partner, the row whose completion its KL row takes: the one before it within its chunk
     of `chunk` rows (the chunk's first row takes the chunk's last), TRL's rotation by one."""

@@ -37,9 +37,10 @@ import torch.nn.functional as F
 
 from finetune import data as D
 from finetune import sequence_parallel as SP
-from finetune.data.unpaired import with_kl_rows
+from finetune.data.unpaired import one_sided, with_kl_rows
 from finetune.errors import RecipeError
 from finetune.training.objectives.base import Context
+from finetune.training.metrics import log
 from finetune.training.objectives.dpo import DPO, real_pairs
 from finetune.training.reference import attach
 
@@ -93,13 +94,16 @@ class KTO(DPO):
         self.epoch_reference = None  # precomputed, kto: per epoch, [rows, 2] a training row's and its KL row's
 
     def before_model(self, context: Context) -> None:
-        """The eval split's KL rows (with_kl_rows: it is read in order), then DPO's: the precomputed log-probs'
-        file, if any."""
+        """The eval split's KL rows (with_kl_rows: it is read in order), a line where every training row has one
+        label (unpaired.one_sided), then DPO's: the precomputed log-probs' file, if any."""
         r, datasets = context.recipe, context.datasets
         self.to_device = context.to_device
         self.batch_schedule, self.total_steps = context.schedule, context.total_steps
         if self.kind == "kto" and datasets.eval is not None:
             datasets.eval = with_kl_rows(datasets.eval, r.micro_batch_size, r.max_seq_len)
+        warning = one_sided(datasets.train["desirable"])
+        if warning and context.accelerator.is_main_process:
+            log.warning(warning)
         super().before_model(context)
 
     def epochs(self) -> int:
