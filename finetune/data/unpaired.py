@@ -56,7 +56,7 @@ def one_sided(desirable: list[int]) -> str | None:
     return (f"every one of the {len(desirable)} training rows is labelled undesirable (label false): KTO only pushes "
             "their likelihood down against the reference's, with no desirable row to hold it to good answers "
             "(rewards/chosen and rewards/margins stay null), which can degrade every answer; if the labels mean "
-            "otherwise, check the label column (columns=...)")
+            "otherwise, check which field they are read from")
 
 
 def kl_partners(num_rows: int, chunk: int) -> list[int]:
