@@ -568,8 +568,9 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
     reporter.close()
     if stopped:
         reporter.final_plot()
-        log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto"
-                    if state.step else "stopped by signal before the first training step; nothing to save")
+        if is_main:  # every rank stops alike, whichever rank the signal reached: one line
+            log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto"
+                        if state.step else "stopped by signal before the first training step; nothing to save")
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
     final = save_final_model(accelerator, run.model, run.tokenizer, out / FINAL,
