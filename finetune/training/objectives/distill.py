@@ -159,7 +159,7 @@ def not_a_language_model(config) -> str | None:
 
 def same_model(recipe) -> str | None:
     """A line where the teacher is the student's own starting model: the divergence starts at 0, and with it
-    its gradient, so the student has nothing to learn from its copy."""
+    its gradient (but for rounding), so the student has nothing to learn from its copy."""
     from pathlib import Path
 
     def where(name):  # a directory by its real path; a hub id or builtin:NAME as it is
@@ -169,8 +169,8 @@ def same_model(recipe) -> str | None:
     if where(recipe.teacher_model) != where(recipe.model):
         return None
     return (f"teacher_model={recipe.teacher_model} is the student's own model (model={recipe.model}): the divergence "
-            "starts at 0 and so does its gradient, so the student learns nothing from its copy; give a stronger "
-            "teacher of the same vocabulary")
+            "starts at 0, with its gradient, so the student has nothing to learn from its copy (only rounding noise); "
+            "give a stronger teacher of the same vocabulary")
 
 
 def teacher_identity(path: str, main: bool) -> dict:
