@@ -694,9 +694,10 @@ def validate(recipe: Recipe) -> Recipe:
     if looks_local(r.model) and not Path(r.model).expanduser().is_dir():
         raise RecipeError(f"model={r.model}: no such directory; give a hub id (org/name), a directory written "
                           "by save_pretrained, or builtin:tiny-llama")
-    if r.model.startswith(BUILTIN_PREFIX):
-        if r.model[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
-            raise RecipeError(f"model={r.model}: unknown builtin; available: "
+    for key in ("model", "teacher_model"):
+        name = getattr(r, key)
+        if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+            raise RecipeError(f"{key}={name}: unknown builtin; available: "
                               + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS))
     return recipe
 

@@ -149,6 +149,53 @@ def test_config_and_tokenized_data_are_checked_before_the_launch(args, message, 
     assert not (tmp_path / "out").exists()
 
 
+def teacher_dirs(root: Path) -> dict:
+    """A reward model's final/ (its config: LlamaForSequenceClassification, one label; the student's tokenizer)
+    and a directory whose config.json is not JSON."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.assets import resolve_model
+    from finetune.model import reward_config
+
+    student = resolve_model("builtin:tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    reward = root / "reward" / "final"
+    reward_config(AutoConfig.from_pretrained(student), tokenizer.pad_token_id).save_pretrained(reward)
+    tokenizer.save_pretrained(reward)
+    garbled = root / "garbled"
+    garbled.mkdir()
+    (garbled / "config.json").write_text("{not json")
+    return {"REWARD": str(reward), "GARBLED": str(garbled)}
+
+
+@pytest.mark.parametrize("teacher,message", [
+    ("builtin:nosuch", "error: teacher_model=builtin:nosuch: unknown builtin; available: builtin:tiny-llama"),
+    ("REWARD", "error: teacher_model=REWARD: it is a LlamaForSequenceClassification, a reward model (one score per "
+               "row): distillation learns the teacher's next-token distribution"),
+    ("GARBLED", "error: teacher_model=GARBLED: cannot read its config"),
+], ids=["unknown-builtin", "reward-model", "unreadable"])
+def test_a_teacher_that_cannot_teach_is_found_before_the_launch(teacher, message, tmp_path, capsys, monkeypatch):
+    """The teacher was checked by each rank after its start (an AssertionError traceback for an unknown
+    builtin, an IndexError in the divergence for a reward model, 45 s in for an unreadable one): the front
+    checks it before launching anything, in one line."""
+    from finetune.commands import cli
+
+    def launched(cmd, output_dir):
+        raise AssertionError(f"launched {cmd}")
+
+    teacher = teacher_dirs(tmp_path).get(teacher, teacher)
+    monkeypatch.setattr(cli, "supervise", launched)
+    capsys.readouterr()
+    code = cli.main(["train", "tiny_distill", f"teacher_model={teacher}", "--num_processes", "2",
+                     f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith(message.replace("REWARD", teacher).replace("GARBLED", teacher)), err
+    assert "Traceback" not in err and "finetune: " not in err
+    assert not (tmp_path / "out").exists()
+
+
 SIGNAL_FRONT = """
 import os, signal, sys, time
 time.sleep(float(sys.argv[1]))

@@ -209,7 +209,8 @@ def check_model_and_data(plan) -> None:
     under the launcher's traceback), checked in the `finetune` front before it launches: vLLM where
     generation_backend=vllm, the model's
     config against the recipe (sequence_parallel and the attention heads, rows concatenated in a model
-    that carries state along the sequence), and the data as tokenized (a source left with no trained
+    that carries state along the sequence), a distillation's teacher (its config and tokenizer: there,
+    readable, a causal LM of the student's vocabulary), and the data as tokenized (a source left with no trained
     token or pair, fewer rows than one global batch, fewer eval rows than sample_prompts). Config and
     tokenizer are a few small files. Tokenizing here costs the run nothing: the datasets cache keeps
     the result under a content fingerprint and the ranks read it from there (as after `finetune data`)."""
@@ -226,6 +227,10 @@ def check_model_and_data(plan) -> None:
     if problem:
         raise RecipeError(problem)
     tokenizer = load_tokenizer(r, model_path)
+    if r.teacher_model:  # objective=distill: there, readable, a causal LM of the student's vocabulary
+        from finetune.training.objectives.distill import check_teacher
+
+        check_teacher(r, tokenizer, config)
     datasets = D.build_datasets(r, tokenizer)
     problem = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum,
                               plan.data_parallel_size, r.seed).problem()

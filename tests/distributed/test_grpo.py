@@ -321,7 +321,7 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_fa
     # 5's rollout
     assert errors[0].startswith("error: step 5: reward function broken raised ZeroDivisionError: division by zero "
                                 "(prompt: '"), errors[0]
-    assert "its last checkpoint is intact" in errors[0]
+    assert "its newest checkpoint, step_000000004, is intact: fix the function" in errors[0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002", "step_000000004"]
     assert [r["step"] for r in rollouts(run)] == [1] * 16 + [3] * 16
 

@@ -59,6 +59,8 @@ class Context:
     weights_on_this_rank: bool  # whether a model loaded now reads its weights on this rank (strategy.reads_weights)
     to_device: Callable  # a batch onto the training device (loop.to_device)
     sp: object  # this rank's sequence-parallel layout (finetune.sequence_parallel.Layout)
+    schedule: object = None  # the rows each step reads (finetune.data.BatchSchedule, objective.schedule)
+    total_steps: int = 0  # the steps the run trains for
 
     @property
     def recipe(self):

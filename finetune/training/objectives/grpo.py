@@ -25,6 +25,7 @@ from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import token_logps, token_logps_entropy, token_logps_within
+from finetune.checkpointing.resume import kept_checkpoint
 from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
@@ -192,8 +193,8 @@ class GRPO(Basic):
             return None
         failed = first_failure(parts)
         if failed is not None:
-            raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
-                              "intact: fix the function and continue with --resume auto")
+            raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, {kept_checkpoint(run.out)}: "
+                              "fix the function and continue with --resume auto")
         return (*joined(parts, len(self.rewards.names)), seconds)
 
     def dynamic_batch(self, run, k: int, step: int, rows: list[int], stop=None):
@@ -393,8 +394,8 @@ class GRPO(Basic):
                 return None
             failed = first_failure(parts)
             if failed is not None:
-                raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, its last "
-                                  "checkpoint is intact: fix the function and continue with --resume auto")
+                raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, "
+                                  f"{kept_checkpoint(run.out)}: fix the function and continue with --resume auto")
             batches.append(parts)
         return None, eval_metrics(batches, self.rewards.weights, self.rewards.names, g, r.scale_rewards)
 
