@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from shipped import shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -43,10 +44,6 @@ def readme_recipes() -> dict[str, str]:
     """The recipes the README writes out (`# recipes/NAME.py` first), by name."""
     return {m.group(1): m.group(0) for block in FENCE.finditer((REPO / "README.md").read_text())
             for m in [re.match(r"# recipes/(\w+)\.py\n.*", block.group(1), re.S)] if m}
-
-
-def shipped_recipes() -> list[str]:
-    return sorted(p.stem for p in (REPO / "recipes").glob("*.py") if p.stem != "__init__")
 
 
 def commands(page: Path) -> list[tuple[int, list[str]]]:
