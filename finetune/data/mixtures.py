@@ -83,7 +83,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         where = spec.path if not recipe.datasets else f"datasets[{i}] {spec.path}"
         names = check_columns(raw.column_names, spec, where)
         fmt = spec.format if spec.format != "auto" else detect_format(names, where)
-        check_objective(recipe, fmt, key, spec.path)
+        check_objective(recipe, fmt, key, spec.path, lambda: names)
         raw_held = None
         if evaluated is None and recipe.eval_fraction > 0 and len(raw) >= 2:
             split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
@@ -149,7 +149,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         if eval_fmt == "auto":
             where = f"{spec.path} (eval)"
             eval_fmt = detect_format(check_columns(raw_eval.column_names, spec, where), where)
-        check_objective(recipe, eval_fmt, key, spec.path)
+        check_objective(recipe, eval_fmt, key, spec.path, lambda: raw_eval.column_names)
         evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,
                                  pack=False, keep_counts=True,
                                  row_names=RowNames.of(raw_eval, f"{spec.path} (eval)", spec))

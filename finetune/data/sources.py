@@ -9,7 +9,8 @@ from pathlib import Path
 
 from finetune import objective_rules
 from finetune.assets import BUILTIN_FORMATS
-from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, unknown_role
+from finetune.data.formats import (DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, mapping_hint,
+                                   unknown_role)
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
 
 
@@ -42,23 +43,24 @@ def train_sources(recipe: Recipe) -> list[tuple[str, str, DataSource]]:
     """(key, split key, source) of each training source: the mixture's, or the single `dataset`."""
     if recipe.datasets:
         return [(f"datasets[{i}].path", f"datasets[{i}].split", s) for i, s in enumerate(recipe.datasets)]
-    return [("dataset", "dataset_split",
-             DataSource(path=recipe.dataset, format=recipe.dataset_format, split=recipe.dataset_split))]
+    return [("dataset", "dataset_split", DataSource(path=recipe.dataset, format=recipe.dataset_format,
+                                                    split=recipe.dataset_split, columns=dict(recipe.columns)))]
 
 
 def eval_source(recipe: Recipe) -> tuple[str, str, DataSource] | None:
     """The eval set named by the recipe: eval_dataset (a DataSource, or a path/hub id read with
-    eval_split, else dataset_split), or dataset's own eval_split; None: hold out eval_fraction."""
+    eval_split, else dataset_split), or dataset's own eval_split; None: hold out eval_fraction. The recipe's
+    columns map a path's or a split's rows as they map dataset's (a DataSource maps its own)."""
     e = recipe.eval_dataset
     if isinstance(e, DataSource):
         return "eval_dataset.path", "eval_dataset.split", e
     if e:
         return ("eval_dataset", "eval_split" if recipe.eval_split else "dataset_split",
                 DataSource(path=e, format="auto" if recipe.datasets else recipe.dataset_format,
-                           split=recipe.eval_split or recipe.dataset_split))
+                           split=recipe.eval_split or recipe.dataset_split, columns=dict(recipe.columns)))
     if recipe.eval_split and not recipe.datasets:
         return "dataset", "eval_split", DataSource(path=recipe.dataset, format=recipe.dataset_format,
-                                                   split=recipe.eval_split)
+                                                   split=recipe.eval_split, columns=dict(recipe.columns))
     return None
 
 
@@ -235,7 +237,9 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                 fmt = detect_format(names, str(path))
             missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
             if missing:
-                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}{format_hint(names, fmt)}")
+                mapped = mapping_hint(names, FORMAT_FIELDS[fmt])
+                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}"
+                                + (format_hint(names, fmt) or (mapped and f"; {mapped}")))
             rows_seen += _num_rows(path, [top_level_columns(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
             if fmt == "preference":
                 _check_pairs(_table_rows(path, _pair_fields(columns, spec)), spec, f"{path} row")
@@ -253,40 +257,63 @@ def prevalidate_recipe(recipe: Recipe) -> None:
         fmt = prevalidate(spec.path, spec.format, key, spec=spec, split=spec.split, split_key=split_key)
         if fmt == "auto" and spec.path.startswith("builtin:"):
             fmt = BUILTIN_FORMATS.get(spec.path[len("builtin:"):], fmt)
-        check_objective(recipe, fmt, key, spec.path)
+        check_objective(recipe, fmt, key, spec.path, lambda: local_fields(spec))
 
 
-def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
+def local_fields(spec: DataSource) -> list[str]:
+    """A local source's fields (its first row's, or its columns), for advice after an error; [] where they
+    cannot be read cheaply (a hub dataset, an unreadable file)."""
+    path = Path(spec.path).expanduser()
+    try:
+        if is_saved_dataset(path) or not looks_local(spec.path):
+            return []
+        first = (local_splits(path).get(spec.split) or [None])[0]
+        if first is None or first.suffix.lower() not in (".json", ".jsonl"):
+            return _columns(first) if first is not None else []
+        text = first.read_text(encoding="utf-8").lstrip()
+        row = json.loads(text)[0] if text.startswith("[") else next(row for _, row in _jsonl_rows(first, text))
+        return list(row) if isinstance(row, dict) else []
+    except (OSError, ValueError, IndexError, StopIteration, DataError):
+        return []
+
+
+def check_objective(recipe: Recipe, fmt: str, key: str, path: str, fields=lambda: ()) -> None:
     """objective=dpo and reward train on preference rows only, and preference rows train with those only;
     likewise grpo and prompt rows, kto and unpaired rows
-    (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
+    (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is).
+    fields: the rows' fields (called on a mismatch only), to say which to map with `columns`."""
     key = key.removesuffix(".path")
     rows = objective_rules.rules(recipe).ROWS
+
+    def mapping(needed) -> str:
+        """How to map the fields the objective's rows need, as typed: columns=label:thumbs."""
+        named = mapping_hint(fields(), needed)
+        return named or f"map its fields with columns={','.join(f'{name}:FIELD' for name in needed)}"
+
     if rows == ("preference",) and fmt not in ("auto", "preference"):
         raise DataError(f"objective={recipe.objective} needs preference rows (prompt, chosen, rejected); {key}={path} "
-                        f"has {fmt} rows: use a preference dataset (or map its fields with columns={{'chosen': ..., "
-                        "'rejected': ...}), or set objective=sft")
+                        f"has {fmt} rows: use a preference dataset (or {mapping(('chosen', 'rejected'))}), or set "
+                        "objective=sft")
     if "preference" not in rows and fmt == "preference":
         raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
                         f"objective=dpo (objective=reward: a reward model), or use a dataset of SFT rows (objective="
                         f"{recipe.objective})")
     if rows == ("prompt",) and fmt not in ("auto", "prompt"):
         raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
-                        f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "
-                        "and set dataset_format=prompt, or set objective=sft")
+                        f"rewards read); {key}={path} has {fmt} rows: {mapping(('prompt',))} and set "
+                        "dataset_format=prompt, or set objective=sft")
     if rows == ("unpaired",) and fmt not in ("auto", "unpaired"):
         raise DataError(f"objective=kto needs unpaired rows (prompt, completion, label: true for a desirable "
-                        f"completion, false for an undesirable one); {key}={path} has {fmt} rows: map the fields with "
-                        "columns={'completion': ..., 'label': ...} and set dataset_format=unpaired (builtin:tiny-kto "
-                        "shows the shape), or set objective=sft")
+                        f"completion, false for an undesirable one); {key}={path} has {fmt} rows: "
+                        f"{mapping(('prompt', 'completion', 'label'))} and set dataset_format=unpaired "
+                        "(builtin:tiny-kto shows the shape), or set objective=sft")
     if "unpaired" not in rows and fmt == "unpaired":
         raise DataError(f"{key}={path} has unpaired rows (prompt, completion, label), which train with objective=kto; "
                         f"set objective=kto, or use a dataset of SFT rows (objective={recipe.objective})")
     if "prompt" not in rows and fmt == "prompt":
         raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
                         f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
-                        f"{recipe.objective}; a column holding the answer is mapped with columns={{'completion': "
-                        "...}})")
+                        f"{recipe.objective}; a field holding the answer is mapped with columns=completion:FIELD)")
 
 
 def _pair_fields(columns, spec: DataSource) -> list[str]:
