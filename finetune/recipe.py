@@ -413,12 +413,45 @@ def load_recipe_module(name: str) -> Recipe:
         raise
     except SyntaxError as e:
         raise RecipeError(f"recipe {path}: syntax error on line {e.lineno}: {e.msg}") from None
+    except TypeError as e:
+        unknown = _unknown_keyword(e, path)
+        if unknown:
+            raise RecipeError(unknown) from None
+        raise RecipeError(f"recipe {path} failed to import: {type(e).__name__}: {e}") from None
     except Exception as e:  # a user's Python file can fail in any way; say where
         raise RecipeError(f"recipe {path} failed to import: {type(e).__name__}: {e}") from None
     recipe = getattr(module, "recipe", None)
     if not isinstance(recipe, Recipe):
         raise RecipeError(f"recipe {path} must define `recipe = Recipe(...)` (found {type(recipe).__name__})")
     return recipe
+
+
+def _unknown_keyword(error: TypeError, path: Path) -> str | None:
+    """Recipe(learning_rate=...) or DataSource(colums=...) in a recipe file, as one line naming the file's
+    line, the key and the key meant, as the command line names it; None for any other TypeError."""
+    import re
+    import traceback
+
+    found = re.search(r"(Recipe|DataSource)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(error))
+    if not found:
+        return None
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == str(path)]
+    where = f"recipe {path}" + (f" line {lines[-1]}" if lines else "")
+    kind, key = found.groups()
+    if kind == "Recipe":
+        return f"{where}: {unknown_key_message(key)}"
+    close = difflib.get_close_matches(key, SOURCE_FIELDS, n=1)
+    return (f"{where}: DataSource has no field {key!r}{f'; did you mean {close[0]}?' if close else ''} (fields: "
+            f"{', '.join(SOURCE_FIELDS)})")
+
+
+def unknown_key_message(key: str) -> str:
+    """An unknown recipe key, with the key meant: a close spelling, or ours for the Trainer's and TRL's name."""
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    if key in PEER_NAMES:
+        hint = f" (the Trainer's and TRL's name); did you mean {PEER_NAMES[key]}?"
+    return f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)"
 
 
 # ---------------------------------------------------------------- overrides
@@ -522,11 +555,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
                               "DataSource(...); on the command line override one source's field "
                               "(datasets.0.weight=0.5), or train on one source with dataset=...")
         if key not in FIELDS:
-            close = difflib.get_close_matches(key, FIELDS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            if key in PEER_NAMES:
-                hint = f" (the Trainer's and TRL's name); did you mean {PEER_NAMES[key]}?"
-            raise RecipeError(f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)")
+            raise RecipeError(unknown_key_message(key))
         changes[key] = parse_value(key, value)
     if recipe.datasets and "dataset" in changes:
         changes["datasets"] = ()  # dataset=... on a mixture recipe: train on that one source
