@@ -180,7 +180,7 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
         lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
                      f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {token_counts(s, recipe)}")
     t = data.summary
-    line = f"data train: {t['rows']} rows, {token_counts(t, recipe)}"
+    line = f"data train: {t['rows']} rows{labels(data.train)}, {token_counts(t, recipe)}"
     if recipe.objective != "grpo":
         line += f" ({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)"
     if "packed_rows" in t:
@@ -191,8 +191,16 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
     lines.append(line)
     if "eval" in t:
         e = t["eval"]
-        lines.append(f"data eval: {e['rows']} rows, {token_counts(e, recipe)}")
+        lines.append(f"data eval: {e['rows']} rows{labels(data.eval)}, {token_counts(e, recipe)}")
     return lines
+
+
+def labels(ds) -> str:
+    """Unpaired rows' (KTO's) labels, counted: ' (N desirable, M undesirable)'; '' for other rows."""
+    if ds is None or "desirable" not in ds.column_names:
+        return ""
+    good = int(sum(ds["desirable"]))
+    return f" ({good} desirable, {len(ds) - good} undesirable)"
 
 
 def token_counts(counts: dict, recipe: Recipe) -> str:

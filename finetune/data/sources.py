@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune import objective_rules
-from finetune.assets import BUILTIN_FORMATS
+from finetune.assets import BUILTIN_FORMATS, resolve_dataset
 from finetune.data.formats import (DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, mapping_hint,
                                    unknown_role)
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
@@ -178,13 +178,16 @@ def _data_files(path: Path) -> list[Path]:
 
 
 def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource | None = None,
-                split: str = "train", split_key: str = "dataset_split") -> str:
+                split: str = "train", split_key: str = "dataset_split", counts: dict | None = None) -> str:
     """Scan local JSON/JSONL files row by row before anything expensive: names file and line.
 
     Returns the resolved format. Parquet/CSV are checked by their column names, a save_to_disk folder
     by its features; hub datasets cannot be checked before they are downloaded. `spec` carries the
-    source's column mapping, checked against the rows; `split` must be one the source has.
+    source's column mapping, checked against the rows; `split` must be one the source has. counts: a
+    dict that gets the rows as stored ("rows") and, for unpaired rows, the desirable ones ("desirable";
+    not for CSV, whose cells are text until datasets reads them).
     """
+    counts = {} if counts is None else counts
     if not looks_local(source):
         return fmt
     spec = spec or DataSource(path=source, format=fmt, split=split)
@@ -201,6 +204,9 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
         need_fields(names, fmt, str(path))
         if len(saved) == 0:
             raise DataError(f"{key}={source}: the dataset is empty")
+        counts["rows"] = len(saved)
+        if fmt == "unpaired":
+            counts["desirable"] = sum(map(bool, saved[top_level_columns(spec.columns).get("label", "label")]))
         if fmt == "preference":
             _check_pairs(saved.select_columns(_pair_fields(saved.column_names, spec)), spec, f"{path} row")
         return fmt
@@ -229,6 +235,8 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                     fmt = detect_format(row.keys() if isinstance(row, dict) else [], where)
                 check_row(row, fmt, where)
                 rows_seen += 1
+                if fmt == "unpaired":
+                    counts["desirable"] = counts.get("desirable", 0) + bool(row["label"])
         else:
             columns = _columns(path)
             spec = with_sharegpt(spec, columns, _parquet_first_row(path, columns))
@@ -241,11 +249,48 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                 raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}"
                                 + (format_hint(names, fmt) or (mapped and f"; {mapped}")))
             rows_seen += _num_rows(path, [top_level_columns(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
+            if fmt == "unpaired" and suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                label = top_level_columns(spec.columns).get("label", "label")
+                counts["desirable"] = counts.get("desirable", 0) + sum(
+                    map(bool, pq.read_table(path, columns=[label]).column(label).to_pylist()))
+            elif fmt == "unpaired":
+                counts["desirable"] = None
             if fmt == "preference":
                 _check_pairs(_table_rows(path, _pair_fields(columns, spec)), spec, f"{path} row")
     if rows_seen == 0:
         raise DataError(f"{key}={source}: the dataset is empty")
+    counts["rows"] = rows_seen
     return fmt
+
+
+def overview_lines(recipe: Recipe) -> list[str]:
+    """What a dry run says of the data without tokenizing it, read as prevalidate reads it: each training
+    source's and the eval set's format and rows as stored, and for unpaired rows (KTO) how many are
+    desirable; a hub dataset is read only once downloaded. `finetune data` shows the rows as tokenized."""
+    lines = []
+    evaluated = eval_source(recipe)
+    for key, split_key, spec in train_sources(recipe) + ([evaluated] if evaluated else []):
+        name = f"{key.removesuffix('.path')}={spec.path}" + (f" (split {spec.split})" if spec.split != "train" else "")
+        path = resolve_dataset(spec.path)
+        if not looks_local(path):
+            lines.append(f"data {name}: a hub dataset, not read by a dry run (its rows are counted once it is "
+                         "downloaded: finetune data reads it)")
+            continue
+        counts = {}
+        fmt = prevalidate(path, spec.format, key, spec=replace(spec, path=path), split=spec.split,
+                          split_key=split_key, counts=counts)
+        if fmt == "auto" and spec.path.startswith("builtin:"):
+            fmt = BUILTIN_FORMATS.get(spec.path[len("builtin:"):], fmt)
+        line = f"data {name}: {counts['rows']:,} {fmt} rows as stored"
+        if counts.get("desirable") is not None:
+            good = counts["desirable"]
+            line += f"; labels: {good:,} desirable (true), {counts['rows'] - good:,} undesirable (false)"
+        lines.append(line)
+    if evaluated is None and recipe.eval_fraction > 0:
+        lines.append(f"data eval: {recipe.eval_fraction:.0%} of the rows held out (eval_fraction={recipe.eval_fraction:g})")
+    return lines
 
 
 def prevalidate_recipe(recipe: Recipe) -> None:
