@@ -145,7 +145,7 @@ def test_command_line_overrides_of_a_mixture(tmp_path):
 
 
 def test_fingerprint_of_a_single_dataset_is_unchanged_and_a_mixture_is_data():
-    from finetune.checkpointing.checkpoint import DATA_KEYS, HARD_KEYS, OPTIONAL_DATA_KEYS, fingerprint
+    from finetune.checkpointing.manifest import DATA_KEYS, HARD_KEYS, OPTIONAL_DATA_KEYS, fingerprint
 
     before = set(HARD_KEYS + DATA_KEYS) - set(OPTIONAL_DATA_KEYS)  # the keys earlier versions wrote
     assert set(fingerprint(Recipe())) == before
@@ -157,7 +157,7 @@ def test_fingerprint_of_a_single_dataset_is_unchanged_and_a_mixture_is_data():
 def test_a_resume_that_changes_the_mixture_is_refused(tmp_path):
     import dataclasses
 
-    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.manifest import fingerprint
     from finetune.checkpointing.resume import ResumePoint, check_fits
 
     mix = Recipe(datasets=(DataSource(path="builtin:tiny-tasks", weight=0.5),))
@@ -510,7 +510,7 @@ def test_columns_maps_one_datasets_fields_and_the_advice_works_as_typed(tmp_path
     read from thumbs, as the same mapping in a recipe file (columns={...}) and on a DataSource do."""
     import re
 
-    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.manifest import fingerprint
 
     rows = [{"prompt": f"Copy: ab{i}\nAnswer: ", "completion": "AB" if i % 2 else "ab", "thumbs": i % 2 == 1}
             for i in range(20)]
