@@ -289,7 +289,8 @@ def overview_lines(recipe: Recipe) -> list[str]:
             line += f"; labels: {good:,} desirable (true), {counts['rows'] - good:,} undesirable (false)"
         lines.append(line)
     if evaluated is None and recipe.eval_fraction > 0:
-        lines.append(f"data eval: {recipe.eval_fraction:.0%} of the rows held out (eval_fraction={recipe.eval_fraction:g})")
+        lines.append(f"data eval: {recipe.eval_fraction:.0%} of the rows held out "
+                     f"(eval_fraction={recipe.eval_fraction:g})")
     return lines
 
 
