@@ -1,5 +1,5 @@
-"""The shipped catalog: every recipe in recipes/ loads and validates offline through the loading
-finetune/run.py uses, dry-runs (in-process, so the whole catalog costs one torch import), and states
+"""The shipped catalog: every recipe git tracks in recipes/ (tests/shipped.py: not a user's own beside them)
+loads and validates offline through the loading finetune/run.py uses, dry-runs (in-process, so the whole catalog costs one torch import), and states
 in its header a launch command and the planner's current estimate; every launcher config in
 accelerate_configs/ is valid YAML that accelerate accepts, says in its first comment what it is for,
 and passes check_launcher with every recipe (the recipe decides the strategy)."""
@@ -14,11 +14,12 @@ import yaml
 from finetune import memory as M
 from finetune import memory_tables as MT
 from finetune.plan import check_launcher, derive_grad_accum
-from finetune.recipe import RECIPES_DIR, Recipe, available_recipes, resolve
+from finetune.recipe import RECIPES_DIR, Recipe, resolve
+from shipped import shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
-RECIPES = available_recipes()
+RECIPES = shipped_recipes()  # ours, not a user's own recipes beside them
 PLANNED = re.compile(r"python -m finetune\.plan --recipe (\S+) --gpus (\d+) --gpu-mem (\S+?)\)")
 TOTAL = re.compile(r"= total ([0-9.]+) GiB")
 OFFLOADED = re.compile(r"offloaded to CPU ([0-9.]+) GiB")
@@ -33,6 +34,21 @@ def test_catalog_is_there():
     for name in ("llama7b_zero3", "llama7b_fsdp", "llama7b_zero2", "llama7b_zero3_offload", "llama7b_fsdp_offload",
                  "llama8b_lora_fsdp", "llama70b_lora_zero3_offload", "mistral7b_zero3", "qwen7b_fsdp"):
         assert name in RECIPES
+
+
+def test_a_users_recipes_beside_ours_are_not_judged(tmp_path):
+    """A user's recipes/my_kto.py (untracked, as the README's first recipes are saved) is not one of the
+    shipped recipes these tests check; outside a git checkout every recipe file is."""
+    import subprocess
+
+    (tmp_path / "recipes").mkdir()
+    for name in ("__init__", "ours", "my_kto"):
+        (tmp_path / "recipes" / f"{name}.py").write_text("")
+    assert shipped_recipes.__wrapped__(tmp_path) == ["my_kto", "ours"]  # no checkout: every file
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "recipes/ours.py", "recipes/__init__.py"], cwd=tmp_path, check=True)
+    assert shipped_recipes.__wrapped__(tmp_path) == ["ours"]
+    assert "tiny" in RECIPES and not [n for n in RECIPES if n.startswith("my_")]
 
 
 @pytest.mark.parametrize("name", RECIPES)

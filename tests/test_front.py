@@ -213,3 +213,16 @@ def test_a_sigterm_as_the_launch_starts_exits_143(delay, tmp_path):
                   f"sys.exit(supervise([sys.executable, '-c', {SIGNAL_FRONT!r}, '{delay}'], Path({str(tmp_path)!r})))")
     proc = subprocess.run([sys.executable, "-c", front_code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
+
+
+def test_finetune_train_help_lists_every_recipe_key(capsys):
+    """The docs' idiom is `finetune train`: its --help lists the keys (python finetune/run.py --help did)."""
+    from finetune.commands.cli import main
+    from finetune.recipe import FIELDS
+
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: finetune train RECIPE") and "recipe keys (override with key=value):" in out
+    listed = {line.split("=", 1)[0].strip() for line in out.splitlines() if line.startswith("  ") and "=" in line}
+    assert set(FIELDS) <= listed, set(FIELDS) - listed
+    assert main(["train"]) == 2 and "finetune train --help lists them" in capsys.readouterr().out

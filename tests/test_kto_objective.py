@@ -360,3 +360,32 @@ def test_data_with_one_label_only_is_said(labels, side, tiny_tokenizer, caplog):
     else:
         assert len(said) == 1 and said[0].startswith(f"every one of the {len(labels)} training rows is labelled {side}")
         assert said[0].endswith("check which field they are read from")
+
+
+def test_what_a_user_sees_of_kto_data_labels_in_the_dry_run_show_and_summary(tmp_path, capsys):
+    """Thumbs-up/down rows (the label a field `thumbs`, mapped on the command line): the dry run says each
+    source's rows as stored and their label balance without tokenizing; `finetune data --show` says each
+    row's label, and its summary the labels of the train and eval rows (issue 52)."""
+    from in_process import run_main
+
+    from finetune.commands import data as data_command
+
+    rows = [{"prompt": f"Copy: {w}\nAnswer: ", "completion": w if k % 4 else w.upper(), "thumbs": bool(k % 4)}
+            for k, w in enumerate(f"{a}{b}" for a in "abcdefgh" for b in "ijkl")]  # 24 of 32 desirable
+    path = tmp_path / "thumbs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--recipe", "tiny_kto", f"dataset={path}", "dataset_format=auto", "columns=label:thumbs",
+            "eval_fraction=0.25", f"output_dir={tmp_path / 'out'}"]
+    code, out, err = run_main(args + ["--dry-run"])
+    assert code == 0, err
+    assert f"data dataset={path}: 32 unpaired rows as stored; labels: 24 desirable (true), 8 undesirable (false)\n" \
+           "data eval: 25% of the rows held out (eval_fraction=0.25)\n" in out
+    assert data_command.main(args[:-1] + ["--show", "3", "--color", "never"]) == 0
+    shown = capsys.readouterr().out
+    heads = [line for line in shown.splitlines() if line.startswith("--- row")]
+    assert len(heads) == 3 and all(h.endswith(("; label true (desirable)", "; label false (undesirable)"))
+                                   for h in heads), heads
+    train, = [line for line in shown.splitlines() if line.startswith("train: ")]
+    evals, = [line for line in shown.splitlines() if line.startswith("eval: ")]
+    good = [int(line.split(" rows (")[1].split(" desirable")[0]) for line in (train, evals)]
+    assert train.startswith("train: 24 rows (") and evals.startswith("eval: 8 rows (") and sum(good) == 24, shown

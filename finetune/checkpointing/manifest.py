@@ -25,10 +25,10 @@ HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 # num_proc, padding_free and sequence_parallel give the same tokens laid out otherwise.
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
              "packing", "train_on_prompt", "seed", "tokenizer", "chat_template", "datasets", "eval_split",
-             "max_prompt_len", "max_completion_len")
+             "max_prompt_len", "max_completion_len", "columns")
 # Data keys written into a fingerprint only when set, so that a single-dataset run's fingerprint is the
 # one earlier versions wrote (their checkpoints still resume, and new ones resume on older versions).
-OPTIONAL_DATA_KEYS = ("datasets", "eval_split", "max_prompt_len", "max_completion_len")
+OPTIONAL_DATA_KEYS = ("datasets", "eval_split", "max_prompt_len", "max_completion_len", "columns")
 
 
 BLOCK = 8 << 20  # bytes read at a time when hashing

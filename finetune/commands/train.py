@@ -197,10 +197,14 @@ def prepare(args, lock: bool = True):
 
 
 def print_dry_run(plan, recipe_name: str) -> None:
-    """What --dry-run prints, here and in the `finetune train` front: the plan and its memory estimate."""
+    """What --dry-run prints, here and in the `finetune train` front: the plan, the data as stored (rows,
+    format, KTO's labels; nothing tokenized) and the memory estimate."""
+    from finetune.data import overview_lines
     from finetune.memory_tables import memory_report
 
     print(plan.describe())
+    for line in overview_lines(plan.recipe):
+        print(line)
     print(memory_report(plan.recipe, plan.world_size, recipe_name, gpus_per_node=plan.world_size // plan.num_machines))
 
 

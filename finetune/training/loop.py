@@ -422,6 +422,8 @@ class Reporter:
     def begin(self, step: int) -> None:
         """The progress bar (or log lines), from the step the run starts at."""
         self.progress = Progress(self.total_steps, step, self.accelerator.is_main_process, self.objective.shown)
+        if self.objective.loss_note:
+            self.progress.note(self.objective.loss_note)
 
     def step(self, state: LoopState, result: StepResult, scheduler, meter: Throughput, epoch: int) -> None:
         """After each optimizer step: a record every log_every steps and at the last."""

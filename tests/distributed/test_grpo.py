@@ -102,6 +102,9 @@ def test_two_processes_sample_and_train_as_one(grpo_run, strategy):
     summary = json.loads((two.output_dir / "summary.json").read_text())
     assert summary["final_eval_reward"] == evals[2]["eval_reward"] and summary["final_eval_loss"] is None
     assert "eval metrics" in two.stderr and "eval loss" not in two.stderr
+    # why the loss shown is about 0, said once (beta > 0 here: its KL term too)
+    assert two.stderr.count("note: the loss shown stays about 0 whatever the policy learns") == 1
+    assert "plus beta=" in two.stderr
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and r["completions/max_length"] <= 8 for r in recs)
 
 

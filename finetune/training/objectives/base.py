@@ -73,6 +73,7 @@ class Objective(Protocol):
     metrics: tuple[str, ...]
     maxed: int  # the last `maxed` of take_metrics' values reduce over ranks by max (the rest by sum)
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
+    loss_note: str  # said once as training starts where the loss shown needs a word (GRPO's: about 0); "": none
     panels: tuple  # loss.png's panels: (title, y label, metric key), train and eval (training/metrics.py)
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
     makes_batches: bool  # rollout() makes the step's batches itself (GRPO): the loop fetches no rows
@@ -110,6 +111,7 @@ class Basic:
     with metrics adds their sums to self.sums in loss()."""
     metrics: tuple[str, ...] = ()
     shown: dict[str, str] = {}
+    loss_note = ""
     panels = LOSS_PANELS  # loss.png: the loss
     generates = True
     identifies_model = False
