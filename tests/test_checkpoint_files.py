@@ -117,11 +117,11 @@ def test_the_advice_for_a_damaged_checkpoint_works_as_typed(tmp_path):
     root = tmp_path / "checkpoints"
     make_checkpoint(root / "step_000000004", step=4)
     damaged = make_checkpoint(root / "step_000000008", step=8)
-    (damaged / "pytorch_model" / "shard_1.bin").write_bytes(b"cut")
+    (damaged / "pytorch_model" / "shard_1.distcp").write_bytes(b"cut")
     with pytest.raises(RecipeError) as e:
         find_resume_point("auto", tmp_path)
     message = str(e.value)
-    assert message.startswith(f"checkpoint {damaged} is damaged: pytorch_model/shard_1.bin has 3 bytes")
+    assert message.startswith(f"checkpoint {damaged} is damaged: pytorch_model/shard_1.distcp has 3 bytes")
     assert "\n" not in message and "--resume PATH" not in message
     mv = shlex.split(message[message.index("(mv ") + 1:message.index(") and --resume auto")])
     assert mv[:2] == ["mv", str(damaged)] and message.endswith("and --resume auto")
