@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.training.metrics import read_metrics, run_history
-from forkserver import FORKABLE_ENV
+from forkserver import forkable
 from suite_runs import SAVE, STRATEGIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ def launch(launch_env, tmp_path_factory):
     a 2-process tiny run costs about 8 CPU-seconds instead of 28). The real command (`accelerate launch
     ...`) runs for real=True (strategy_run's 2-process runs: each strategy), for the first multi-process
     launch of each recipe in the session (each objective), for check=False (launches meant to fail),
-    front=True, and an extra_env the server cannot give a forked rank (forkserver.FORKABLE_ENV)."""
+    front=True, and an extra_env the server cannot give a forked rank (forkserver.forkable)."""
     server = ForkServer(launch_env, tmp_path_factory.mktemp("forkserver"))
     launched_for_real: set[str] = set()  # recipes a real multi-process launch has trained this session
 
@@ -156,7 +156,7 @@ def launch(launch_env, tmp_path_factory):
         # the launch path itself is checked too: each recipe's (each objective's) first multi-process launch
         # of the session is real, and so is every launch that is meant to fail or that the server cannot give
         real = real or (nprocs > 1 and recipe not in launched_for_real)
-        forked = not (real or front or not check or ALL_REAL or set(extra_env or {}) - FORKABLE_ENV)
+        forked = not (real or front or not check or ALL_REAL or not forkable(extra_env or {}))
         shm_before = set(SHM.glob(SHM_LEFT))
         started, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
         if forked:

@@ -14,7 +14,7 @@ the server's own imports (about 10 CPU-seconds) are paid once per session. The r
 suite (tests/distributed/conftest.py decides): each strategy's 2-process run (strategy_run), the first
 multi-process launch of each recipe in a session (each objective), every launch meant to fail (check=False),
 every `finetune train` (front=True) and every launch with an environment this server cannot give a forked
-rank (FORKABLE_ENV). FINETUNE_TEST_LAUNCH=real sends every launch through the real path.
+rank (forkable()). FINETUNE_TEST_LAUNCH=real sends every launch through the real path.
 
 Protocol: one JSON request per line on the server's stdin, one JSON reply per line on the pipe whose fd is
 its first argument.
@@ -42,17 +42,27 @@ LAUNCHER_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
 }
 
-# Variables a launch may add to the session's environment and still be forked: finetune reads each when it
-# runs, not when a module is imported. Anything else (PYTHONPATH, TORCH_LOGS, HF_DATASETS_CACHE is fine as
-# long as `datasets` is not imported here: it is not) goes through the real launcher.
-FORKABLE_ENV = frozenset({"FINETUNE_FAULT", "FINETUNE_STAGING_DIR", "FINETUNE_COUNT_COLLECTIVES", "HF_DATASETS_CACHE"})
+# A launch's extra environment that a fork cannot give: what the libraries this server imports read as they are
+# imported (torch's and DeepSpeed's settings, HF_DATASETS_CACHE, ...); the fork has imported them already, with
+# the session's environment. Such a launch runs the real command. PYTHONPATH is given: its entries are put on
+# sys.path as the interpreter would. finetune reads its own variables (FINETUNE_*) when it runs.
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "NCCL", "HF_", "HUGGINGFACE", "TRANSFORMERS",
+                        "TOKENIZERS", "ACCELERATE", "DS_", "DEEPSPEED", "PYTHON", "LD_", "MALLOC", "ARROW", "JE_", "VLLM")
 
-# What every rank imports before it trains (datasets excluded: it reads HF_DATASETS_CACHE as it is imported,
-# and pyarrow starts an allocator thread; a rank imports it after the fork).
-PREIMPORT = ("torch", "torch.distributed", "transformers", "transformers.modeling_utils",
-             "transformers.models.llama.modeling_llama", "accelerate", "deepspeed", "deepspeed.runtime.engine",
-             "peft", "safetensors.torch", "finetune.commands.train", "finetune.training.loop", "finetune.model",
-             "finetune.strategy")
+
+def forkable(extra_env: dict) -> bool:
+    return all(key == "PYTHONPATH" or not key.startswith(IMPORT_TIME_PREFIXES) for key in extra_env)
+
+
+# What every rank imports before it trains (FINETUNE_FORKSERVER_TRACE=DIR writes what a forked rank still
+# imported itself, one file per rank, to keep this list whole).
+PREIMPORT = ("torch", "torch.distributed", "torch.utils.cpp_extension", "transformers", "transformers.modeling_utils",
+             "transformers.models.llama.modeling_llama", "transformers.models.auto.tokenization_auto", "accelerate",
+             "deepspeed", "deepspeed.runtime.engine", "peft", "safetensors.torch", "datasets", "finetune.commands.train",
+             "finetune.training.loop", "finetune.model", "finetune.data", "finetune.strategy")
+# In the vLLM venv (scripts/test_vllm.sh) a rank imports vLLM too: 6.6 CPU-seconds more each. It starts no
+# thread as it is imported, and reads its VLLM_* variables when an engine asks for them.
+PREIMPORT_IF_INSTALLED = ("vllm", "vllm.entrypoints.llm")
 
 STOP_GRACE_S = 30  # torchrun: SIGTERM to the other workers, SIGKILL after 30 s
 
@@ -86,7 +96,10 @@ def _rank(request: dict, rank: int, out: int, err: int, closing: list[int]) -> N
         os.chdir(request["cwd"])
         sys.argv = ["finetune/run.py", *request["args"]]
         sys.path[0] = os.path.join(request["cwd"], "finetune")  # as `python finetune/run.py` starts
+        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = extra  # the launch's own PYTHONPATH, after the script's directory
         sys.path.insert(0, request["cwd"])  # what run.py adds
+        _trace_imports(rank)
         from finetune.commands.train import exit_without_teardown, main
 
         exit_without_teardown(main())
@@ -103,6 +116,22 @@ def _rank(request: dict, rank: int, out: int, err: int, closing: list[int]) -> N
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _trace_imports(rank: int) -> None:
+    """FINETUNE_FORKSERVER_TRACE=DIR: as the rank exits (os._exit, which train.main's exit takes), the modules it
+    imported after the fork go to DIR/imports.<pid>.<rank>."""
+    directory = os.environ.get("FINETUNE_FORKSERVER_TRACE")
+    if not directory:
+        return
+    before, exit_now = set(sys.modules), os._exit
+
+    def traced_exit(code):
+        with open(os.path.join(directory, f"imports.{os.getpid()}.{rank}"), "w") as f:
+            f.write("\n".join(sorted(set(sys.modules) - before)) + "\n")
+        exit_now(code)
+
+    os._exit = traced_exit
 
 
 def _launch(request: dict, closing: list[int]) -> dict:
@@ -157,8 +186,13 @@ def _signal(pids: list[int], sig: int) -> None:
 def serve(request_fd: int, reply_fd: int) -> None:
     import importlib
 
+    import importlib.util
+
     for name in PREIMPORT:
         importlib.import_module(name)
+    if importlib.util.find_spec(PREIMPORT_IF_INSTALLED[0]) is not None:
+        for name in PREIMPORT_IF_INSTALLED:
+            importlib.import_module(name)
     requests = os.fdopen(request_fd, "r")
     replies = os.fdopen(reply_fd, "w")
     replies.write(json.dumps({"ready": True}) + "\n")
