@@ -98,7 +98,8 @@ class ForkServer:
         if not ready:
             raise RuntimeError(f"the fork server did not start: {(self.workdir / 'server.log').read_text()[-3000:]}")
 
-    def launch(self, nprocs: int, args: list[str], env: dict, timeout: int) -> tuple[int, str, str, bool]:
+    def launch(self, nprocs: int, args: list[str], env: dict, timeout: int) -> tuple[int, str, str, bool, float]:
+        """(exit code, stdout, stderr, timed out, CPU seconds of the ranks) of one launch."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         self.count += 1
@@ -131,11 +132,11 @@ def launch(launch_env, tmp_path_factory):
     """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`. A launch meant to
     succeed runs its ranks as forks of tests/distributed/forkserver.py (the imports paid once per session:
     a 2-process tiny run costs about 8 CPU-seconds instead of 28). The real command (`accelerate launch
-    ...`) runs for real=True (strategy_run's 2-process runs: each strategy), for the first multi-process
-    launch of each recipe in the session (each objective), for check=False (launches meant to fail),
-    front=True, and an extra_env the server cannot give a forked rank (forkserver.forkable)."""
+    ...`) runs for the first multi-process launch of each recipe (each objective) and of each strategy in the
+    session, for real=True, for check=False (launches meant to fail), front=True, and an extra_env the server
+    cannot give a forked rank (forkserver.forkable)."""
     server = ForkServer(launch_env, tmp_path_factory.mktemp("forkserver"))
-    launched_for_real: set[str] = set()  # recipes a real multi-process launch has trained this session
+    launched_for_real: set[tuple[str, str]] = set()  # ("recipe", name), ("strategy", name) a real launch trained
 
     def run(nprocs: int, *overrides: str, recipe: str = "tiny", output_dir: Path | None = None,
             check: bool = True, timeout: int = 600, extra_env: dict | None = None, front: bool = False,
@@ -153,9 +154,12 @@ def launch(launch_env, tmp_path_factory):
                    str(nprocs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), "finetune/run.py", *args]
         env = dict(launch_env, **(extra_env or {}))
-        # the launch path itself is checked too: each recipe's (each objective's) first multi-process launch
-        # of the session is real, and so is every launch that is meant to fail or that the server cannot give
-        real = real or (nprocs > 1 and recipe not in launched_for_real)
+        # the launch path itself is checked too: the first multi-process launch of each recipe (each objective)
+        # and of each strategy in the session is real, and so is every launch meant to fail or that the server
+        # cannot give
+        strategy = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("strategy=")), "")
+        keys = {("recipe", recipe)} | ({("strategy", strategy)} if strategy else set())
+        real = real or (nprocs > 1 and not keys <= launched_for_real)
         forked = not (real or front or not check or ALL_REAL or not forkable(extra_env or {}))
         shm_before = set(SHM.glob(SHM_LEFT))
         started, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -170,7 +174,7 @@ def launch(launch_env, tmp_path_factory):
             cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
         log_launch(nprocs, forked, time.monotonic() - started, cpu, code)
         if not forked and nprocs > 1 and code == 0:
-            launched_for_real.add(recipe)
+            launched_for_real.update(keys)
         left = sorted(set(SHM.glob(SHM_LEFT)) - shm_before)
         for path in left:  # removed before failing: each holds 64 MiB of the machine's RAM
             path.unlink(missing_ok=True)
@@ -291,9 +295,8 @@ def once(make):
 
 @pytest.fixture(scope="session")
 def strategy_run(launch):
-    """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per session; the
-    2-process ones through `accelerate launch` itself (the launch path of every strategy)."""
-    return once(lambda name, nprocs=2: launch(nprocs, *STRATEGIES[name], *SAVE, real=nprocs > 1))
+    """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per session."""
+    return once(lambda name, nprocs=2: launch(nprocs, *STRATEGIES[name], *SAVE))
 
 
 # The run a person watching it sees (test_run_experience: tracker files, loss plot, summary, quiet logs),
