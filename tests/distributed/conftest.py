@@ -129,12 +129,12 @@ ALL_REAL = os.environ.get("FINETUNE_TEST_LAUNCH", "") == "real"
 
 @pytest.fixture(scope="session")
 def launch(launch_env, tmp_path_factory):
-    """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`. A launch meant to
-    succeed runs its ranks as forks of tests/distributed/forkserver.py (the imports paid once per session:
-    a 2-process tiny run costs about 8 CPU-seconds instead of 28). The real command (`accelerate launch
-    ...`) runs for the first multi-process launch of each recipe (each objective) and of each strategy in the
-    session, for real=True, for check=False (launches meant to fail), front=True, and an extra_env the server
-    cannot give a forked rank (forkserver.forkable)."""
+    """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`. A launch runs its
+    ranks as forks of tests/distributed/forkserver.py (the imports paid once per session: a 2-process tiny
+    run costs about 8 CPU-seconds instead of 28), with the environment and the handling of a failed rank
+    that `accelerate launch` gives. The real command (`accelerate launch ...`) runs for the first
+    multi-process launch of each recipe (each objective) and of each strategy in the session, for real=True,
+    front=True, and an extra_env the server cannot give a forked rank (forkserver.forkable)."""
     server = ForkServer(launch_env, tmp_path_factory.mktemp("forkserver"))
     launched_for_real: set[tuple[str, str]] = set()  # ("recipe", name), ("strategy", name) a real launch trained
 
@@ -155,12 +155,11 @@ def launch(launch_env, tmp_path_factory):
                    "--main_process_port", str(_free_port()), "finetune/run.py", *args]
         env = dict(launch_env, **(extra_env or {}))
         # the launch path itself is checked too: the first multi-process launch of each recipe (each objective)
-        # and of each strategy in the session is real, and so is every launch meant to fail or that the server
-        # cannot give
+        # and of each strategy in the session is real, and so is every launch that the server cannot give
         strategy = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("strategy=")), "")
         keys = {("recipe", recipe)} | ({("strategy", strategy)} if strategy else set())
         real = real or (nprocs > 1 and not keys <= launched_for_real)
-        forked = not (real or front or not check or ALL_REAL or not forkable(extra_env or {}))
+        forked = not (real or front or ALL_REAL or not forkable(extra_env or {}))
         shm_before = set(SHM.glob(SHM_LEFT))
         started, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
         if forked:
