@@ -5,6 +5,7 @@ accelerate_configs/ is valid YAML that accelerate accepts, says in its first com
 and passes check_launcher with every recipe (the recipe decides the strategy)."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -163,11 +164,18 @@ def _launcher_env(path: Path) -> dict:
     return prepare_multi_gpu_env(args)
 
 
+@functools.cache
+def resolved(name: str) -> Recipe:
+    """resolve(name, []) once per session: check_launcher only reads the recipe, and resolving the whole
+    catalog again for each launcher config cost 13 CPU-seconds a config."""
+    return resolve(name, [])
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_launcher_config_agrees_with_every_recipe(path):
     env = _launcher_env(path)
     for name in RECIPES:
-        check_launcher(resolve(name, []), env)
+        check_launcher(resolved(name), env)
 
 
 def test_slurm_script_is_valid_bash_and_resumes():
