@@ -180,7 +180,9 @@ def launch(launch_env, tmp_path_factory):
         result = Run(Path(out), code, stdout, stderr, launch_env)
         if check and code != 0:
             how = "forked by tests/distributed/forkserver.py" if forked else " ".join(cmd)
-            raise AssertionError(f"launch failed ({code}): {how}\n{' '.join(cmd)}\n{stderr[-6000:]}")
+            said = [line for line in stderr.splitlines() if line.startswith("error")][:3]  # first: CI shows the head
+            raise AssertionError(f"launch failed ({code}): {' | '.join(said) or 'no error line'}\n{how}\n"
+                                 f"{' '.join(cmd)}\n{stderr[-6000:]}")
         assert not left, f"the launch left DeepSpeed's shared-memory buffers in /dev/shm: {[p.name for p in left]}"
         return result
 
