@@ -584,6 +584,10 @@ class Checkpointer:
         self.snapshotter = Snapshotter()
         self.reserving = None  # the thread reserving the first save's pinned host memory (reserve_host_buffers)
         self.timings: list[dict] = []
+        # what is in flight beside the model (GRPO's rollouts generated and not yet trained on): a callable of the
+        # step, asked on every rank before a save's collectives, whose result writes it into the checkpoint
+        self.in_flight = None
+        self._in_flight_writer = None
         self._lines: list[str] = []
         self._records: list[dict] = []
         if accelerator.is_local_main_process:  # what a run killed during a background write left in RAM
@@ -595,6 +599,7 @@ class Checkpointer:
         alike, NonFiniteWeights) weights that are not finite; a write that fails on any rank (a full disk)
         fails the save on every rank alike (SaveError), the partial directory removed and the newest
         complete checkpoint untouched."""
+        self._in_flight_writer = self.in_flight(state.step) if self.in_flight is not None else None
         if self.async_save:
             return self._save_in_background(state)
         t_start = time.perf_counter()
@@ -824,6 +829,8 @@ class Checkpointer:
         fault_point("during_save", acc.process_index, state.step)
         if acc.is_main_process:
             (tmp / LOOP_STATE).write_text(json.dumps(asdict(state), indent=2) + "\n")
+            if self._in_flight_writer is not None:
+                self._in_flight_writer(tmp)
             (tmp / "recipe.json").write_text(json.dumps(self.recipe.to_dict(), indent=2) + "\n")
             if self.model_config is not None:
                 self.model_config.save_pretrained(tmp / HF_DIR)

@@ -166,8 +166,10 @@ def prepare(args, lock: bool = True):
     from finetune.memory import staging_problem
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
+    from finetune.training.rollout_group import split_world
 
     recipe = resolve(args.recipe, args.overrides)
+    split_world(recipe)  # rollout_processes: the trainers' world, also where a front checks before launching
     chat_template_text(recipe)
     out = Path(recipe.output_dir)
     problem = output_dir_problem(out)
@@ -194,6 +196,16 @@ def prepare(args, lock: bool = True):
     for change in changes:
         say(f"resume: {change}")
     return plan
+
+
+def generating_process(args) -> int | None:
+    """Before any process group: this process's index among the generating processes (recipe.rollout_processes:
+    the launch's last ranks, finetune/training/rollout_worker.py), or None for a training process, whose
+    environment then says the trainers' world (rollout_group.split_world)."""
+    from finetune.recipe import resolve
+    from finetune.training.rollout_group import split_world
+
+    return split_world(resolve(args.recipe, args.overrides))
 
 
 def print_dry_run(plan, recipe_name: str) -> None:
@@ -243,6 +255,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        generating = generating_process(args)
+        if generating is not None:  # one of the launch's last rollout_processes ranks
+            from finetune.training.rollout_worker import serve
+
+            return serve(args, generating)
         plan = prepare(args)
     except RecipeError as e:
         let_go_of_output_dir(abandon=True)
@@ -258,20 +275,29 @@ def main(argv=None) -> int:
     if plan.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn it guessed
     from finetune.training.loop import train
+    from finetune.training.rollout_group import RolloutProcessError, release_all
 
     try:
         train(plan)
     except RecipeError as e:  # found only once data or model were reached (hub datasets, for example)
+        release_all()
         let_go_of_output_dir()
         say_once(f"error: {e}")
         return 2
+    except RolloutProcessError as e:  # a generating process died or hung: one line naming it
+        release_all()
+        let_go_of_output_dir()
+        say_once(f"error: {e}")
+        os._exit(1)
     except Exception as e:  # a bug or a machine fault: say where, then exit so the launcher stops the others
         import traceback
 
+        release_all()
         let_go_of_output_dir()
         traceback.print_exc()
         print(f"error: rank {_rank()} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: teardown could block in a collective the other ranks never join
+    release_all()
     let_go_of_output_dir()
     return 0
 

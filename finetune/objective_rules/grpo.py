@@ -7,6 +7,7 @@ allowed."""
 from __future__ import annotations
 
 from finetune.errors import RecipeError, refuse_switched_on
+from finetune.objective_rules import rollout_split
 from finetune.objective_rules.common import default
 
 NAME = "grpo"
@@ -15,7 +16,7 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages", "dynamic_sampling",
-               "max_generation_batches", "entropy_coef")
+               "max_generation_batches", "entropy_coef", *rollout_split.FIELDS)
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 FIELDS, LISTS = GRPO_FIELDS, GRPO_LISTS
 SHARES = ("max_prompt_len",)
@@ -66,6 +67,7 @@ def check(r, strategy) -> None:
     if problem:
         raise RecipeError(problem)
     check_rloo(r)
+    rollout_split.check(r)
     if r.max_generation_batches != default(r, "max_generation_batches") and not r.dynamic_sampling:
         raise RecipeError(f"max_generation_batches={r.max_generation_batches} applies to dynamic_sampling=true only; "
                           "set dynamic_sampling=true, or leave max_generation_batches out")
@@ -121,7 +123,8 @@ def check_generation_backend(r) -> None:
     if r.objective not in ("grpo", "distill") and vllm:
         raise RecipeError("generation_backend=vllm applies to objective=grpo and distill only (the sampled "
                           "completions); set objective=grpo or distill, or leave generation_backend out")
-    changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)]
+    changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)
+               and not (r.rollout_processes and k in rollout_split.CORRECTION_FIELDS)]
     if changed and not vllm:
         key = changed[0]
         raise RecipeError(f"{key}={getattr(r, key)} applies to generation_backend=vllm only; set "

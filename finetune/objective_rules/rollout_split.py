@@ -1,0 +1,61 @@
+"""The recipe rules of GRPO's generation on processes of its own (rollout_processes, max_staleness,
+weight_sync_steps, heartbeat_stale_after_s; the machinery: finetune/training/rollout_group.py): each
+failure one RecipeError naming the key, its value and what is allowed. The launch's own check (how many
+processes are left to train) is rollout_group.split_world's, once the world size is known."""
+
+from __future__ import annotations
+
+from finetune.errors import RecipeError
+from finetune.objective_rules.common import default
+
+FIELDS = ("rollout_processes", "max_staleness", "weight_sync_steps", "heartbeat_stale_after_s")
+# the importance-sampling keys of the vLLM backend, which a lagging rollout's loss takes too (TRL's names)
+CORRECTION_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                     "vllm_importance_sampling_clip_max")
+
+
+def off_policy(r) -> bool:
+    """Whether some rollout is generated from older weights than the step that trains on it starts from: a lag
+    (max_staleness) or weights pushed every few steps (weight_sync_steps); then the loss weighs each
+    completion by TRL's importance-sampling correction."""
+    return r.rollout_processes > 0 and (r.max_staleness > 0 or r.weight_sync_steps > 1)
+
+
+def check(r) -> None:
+    """With objective=grpo: the split's keys only with rollout_processes > 0, and with it what the split does not
+    serve (yet): each refused in one line."""
+    if not r.rollout_processes:
+        changed = [k for k in FIELDS[1:] if getattr(r, k) != default(r, k)]
+        if changed:
+            key = changed[0]
+            raise RecipeError(f"{key}={getattr(r, key)} applies to rollout_processes > 0 only (generation on processes "
+                              f"of its own); set rollout_processes=1 or more, or leave {key} out")
+        return
+    refusals = (
+        (r.generation_backend == "vllm", "generation_backend=vllm", "a vLLM engine as the generating processes' "
+         "generator is not built yet (the colocated engine is: rollout_processes=0); use generation_backend=finetune"),
+        (r.num_iterations > 1, f"num_iterations={r.num_iterations}", "a rollout reused for several steps is not built "
+         "with generation on processes of its own (TRL's async trainer has none either); use num_iterations=1, or "
+         "rollout_processes=0"),
+        (r.dynamic_sampling, "dynamic_sampling=true", "refilling a batch on the generating processes is not built; "
+         "use dynamic_sampling=false, or rollout_processes=0"),
+        (r.load_in_4bit, "load_in_4bit=true", "the generating processes hold the model in the compute dtype and "
+         "pushing a dequantized 4-bit base is not built; use load_in_4bit=false, or rollout_processes=0"),
+        (any(getattr(r, key, None) for key in ("tools", "environment_factory")), "tools",
+         "multi-turn rollouts with tools on the generating processes are not built; use rollout_processes=0"),
+    )
+    for refused, what, why in refusals:
+        if refused:
+            raise RecipeError(f"rollout_processes={r.rollout_processes} with {what}: {why}")
+    if off_policy(r) and r.vllm_importance_sampling_clip_max <= 0:
+        raise RecipeError(f"vllm_importance_sampling_clip_max={r.vllm_importance_sampling_clip_max:g}: must be > 0 (the "
+                          "importance ratio's upper bound: at 0 every completion is clipped to 0 or masked, and the "
+                          "run learns nothing); TRL's default is 3")
+    if not r.global_batch_size:
+        raise RecipeError(f"rollout_processes={r.rollout_processes} needs global_batch_size (prompts per step): the "
+                          "generating processes produce whole steps, which the training processes then share; set "
+                          "global_batch_size=N")
+    if r.global_batch_size % r.rollout_processes:
+        raise RecipeError(f"global_batch_size={r.global_batch_size} prompts do not split over rollout_processes="
+                          f"{r.rollout_processes} generating processes; use a global_batch_size that is a multiple of "
+                          f"{r.rollout_processes}")
