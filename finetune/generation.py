@@ -191,7 +191,7 @@ def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int]
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None, vocab_size: int | None = None,
-             compiled: bool = False, logprobs: bool = False) -> list[Completion]:
+             compiled: bool = False, logprobs: bool = False, logprob_rows: int | None = None) -> list[Completion]:
     """Batched KV-cache generation over left-padded prompts on an unwrapped HF causal LM whose weights are
     already whole (the caller gathers them once around the call). seeds[i] is sequence i's own seed: its
     tokens are drawn with noise keyed by (seeds[i], position) (next_tokens), so they do not depend on
@@ -203,7 +203,8 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     graph (torch.compile; CUDA graphs on a GPU): the same tokens as eager (tests/test_generation.py),
     worth its compile time on a GPU (decode_compiled). logprobs: also each drawn token's log-probability
     under the distribution a trainer scores (token_logps_within: softmax of the logits / temperature, 1
-    when greedy, over the first vocab_size ids, before top_k and top_p), in Completion.logprobs."""
+    when greedy, over the first vocab_size ids, before top_k and top_p), in Completion.logprobs;
+    logprob_rows: over the output layer's first logprob_rows ids instead (all of them: a loss's token_logps)."""
     if not prompts:
         return []
     sampled = check_request(prompts, sampling, seeds)
@@ -248,7 +249,7 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
         tokens = torch.where(active, next_tokens(logits, sampling, seed_ids, t, vocab_size), pad_id)
         columns.append(tokens)
         if logprobs:
-            scores.append(drawn_logps(logits, tokens, sampling.temperature or 1.0, vocab_size))
+            scores.append(drawn_logps(logits, tokens, sampling.temperature or 1.0, logprob_rows or vocab_size))
         hit = active & torch.isin(tokens, stop)
         stopped |= hit
         left = left - active.long()

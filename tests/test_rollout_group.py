@@ -186,3 +186,46 @@ def test_a_failed_hung_or_dead_generating_process_is_one_line_naming_its_rank(mo
         health.check(force=True)
     store.set("pid/0", json.dumps(["another-machine", gone.pid]))
     Health(store, trainers=2, generators=1, stale_after_s=60).check(force=True)  # its heartbeat alone tells there
+
+
+def test_the_front_plans_the_trainers_world_and_refuses_a_launch_with_none(tmp_path, capsys, monkeypatch):
+    """`finetune train tiny_grpo_async --num_processes 3`: the checks and the dry run see 2 training processes (the
+    third generates); 1 process leaves none to train: one line, nothing launched."""
+    from finetune.commands import cli
+
+    def launched(cmd, output_dir):
+        raise AssertionError(f"launched {cmd}")
+
+    monkeypatch.setattr(cli, "supervise", launched)
+    capsys.readouterr()
+    assert cli.main(["train", "tiny_grpo_async", "--num_processes", "3", "--dry-run",
+                     f"output_dir={tmp_path / 'out'}"]) == 0
+    out = capsys.readouterr().out
+    assert "zero3 on 2 cpu process(es)" in out and "16 prompts x 8 = 128 completions" in out
+    assert "memory per GPU with rollout_processes=1: training GPUs (2, zero3)" in out
+    code = cli.main(["train", "tiny_grpo_async", "--num_processes", "1", f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: rollout_processes=1 leaves no training process of the 1 launched")
+
+
+def test_the_planner_splits_the_gpus_and_the_recipe_header_says_what_it_prints(capsys):
+    """python -m finetune.plan --split: every split the global batch divides, memory per group, the modelled step
+    at a lag of 0 and 1, and the one it would run; recipes/llama8b_grpo_async.py's header holds its figures."""
+    from pathlib import Path
+
+    from finetune.commands.plan import main
+
+    assert main(["--recipe", "llama8b_grpo_async", "--gpus", "8", "--gpu-mem", "80GB", "--split"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("2", "6"), ("4", "4"), ("6", "2")]
+    assert [r[4] for r in rows] == ["yes", "yes", "no"]
+    for r in rows:  # a lag of 1 overlaps the groups: the step is the longer of the two, never their sum
+        gen, train, push, k0, k1 = map(float, r[5:10])
+        assert k1 == pytest.approx(max(gen, train + push), abs=0.011) and k0 == pytest.approx(gen + train + push, abs=0.011)
+    assert "recommended: rollout_processes=2 (6 training GPUs) with max_staleness=1" in out
+    header = (Path(__file__).resolve().parents[1] / "recipes" / "llama8b_grpo_async.py").read_text()
+    for r in rows:
+        assert " ".join(r[:4]) in " ".join(header.split()), r
+    assert main(["--recipe", "tiny_grpo", "--gpus", "1", "--split"]) == 2
+    assert "--split --gpus 1: a split needs at least 2 GPUs" in capsys.readouterr().err

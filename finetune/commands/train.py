@@ -213,6 +213,16 @@ def print_dry_run(plan, recipe_name: str) -> None:
     from finetune.memory import memory_report
 
     print(plan.describe())
+    if plan.recipe.rollout_processes:  # generation on processes of its own: memory per group
+        from finetune.arch import load_architecture
+        from finetune.memory import EstimateError
+        from finetune.split_plan import split_memory_lines
+
+        try:
+            print("\n".join(split_memory_lines(plan.recipe, load_architecture(plan.recipe.model), plan.world_size)))
+        except EstimateError as e:
+            print(f"memory per GPU: not estimated: {e}")
+        return
     print(memory_report(plan.recipe, plan.world_size, recipe_name, gpus_per_node=plan.world_size // plan.num_machines))
 
 

@@ -355,7 +355,10 @@ class RolloutGroup:
                      "trainers": self.trainers, "num_rows": len(run.datasets.train),
                      "prompts_per_step": run.plan.global_batch_size // self.recipe.num_generations,
                      "stop_ids": sorted(stop_ids(run.tokenizer, model, run.generation_config)),
-                     "pad_id": pad_id_for(run.tokenizer), "context": context_length(run.config), "vocab": self.vocab}
+                     "pad_id": pad_id_for(run.tokenizer), "context": context_length(run.config), "vocab": self.vocab,
+                     # the behaviour log-probs over the tokenizer's ids (the correction's, as an engine's), or over
+                     # every output row (without it they are the loss's old log-probs: token_logps')
+                     "logprob_rows": None if self.recipe.vllm_importance_sampling_correction else run.config.vocab_size}
             set_json(self.store, "hello", hello)
         run.checkpoints.in_flight = self.in_flight
         self.started = True

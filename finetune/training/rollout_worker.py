@@ -75,7 +75,7 @@ class Generator:
 
     def setup(self) -> None:
         from finetune import data as D
-        from finetune.model import base_dtype, load_config, load_tokenizer, model_class
+        from finetune.model import load_config, load_tokenizer, model_class
         from finetune.rewards import Rewards
 
         r = self.recipe
@@ -85,7 +85,7 @@ class Generator:
         self.train = D.build_datasets(r, self.tokenizer).train  # the trainers built it first: their cache
         self.rewards = Rewards.from_recipe(r)
         with torch.device(self.device):
-            self.model = model_class(config).from_config(config, dtype=base_dtype(r),
+            self.model = model_class(config).from_config(config, dtype=generator_dtype(r),
                                                          attn_implementation=r.attn_implementation)
         self.model.eval()
         self.params = dict(self.model.named_parameters())
@@ -116,19 +116,10 @@ class Generator:
                         target.copy_(buffer)
             self.beat()
         batch = probe_batch(announced["probe"], self.hello["pad_id"])
-        with self.autocast():
-            set_json(self.store, f"check/{version}/{self.index}",
-                     probe_logps(self.model, batch, self.recipe, self.hello["vocab"], self.device))
+        set_json(self.store, f"check/{version}/{self.index}",
+                 probe_logps(self.model, batch, self.recipe, self.hello["vocab"], self.device))
         self.waited += time.perf_counter() - started
         return True
-
-    def autocast(self):
-        """The trainers' compute dtype where they autocast (mixed_precision=bf16 over fp32 weights)."""
-        import contextlib
-
-        if self.recipe.mixed_precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     # -- a rollout
 
@@ -163,11 +154,12 @@ class Generator:
                 fault_point("rollout_generate", self.rank, rollout)
             return False
 
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad():
             outs = generate(self.model, prompts, sampling, stop_ids=h["stop_ids"], pad_id=h["pad_id"],
                             context=h["context"], seeds=seeds if sampling.temperature > 0 else None,
                             should_stop=progress, vocab_size=h["vocab"],
-                            compiled=decode_compiled(r.generation_compile, self.device), logprobs=True)
+                            compiled=decode_compiled(r.generation_compile, self.device), logprobs=True,
+                            logprob_rows=h["logprob_rows"])
         tokens = [o.tokens for o in outs]
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *PROMPT_COLUMNS)}
@@ -208,6 +200,14 @@ class Generator:
                 self.wait_for("never")
                 return 0
         return 0
+
+
+def generator_dtype(recipe) -> torch.dtype:
+    """The generating process's weights: the training's compute dtype (16 bits where mixed_precision is, as
+    FSDP2 and ZeRO-3 gather them for the colocated run's generation; fp32 otherwise, the trainers' own)."""
+    from finetune.model import base_dtype
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(recipe.mixed_precision, base_dtype(recipe))
 
 
 def serve(args, index: int) -> int:
