@@ -229,3 +229,22 @@ def test_the_planner_splits_the_gpus_and_the_recipe_header_says_what_it_prints(c
         assert " ".join(r[:4]) in " ".join(header.split()), r
     assert main(["--recipe", "tiny_grpo", "--gpus", "1", "--split"]) == 2
     assert "--split --gpus 1: a split needs at least 2 GPUs" in capsys.readouterr().err
+
+
+def test_the_gpu_scripts_split_row_reads_the_steps_and_the_waits(tmp_path):
+    """bench/gpu/e2e.sh's split phase: its row from a run's metrics.jsonl (the median step after the first 3, and the
+    share of it each group waited), and a failed run's row says so."""
+    from bench.gpu.e2e_check import split_row
+
+    run = tmp_path / "run"
+    run.mkdir()
+    records = [{"step": s, "loss": 0.0, "tokens": 100 * s, "tokens_per_s": 100.0 / (1.0 + (s == 1)),
+                "perf/rollout_wait_s": 0.25, "perf/weight_sync_s": 0.05, "rollout/backpressure_s": 0.5}
+               for s in range(1, 9)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    row = split_row(1, str(run), 30.0, 0)
+    assert row["ok"] and row["step_s"] == pytest.approx(1.0) and row["trainers_wait"] == pytest.approx(0.3)
+    assert row["generator_wait"] == pytest.approx(0.5) and "trainers wait 30% of it, the generating process 50%" \
+        in row["what"]
+    failed = split_row(0, str(tmp_path / "none"), 3.0, 1)
+    assert not failed["ok"] and failed["error"] == "exit code 1, 0 steps"

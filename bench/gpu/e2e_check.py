@@ -2,6 +2,7 @@
 
     python bench/gpu/e2e_check.py recipe NAME RUN_DIR SECONDS RC   # one recipe's row (a JSON line into rows.jsonl)
     python bench/gpu/e2e_check.py compiled-equals-eager            # the compiled decode loop against the eager one, fp32
+    python bench/gpu/e2e_check.py split LAG RUN_DIR SECONDS RC     # tiny_grpo_async's row at max_staleness=LAG
     python bench/gpu/e2e_check.py table ROWS.jsonl                 # the markdown table of every row
 
 Each tiny recipe's target is the figure its header promises, read from its metrics.jsonl (train and
@@ -98,6 +99,31 @@ def compiled_equals_eager() -> dict:
     return out
 
 
+def split_row(lag: int, run_dir: str, seconds: float, rc: int) -> dict:
+    """tiny_grpo_async's row at max_staleness=lag: the median step seconds after the first 3 steps, and the share of
+    it the training processes waited for the generating one (the rollout, the push) and the generating one for
+    them (the weights), from metrics.jsonl (bench/studies/async_grpo_overlap.py's figures)."""
+    import statistics
+
+    from bench.studies.async_grpo_overlap import WARMUP, step_seconds
+    from finetune.training.metrics import read_metrics, run_history
+
+    row = {"check": f"tiny_grpo_async, max_staleness={lag}", "seconds": round(seconds, 1), "ok": False}
+    path = Path(run_dir) / "metrics.jsonl"
+    records = [r for r in run_history(read_metrics(path)) if "loss" in r] if path.is_file() else []
+    timed = list(zip(records, step_seconds(records)))[WARMUP:]
+    if rc != 0 or not timed:
+        row["error"] = f"exit code {rc}, {len(records)} steps"
+        return row
+    step = statistics.median(s for _, s in timed)
+    trainers = statistics.median((r["perf/rollout_wait_s"] + r["perf/weight_sync_s"]) / s for r, s in timed)
+    generator = statistics.median(r["rollout/backpressure_s"] / s for r, s in timed)
+    row.update(ok=True, step_s=step, trainers_wait=trainers, generator_wait=generator,
+               what=f"step {step:.3f} s (median of steps {WARMUP + 1}-{len(records)}); trainers wait {trainers:.0%} of "
+                    f"it, the generating process {generator:.0%}")
+    return row
+
+
 def table(rows: list[dict]) -> str:
     def num(x):
         return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
@@ -135,6 +161,9 @@ def main(argv: list[str]) -> int:
             row = {"check": "compiled loop = eager loop (fp32)", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
         row["seconds"] = round(time.time() - t0, 1)
         print(json.dumps(row))
+        return 0
+    if argv[0] == "split":
+        print(json.dumps(split_row(int(argv[1]), argv[2], float(argv[3]), int(argv[4]))))
         return 0
     if argv[0] == "table":
         rows = [json.loads(line) for line in Path(argv[1]).read_text().splitlines() if line.strip()]

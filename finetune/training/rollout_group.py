@@ -48,6 +48,7 @@ from finetune import sequence_parallel as SP
 from finetune.errors import RecipeError
 
 LAUNCHED = "FINETUNE_LAUNCHED_WORLD_SIZE"  # the launch's world size, once split_world has split it
+LAUNCHED_LOCAL = "FINETUNE_LAUNCHED_LOCAL_WORLD_SIZE"  # ... and this node's processes
 IN_FLIGHT = "in_flight.json"  # in a checkpoint: the rollouts in flight and the generators' position
 POLL_S = 0.01  # how often a wait looks at the store (at most; it backs off to 0.05 s)
 HEALTH_S = 0.5  # how often a wait reads the generating processes' heartbeats
@@ -79,6 +80,7 @@ def split_world(recipe, env=os.environ) -> int | None:
         local_rank = int(env.get("LOCAL_RANK", "0"))
         node_start = rank - local_rank  # torchrun numbers a node's ranks contiguously
         local_world = int(env.get("LOCAL_WORLD_SIZE", str(launched)))
+        env[LAUNCHED_LOCAL] = str(local_world)
         env["LOCAL_WORLD_SIZE"] = str(max(1, min(node_start + local_world, trainers) - node_start))
     return rank - trainers if rank >= trainers else None
 
@@ -133,6 +135,17 @@ def bridge_store(timeout_s: float = 1800.0, env=os.environ):
     store = TCPStore(env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]), is_master=False,
                      timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
     return PrefixStore(f"finetune/rollouts/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def link_device(env=os.environ) -> torch.device:
+    """Where the weights travel: between GPUs (NCCL) where each process of this node has a GPU of its own, else
+    through host memory (gloo: a CPU machine, or a GPU that the generating and training processes share)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(env.get(LAUNCHED_LOCAL) or env.get("LOCAL_WORLD_SIZE", "1"))
+    if local > torch.cuda.device_count():
+        return torch.device("cpu")
+    return torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
 
 
 def link_group(store, rank: int, size: int, device: torch.device, timeout_s: float = 1800.0):
@@ -328,7 +341,7 @@ class RolloutGroup:
         self.health = Health(self.store, self.trainers, self.generators, r.heartbeat_stale_after_s)
         # trainer rank 0 sends the weights; its link to the generating processes is made now (they made theirs
         # when they started: each side waits for the other here)
-        self.device = context.accelerator.device
+        self.device = link_device()
         self.link = link_group(self.store, 0, 1 + self.generators, self.device) if self.rank == 0 else None
         self.started = False
         self.pushes: set[int] = set()

@@ -24,7 +24,7 @@ import torch
 
 from finetune.faults import fault_point, injected
 from finetune.training.rollout_group import (LAUNCHED, bridge_store, broadcast, broadcast_json, get_json,
-                                             host_name, link_group, policy_version, probe_batch, probe_logps,
+                                             host_name, link_device, link_group, policy_version, probe_batch, probe_logps,
                                              set_json)
 
 BEAT_S = 0.2  # the least time between two heartbeats
@@ -39,15 +39,18 @@ class Generator:
         self.rank = int(os.environ.get("RANK", "0"))
         self.trainers = int(os.environ[LAUNCHED]) - self.count
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = torch.device(f"cuda:{local}") if torch.cuda.is_available() else torch.device("cpu")
+        # its GPU (one that a node's processes share when it has fewer than them), and the weights' way in
+        self.device = torch.device(f"cuda:{local % torch.cuda.device_count()}") if torch.cuda.is_available() \
+            else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        self.link_device = link_device()
         self.store = bridge_store()
         self.beaten = 0.0
         self.waited = 0.0  # seconds spent waiting for weights since the last rollout was published
         self.beat(force=True)
         set_json(self.store, f"pid/{index}", [host_name(), os.getpid()])
-        self.link = link_group(self.store, 1 + index, 1 + self.count, self.device)
+        self.link = link_group(self.store, 1 + index, 1 + self.count, self.link_device)
         self.model = self.tokenizer = self.train = self.rewards = self.hello = None
 
     def beat(self, force: bool = False) -> None:
@@ -102,11 +105,11 @@ class Generator:
         if fault != "SKIP":
             fault_point("rollout_receive", self.rank, version)  # RAISE, SLEEP: a failed or hung receive (tests)
         while True:
-            header = broadcast_json(self.link, None, self.device)
+            header = broadcast_json(self.link, None, self.link_device)
             if not header:
                 break
             for name, shape, dtype in header:
-                buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=self.link_device)
                 broadcast(self.link, buffer)
                 if fault != "SKIP":  # SKIP: a push that does not take (tests)
                     target = self.params.get(name)
@@ -227,14 +230,22 @@ def serve(args, index: int) -> int:
         recipe = resolve(args.recipe, args.overrides)
         setup_logging(recipe.log_level, int(os.environ.get("RANK", "0")))
         generator = Generator(recipe, index)
-        return generator.run()
+        code = generator.run()
     except RecipeError as e:  # what the trainers refuse too: they say it
-        return _failed(generator, index, str(e), user=True)
+        code = _failed(generator, index, str(e), user=True)
     except Exception as e:  # a bug or a machine fault: said as this rank's, published for the trainers
         traceback.print_exc()
         rank = os.environ.get("RANK", "?")
-        return _failed(generator, index, f"rollout process rank {rank} failed: {type(e).__name__}: {e}; the run "
+        code = _failed(generator, index, f"rollout process rank {rank} failed: {type(e).__name__}: {e}; the run "
                                          "stopped, its last checkpoint is intact", user=False)
+    # no teardown of the link group (a gloo group's destructor can block on its worker threads: see
+    # finetune.commands.train.exit_without_teardown)
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _failed(generator, index: int, line: str, user: bool) -> int:
