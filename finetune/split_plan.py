@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from finetune.arch import Architecture
 from finetune.comm import INTRA_GBPS
-from finetune.memory import HEADROOM, Rollout, gib, recipe_estimate
+from finetune.memory import HEADROOM, Rollout, recipe_estimate
+from finetune.memory_tables import gib
 
 # One H100 SXM: dense 16-bit FLOP/s (finetune/training/metrics.py PEAK_FLOPS_16BIT) and HBM3 bytes/s.
 FLOPS, BANDWIDTH = 989e12, 3.35e12
