@@ -13,9 +13,9 @@ import torch
 
 from finetune.errors import RecipeError
 from finetune.recipe import Recipe, apply_overrides, validate
-from finetune.training.rollout_group import (IN_FLIGHT, Health, RolloutProcessError, in_flight_end, join_parts,
+from finetune.training.rollout_group import (Health, RolloutProcessError, in_flight_end, in_flight_state, join_parts,
                                              logp_difference, policy_version, pushed_versions, read_in_flight,
-                                             split_rollout, split_world, write_in_flight)
+                                             rollouts_of_state, split_rollout, split_world, write_in_flight)
 
 GRPO = ["objective=grpo", "reward_funcs=finetune.rewards:exact_match", "num_generations=2", "global_batch_size=2",
         "micro_batch_size=2"]
@@ -94,17 +94,24 @@ def test_parts_join_in_order_and_split_again_over_another_count(tmp_path):
     again = split_rollout({**whole, "rollout": 3}, 4)
     assert [len(p["tokens"]) for p in again] == [2, 2, 2, 2]
     assert join_parts(again)["tokens"] == whole["tokens"] and join_parts(again)["rewards"] == whole["rewards"]
-    # NaN rewards (a function that scored nothing) survive the checkpoint's JSON
-    doc = {"format": 1, "step": 3, "rollouts": [{"rollout": 3, "version": 2, **whole, "rewards": [[float("nan")]] * 8}]}
-    write_in_flight(tmp_path, doc)
-    back = read_in_flight(tmp_path)
-    assert back["rollouts"][0]["tokens"] == whole["tokens"] and back["rollouts"][0]["rewards"][0][0] != 0.0
+    # what a checkpoint holds: exact (float32 log-probs, NaN rewards of a function that scored nothing)
+    whole = {**whole, "logps": [[-0.123456789 * (i + 1)] * (i % 3) for i in range(8)],
+             "rewards": torch.tensor([[float("nan")] if i % 2 else [0.1 * i] for i in range(8)]).tolist()}
+    whole["logps"] = [torch.tensor(row, dtype=torch.float32).tolist() for row in whole["logps"]]
+    tensors, data = in_flight_state([{"rollout": 3, "version": 2, **whole}], {"step": 3, "next_rollout": 4})
+    write_in_flight(tmp_path, tensors, data)
+    back = rollouts_of_state(*read_in_flight(tmp_path), what="here")
+    assert data["next_rollout"] == 4 and [x["rollout"] for x in back] == [3] and back[0]["version"] == 2
+    for key in ("tokens", "stopped", "logps"):
+        assert back[0][key] == whole[key], key
+    assert json.dumps(back[0]["rewards"]) == json.dumps(whole["rewards"]), "NaN where it was, float32 exact"
     assert read_in_flight(tmp_path / "elsewhere") is None
-    (tmp_path / IN_FLIGHT).write_text('{"rollouts": 3}')
-    with pytest.raises(RecipeError, match=r"in_flight.json holds no list of rollouts"):
+    (tmp_path / "in_flight" / "rollouts_in_flight.json").write_text('{"rollouts": 3}')
+    with pytest.raises(RecipeError, match=r"rollouts_in_flight.json holds no list of rollouts"):
         read_in_flight(tmp_path)
-    (tmp_path / IN_FLIGHT).write_text("{cut sho")
-    with pytest.raises(RecipeError, match=r"is damaged: in_flight.json is unreadable"):
+    (tmp_path / "in_flight" / "rollouts_in_flight.safetensors").write_bytes(b"cut sho")
+    with pytest.raises(RecipeError, match=r"is damaged: its rollouts in flight \(in_flight/rollouts_in_flight.\*\) do "
+                                          r"not read"):
         read_in_flight(tmp_path)
 
 

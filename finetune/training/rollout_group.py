@@ -49,7 +49,7 @@ from finetune.errors import RecipeError
 
 LAUNCHED = "FINETUNE_LAUNCHED_WORLD_SIZE"  # the launch's world size, once split_world has split it
 LAUNCHED_LOCAL = "FINETUNE_LAUNCHED_LOCAL_WORLD_SIZE"  # ... and this node's processes
-IN_FLIGHT = "in_flight.json"  # in a checkpoint: the rollouts in flight and the generators' position
+IN_FLIGHT_DIR, IN_FLIGHT = "in_flight", "rollouts_in_flight"  # in a checkpoint: in_flight/rollouts_in_flight.*
 POLL_S = 0.01  # how often a wait looks at the store (at most; it backs off to 0.05 s)
 HEALTH_S = 0.5  # how often a wait reads the generating processes' heartbeats
 
@@ -300,26 +300,78 @@ def host_name() -> str:
 # ---------------------------------------------------------------- in flight, in the checkpoint
 
 
-def write_in_flight(directory: Path, doc: dict) -> None:
-    """The rollouts in flight and the generators' position, into a checkpoint being written (the one place that
-    decides where in the checkpoint they live)."""
-    (Path(directory) / IN_FLIGHT).write_text(json.dumps(doc) + "\n")
+def in_flight_state(rollouts: list[dict], meta: dict) -> tuple[dict, dict]:
+    """Whole rollouts (join_parts' with their index and version) as a checkpoint holds them: tensors (each
+    rollout's tokens and behaviour log-probs as flat rows with their lengths, its [completions, functions] rewards:
+    exact, NaN kept) and plain data (the rest, and `meta`: where the generators continue)."""
+    tensors, entries = {}, []
+    for x in rollouts:
+        r = x["rollout"]
+        tensors[f"{r}.tokens"], tensors[f"{r}.token_counts"] = flat_rows(x["tokens"], torch.int64)
+        tensors[f"{r}.logps"], tensors[f"{r}.logp_counts"] = flat_rows(x["logps"], torch.float32)
+        tensors[f"{r}.rewards"] = torch.tensor(x["rewards"], dtype=torch.float32).view(len(x["tokens"]), -1)
+        entries.append({"rollout": r, "version": x["version"], "stopped": x["stopped"], "seconds": x["seconds"]})
+    return tensors, {**meta, "rollouts": entries}
 
 
-def read_in_flight(directory: Path) -> dict | None:
-    """What write_in_flight wrote into a checkpoint, or None (a checkpoint without rollouts in flight)."""
-    path = Path(directory) / IN_FLIGHT
-    if not path.is_file():
+def rollouts_of_state(tensors: dict, data: dict, what: str) -> list[dict]:
+    """in_flight_state's rollouts back (the same Python numbers); a part missing is one line naming `what`."""
+    out = []
+    try:
+        for entry in data["rollouts"]:
+            r = entry["rollout"]
+            out.append({**entry, "tokens": rows_of(tensors[f"{r}.tokens"], tensors[f"{r}.token_counts"]),
+                        "logps": rows_of(tensors[f"{r}.logps"], tensors[f"{r}.logp_counts"]),
+                        "rewards": tensors[f"{r}.rewards"].tolist(), "waited": 0.0, "error": None})
+    except (KeyError, TypeError) as e:
+        raise RecipeError(f"{what} is damaged: its rollouts in flight lack {e}; resume from an earlier checkpoint "
+                          "with --resume PATH") from None
+    return out
+
+
+def flat_rows(rows: list, dtype) -> tuple:
+    """Rows of different lengths as one flat tensor and their lengths."""
+    return torch.tensor([x for row in rows for x in row], dtype=dtype), torch.tensor([len(r) for r in rows])
+
+
+def rows_of(flat, lengths) -> list[list]:
+    out, at = [], 0
+    for n in lengths.tolist():
+        out.append(flat[at:at + n].tolist())
+        at += n
+    return out
+
+
+def write_in_flight(directory: Path, tensors: dict, data: dict) -> None:
+    """The rollouts in flight into a checkpoint being written (the one place that decides where in it they live:
+    in_flight/, tensors and plain data, listed and checksummed by its manifest like every file)."""
+    from safetensors.torch import save_file
+
+    folder = Path(directory) / IN_FLIGHT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{IN_FLIGHT}.json").write_text(json.dumps(data) + "\n")
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(folder / f"{IN_FLIGHT}.safetensors"))
+
+
+def read_in_flight(directory: Path) -> tuple[dict, dict] | None:
+    """What write_in_flight wrote into a checkpoint (tensors, data), or None (a checkpoint without rollouts in
+    flight); a file that does not read is one line."""
+    from safetensors.torch import load_file
+
+    folder = Path(directory) / IN_FLIGHT_DIR
+    if not (folder / f"{IN_FLIGHT}.json").is_file():
         return None
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise RecipeError(f"checkpoint {directory} is damaged: {IN_FLIGHT} is unreadable ({type(e).__name__}); "
-                          "resume from an earlier checkpoint with --resume PATH") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("rollouts"), list):
-        raise RecipeError(f"checkpoint {directory} is damaged: {IN_FLIGHT} holds no list of rollouts; resume from an "
-                          "earlier checkpoint with --resume PATH")
-    return doc
+        data = json.loads((folder / f"{IN_FLIGHT}.json").read_text())
+        tensors = load_file(str(folder / f"{IN_FLIGHT}.safetensors"))
+    except Exception as e:  # a cut or garbled file: damaged
+        raise RecipeError(f"checkpoint {directory} is damaged: its rollouts in flight ({IN_FLIGHT_DIR}/{IN_FLIGHT}.*) "
+                          f"do not read ({type(e).__name__}); resume from an earlier checkpoint with --resume PATH") \
+            from None
+    if not isinstance(data, dict) or not isinstance(data.get("rollouts"), list):
+        raise RecipeError(f"checkpoint {directory} is damaged: {IN_FLIGHT_DIR}/{IN_FLIGHT}.json holds no list of "
+                          "rollouts; resume from an earlier checkpoint with --resume PATH")
+    return tensors, data
 
 
 # ---------------------------------------------------------------- the training processes' side
@@ -381,8 +433,8 @@ class RolloutGroup:
         processes of this run as theirs would be."""
         expected = list(range(step, end))
         resume = self.plan.resume
-        doc = read_in_flight(resume.path) if resume is not None else None
-        held = [] if doc is None else doc["rollouts"]
+        state = read_in_flight(resume.path) if resume is not None else None
+        held = [] if state is None else rollouts_of_state(*state, what=f"checkpoint {resume.path}")
         if [x.get("rollout") for x in held] != expected:
             where = f"checkpoint {resume.path}" if resume is not None else "a fresh run"
             raise RecipeError(f"{where} holds rollouts {[x.get('rollout') for x in held]} in flight, and step {step} "
@@ -511,6 +563,11 @@ class RolloutGroup:
         """For a checkpoint of `step`, on every training process before the save's collectives: the rollouts in
         flight (waited for), whole, and where the generators continue; returns what writes them into the
         checkpoint's directory (trainer 0 calls it: write_in_flight)."""
+        tensors, data = self.in_flight_state(step)
+        return lambda directory: write_in_flight(directory, tensors, data)
+
+    def in_flight_state(self, step: int) -> tuple[dict, dict]:
+        """The rollouts in flight at a checkpoint of `step` (waited for), as tensors and plain data."""
         end = min(in_flight_end(step, self.lag, self.sync_every), self.total)  # none past the run's last step
         rollouts = []
         for r in range(step, end):
@@ -518,9 +575,8 @@ class RolloutGroup:
             self.health.wait(keys)
             joined = join_parts([get_json(self.store, key) for key in keys])
             rollouts.append({"rollout": r, "version": policy_version(r, self.lag, self.sync_every), **joined})
-        doc = {"format": 1, "step": step, "max_staleness": self.lag, "weight_sync_steps": self.sync_every,
-               "next_rollout": end, "rollouts": rollouts}
-        return lambda directory: write_in_flight(directory, doc)
+        return in_flight_state(rollouts, {"format": 1, "step": step, "max_staleness": self.lag,
+                                          "weight_sync_steps": self.sync_every, "next_rollout": end})
 
     def release(self) -> None:
         """The training is over (finished, stopped, failed): the generating processes may exit."""

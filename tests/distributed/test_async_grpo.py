@@ -93,7 +93,7 @@ def test_a_lag_of_one_resumes_exactly_after_a_whole_job_is_killed(runs, launch, 
         killed = launch(3, f"strategy={strategy}", *ASYNC, *LAG, *resume, output_dir=out, check=False,
                         recipe="tiny_grpo", extra_env={"FINETUNE_FAULT": fault})
         assert killed.returncode != 0, fault
-        held = json.loads((out / "checkpoints" / f"step_{step:09d}" / "in_flight.json").read_text())
+        held = json.loads((out / "checkpoints" / f"step_{step:09d}" / "in_flight" / "rollouts_in_flight.json").read_text())
         assert [x["rollout"] for x in held["rollouts"]] == [step] and held["next_rollout"] == step + 1
         resume = ["--resume", "auto"]
     done = launch(3, f"strategy={strategy}", *ASYNC, *LAG, *resume, output_dir=out, recipe="tiny_grpo")
