@@ -91,11 +91,15 @@ def generating_bytes(recipe, arch: Architecture, gpus: int) -> int:
 
 
 def training_bytes(recipe, arch: Architecture, gpus: int) -> int:
-    """One training GPU: the strategy's step on `gpus` GPUs, the lagging rollouts' two log-prob copies and the push
+    """One training GPU: the strategy's step on `gpus` GPUs (no rollout phase: memory.Rollout.of), the log-probs it
+    keeps through the step (a lagging rollout's old ones and importance weights, the reference's) and the push
     transient."""
-    e = recipe_estimate(recipe, gpus, arch)
+    from dataclasses import replace
+
+    e = recipe_estimate(replace(recipe, rollout_processes=max(1, recipe.rollout_processes)), gpus, arch)
     rows, prompt, completion = rows_and_tokens(recipe)
-    kept = -(-rows // gpus) * (prompt + completion) * 4 * 2 if recipe.max_staleness or recipe.weight_sync_steps > 1 else 0
+    copies = 2 * (recipe.max_staleness > 0 or recipe.weight_sync_steps > 1) + (recipe.beta > 0)
+    kept = -(-rows // gpus) * (prompt + completion) * 4 * copies
     layers = min(recipe.vllm_push_layers, arch.num_hidden_layers)
     push = max(arch.layer_parameters() * layers, arch.vocab_size * arch.hidden_size) * 4
     return e.total + kept + push

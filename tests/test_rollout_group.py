@@ -236,6 +236,13 @@ def test_the_planner_splits_the_gpus_and_the_recipe_header_says_what_it_prints(c
         assert " ".join(r[:4]) in " ".join(header.split()), r
     assert main(["--recipe", "tiny_grpo", "--gpus", "1", "--split"]) == 2
     assert "--split --gpus 1: a split needs at least 2 GPUs" in capsys.readouterr().err
+    # without --split, a recipe's own split: the setups table of its training GPUs, and each group's memory
+    assert main(["--recipe", "llama8b_grpo_async", "--gpus", "8", "--gpu-mem", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per GPU with rollout_processes=2: training GPUs (6, fsdp) 36.00 GiB" in out
+    assert "generating GPUs (2) 51.71 GiB" in out and "x 6 GPUs" in out and "kv cache" not in out
+    assert main(["--recipe", "llama8b_grpo_async", "--gpus", "2"]) == 2
+    assert "--gpus 2 with rollout_processes=2 leaves no training GPU" in capsys.readouterr().err
 
 
 def test_the_gpu_scripts_split_row_reads_the_steps_and_the_waits(tmp_path):

@@ -114,6 +114,12 @@ def main(argv=None) -> int:
             print(split_table(recipe, arch, args.gpus, budget, args.headroom, args.generation_seconds,
                               args.training_seconds, name=args.recipe))
             return 0
+        generating = recipe.rollout_processes if recipe.objective == "grpo" else 0
+        if generating:  # the last rollout_processes of the GPUs generate: the tables plan the training ones
+            if args.gpus <= generating:
+                raise RecipeError(f"--gpus {args.gpus} with rollout_processes={generating} leaves no training GPU; give "
+                                  f"--gpus {generating + 1} or more (--split compares the splits)")
+            args.gpus -= generating
         accum = derive_grad_accum(recipe, args.gpus)
         refused(recipe, args.gpus, arch)
         if args.nodes is not None:
@@ -132,6 +138,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table)
+    if generating:
+        from finetune.split_plan import split_memory_lines
+
+        print("\n".join(split_memory_lines(recipe, arch, args.gpus)))
     dp = data_parallel_size(recipe, args.gpus)
     ranks = f"{args.gpus} GPUs" if dp == args.gpus else \
         f"{dp} data-parallel ranks ({args.gpus} GPUs / sequence_parallel)"
