@@ -262,3 +262,30 @@ def test_the_gpu_scripts_split_row_reads_the_steps_and_the_waits(tmp_path):
         in row["what"]
     failed = split_row(0, str(tmp_path / "none"), 3.0, 1)
     assert not failed["ok"] and failed["error"] == "exit code 1, 0 steps"
+
+
+def test_a_generating_process_that_hangs_inside_a_push_ends_trainer_0_with_one_line():
+    """Trainer 0 blocked in a push's broadcast (the generating process never joins it): the watchdog beside it reads
+    the health every second; its line names the rank and the process exits 1 instead of hanging."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent("""
+        import time
+        from finetune.training.rollout_group import RolloutProcessError, Watchdog
+
+        class Hung:
+            def check(self, force=False):
+                raise RolloutProcessError("rollout process rank 2 made no progress for 301 s "
+                                          "(heartbeat_stale_after_s=300): hung")
+
+        with Watchdog(Hung()):
+            time.sleep(600)  # the broadcast that never returns
+    """)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and time.perf_counter() - start < 60
+    assert proc.stderr.splitlines()[-1] == ("error: rollout process rank 2 made no progress for 301 s "
+                                            "(heartbeat_stale_after_s=300): hung"), proc.stderr
