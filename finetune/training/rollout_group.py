@@ -153,10 +153,12 @@ def link_group(store, rank: int, size: int, device: torch.device, timeout_s: flo
     from torch.distributed import PrefixStore
 
     prefixed = PrefixStore("link", store)
-    if device.type == "cuda":
+    if device.type == "cuda":  # (not run yet: no lent GPU has run a split)
         from torch.distributed import ProcessGroupNCCL
 
-        return ProcessGroupNCCL(prefixed, rank, size)
+        options = ProcessGroupNCCL.Options()
+        options._timeout = datetime.timedelta(seconds=timeout_s)
+        return ProcessGroupNCCL(prefixed, rank, size, options)
     from torch.distributed import ProcessGroupGloo
 
     return ProcessGroupGloo(prefixed, rank, size, datetime.timedelta(seconds=timeout_s))
