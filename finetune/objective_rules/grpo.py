@@ -124,7 +124,7 @@ def check_generation_backend(r) -> None:
         raise RecipeError("generation_backend=vllm applies to objective=grpo and distill only (the sampled "
                           "completions); set objective=grpo or distill, or leave generation_backend out")
     changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)
-               and not (r.rollout_processes and k in rollout_split.CORRECTION_FIELDS)]
+               and not (r.rollout_processes and k in rollout_split.SHARED_VLLM_FIELDS)]
     if changed and not vllm:
         key = changed[0]
         raise RecipeError(f"{key}={getattr(r, key)} applies to generation_backend=vllm only; set "

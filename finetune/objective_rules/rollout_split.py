@@ -9,9 +9,10 @@ from finetune.errors import RecipeError
 from finetune.objective_rules.common import default
 
 FIELDS = ("rollout_processes", "max_staleness", "weight_sync_steps", "heartbeat_stale_after_s")
-# the importance-sampling keys of the vLLM backend, which a lagging rollout's loss takes too (TRL's names)
-CORRECTION_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-                     "vllm_importance_sampling_clip_max")
+# the vLLM backend's keys the split takes too: the importance-sampling correction a lagging rollout's loss uses
+# (TRL's names), the push's buckets of decoder layers and its check's tolerance
+SHARED_VLLM_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                      "vllm_importance_sampling_clip_max", "vllm_push_layers", "vllm_logp_tolerance")
 
 
 def off_policy(r) -> bool:
