@@ -46,7 +46,7 @@ def measure(steps: int, strategy: str, work: Path) -> dict:
                 "eval_fraction=0", "plot_loss=false", f"output_dir={out}", *extra]
         launch = run(accelerate_launch("finetune/run.py", args, nprocs), work / f"{out.name}.log", env=launch_env())
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
-                   if '"loss"' in line] if launch.rc == 0 else []
+                   if '"loss"' in line] if launch.returncode == 0 else []
         seconds = step_seconds(records)
         timed = list(zip(records, seconds))[WARMUP:]
 
@@ -56,7 +56,7 @@ def measure(steps: int, strategy: str, work: Path) -> dict:
 
         split = nprocs == 3
         rows[name] = {
-            "rc": launch.rc, "processes": nprocs, "other_load": launch.other_load, "steps": len(records),
+            "rc": launch.returncode, "processes": nprocs, "other_load": launch.other_load, "steps": len(records),
             "step_s": median(lambda r, s: s), "gen_s": median(lambda r, s: r.get("rollout_seconds", 0.0)),
             "trainers_wait": median(lambda r, s: (r["perf/rollout_wait_s"] + r["perf/weight_sync_s"]) / s)
             if split else None,

@@ -54,8 +54,8 @@ def ours(work: Path, steps: int) -> tuple[Path, list[str]]:
             "vllm_importance_sampling_correction=false", f"max_steps={steps}", "save_every=1", f"keep_last={steps}",
             "log_every=1", "eval_fraction=0", "plot_loss=false", f"output_dir={out}"]
     launch = run(accelerate_launch("finetune/run.py", args, 2), work / "ours.log", env=launch_env())
-    if launch.rc != 0:
-        raise SystemExit(f"our run failed (rc {launch.rc}): {work / 'ours.log'}")
+    if launch.returncode != 0:
+        raise SystemExit(f"our run failed (rc {launch.returncode}): {work / 'ours.log'}")
     return out, args
 
 
