@@ -13,9 +13,10 @@ import torch
 
 from finetune.errors import RecipeError
 from finetune.recipe import Recipe, apply_overrides, validate
-from finetune.training.rollout_group import (Health, RolloutProcessError, in_flight_end, in_flight_state, join_parts,
-                                             logp_difference, policy_version, pushed_versions, read_in_flight,
-                                             rollouts_of_state, split_rollout, split_world, write_in_flight)
+from finetune.checkpointing.run_state import in_flight_files, load_in_flight, save_in_flight
+from finetune.training.rollout_group import (IN_FLIGHT, Health, RolloutProcessError, in_flight_end, in_flight_state,
+                                             join_parts, logp_difference, policy_version, pushed_versions,
+                                             rollouts_of_state, split_rollout, split_world)
 
 GRPO = ["objective=grpo", "reward_funcs=finetune.rewards:exact_match", "num_generations=2", "global_batch_size=2",
         "micro_batch_size=2"]
@@ -99,20 +100,30 @@ def test_parts_join_in_order_and_split_again_over_another_count(tmp_path):
              "rewards": torch.tensor([[float("nan")] if i % 2 else [0.1 * i] for i in range(8)]).tolist()}
     whole["logps"] = [torch.tensor(row, dtype=torch.float32).tolist() for row in whole["logps"]]
     tensors, data = in_flight_state([{"rollout": 3, "version": 2, **whole}], {"step": 3, "next_rollout": 4})
-    write_in_flight(tmp_path, tensors, data)
-    back = rollouts_of_state(*read_in_flight(tmp_path), what="here")
+    save_in_flight(tmp_path, IN_FLIGHT, tensors, data)  # what Checkpointer._write does with GRPO.in_flight's
+    listing = {"files": {rel: (tmp_path / rel).stat().st_size for rel in in_flight_files(IN_FLIGHT)}}
+    back = rollouts_of_state(*load_in_flight(tmp_path, IN_FLIGHT, listing, "here"), what="here")
     assert data["next_rollout"] == 4 and [x["rollout"] for x in back] == [3] and back[0]["version"] == 2
     for key in ("tokens", "stopped", "logps"):
         assert back[0][key] == whole[key], key
     assert json.dumps(back[0]["rewards"]) == json.dumps(whole["rewards"]), "NaN where it was, float32 exact"
-    assert read_in_flight(tmp_path / "elsewhere") is None
-    (tmp_path / "in_flight" / "rollouts_in_flight.json").write_text('{"rollouts": 3}')
-    with pytest.raises(RecipeError, match=r"rollouts_in_flight.json holds no list of rollouts"):
-        read_in_flight(tmp_path)
-    (tmp_path / "in_flight" / "rollouts_in_flight.safetensors").write_bytes(b"cut sho")
-    with pytest.raises(RecipeError, match=r"is damaged: its rollouts in flight \(in_flight/rollouts_in_flight.\*\) do "
-                                          r"not read"):
-        read_in_flight(tmp_path)
+    assert load_in_flight(tmp_path / "elsewhere", IN_FLIGHT, listing, "here") is None
+    with pytest.raises(RecipeError, match=r"here is damaged: its rollouts in flight lack 'rollouts'; nothing was loaded"):
+        rollouts_of_state(tensors, {"step": 3}, what="here")
+    with pytest.raises(RecipeError, match=r"here is damaged: its rollouts in flight lack '3.logps'"):
+        rollouts_of_state({k: v for k, v in tensors.items() if k != "3.logps"}, data, what="here")
+
+
+def test_a_checkpoint_of_a_lagging_run_must_hold_its_rollouts_in_flight():
+    """The objective's in_flight rule (resume.check_in_flight_held refuses before the launch a checkpoint
+    without them): at a lag or a push every few steps, never at max_staleness=0."""
+    from finetune.objective_rules import grpo as rules
+
+    assert rules.in_flight(recipe(*GRPO, "rollout_processes=1"), 3) is None
+    name, why = rules.in_flight(recipe(*GRPO, "rollout_processes=1", "max_staleness=1"), 3)
+    assert name == IN_FLIGHT and why.startswith("holds no rollouts in flight, and step 4 with max_staleness=1")
+    assert rules.in_flight(recipe(*GRPO, "rollout_processes=1", "weight_sync_steps=2"), 2) is None
+    assert rules.in_flight(recipe(*GRPO, "rollout_processes=1", "weight_sync_steps=2"), 3)[0] == IN_FLIGHT
 
 
 def test_the_generators_behaviour_logprobs_are_the_trainers_of_the_same_weights():

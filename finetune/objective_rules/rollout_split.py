@@ -13,6 +13,43 @@ FIELDS = ("rollout_processes", "max_staleness", "weight_sync_steps", "heartbeat_
 # (TRL's names), the push's buckets of decoder layers and its check's tolerance
 SHARED_VLLM_FIELDS = ("vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                       "vllm_importance_sampling_clip_max", "vllm_push_layers", "vllm_logp_tolerance")
+IN_FLIGHT = "rollouts_in_flight"  # a checkpoint's rollouts in flight (run_state.save_in_flight's name)
+
+
+# The schedule (deterministic: it depends on no timing). Rollout r is what step r (0-based) trains on.
+
+def policy_version(rollout: int, lag: int, sync_every: int) -> int:
+    """The optimizer steps taken by the weights rollout `rollout` is generated from: those step rollout - lag
+    started from, rounded down to a pushed version (a multiple of sync_every); the initial weights (0) for the
+    first `lag` rollouts."""
+    return (rollout - lag) // sync_every * sync_every if rollout >= lag else 0
+
+
+def in_flight_end(step: int, lag: int, sync_every: int) -> int:
+    """The first rollout from `step` on generated from weights of `step` or later: rollouts step .. this - 1 are
+    in flight at a checkpoint of `step` (generated from older weights, so held by the checkpoint)."""
+    r = step
+    while policy_version(r, lag, sync_every) < step:
+        r += 1
+    return r
+
+
+def pushed_versions(start: int, total: int, lag: int, sync_every: int) -> list[int]:
+    """The weights the trainers push in a run from step `start` to `total`: each version a rollout they do not
+    hold is generated from."""
+    return sorted({policy_version(r, lag, sync_every) for r in range(in_flight_end(start, lag, sync_every), total)})
+
+
+
+def in_flight(r, step: int) -> tuple[str, str] | None:
+    """A checkpoint of `step` must hold the rollouts generated from older weights than its own (a lag or a push
+    every few steps): they cannot be generated again."""
+    if r.rollout_processes and in_flight_end(step, r.max_staleness, r.weight_sync_steps) > step:
+        return IN_FLIGHT, (f"holds no rollouts in flight, and step {step + 1} with max_staleness={r.max_staleness}, "
+                           f"weight_sync_steps={r.weight_sync_steps} trains on rollouts generated before it (from "
+                           "weights it no longer holds); resume from a checkpoint this run's settings wrote")
+    return None
+
 
 
 def off_policy(r) -> bool:

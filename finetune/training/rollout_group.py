@@ -45,11 +45,12 @@ from pathlib import Path
 import torch
 
 from finetune import sequence_parallel as SP
+from finetune.checkpointing.run_state import load_in_flight, ragged, unragged
 from finetune.errors import RecipeError
+from finetune.objective_rules.rollout_split import IN_FLIGHT, in_flight_end, policy_version, pushed_versions
 
 LAUNCHED = "FINETUNE_LAUNCHED_WORLD_SIZE"  # the launch's world size, once split_world has split it
 LAUNCHED_LOCAL = "FINETUNE_LAUNCHED_LOCAL_WORLD_SIZE"  # ... and this node's processes
-IN_FLIGHT_DIR, IN_FLIGHT = "in_flight", "rollouts_in_flight"  # in a checkpoint: in_flight/rollouts_in_flight.*
 POLL_S = 0.01  # how often a wait looks at the store (at most; it backs off to 0.05 s)
 HEALTH_S = 0.5  # how often a wait reads the generating processes' heartbeats
 
@@ -83,28 +84,6 @@ def split_world(recipe, env=os.environ) -> int | None:
         env[LAUNCHED_LOCAL] = str(local_world)
         env["LOCAL_WORLD_SIZE"] = str(max(1, min(node_start + local_world, trainers) - node_start))
     return rank - trainers if rank >= trainers else None
-
-
-def policy_version(rollout: int, lag: int, sync_every: int) -> int:
-    """The optimizer steps taken by the weights rollout `rollout` is generated from: those step rollout - lag
-    started from, rounded down to a pushed version (a multiple of sync_every); the initial weights (0) for the
-    first `lag` rollouts."""
-    return (rollout - lag) // sync_every * sync_every if rollout >= lag else 0
-
-
-def in_flight_end(step: int, lag: int, sync_every: int) -> int:
-    """The first rollout from `step` on generated from weights of `step` or later: rollouts step .. this - 1 are
-    in flight at a checkpoint of `step` (generated from older weights, so held by the checkpoint)."""
-    r = step
-    while policy_version(r, lag, sync_every) < step:
-        r += 1
-    return r
-
-
-def pushed_versions(start: int, total: int, lag: int, sync_every: int) -> list[int]:
-    """The weights the trainers push in a run from step `start` to `total`: each version a rollout they do not
-    hold is generated from."""
-    return sorted({policy_version(r, lag, sync_every) for r in range(in_flight_end(start, lag, sync_every), total)})
 
 
 def off_policy(recipe) -> bool:
@@ -303,14 +282,14 @@ def host_name() -> str:
 
 
 def in_flight_state(rollouts: list[dict], meta: dict) -> tuple[dict, dict]:
-    """Whole rollouts (join_parts' with their index and version) as a checkpoint holds them: tensors (each
-    rollout's tokens and behaviour log-probs as flat rows with their lengths, its [completions, functions] rewards:
-    exact, NaN kept) and plain data (the rest, and `meta`: where the generators continue)."""
+    """Whole rollouts (join_parts' with their index and version) as a checkpoint holds them (run_state.save_in_flight):
+    tensors (each rollout's tokens and behaviour log-probs as flat rows with their lengths, its [completions,
+    functions] rewards: exact, NaN kept) and plain data (the rest, and `meta`: where the generators continue)."""
     tensors, entries = {}, []
     for x in rollouts:
         r = x["rollout"]
-        tensors[f"{r}.tokens"], tensors[f"{r}.token_counts"] = flat_rows(x["tokens"], torch.int64)
-        tensors[f"{r}.logps"], tensors[f"{r}.logp_counts"] = flat_rows(x["logps"], torch.float32)
+        tensors[f"{r}.tokens"], tensors[f"{r}.token_counts"] = ragged(x["tokens"], torch.int64)
+        tensors[f"{r}.logps"], tensors[f"{r}.logp_counts"] = ragged(x["logps"], torch.float32)
         tensors[f"{r}.rewards"] = torch.tensor(x["rewards"], dtype=torch.float32).view(len(x["tokens"]), -1)
         entries.append({"rollout": r, "version": x["version"], "stopped": x["stopped"], "seconds": x["seconds"]})
     return tensors, {**meta, "rollouts": entries}
@@ -322,58 +301,13 @@ def rollouts_of_state(tensors: dict, data: dict, what: str) -> list[dict]:
     try:
         for entry in data["rollouts"]:
             r = entry["rollout"]
-            out.append({**entry, "tokens": rows_of(tensors[f"{r}.tokens"], tensors[f"{r}.token_counts"]),
-                        "logps": rows_of(tensors[f"{r}.logps"], tensors[f"{r}.logp_counts"]),
+            out.append({**entry, "tokens": unragged(tensors[f"{r}.tokens"], tensors[f"{r}.token_counts"]),
+                        "logps": unragged(tensors[f"{r}.logps"], tensors[f"{r}.logp_counts"]),
                         "rewards": tensors[f"{r}.rewards"].tolist(), "waited": 0.0, "error": None})
     except (KeyError, TypeError) as e:
-        raise RecipeError(f"{what} is damaged: its rollouts in flight lack {e}; resume from an earlier checkpoint "
-                          "with --resume PATH") from None
+        raise RecipeError(f"{what} is damaged: its rollouts in flight lack {e}; nothing was loaded; resume from an "
+                          "earlier checkpoint with --resume PATH") from None
     return out
-
-
-def flat_rows(rows: list, dtype) -> tuple:
-    """Rows of different lengths as one flat tensor and their lengths."""
-    return torch.tensor([x for row in rows for x in row], dtype=dtype), torch.tensor([len(r) for r in rows])
-
-
-def rows_of(flat, lengths) -> list[list]:
-    out, at = [], 0
-    for n in lengths.tolist():
-        out.append(flat[at:at + n].tolist())
-        at += n
-    return out
-
-
-def write_in_flight(directory: Path, tensors: dict, data: dict) -> None:
-    """The rollouts in flight into a checkpoint being written (the one place that decides where in it they live:
-    in_flight/, tensors and plain data, listed and checksummed by its manifest like every file)."""
-    from safetensors.torch import save_file
-
-    folder = Path(directory) / IN_FLIGHT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{IN_FLIGHT}.json").write_text(json.dumps(data) + "\n")
-    save_file({k: t.contiguous() for k, t in tensors.items()}, str(folder / f"{IN_FLIGHT}.safetensors"))
-
-
-def read_in_flight(directory: Path) -> tuple[dict, dict] | None:
-    """What write_in_flight wrote into a checkpoint (tensors, data), or None (a checkpoint without rollouts in
-    flight); a file that does not read is one line."""
-    from safetensors.torch import load_file
-
-    folder = Path(directory) / IN_FLIGHT_DIR
-    if not (folder / f"{IN_FLIGHT}.json").is_file():
-        return None
-    try:
-        data = json.loads((folder / f"{IN_FLIGHT}.json").read_text())
-        tensors = load_file(str(folder / f"{IN_FLIGHT}.safetensors"))
-    except Exception as e:  # a cut or garbled file: damaged
-        raise RecipeError(f"checkpoint {directory} is damaged: its rollouts in flight ({IN_FLIGHT_DIR}/{IN_FLIGHT}.*) "
-                          f"do not read ({type(e).__name__}); resume from an earlier checkpoint with --resume PATH") \
-            from None
-    if not isinstance(data, dict) or not isinstance(data.get("rollouts"), list):
-        raise RecipeError(f"checkpoint {directory} is damaged: {IN_FLIGHT_DIR}/{IN_FLIGHT}.json holds no list of "
-                          "rollouts; resume from an earlier checkpoint with --resume PATH")
-    return tensors, data
 
 
 # ---------------------------------------------------------------- the training processes' side
@@ -427,7 +361,6 @@ class RolloutGroup:
                      # every output row (without it they are the loss's old log-probs: token_logps')
                      "logprob_rows": None if self.recipe.vllm_importance_sampling_correction else run.config.vocab_size}
             set_json(self.store, "hello", hello)
-        run.checkpoints.in_flight = self.in_flight
         self.started = True
 
     def republish(self, step: int, end: int) -> None:
@@ -435,8 +368,9 @@ class RolloutGroup:
         processes of this run as theirs would be."""
         expected = list(range(step, end))
         resume = self.plan.resume
-        state = read_in_flight(resume.path) if resume is not None else None
-        held = [] if state is None else rollouts_of_state(*state, what=f"checkpoint {resume.path}")
+        what = f"checkpoint {resume.path}" if resume is not None else ""
+        state = load_in_flight(resume.path, IN_FLIGHT, resume.manifest, what) if resume is not None else None
+        held = [] if state is None else rollouts_of_state(*state, what=what)
         if [x.get("rollout") for x in held] != expected:
             where = f"checkpoint {resume.path}" if resume is not None else "a fresh run"
             raise RecipeError(f"{where} holds rollouts {[x.get('rollout') for x in held]} in flight, and step {step} "
@@ -561,12 +495,10 @@ class RolloutGroup:
 
     # -- in flight
 
-    def in_flight(self, step: int):
-        """For a checkpoint of `step`, on every training process before the save's collectives: the rollouts in
-        flight (waited for), whole, and where the generators continue; returns what writes them into the
-        checkpoint's directory (trainer 0 calls it: write_in_flight)."""
-        tensors, data = self.in_flight_state(step)
-        return lambda directory: write_in_flight(directory, tensors, data)
+    def in_flight(self, step: int) -> dict:
+        """What a checkpoint of `step` holds in flight (GRPO.in_flight, on trainer 0, which writes it): the rollouts
+        generated from weights older than the checkpoint's (waited for), whole, and where the generators continue."""
+        return {IN_FLIGHT: self.in_flight_state(step)} if self.rank == 0 and self.started else {}
 
     def in_flight_state(self, step: int) -> tuple[dict, dict]:
         """The rollouts in flight at a checkpoint of `step` (waited for), as tensors and plain data."""
