@@ -9,8 +9,8 @@ max_staleness=1 (step s trains on a rollout generated from the weights step s - 
 (the mean over each micro-batch's tokens, averaged over the step's micro-batches: TRL's async normalisation,
 per micro-batch global_n_tokens over the accumulation steps) and vllm_importance_sampling_correction=false (the
 behaviour log-probs are the old ones: TRL's async loss has no correction of its own); a checkpoint after every step
-(its weights, and the rollout in flight with its behaviour log-probs: in_flight.json), rollouts.jsonl (every
-completion's tokens and advantage).
+(its weights, and the rollout in flight with its behaviour log-probs: in_flight/rollouts_in_flight.*, read back
+as a resume reads it), rollouts.jsonl (every completion's tokens and advantage).
 
 TRL's side, in this process: the same initial model with TRL's fused log-prob head (trl.trainer.utils
 add_fused_lm_head, at the recipe's temperature) and TRL's tree attention, each micro-batch (ours: the same
@@ -49,10 +49,13 @@ PER_STEP, FINAL = 1e-5, 1e-4
 
 
 def ours(work: Path, steps: int) -> tuple[Path, list[str]]:
+    """Our run (launched unless work/ours holds a finished one: the replay alone again), and its arguments."""
     out = work / "ours"
     args = ["--recipe", RECIPE, "strategy=ddp", "rollout_processes=1", "max_staleness=1", "loss_type=bnpo",
             "vllm_importance_sampling_correction=false", f"max_steps={steps}", "save_every=1", f"keep_last={steps}",
             "log_every=1", "eval_fraction=0", "plot_loss=false", f"output_dir={out}"]
+    if (out / "metrics.jsonl").is_file() and (out / "final").is_dir():
+        return out, args
     launch = run(accelerate_launch("finetune/run.py", args, 2), work / "ours.log", env=launch_env())
     if launch.returncode != 0:
         raise SystemExit(f"our run failed (rc {launch.returncode}): {work / 'ours.log'}")
@@ -150,8 +153,7 @@ def replay(out: Path, steps: int) -> dict:
         if step == 0:
             behaviour = initial_logps(model_path, samples, prompts, temperature)
         else:
-            held = json.loads((out / "checkpoints" / f"step_{step:09d}" / "in_flight.json").read_text())
-            behaviour = next(x for x in held["rollouts"] if x["rollout"] == step)["logps"]
+            behaviour = held_logps(out / "checkpoints" / f"step_{step:09d}", step)
         built = []
         for i, (line, logps) in enumerate(zip(samples, behaviour, strict=True)):
             prompt, completion = list(prompts[line["row"]]), line["completion_ids"]
@@ -180,6 +182,17 @@ def replay(out: Path, steps: int) -> dict:
                          "our_loss": metrics[step]["loss"], "completions": len(built),
                          "staleness": metrics[step].get("sample/staleness_max")})
     return {"steps": rows_out, "recipe": RECIPE}
+
+
+def held_logps(checkpoint: Path, rollout: int) -> list[list[float]]:
+    """The behaviour log-probs of the rollout a checkpoint holds in flight, read as a resume reads them."""
+    from finetune.checkpointing.run_state import load_in_flight
+    from finetune.training.rollout_group import IN_FLIGHT, rollouts_of_state
+
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    what = f"checkpoint {checkpoint}"
+    held = rollouts_of_state(*load_in_flight(checkpoint, IN_FLIGHT, manifest, what), what=what)
+    return next(x for x in held if x["rollout"] == rollout)["logps"]
 
 
 def initial_logps(model_path, samples, prompts, temperature) -> list[list[float]]:
@@ -227,7 +240,7 @@ def main(argv: list[str]) -> int:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    out, args = ours(work, a.steps) if not (work / "ours" / "metrics.jsonl").is_file() else (work / "ours", [])
+    out, args = ours(work, a.steps)
     os.environ.update({k: v for k, v in launch_env().items() if k.startswith(("FINETUNE", "HF_"))})
     from importlib.metadata import version
 
