@@ -80,7 +80,7 @@ def checkpoint_names(out: Path) -> list[str]:
 
 
 def staging_left(out: Path) -> list[Path]:
-    from finetune.checkpointing.background import run_staging_dir
+    from finetune.checkpointing.staging import run_staging_dir
 
     return list(run_staging_dir(out).glob("*")) if run_staging_dir(out).exists() else []
 
