@@ -61,6 +61,10 @@ def test_the_last_ranks_generate_and_the_others_see_a_world_of_their_own():
                                           r"launch more processes \(--num_processes 3 or more\)"):
         split_world(r, {"WORLD_SIZE": "2"})
     assert split_world(recipe(*GRPO), {"WORLD_SIZE": "2"}) is None
+    alone = {}  # `python finetune/run.py --recipe R --dry-run`, outside a launch: one training process planned
+    assert split_world(r, alone, dry_run=True) is None and alone == {}
+    with pytest.raises(RecipeError, match=r"^rollout_processes=2 leaves no training process of the 1 launched"):
+        split_world(r, {})  # the same, to train: refused
 
 
 def test_each_rollout_comes_from_the_weights_its_step_started_from_lagged():

@@ -169,7 +169,7 @@ def prepare(args, lock: bool = True):
     from finetune.training.rollout_group import split_world
 
     recipe = resolve(args.recipe, args.overrides)
-    split_world(recipe)  # rollout_processes: the trainers' world, also where a front checks before launching
+    split_world(recipe, dry_run=args.dry_run)  # rollout_processes: the trainers' world (a front checks as trainer 0)
     chat_template_text(recipe)
     out = Path(recipe.output_dir)
     problem = output_dir_problem(out)
@@ -205,7 +205,7 @@ def generating_process(args) -> int | None:
     from finetune.recipe import resolve
     from finetune.training.rollout_group import split_world
 
-    return split_world(resolve(args.recipe, args.overrides))
+    return split_world(resolve(args.recipe, args.overrides), dry_run=args.dry_run)
 
 
 def print_dry_run(plan, recipe_name: str) -> None:

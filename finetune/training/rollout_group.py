@@ -62,13 +62,16 @@ class RolloutProcessError(RuntimeError):
 # ---------------------------------------------------------------- the split and the schedule
 
 
-def split_world(recipe, env=os.environ) -> int | None:
+def split_world(recipe, env=os.environ, dry_run: bool = False) -> int | None:
     """Before any process group: this process's index among the generating processes, or None for a training
     process, whose environment then says the trainers' world (WORLD_SIZE, LOCAL_WORLD_SIZE: the launch's less
     the last rollout_processes ranks). Idempotent; a front that checks before launching (RANK unset) plans as
-    trainer rank 0."""
+    trainer rank 0; a dry run outside any launch (no WORLD_SIZE) plans one training process, the generating
+    processes beside it."""
     count = getattr(recipe, "rollout_processes", 0)
     if not count or recipe.objective != "grpo":
+        return None
+    if dry_run and LAUNCHED not in env and "WORLD_SIZE" not in env:
         return None
     launched = int(env.get(LAUNCHED) or env.get("WORLD_SIZE", "1"))
     if launched <= count:
