@@ -9,7 +9,12 @@ TRL's importance-sampling correction on the lag). docs/async-rl.md.
 prompts' 192 completions in one batch, each training GPU trains on 8 prompts' 64), 512-token completions
 after prompts of up to 512. The trainers push their weights to the generating GPUs after every step (FSDP2
 gathers 4 decoder layers at a time, trainer 0 sends them), and both check the push by scoring the same probe.
-Planner (python -m finetune.plan --recipe llama8b_grpo_async --gpus 8 --gpu-mem 80GB --split), modelled
+Sized for 8 x 80 GB GPUs (A100/H100 80GB). Memory per training GPU (its tables plan the 6 training GPUs),
+the planner's estimate (python -m finetune.plan --recipe llama8b_grpo_async --gpus 8 --gpu-mem 80GB):
+    params 4.99 + grads 4.99 + optimizer 9.97 + activations 4.64 + buffers 8.16 = total 32.75 GiB
+and with the lag's 2 kept log-prob copies and the push transient 36.00 GiB; each generating GPU 51.71 GiB (the
+model in bf16, the KV cache of its 192 completions, the prefill).
+The split (python -m finetune.plan --recipe llama8b_grpo_async --gpus 8 --gpu-mem 80GB --split), modelled
 with the H200-calibrated decode and training figures of finetune/split_plan.py:
     gen train  train GiB  gen GiB  gen s  train s  step k=0  step k=1  speed-up
       2     6      36.00    51.71   9.74    12.90     22.68     12.94     1.24x
