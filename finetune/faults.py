@@ -17,7 +17,9 @@ def fault_point(where: str, rank: int, step: int, optimizer=None) -> None:
     a full disk; NAN writes a NaN
     into the first value of that rank's shard of what the optimizer updates (an update gone wrong);
     SLEEP<seconds> waits there (a slow disk, so that a background checkpoint write is still in flight
-    at a later fault). Several faults: separated by commas."""
+    at a later fault); JOBKILL SIGKILLs the launcher, then this process: the whole job at once (the other
+    workers die with their parent, finetune.commands.train's PR_SET_PDEATHSIG). Several faults: separated
+    by commas."""
     for spec in filter(None, os.environ.get("FINETUNE_FAULT", "").split(",")):
         _fault(spec, where, rank, step, optimizer)
 
@@ -37,6 +39,9 @@ def _fault(spec: str, where: str, rank: int, step: int, optimizer) -> None:
 
             time.sleep(float(how[len("SLEEP"):]))
             return
+        if how == "JOBKILL":
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if how == "NAN" and optimizer is not None:
             import torch
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +104,7 @@ class Completion:
     tokens: list[int]  # the generated ids, without the prompt; ends with the stop id when one was hit
     stopped: bool  # True: ended on a stop id; False: cut at max_new_tokens, at the context, or by should_stop
     seconds: float = 0.0  # from the call's start until this sequence ended
+    logprobs: list[float] = field(default_factory=list)  # each token's log-probability, when asked (generate's logprobs)
 
 
 # A counter-based generator (splitmix64's output function: Steele, Lea and Flood, "Fast splittable
@@ -190,7 +191,7 @@ def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int]
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None, vocab_size: int | None = None,
-             compiled: bool = False) -> list[Completion]:
+             compiled: bool = False, logprobs: bool = False, logprob_rows: int | None = None) -> list[Completion]:
     """Batched KV-cache generation over left-padded prompts on an unwrapped HF causal LM whose weights are
     already whole (the caller gathers them once around the call). seeds[i] is sequence i's own seed: its
     tokens are drawn with noise keyed by (seeds[i], position) (next_tokens), so they do not depend on
@@ -200,7 +201,10 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     vocab_size: the tokenizer's vocabulary (len(tokenizer)); ids from it on are never generated.
     compiled: the KV cache preallocated (transformers' StaticCache) and each one-token step a compiled
     graph (torch.compile; CUDA graphs on a GPU): the same tokens as eager (tests/test_generation.py),
-    worth its compile time on a GPU (decode_compiled)."""
+    worth its compile time on a GPU (decode_compiled). logprobs: also each drawn token's log-probability
+    under the distribution a trainer scores (token_logps_within: softmax of the logits / temperature, 1
+    when greedy, over the first vocab_size ids, before top_k and top_p), in Completion.logprobs;
+    logprob_rows: over the output layer's first logprob_rows ids instead (all of them: a loss's token_logps)."""
     if not prompts:
         return []
     sampled = check_request(prompts, sampling, seeds)
@@ -224,6 +228,7 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     # is any sequence still going: read every token on CPU (free), every 8th on a GPU (a device sync)
     check_every = 8 if device.type == "cuda" else 1
     columns: list[torch.Tensor] = []
+    scores: list[torch.Tensor] = []  # each column's log-probabilities (logprobs=True)
     checked: list[tuple[int, float]] = []  # (tokens drawn, seconds since t0) where the host looked
     t0 = time.perf_counter()
     past = None
@@ -243,6 +248,8 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
             past, logits = result.past_key_values, result.logits[:, -1]
         tokens = torch.where(active, next_tokens(logits, sampling, seed_ids, t, vocab_size), pad_id)
         columns.append(tokens)
+        if logprobs:
+            scores.append(drawn_logps(logits, tokens, sampling.temperature or 1.0, logprob_rows or vocab_size))
         hit = active & torch.isin(tokens, stop)
         stopped |= hit
         left = left - active.long()
@@ -259,12 +266,21 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     checked.append((len(columns), time.perf_counter() - t0))
     drawn = torch.stack(columns, 1).cpu().tolist() if columns else [[] for _ in prompts]
     lengths_out = (torch.tensor(budget, device=device) - left).cpu().tolist()
+    logps = torch.stack(scores, 1).cpu().tolist() if scores else [[] for _ in prompts]
     out = []
-    for row, count, hit in zip(drawn, lengths_out, stopped.cpu().tolist()):
+    for row, count, hit, lp in zip(drawn, lengths_out, stopped.cpu().tolist(), logps):
         # the seconds at the first look of the host once its last token was drawn
         seconds = next((s for k, s in checked if k >= count), checked[-1][1]) if count else 0.0
-        out.append(Completion(row[:count], bool(hit), seconds))
+        out.append(Completion(row[:count], bool(hit), seconds, lp[:count]))
     return out
+
+
+def drawn_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
+                vocab_size: int | None = None) -> torch.Tensor:
+    """[rows] float32: each row's drawn token's log-probability under softmax(logits / temperature) over the
+    first vocab_size ids (the distribution a trainer scores: finetune.loss.token_logps_within)."""
+    logits = logits.float()[:, :vocab_size] if vocab_size else logits.float()
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.clamp(max=logits.shape[-1] - 1)[:, None])[:, 0]
 
 
 class _Decoder:

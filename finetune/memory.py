@@ -572,6 +572,8 @@ class Rollout:
         distill = recipe.objective == "distill"
         if not (recipe.objective == "grpo" or distill and recipe.lmbda > 0):
             return None
+        if getattr(recipe, "rollout_processes", 0):  # generated on GPUs of their own: finetune/split_plan.py
+            return None
         from finetune.plan import data_parallel_size
 
         dp = data_parallel_size(recipe, world_size)

@@ -186,7 +186,7 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
     unit, unit_name = (GiB, "GiB") if max(e.peak + e.cpu + e.nvme for _, e in rows) >= GiB else (2**20, "MiB")
     with_reference = any(e.reference for _, e in rows) or holds_reference(recipe)
     distill = recipe.objective == "distill"
-    with_rollout = recipe.objective == "grpo" or distill and recipe.lmbda > 0
+    with_rollout = (recipe.objective == "grpo" or distill and recipe.lmbda > 0) and not recipe.rollout_processes
     with_engine = with_rollout and recipe.generation_backend == "vllm"
     header = [f"per GPU, {unit_name}", "params", "grads", "optimizer"] + (
         ["teacher" if distill else "reference"] if with_reference else []) + (

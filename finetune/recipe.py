@@ -290,6 +290,18 @@ class Recipe:
                                     "with one line naming the rank")
     vllm_push_layers: int = _opt(4, min=1, help="vllm: decoder layers gathered at a time for a push (the transient "
                                  "on each rank)")
+    # GRPO's generation on processes of its own (finetune/training/rollout_group.py, docs/async-rl.md): the last
+    # rollout_processes of the launched processes generate and score the rollouts, the others train; TRL's
+    # AsyncGRPO names where it has them
+    rollout_processes: int = _opt(0, min=0, help="grpo: how many of the launched processes (the last ones) generate "
+                                  "the rollouts while the others train; 0: every process generates its share, then "
+                                  "trains")
+    max_staleness: int = _opt(0, min=0, help="grpo, rollout_processes > 0: step s trains on a rollout generated from "
+                              "the weights step s - max_staleness started from (a fixed lag); 0: synchronous")
+    weight_sync_steps: int = _opt(1, min=1, help="grpo, rollout_processes > 0: the trained weights are pushed to the "
+                                  "generating processes every this many optimizer steps")
+    heartbeat_stale_after_s: float = _opt(300.0, min=1.0, help="grpo, rollout_processes > 0: seconds without a sign "
+                                          "of progress from a generating process after which the run stops, naming it")
     # LoRA (peft): only the adapters train; the base model stays frozen and sharded
     lora: bool = _opt(False)
     lora_r: int = _opt(16, min=1)

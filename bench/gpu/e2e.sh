@@ -11,6 +11,9 @@
 #      rollout and step seconds; TRL's row is given the time to finish.
 #   4. async: async_save against synchronous saves of the 1B model for ddp, fsdp and zero3
 #      (bench/studies/async_checkpoints.py --gpu): seconds the loop blocks per save.
+#   5. split: tiny_grpo_async (one more process than the recipes phase's, generating: rollout_processes=1) at
+#      max_staleness 0 and 1: step seconds and the share of the step each group waits. On one GPU both
+#      processes share it, which cannot show the split's gain (docs/async-rl.md; the planner models 8 GPUs).
 # Results go to $OUT: e2e.md (the table, with the commit), e2e.log (everything), rows.jsonl, the phases' files.
 #
 #   bash bench/gpu/e2e.sh            # on the device, from the repository root; carry bench/wheels_gpu
@@ -22,13 +25,13 @@
 # one the run logs at eval, and tiny_distill's teacher is made by a row before it. What only training shows
 # (that the figure is reached) is the GPU run's to say.
 # E2E_BUDGET (default 530): seconds in all; a phase that would not finish is skipped and says so.
-# E2E_PHASES (default recipes,fp32,grpo,async): the phases to run, in that order; E2E_RECIPES (comma-separated)
+# E2E_PHASES (default recipes,fp32,grpo,async,split): the phases to run, in that order; E2E_RECIPES (comma-separated)
 # the recipes phase's runs; E2E_ASYNC the async phase's strategies.
 set -uo pipefail
 T0=$SECONDS
 BUDGET=${E2E_BUDGET:-530}
 SMOKE=${E2E_SMOKE:-0}
-PHASES=${E2E_PHASES:-recipes,fp32,grpo,async}
+PHASES=${E2E_PHASES:-recipes,fp32,grpo,async,split}
 OUT=${OUT:-/tmp/e2e_out}
 STATE=${E2E_STATE:-/tmp/e2e}
 PY=${PYTHON:-python3}
@@ -128,6 +131,27 @@ if has async; then
     else
         note "async: skipped, $(left)s left"
     fi
+fi
+
+# 5. GRPO with a process of its own generating, at max_staleness 0 and 1
+if has split; then
+    for k in 0 1; do
+        if [ "$(left)" -lt 90 ]; then
+            note "split max_staleness=$k: skipped, $(left)s left"
+            continue
+        fi
+        run_dir=$STATE/runs/split_k$k
+        rm -rf "$run_dir"
+        start=$SECONDS
+        timeout $(( $(left) - 10 )) $PY -m finetune.cli train tiny_grpo_async --num_processes $((NPROC + 1)) \
+            max_staleness=$k strategy=ddp mixed_precision=bf16 max_steps=${E2E_SPLIT_STEPS:-20} log_every=1 \
+            eval_fraction=0 save_every=0 "output_dir=$run_dir" > "$run_dir.log" 2>&1
+        rc=$?
+        $PY bench/gpu/e2e_check.py split "$k" "$run_dir" $((SECONDS - start)) $rc >> "$OUT/rows.jsonl" \
+            || note "check of split max_staleness=$k FAILED"
+        tail -1 "$OUT/rows.jsonl"
+        cp -f "$run_dir.log" "$OUT/split_k$k.log" 2>/dev/null
+    done
 fi
 
 {

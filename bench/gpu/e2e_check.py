@@ -2,6 +2,7 @@
 
     python bench/gpu/e2e_check.py recipe NAME RUN_DIR SECONDS RC   # one recipe's row (a JSON line into rows.jsonl)
     python bench/gpu/e2e_check.py compiled-equals-eager            # the compiled decode loop against the eager one, fp32
+    python bench/gpu/e2e_check.py split LAG RUN_DIR SECONDS RC     # tiny_grpo_async's row at max_staleness=LAG
     python bench/gpu/e2e_check.py resolve "SPEC,SPEC,..." STATE    # every row checked without training (smoke mode)
     python bench/gpu/e2e_check.py table ROWS.jsonl                 # the markdown table of every row
 
@@ -107,6 +108,31 @@ def compiled_equals_eager() -> dict:
     return out
 
 
+def split_row(lag: int, run_dir: str, seconds: float, rc: int) -> dict:
+    """tiny_grpo_async's row at max_staleness=lag: the median step seconds after the first 3 steps, and the share of
+    it the training processes waited for the generating one (the rollout, the push) and the generating one for
+    them (the weights), from metrics.jsonl (bench/studies/async_grpo_overlap.py's figures)."""
+    import statistics
+
+    from bench.studies.async_grpo_overlap import WARMUP, step_seconds
+    from finetune.training.metrics import read_metrics, run_history
+
+    row = {"check": f"tiny_grpo_async, max_staleness={lag}", "seconds": round(seconds, 1), "ok": False}
+    path = Path(run_dir) / "metrics.jsonl"
+    records = [r for r in run_history(read_metrics(path)) if "loss" in r] if path.is_file() else []
+    timed = list(zip(records, step_seconds(records)))[WARMUP:]
+    if rc != 0 or not timed:
+        row["error"] = f"exit code {rc}, {len(records)} steps"
+        return row
+    step = statistics.median(s for _, s in timed)
+    trainers = statistics.median((r["perf/rollout_wait_s"] + r["perf/weight_sync_s"]) / s for r, s in timed)
+    generator = statistics.median(r["rollout/backpressure_s"] / s for r, s in timed)
+    row.update(ok=True, step_s=step, trainers_wait=trainers, generator_wait=generator,
+               what=f"step {step:.3f} s (median of steps {WARMUP + 1}-{len(records)}); trainers wait {trainers:.0%} of "
+                    f"it, the generating process {generator:.0%}")
+    return row
+
+
 def resolve_rows(specs: list[str], state: str) -> dict:
     """Every row of e2e.sh's list without training it (the smoke mode trains one): each recipe, with the
     script's overrides, loads and validates as `finetune train` takes it; it has a target, whose metric the
@@ -176,6 +202,9 @@ def main(argv: list[str]) -> int:
             row = {"check": "compiled loop = eager loop (fp32)", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
         row["seconds"] = round(time.time() - t0, 1)
         print(json.dumps(row))
+        return 0
+    if argv[0] == "split":
+        print(json.dumps(split_row(int(argv[1]), argv[2], float(argv[3]), int(argv[4]))))
         return 0
     if argv[0] == "resolve":
         print(json.dumps(resolve_rows([s for s in argv[1].split(",") if s.strip()], argv[2])))

@@ -41,8 +41,9 @@ STATE_KEYS = ("lr", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1"
               "mixed_precision", "offload_optimizer", "offload_params", "fsdp_version", "ddp_shard_optimizer",
               "lora_alpha", "lora_dropout", "load_in_4bit")
 # GRPO's keys that make its prompt schedule and rollouts: a change would make a resumed step train on other
-# prompts (or retrain a finished rollout's), so it is refused.
-ROLLOUT_KEYS = ("num_generations", "num_iterations")
+# prompts (or retrain a finished rollout's), or on rollouts the checkpoint holds generated with another lag
+# (max_staleness, weight_sync_steps: the rollouts in flight), so it is refused.
+ROLLOUT_KEYS = ("num_generations", "num_iterations", "max_staleness", "weight_sync_steps")
 # What a change of these does on resume (any other key not named above applies as it would in a new run).
 RESUME_EFFECTS = {
     "max_steps": "the run's length; the lr schedule is recomputed for it from this step on",

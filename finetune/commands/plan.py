@@ -44,6 +44,14 @@ def _parse_planner_args(argv):
                         help=f"link rate inside a node per GPU and direction, Gbit/s ({INTRA_GBPS:g}: NVLink 4)")
     parser.add_argument("--inter-node-gbps", type=float, default=INTER_GBPS,
                         help=f"network rate across nodes per GPU, Gbit/s ({INTER_GBPS:g}: a 400G NIC per GPU)")
+    parser.add_argument("--split", action="store_true",
+                        help="instead: GRPO with generation on GPUs of its own (rollout_processes): memory per group "
+                             "and step seconds of every split of --gpus, and the one it would run (finetune/split_plan.py)")
+    parser.add_argument("--generation-seconds", type=float,
+                        help="with --split: a colocated run's measured rollout seconds per step on --gpus (its "
+                             "metrics.jsonl rollout_seconds), instead of the model's")
+    parser.add_argument("--training-seconds", type=float,
+                        help="with --split: that run's measured seconds per step without the rollout")
     parser.add_argument("overrides", nargs="*", help="key=value, as for finetune/run.py")
     args = parser.parse_args(argv)
     if args.gpus < 1:
@@ -60,6 +68,11 @@ def _parse_planner_args(argv):
         if args.max_seq_len:
             raise RecipeError("--max-seq-len and --nodes: one question at a time; drop one of them")
         args.gpus = args.nodes * args.gpus_per_node
+    if args.split and args.gpus < 2:
+        raise RecipeError(f"--split --gpus {args.gpus}: a split needs at least 2 GPUs (one generating, one training)")
+    for flag, value in (("--generation-seconds", args.generation_seconds), ("--training-seconds", args.training_seconds)):
+        if value is not None and not (args.split and value > 0):
+            raise RecipeError(f"{flag} {value:g}: a measured time (> 0) for --split only")
     if args.max_seq_len and args.gpu_mem is None:
         raise RecipeError("--max-seq-len needs --gpu-mem (the memory of one GPU, like 80GB)")
     if not 0 <= args.headroom < 1:
@@ -91,8 +104,23 @@ def main(argv=None) -> int:
         args = _parse_planner_args(sys.argv[1:] if argv is None else argv)
         budget = parse_size(args.gpu_mem) if args.gpu_mem is not None else None
         recipe = resolve(args.recipe, args.overrides)  # the same loading and checks as finetune/run.py
-        accum = derive_grad_accum(recipe, args.gpus)
         arch = load_architecture(recipe.model)
+        if args.split:
+            from finetune.split_plan import split_table
+
+            if recipe.objective != "grpo" or not recipe.global_batch_size:
+                raise RecipeError("--split plans GRPO with generation on GPUs of its own: it needs objective=grpo and "
+                                  "global_batch_size (prompts per step)")
+            print(split_table(recipe, arch, args.gpus, budget, args.headroom, args.generation_seconds,
+                              args.training_seconds, name=args.recipe))
+            return 0
+        generating = recipe.rollout_processes if recipe.objective == "grpo" else 0
+        if generating:  # the last rollout_processes of the GPUs generate: the tables plan the training ones
+            if args.gpus <= generating:
+                raise RecipeError(f"--gpus {args.gpus} with rollout_processes={generating} leaves no training GPU; give "
+                                  f"--gpus {generating + 1} or more (--split compares the splits)")
+            args.gpus -= generating
+        accum = derive_grad_accum(recipe, args.gpus)
         refused(recipe, args.gpus, arch)
         if args.nodes is not None:
             print(cluster_table(recipe, arch, args.nodes, args.gpus_per_node, budget or parse_size(CLUSTER_GPU_MEM),
@@ -110,6 +138,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(table)
+    if generating:
+        from finetune.split_plan import split_memory_lines
+
+        print("\n".join(split_memory_lines(recipe, arch, args.gpus)))
     dp = data_parallel_size(recipe, args.gpus)
     ranks = f"{args.gpus} GPUs" if dp == args.gpus else \
         f"{dp} data-parallel ranks ({args.gpus} GPUs / sequence_parallel)"

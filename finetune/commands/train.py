@@ -166,8 +166,10 @@ def prepare(args, lock: bool = True):
     from finetune.checkpointing.staging import staging_problem
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
+    from finetune.training.rollout_group import split_world
 
     recipe = resolve(args.recipe, args.overrides)
+    split_world(recipe, dry_run=args.dry_run)  # rollout_processes: the trainers' world (a front checks as trainer 0)
     chat_template_text(recipe)
     out = Path(recipe.output_dir)
     problem = output_dir_problem(out)
@@ -196,6 +198,16 @@ def prepare(args, lock: bool = True):
     return plan
 
 
+def generating_process(args) -> int | None:
+    """Before any process group: this process's index among the generating processes (recipe.rollout_processes:
+    the launch's last ranks, finetune/training/rollout_worker.py), or None for a training process, whose
+    environment then says the trainers' world (rollout_group.split_world)."""
+    from finetune.recipe import resolve
+    from finetune.training.rollout_group import split_world
+
+    return split_world(resolve(args.recipe, args.overrides), dry_run=args.dry_run)
+
+
 def print_dry_run(plan, recipe_name: str) -> None:
     """What --dry-run prints, here and in the `finetune train` front: the plan, the data as stored (rows,
     format, KTO's labels; nothing tokenized) and the memory estimate."""
@@ -205,6 +217,16 @@ def print_dry_run(plan, recipe_name: str) -> None:
     print(plan.describe())
     for line in overview_lines(plan.recipe):
         print(line)
+    if plan.recipe.rollout_processes:  # generation on processes of its own: memory per group
+        from finetune.arch import load_architecture
+        from finetune.memory import EstimateError
+        from finetune.split_plan import split_memory_lines
+
+        try:
+            print("\n".join(split_memory_lines(plan.recipe, load_architecture(plan.recipe.model), plan.world_size)))
+        except EstimateError as e:
+            print(f"memory per GPU: not estimated: {e}")
+        return
     print(memory_report(plan.recipe, plan.world_size, recipe_name, gpus_per_node=plan.world_size // plan.num_machines))
 
 
@@ -252,6 +274,11 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
+        generating = generating_process(args)
+        if generating is not None:  # one of the launch's last rollout_processes ranks
+            from finetune.training.rollout_worker import serve
+
+            return serve(args, generating)
         plan = prepare(args)
     except RecipeError as e:
         let_go_of_output_dir(abandon=True)
@@ -267,20 +294,29 @@ def main(argv=None) -> int:
     if plan.device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # say it, rather than have DeepSpeed warn it guessed
     from finetune.training.loop import train
+    from finetune.training.rollout_group import RolloutProcessError, release_all
 
     try:
         train(plan)
     except RecipeError as e:  # found only once data or model were reached (hub datasets, for example)
+        release_all()
         let_go_of_output_dir()
         say_once(f"error: {e}")
         return 2
+    except RolloutProcessError as e:  # a generating process died or hung: one line naming it
+        release_all()
+        let_go_of_output_dir()
+        say_once(f"error: {e}")
+        os._exit(1)
     except Exception as e:  # a bug or a machine fault: say where, then exit so the launcher stops the others
         import traceback
 
+        release_all()
         let_go_of_output_dir()
         traceback.print_exc()
         print(f"error: rank {_rank()} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: teardown could block in a collective the other ranks never join
+    release_all()
     let_go_of_output_dir()
     return 0
 

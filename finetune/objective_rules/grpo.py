@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from finetune.errors import RecipeError, refuse_switched_on
+from finetune.objective_rules import rollout_split
 from finetune.objective_rules.common import default
 
 NAME = "grpo"
@@ -17,7 +18,7 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages", "dynamic_sampling",
-               "max_generation_batches", "entropy_coef")
+               "max_generation_batches", "entropy_coef", *rollout_split.FIELDS)
 GRPO_LISTS = ("reward_funcs", "reward_weights")
 FIELDS, LISTS = GRPO_FIELDS, GRPO_LISTS
 SHARES = ("max_prompt_len",)
@@ -31,7 +32,10 @@ IN_FLIGHT_ROLLOUT = "grpo_rollout"  # a checkpoint's rollout in flight (finetune
 
 def in_flight(r, step: int) -> tuple[str, str] | None:
     """A checkpoint inside a rollout (num_iterations > 1, step not a multiple of it) must hold that rollout:
-    its next steps train on completions and old log-probs of a policy the checkpoint no longer holds."""
+    its next steps train on completions and old log-probs of a policy the checkpoint no longer holds.
+    With rollout_processes, the rollouts in flight that lag the checkpoint's weights (rollout_split.in_flight)."""
+    if r.rollout_processes:
+        return rollout_split.in_flight(r, step)
     if r.num_iterations > 1 and step % r.num_iterations:
         return IN_FLIGHT_ROLLOUT, (f"was saved inside rollout {step // r.num_iterations} (step {step}, num_iterations="
                                    f"{r.num_iterations}) and holds no in-flight rollout (an older finetune kept it "
@@ -82,6 +86,7 @@ def check(r, strategy) -> None:
     if problem:
         raise RecipeError(problem)
     check_rloo(r)
+    rollout_split.check(r)
     if r.max_generation_batches != default(r, "max_generation_batches") and not r.dynamic_sampling:
         raise RecipeError(f"max_generation_batches={r.max_generation_batches} applies to dynamic_sampling=true only; "
                           "set dynamic_sampling=true, or leave max_generation_batches out")
@@ -197,7 +202,8 @@ def check_generation_backend(r) -> None:
     if r.objective not in ("grpo", "distill") and vllm:
         raise RecipeError("generation_backend=vllm applies to objective=grpo and distill only (the sampled "
                           "completions); set objective=grpo or distill, or leave generation_backend out")
-    changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)]
+    changed = [k for k in VLLM_FIELDS if getattr(r, k) != default(r, k)
+               and not (r.rollout_processes and k in rollout_split.SHARED_VLLM_FIELDS)]
     if changed and not vllm:
         key = changed[0]
         raise RecipeError(f"{key}={getattr(r, key)} applies to generation_backend=vllm only; set "

@@ -387,6 +387,7 @@ def optimizer_step(run: Run, state: LoopState, stop: StopRequest, meter: Through
                 loss = objective.loss(model, batch, aux)
             accelerator.backward(loss * scale)
         step_loss += loss.detach().double()
+    fault_point("before_update", accelerator.process_index, state.step + 1)  # a kill mid-step (tests)
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), r.max_grad_norm or float("inf"))
     step_loss, global_tokens, global_inputs, stopping = one_sync_per_step(step_loss, counts, stop, run.reduce_sum)
     if not skip_nonfinite(state, step_loss, grad_norm, r, run.out):  # or raises: a NaN run stops here

@@ -206,8 +206,9 @@ def rollouts_summary(path) -> dict:
 
 def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, tokens, texts, stopped,
                    names: list[str], per_func: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor,
-                   vocab: int | None = None):
-    """One line per completion: the step that generated it, its prompt (dataset row and value), the
+                   vocab: int | None = None, version: int = 0):
+    """One line per completion: the step that generated it, its rollout and the policy version (the optimizer
+    steps the weights that generated it had taken), its prompt (dataset row and value), the
     row's other columns as the reward functions received them (`answer`, ...), its text and token ids,
     how many of those ids the tokenizer cannot decode (past its `vocab` tokens), whether it stopped, each
     function's reward (None: not scored), the weighted reward and the advantage."""
@@ -221,7 +222,8 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
     def number(x):
         return json_values(float(x))  # None for NaN (not scored), as metrics.jsonl writes it
 
-    lines = "".join(json.dumps({"step": step, "rollout": rollout, "row": rows[i // g], "prompt": prompts[i // g],
+    lines = "".join(json.dumps({"step": step, "rollout": rollout, "policy_version": version, "row": rows[i // g],
+                                "prompt": prompts[i // g],
                                 "columns": {c: data[c][i // g] for c in columns},
                                 "undecodable_ids": undecodable_ids[i],
                                 "completion": text, "completion_ids": t, "stopped": stopped[i],
@@ -429,8 +431,9 @@ def fill_groups(batches: list[tuple[list[int], list, list, torch.Tensor]], wante
 
 def write_dropped(path, step: int, rollout: int, batches: list, dropped: list[tuple[int, int]], ds, g: int,
                   names: list[str], weights: torch.Tensor) -> None:
-    """One line per group dynamic sampling dropped (its rewards all equal): the step, rollout, generation
-    batch, dataset row and prompt, and the group's rewards (weighted, per completion)."""
+    """One line per group dynamic sampling dropped (its rewards all equal): the step, rollout, policy version
+    (the weights of step - 1 updates generated it), generation batch, dataset row and prompt, and the group's
+    rewards (weighted, per completion)."""
     import json
 
     if not dropped:
@@ -440,7 +443,8 @@ def write_dropped(path, step: int, rollout: int, batches: list, dropped: list[tu
     lines = []
     for (b, i), row, prompt in zip(dropped, rows, prompts):
         rewards = weighted_rewards(batches[b][3][i * g:(i + 1) * g].double(), weights)
-        lines.append(json.dumps({"step": step, "rollout": rollout, "row": row, "prompt": prompt, "dropped": True,
+        lines.append(json.dumps({"step": step, "rollout": rollout, "policy_version": step - 1, "row": row,
+                                 "prompt": prompt, "dropped": True,
                                  "generation_batch": b, "rewards": [json_values(float(x)) for x in rewards]}) + "\n")
     append_lines(path, step, "".join(lines))
 

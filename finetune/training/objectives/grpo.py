@@ -32,6 +32,7 @@ from finetune.training.generators import (ENGINE_METRICS, check_installed, engin
 from finetune.training.metrics import log
 from finetune.checkpointing.run_state import load_in_flight
 from finetune.objective_rules import grpo as grpo_rules
+from finetune.training.rollout_group import RolloutGroup, metric_names as rollout_group_metrics
 from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, IN_FLIGHT_ROLLOUT, ROLLOUTS, completion_seed,
                                         eval_metrics, eval_prompt_batches, eval_seed, eval_share, fill_groups,
                                         first_failure, generate_completions, joined, keep_rollouts, load_recorded,
@@ -85,8 +86,10 @@ class GRPO(Basic):
         # rloo's kl is the rollout's (its penalty is in the reward), the others' the loss's
         self.rollout_names = (("kl",) if self.loss_type == "rloo" and self.beta != 0.0 else ()) + \
             rollout_metric_names(self.rewards.names) + (DYNAMIC_METRICS if recipe.dynamic_sampling else ()) + (
-            ENGINE_METRICS if recipe.generation_backend == "vllm" else ())
+            ENGINE_METRICS if recipe.generation_backend == "vllm" else ()) + (
+            rollout_group_metrics(recipe) if recipe.rollout_processes else ())
         self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
+        self.rollout_group = None  # rollout_processes > 0: the rollouts come from processes of their own
         self.sampled_logps: list = []  # the engine's log-probs of the last sample()'s completions
         self.loss_metrics = metric_names(self.loss_type, self.beta)
         self.metrics = self.loss_metrics + self.rollout_names
@@ -163,7 +166,9 @@ class GRPO(Basic):
                 import shutil
 
                 shutil.rmtree(Path(context.recipe.output_dir) / CACHE_DIR, ignore_errors=True)
-        self.generator = generator_for(context, generate_completions)
+        self.generator = generator_for(context, generate_completions)  # the eval's, and the rollouts' unless split
+        if context.recipe.rollout_processes:
+            self.rollout_group = RolloutGroup(context)
         self.resume = context.plan.resume
         self.replaying = self.resume is not None and self.generator.logprobs
         return {}
@@ -245,6 +250,10 @@ class GRPO(Basic):
         rows = run.schedule.rows(k, 0)[0]  # the prompt schedule: one micro-batch of the step's prompts
         if r.dynamic_sampling:
             made = self.dynamic_batch(run, k, step, rows, stop)
+        elif self.rollout_group is not None:  # generated and scored by the generating processes
+            made = self.rollout_group.receive(run, k, stop)
+            if made is not None:
+                made = (rows, *made, {})
         else:
             made = self.generation_batch(run, k, 0, rows, step, stop)
             if made is not None:
@@ -260,9 +269,13 @@ class GRPO(Basic):
                         "reward None): their advantages are 0 and the step trains on nothing (its reward is null in "
                         "metrics.jsonl); said once")
         engine = self.generator.logprobs  # a vLLM engine: its log-probs against the trainer's, and the correction
+        # a lagging rollout's behaviour log-probs: they weigh its loss as an engine's do (TRL's correction), or
+        # without the correction are its old log-probs (TRL's async trainer)
+        behaviour = self.rollout_group.behaviour_rows(share) if self.rollout_group is not None else None
+        old = self.rollout_group.old_rows(prompt_ids, behaviour) if behaviour is not None else None
         # the micro-batches (old and reference log-probs) before the advantages: rloo's penalise the reward by them
-        batches = self.batches(run, prompt_ids, tokens, stopped, torch.zeros(len(tokens)),
-                               engine_logps=self.sampled_logps if engine else None)
+        batches = self.batches(run, prompt_ids, tokens, stopped, torch.zeros(len(tokens)), old_rows=old,
+                               engine_logps=self.sampled_logps if engine else None if old else behaviour)
         advantages, zero_std, kl = self.advantages(all_rewards, batches)
         for b, part in zip(batches, advantages[share].split(r.micro_batch_size)):
             b["advantages"] = part.clone()
@@ -277,6 +290,8 @@ class GRPO(Basic):
         if engine:
             values |= self.engine_values(batches, k)
             values["vllm/push_seconds"] = self.generator.push_seconds
+        if self.rollout_group is not None:
+            values |= self.rollout_group.values(gather_objects(self.engine_sums.tolist()) if behaviour is not None else [])
         if self.num_iterations > 1 or engine:  # kept for a run resumed inside (or, with the engine, at) rollout k
             def rows_of(key):
                 kept = [[b[key][i, :int(b["attention_mask"][i].sum())].tolist() for i in range(len(b["real"]))]
@@ -293,7 +308,8 @@ class GRPO(Basic):
                     save_recorded(run.out, k, self.kept[1], run.checkpoints.latest_id,
                                   keep=max(2, -(-r.save_every // self.num_iterations) + 1))
         if accelerator.is_main_process:
-            self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages)
+            self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages,
+                        self.rollout_group.version(k) if self.rollout_group is not None else step)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
 
@@ -334,12 +350,13 @@ class GRPO(Basic):
                                                r.normalize_advantages)
         return advantages, zero_std, metric
 
-    def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages) -> None:
+    def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages, version: int) -> None:
         """Rank 0: rollout k's completions, their rewards and advantages into rollouts.jsonl, under `step`
-        (1-based)."""
+        (1-based), with the policy version (optimizer steps) that generated them."""
         write_rollouts(run.out / ROLLOUTS, step, k, rows, run.datasets.train, self.num_generations, tokens,
                        run.tokenizer.batch_decode(tokens, skip_special_tokens=True), stopped, self.rewards.names,
-                       rewards, weighted_rewards(rewards, self.rewards.weights), advantages, len(run.tokenizer))
+                       rewards, weighted_rewards(rewards, self.rewards.weights), advantages, len(run.tokenizer),
+                       version=version)
 
     def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, updates: int, stop=None) -> tuple:
         """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
@@ -414,7 +431,10 @@ class GRPO(Basic):
 
     def in_flight(self, step: int) -> dict:
         """What a checkpoint after `step` steps holds of the rollout in flight: the rollout the next step trains
-        on when it was generated before (num_iterations > 1, step inside it), on the main process."""
+        on when it was generated before (num_iterations > 1, step inside it), on the main process; with
+        rollout_processes, the rollouts generated and not yet trained on (RolloutGroup.in_flight)."""
+        if self.rollout_group is not None:
+            return self.rollout_group.in_flight(step)
         k = step // self.num_iterations
         if step % self.num_iterations == 0 or self.kept is None or self.kept[0] != k:
             return {}
@@ -454,7 +474,7 @@ class GRPO(Basic):
                                is_rows=ratios[share] if ratios is not None else None)
         if first and run.accelerator.is_main_process:
             self.record(run, step + 1, k, rows, saved["tokens"], saved["stopped"], saved["rewards"],
-                        saved["advantages"])
+                        saved["advantages"], step)
         return batches, saved["values"]
 
     def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None, engine_logps=None,
@@ -467,9 +487,9 @@ class GRPO(Basic):
         r, model = run.recipe, run.model
         m = r.micro_batch_size
         # rloo with beta > 0 penalises the reward by the KL of the old log-probs (also with one iteration)
-        keep_old = (self.num_iterations > 1 or engine_logps is not None or is_rows is not None
+        keep_old = (self.num_iterations > 1 or engine_logps is not None or is_rows is not None or old_rows is not None
                     or (self.loss_type == "rloo" and self.beta != 0.0))
-        self.engine_sums = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0, 0.0], dtype=torch.float64)
+        self.engine_sums = torch.tensor([0.0, 0.0, 0.0, math.inf, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
         out = []
         with SP.whole_sequences():  # the old and reference log-probs of whole sequences (every rank of an SP group)
             for a in range(0, len(tokens), m):
@@ -509,10 +529,11 @@ class GRPO(Basic):
         return token_logps(model, batch, self.loss_impl, self.chunk, self.temperature, self.head_dtype)
 
     def weigh(self, b: dict, trainer: torch.Tensor, sampled: torch.Tensor) -> None:
-        """A micro-batch of the engine's completions: its importance weights (TRL's correction, when on) and
-        the push check's sums (|engine - trainer| log-prob sum, tokens, largest; the weights' min, sum,
-        count, max). trainer: the policy's log-probs of the distribution the engine draws from (the
-        tokenizer's rows, without the padded ones: loss.token_logps_within), as the engine returns them."""
+        """A micro-batch of the engine's completions (or a lagging rollout's): its importance weights (TRL's
+        correction, when on) and the push check's sums (|engine - trainer| log-prob sum, tokens, largest; the
+        weights' min, sum, count, max, and how many were clipped or masked). trainer: the policy's log-probs of
+        the distribution the engine draws from (the tokenizer's rows, without the padded ones:
+        loss.token_logps_within), as the engine returns them."""
         r = self.recipe
         mask = (b["labels"] != IGNORE).float()
         delta = (trainer - sampled).abs() * mask
@@ -526,13 +547,16 @@ class GRPO(Basic):
                                    r.vllm_importance_sampling_clip_max)
         b["is_ratio"] = ratio
         # TRL's metrics: over the sequences (sequence_* modes) or the completion tokens (token_*)
-        seen = ratio[:, :1][mask.sum(-1) > 0].flatten() if r.vllm_importance_sampling_mode.startswith("sequence") \
-            else ratio[mask.bool()]
+        # (a sequence's weight read at its first completion token: the prompt's positions hold 1)
+        seen = ratio.gather(1, mask.argmax(-1, keepdim=True))[mask.sum(-1) > 0].flatten() \
+            if r.vllm_importance_sampling_mode.startswith("sequence") else ratio[mask.bool()]
         if seen.numel():
             sums[3] = min(sums[3].item(), seen.min().item())
             sums[4] += seen.sum().item()
             sums[5] += seen.numel()
             sums[6] = max(sums[6].item(), seen.max().item())
+            clip = r.vllm_importance_sampling_clip_max
+            sums[7] += ((seen == 0) if r.vllm_importance_sampling_mode.endswith("mask") else (seen >= clip)).sum().item()
 
     def engine_values(self, batches: list[dict], k: int) -> dict:
         """The push check over every rank's completions of rollout k (vllm/logp_diff: the mean and largest
