@@ -47,8 +47,8 @@ class OwnGenerator:
     def __init__(self, generate):
         self.generate = generate
 
-    def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int, stop=None) -> list:
-        return self.generate(run, prompts, seeds, stop)
+    def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int, stop=None, turns=None) -> list:
+        return self.generate(run, prompts, seeds, stop, turns)
 
     def sleep(self) -> None:
         """Nothing to give back: the weights gathered for generation were released after it."""
