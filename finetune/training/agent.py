@@ -227,8 +227,10 @@ class Conversations(Turns):
     the tokens to feed."""
 
     def __init__(self, template: Template, toolbox, rows: list[dict], seeds: list[int], prompts: list[list[int]],
-                 max_rounds: int, timeout: float):
-        self.template, self.max_rounds, self.timeout = template, max_rounds, timeout
+                 max_rounds: int, timeout: float, between=None):
+        """between: called once a round of calls was answered, before the answer is fed (the crash tests' fault
+        point between turns)."""
+        self.template, self.max_rounds, self.timeout, self.between = template, max_rounds, timeout, between
         self.items = []
         for row, seed, prompt in zip(rows, seeds, prompts):
             try:
@@ -261,6 +263,8 @@ class Conversations(Turns):
             return None
         conv.messages += messages
         conv.start = len(tokens) + len(suffix)
+        if self.between is not None:
+            self.between()
         return suffix
 
     def finish(self, completions: list) -> list[dict]:

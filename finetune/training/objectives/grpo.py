@@ -357,8 +357,10 @@ class GRPO(Basic):
             rows = [{"prompt": p} | {c: v[i] for c, v in extra.items()}
                     for i, p in enumerate(p for p in cols["prompt"] for _ in range(g))]
             r = run.recipe
+            rank = run.accelerator.process_index
             turns = agent.Conversations(self.template, self.toolbox, rows, seeds, prompt_ids,
-                                        r.max_tool_calling_iterations, r.tool_timeout)
+                                        r.max_tool_calling_iterations, r.tool_timeout,
+                                        between=lambda: fault_point("turn", rank, step))  # a kill between turns
         with SP.whole_sequences():  # every rank of an SP group samples its group's prompts whole
             outs = self.generator(run, prompt_ids, seeds, updates, stop, **({"turns": turns} if turns else {}))
         self.generator.sleep()  # a vLLM engine on GPUs gives its memory back to the step (vllm_enable_sleep_mode)
