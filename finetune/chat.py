@@ -16,7 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-from finetune.checkpointing.checkpoint import HF_DIR, MANIFEST, verify
+from finetune.checkpointing.layout import HF_DIR, MANIFEST
+from finetune.checkpointing.manifest import verify
 from finetune.checkpointing.export import ExportError, checkpoint_state_dict, lora_keys
 from finetune.generation import Sampling, generate, pad_id_for, render_prompt, stop_ids
 from finetune.model import add_lora, context_length, load_model

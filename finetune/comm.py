@@ -323,7 +323,8 @@ def cluster_table(recipe, arch: Architecture, nodes: int, gpus_per_node: int, bu
                   budget_text: str = "") -> str:
     """`finetune plan --nodes N --gpus-per-node G`: each layout's memory per GPU, the bytes each GPU sends
     per step inside its node and across nodes, their time on the links, and the choice."""
-    from finetune.memory import Setup, describe_run, gib, own_setup_line
+    from finetune.memory import Setup, own_setup_line
+    from finetune.memory_tables import describe_run, gib
 
     rows = layouts(recipe, arch, nodes, gpus_per_node, intra_gbps, inter_gbps)
     n = nodes * gpus_per_node

@@ -3,6 +3,11 @@
 A recipe is a frozen dataclass so that recipe files stay plain, diffable specs and a derived recipe
 is just `dataclasses.replace(base, ...)`. Field metadata carries the allowed choices and ranges so
 that one generic validator can name the key, the bad value and what is allowed.
+
+It is longer than 700 lines because it is one spec read top to bottom: every key with its default,
+choices, range and help (the Recipe class, most of the file), then how a recipe is loaded, overridden from
+the command line and validated. Each objective's own keys and rules live in objective_rules/, the
+strategies' in strategy/.
 """
 
 from __future__ import annotations

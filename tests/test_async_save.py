@@ -12,8 +12,10 @@ import pytest
 
 from finetune import arch as A
 from finetune import memory as M
+from finetune.checkpointing import staging as S
 from finetune.checkpointing import background as B
-from finetune.checkpointing.checkpoint import file_checksums, first_failure
+from finetune.checkpointing.checkpoint import first_failure
+from finetune.checkpointing.manifest import file_checksums
 from finetune.faults import fault_point
 from finetune.recipe import apply_overrides, load_recipe_module
 
@@ -113,7 +115,7 @@ def test_async_save_that_does_not_fit_host_memory_is_refused_with_the_numbers(tm
     assert staged == pytest.approx(68_976_648_192 * 12 / 2**30, rel=1e-3)  # fp32 weights and Adam, whole on rank 0
     code, out, _ = run_main([*args, "--dry-run"])  # the dry run says it instead
     assert code == 0 and "not runnable on this machine: async_save=true keeps a copy of each checkpoint" in out
-    assert M.staging_problem(recipe("async_save=true"), 2, 2) is None  # the tiny model's fits
+    assert S.staging_problem(recipe("async_save=true"), 2, 2) is None  # the tiny model's fits
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 
@@ -122,17 +124,17 @@ def test_memory_and_tmpfs_are_asked_for_what_each_holds(tmp_path):
     through the staging tmpfs (its free space bounds them), here a real directory's free space."""
     import shutil
 
-    free, available = shutil.disk_usage(tmp_path).free, M.mem_available()
-    assert M.host_memory_problem(available // 2, 0, staging=tmp_path) is None
-    assert "GiB of memory available" in M.host_memory_problem(available + 2**30, 0, staging=tmp_path)
-    problem = M.host_memory_problem(1, free + 2**30, staging=tmp_path)
+    free, available = shutil.disk_usage(tmp_path).free, S.mem_available()
+    assert S.host_memory_problem(available // 2, 0, staging=tmp_path) is None
+    assert "GiB of memory available" in S.host_memory_problem(available + 2**30, 0, staging=tmp_path)
+    problem = S.host_memory_problem(1, free + 2**30, staging=tmp_path)
     assert problem.startswith("async_save=true writes fsdp's checkpoint files through") and "GiB free" in problem
     assert "FINETUNE_STAGING_DIR" in problem
 
 
 def test_no_staging_directory_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("FINETUNE_STAGING_DIR", str(tmp_path / "absent"))
-    assert "FINETUNE_STAGING_DIR to a writable tmpfs directory" in M.staging_problem(recipe("async_save=true"), 1, 1)
+    assert "FINETUNE_STAGING_DIR to a writable tmpfs directory" in S.staging_problem(recipe("async_save=true"), 1, 1)
 
 
 def test_unusable_staging_is_refused_before_the_launch(monkeypatch, tmp_path):
@@ -152,7 +154,7 @@ def test_unusable_staging_is_refused_before_the_launch(monkeypatch, tmp_path):
                 f"error: async_save=true stages each checkpoint in host memory under {staging} (FINETUNE_STAGING_DIR), "
                 f"{words}" + (" (permissions or a read-only filesystem)" if staging == read_only else "")
                 + "; set FINETUNE_STAGING_DIR to a writable tmpfs directory, or async_save=false"], err
-            assert M.staging_problem(recipe("async_save=false"), 1, 1) is None  # only async_save stages
+            assert S.staging_problem(recipe("async_save=false"), 1, 1) is None  # only async_save stages
     finally:
         _undo_read_only(read_only)
     assert not (tmp_path / "out" / "checkpoints").exists()
@@ -163,9 +165,9 @@ def test_a_small_staging_tmpfs_is_said_in_mib(monkeypatch, tmp_path):
     import shutil
 
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(64 << 20, 63 << 20, 1 << 20))
-    problem = M.host_memory_problem(1, 5 << 20, staging=tmp_path)
+    problem = S.host_memory_problem(1, 5 << 20, staging=tmp_path)
     assert ": 5.0 MiB on this node at once, but it has 1.0 MiB free;" in problem, problem
-    assert M.bytes_text(3 << 30) == "3.00 GiB" and M.bytes_text(1023 << 20) == "1023.0 MiB"
+    assert S.bytes_text(3 << 30) == "3.00 GiB" and S.bytes_text(1023 << 20) == "1023.0 MiB"
 
 
 @pytest.mark.parametrize("value", ["soon", "-5", "nan", "inf", "0"])
@@ -175,20 +177,20 @@ def test_a_bad_async_wait_is_one_line_naming_the_variable(monkeypatch, tmp_path,
     from in_process import run_main
 
     monkeypatch.setenv("FINETUNE_ASYNC_WAIT_S", value)
-    with pytest.raises(M.RecipeError, match=f"FINETUNE_ASYNC_WAIT_S='{value}': not a positive number of seconds"):
-        B.wait_limit_s()
+    with pytest.raises(S.RecipeError, match=f"FINETUNE_ASYNC_WAIT_S='{value}': not a positive number of seconds"):
+        S.wait_limit_s()
     code, _, err = run_main(["--recipe", "tiny", "async_save=true", f"output_dir={tmp_path / 'out'}"])
     assert code == 2 and err.strip().splitlines() == [f"error: FINETUNE_ASYNC_WAIT_S='{value}': not a positive number "
                                                       "of seconds; set it to how long the end of a run waits for a "
                                                       "background checkpoint write (default 1800), or unset it"], err
-    assert M.staging_problem(recipe("async_save=false"), 1, 1) is None  # a run without async_save never reads it
+    assert S.staging_problem(recipe("async_save=false"), 1, 1) is None  # a run without async_save never reads it
     monkeypatch.setenv("FINETUNE_ASYNC_WAIT_S", " 90 ")
-    assert B.wait_limit_s() == 90.0
+    assert S.wait_limit_s() == 90.0
 
 
 def test_staging_directory_is_one_per_output_dir(tmp_path):
-    assert B.run_staging_dir(tmp_path / "a") != B.run_staging_dir(tmp_path / "b")
-    assert B.run_staging_dir(tmp_path / "a") == B.run_staging_dir(tmp_path / "x" / ".." / "a")
+    assert S.run_staging_dir(tmp_path / "a") != S.run_staging_dir(tmp_path / "b")
+    assert S.run_staging_dir(tmp_path / "a") == S.run_staging_dir(tmp_path / "x" / ".." / "a")
 
 
 # ---------------------------------------------------------------- the universal conversion's workers

@@ -187,7 +187,8 @@ def test_the_background_write_serialises_the_snapshot_and_copies_it(tmp_path):
     """The thread runs the deferred serialisations into the staging directory and copies each file
     into the partial checkpoint with its checksum; the files are those of direct calls."""
     from finetune.checkpointing import background as B
-    from finetune.checkpointing.checkpoint import file_checksums, first_failure
+    from finetune.checkpointing.checkpoint import first_failure
+    from finetune.checkpointing.manifest import file_checksums
 
     obj, weights = state(), {"w": torch.randn(1 << 20), "b": torch.randn(7)}  # 4 MiB: more than one copy block
     direct, staged, partial = tmp_path / "direct", tmp_path / "stage", tmp_path / "ckpt" / ".step.partial"

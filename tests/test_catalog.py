@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from finetune import memory as M
+from finetune import memory_tables as MT
 from finetune.plan import check_launcher, derive_grad_accum
 from finetune.recipe import RECIPES_DIR, Recipe, available_recipes, resolve
 
@@ -92,7 +93,7 @@ def test_header_launch_command_and_estimate_are_current(name):
     assert (float(off.group(1)) if off else 0.0) == pytest.approx((e.cpu + e.nvme) / M.GiB, abs=0.006)
     rollout = ROLLOUT.search(doc)  # GRPO: the generation phase's peak, stated beside the step's
     assert (float(rollout.group(1)) if rollout else 0.0) == pytest.approx(e.rollout_peak / M.GiB, abs=0.006), name
-    assert e.fits(M.parse_size(mem)), f"{name} does not fit the {mem} GPUs its header names"
+    assert e.fits(MT.parse_size(mem)), f"{name} does not fit the {mem} GPUs its header names"
     for word in ("accelerate_configs/",):
         for path in re.findall(rf"{word}\S+\.yaml", doc):
             assert (REPO / path).is_file(), path

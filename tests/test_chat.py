@@ -24,7 +24,8 @@ def write_checkpoint(path: Path, weights: str = "safetensors", checksums: bool =
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from finetune.assets import tiny_model_dir
-    from finetune.checkpointing.checkpoint import HF_DIR, MANIFEST, seal
+    from finetune.checkpointing.layout import HF_DIR, MANIFEST
+    from finetune.checkpointing.manifest import seal
 
     tiny = tiny_model_dir()
     path.mkdir(parents=True)

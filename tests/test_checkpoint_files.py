@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune.checkpointing.checkpoint import (CHECKSUM, DCP_METADATA, MANIFEST, UnreadableManifest, file_checksums,
-                                 load_dcp_metadata, read_manifest, safe_loading, shares, verify, verify_checksums)
+from finetune.checkpointing.layout import MANIFEST
+from finetune.checkpointing.manifest import (CHECKSUM, UnreadableManifest, file_checksums, read_manifest, shares,
+                                             verify, verify_checksums)
+from finetune.checkpointing.safe_loading import DCP_METADATA, load_dcp_metadata, safe_loading
 from finetune.checkpointing.resume import find as find_resume_point
 from finetune.recipe import RecipeError
 
@@ -228,7 +230,7 @@ def test_torch_load_of_checkpoint_files_names_what_it_refused(tmp_path):
     names the file and the global instead of torch's advice to load with weights_only=False."""
     import torch
 
-    from finetune.checkpointing.checkpoint import DisallowedPickle
+    from finetune.checkpointing.safe_loading import DisallowedPickle
 
     marker = tmp_path / "code-ran"
     torch.save({"state": RunsCode(marker)}, tmp_path / "scheduler.bin")
@@ -264,7 +266,7 @@ def test_a_bare_pickle_where_a_torch_save_archive_belongs_is_refused(tmp_path):
     that says nothing of safety; safe_loading says what it is."""
     import torch
 
-    from finetune.checkpointing.checkpoint import DisallowedPickle
+    from finetune.checkpointing.safe_loading import DisallowedPickle
 
     marker = tmp_path / "code-ran"
     (tmp_path / "optim_states.pt").write_bytes(pickle.dumps(RunsCode(marker)))
@@ -274,7 +276,7 @@ def test_a_bare_pickle_where_a_torch_save_archive_belongs_is_refused(tmp_path):
 
 
 def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
-    from finetune.checkpointing.checkpoint import rotate
+    from finetune.checkpointing.layout import rotate
 
     root = tmp_path / "checkpoints"
     for step in (5, 10, 15, 20):
@@ -293,7 +295,7 @@ def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
 
 def test_a_sealed_directory_is_checked_file_by_file(tmp_path):
     """checkpoint.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
-    from finetune.checkpointing.checkpoint import seal, seal_problem
+    from finetune.checkpointing.manifest import seal, seal_problem
 
     d = tmp_path / "universal"
     (d / "pytorch_model" / "zero" / "w").mkdir(parents=True)

@@ -185,6 +185,31 @@ def test_no_strategy_name_compared_outside_the_strategy_package():
                          "strategy_for(name) or Plan.strategy, instead): " + "; ".join(found))
 
 
+LONGEST = 700  # lines a module may have without its docstring saying why it is longer
+
+
+def long_modules(root: Path = PACKAGE) -> list[str]:
+    """Modules over LONGEST lines whose docstring does not say why ("longer than 700 lines because ...")."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        lines = len(text.splitlines())
+        if lines > LONGEST and f"longer than {LONGEST} lines because" not in (ast.get_docstring(ast.parse(text)) or ""):
+            found.append(f"{path.relative_to(root.parent)} ({lines} lines)")
+    return found
+
+
+def test_no_module_over_700_lines_without_its_docstring_saying_why(tmp_path):
+    found = long_modules()
+    assert found == [], ("modules over 700 lines (split them along their seams, or say in the docstring why "
+                         "they are one): " + "; ".join(found))
+    pkg = tmp_path / "finetune"
+    pkg.mkdir()
+    (pkg / "long.py").write_text('"""A module."""\n' + "x = 1\n" * LONGEST)
+    (pkg / "said.py").write_text(f'"""A spec, longer than {LONGEST} lines because it is one."""\n' + "x = 1\n" * LONGEST)
+    assert long_modules(pkg) == [f"finetune/long.py ({LONGEST + 1} lines)"]
+
+
 def test_no_import_cycle_counting_imports_inside_functions():
     found = cycles(graph(modules()))
     assert found == [], f"import cycles between finetune modules: {found}"

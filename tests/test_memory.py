@@ -14,6 +14,7 @@ import pytest
 
 from finetune import arch as A
 from finetune import memory as M
+from finetune import memory_tables as MT
 from bench.helpers.held import held_bytes
 from finetune.recipe import RecipeError, resolve
 
@@ -366,16 +367,16 @@ def test_choice_is_the_least_communication_that_fits():
     zero2 reduces in every micro-batch, fsdp and zero3 gather in every one: zero1 even when ddp fits. Where
     only fsdp and zero3 fit, fsdp: it reduce-scatters once a step, zero3 in every micro-batch."""
     assert _choice(1000 * GIB).setup == M.Setup("zero1")
-    assert _choice(M.parse_size("80GB")).setup == M.Setup("zero1")  # ddp (157 GiB) does not fit; zero1 (44 GiB) does
-    assert _choice(M.parse_size("30GB")).setup == M.Setup("fsdp")  # zero1 and zero2 do not fit
+    assert _choice(MT.parse_size("80GB")).setup == M.Setup("zero1")  # ddp (157 GiB) does not fit; zero1 (44 GiB) does
+    assert _choice(MT.parse_size("30GB")).setup == M.Setup("fsdp")  # zero1 and zero2 do not fit
 
 
 def test_choice_goes_to_offload_when_it_must_and_offloads_least():
-    pick = _choice(M.parse_size("24GB"), n=1)  # a 7B on one GPU
+    pick = _choice(MT.parse_size("24GB"), n=1)  # a 7B on one GPU
     assert pick.setup.offload_optimizer == "cpu" and pick.setup.offload_params == "none"  # ZeRO-Offload
-    pick = _choice(M.parse_size("18GB"), n=1)  # the parameters too: fsdp's or zero3's, as fast on one GPU: the first
+    pick = _choice(MT.parse_size("18GB"), n=1)  # the parameters too: fsdp's or zero3's, as fast on one GPU: the first
     assert pick.setup == M.Setup("fsdp", offload_params="cpu")
-    assert _choice(M.parse_size("4GB"), n=1) is None
+    assert _choice(MT.parse_size("4GB"), n=1) is None
 
 
 def test_choice_on_one_gpu_is_the_simplest():
@@ -394,20 +395,20 @@ def test_choice_respects_headroom():
 @pytest.mark.parametrize("text,value", [("80GB", 80 * 10**9), ("40GiB", 40 * 2**30), ("24G", 24 * 2**30),
                                         ("1.5TB", 1.5e12), ("512MiB", 512 * 2**20), ("80 gb", 80 * 10**9)])
 def test_parse_size(text, value):
-    assert M.parse_size(text) == value
+    assert MT.parse_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["80", "lots", "", "-5GB", "80XB", "0GB"])
 def test_parse_size_rejects(text):
     with pytest.raises(M.EstimateError, match="--gpu-mem"):
-        M.parse_size(text)
+        MT.parse_size(text)
 
 
 # ---------------------------------------------------------------- reports
 
 
 def test_memory_report_for_a_dry_run():
-    text = M.memory_report(resolve("llama7b_zero3", []), 8, "llama7b_zero3")
+    text = MT.memory_report(resolve("llama7b_zero3", []), 8, "llama7b_zero3")
     assert "memory per GPU (planner estimate, zero3 on 8 process(es))" in text
     assert "total 20.82 GiB" in text  # the training step: what must fit
     assert ("samples at eval (sample_prompts=3) gather the whole model on each GPU: 12.55 GiB, a peak of 25.10 GiB "
@@ -417,7 +418,7 @@ def test_memory_report_for_a_dry_run():
 
 def test_memory_report_never_raises_for_an_unknown_model(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    text = M.memory_report(resolve("llama7b_zero3", ["model=some-org/unknown"]), 8)
+    text = MT.memory_report(resolve("llama7b_zero3", ["model=some-org/unknown"]), 8)
     assert text.startswith("memory per GPU: not estimated: model=some-org/unknown")
 
 
@@ -648,7 +649,7 @@ def test_grpo_fits_needs_the_rollout_too():
 
 def test_grpo_plan_table_and_dry_run_report():
     r = _grpo()
-    table = M.plan_table(r, 8, M.parse_size("80GB"), name="llama8b_grpo_zero3")
+    table = MT.plan_table(r, 8, MT.parse_size("80GB"), name="llama8b_grpo_zero3")
     assert "GRPO dapo: 64 completions per GPU each rollout (num_generations=8), up to 512 prompt + 512 completion " \
            "tokens, reference: none (beta=0)" in table
     header = next(line for line in table.splitlines() if line.startswith("per GPU"))
@@ -657,10 +658,10 @@ def test_grpo_plan_table_and_dry_run_report():
     zero3 = next(line for line in table.splitlines() if line.startswith("* zero3"))
     assert zero3.split()[-6:-2] == ["14.96", "8.00", "4.25", "42.17"]  # gathered, kv cache, prefill, rollout
     assert "the recipe's setup (zero3): 42.17 GiB per GPU, fits" in table
-    report = M.memory_report(r, 8, "llama8b_grpo_zero3")
+    report = MT.memory_report(r, 8, "llama8b_grpo_zero3")
     assert ("GRPO rollout per GPU (64 completions of up to 1024 tokens generated in one batch): gathered weights "
             "14.96, KV cache 8.00, prefill 4.25; a peak of 42.17 GiB per GPU (with the model states)") in report
-    sft = M.plan_table(resolve("llama7b_zero3", []), 8, name="llama7b_zero3")
+    sft = MT.plan_table(resolve("llama7b_zero3", []), 8, name="llama7b_zero3")
     assert "rollout" not in sft and "kv cache" not in sft
 
 
@@ -669,16 +670,16 @@ def test_a_dry_run_without_a_gpu_checks_this_machines_memory(monkeypatch):
     estimated peak fits the memory available (tiny_grpo at max_completion_len=2000 was OOM-killed at
     24 GiB with no word before; that memory was an autograd graph generation kept by mistake, see
     tests/test_generation.py, and the estimate is what it takes now)."""
-    monkeypatch.setattr(M, "_gpu_memory", lambda: None)
+    monkeypatch.setattr(MT, "_gpu_memory", lambda: None)
     r = resolve("tiny_grpo", ["max_completion_len=2000", "max_seq_len=2048"])
-    monkeypatch.setattr(M, "_host_memory", lambda: 64 * 2**30)
-    line = next(x for x in M.memory_report(r, 2, "tiny_grpo").splitlines() if x.startswith("this machine's"))
+    monkeypatch.setattr(MT, "_host_memory", lambda: 64 * 2**30)
+    line = next(x for x in MT.memory_report(r, 2, "tiny_grpo").splitlines() if x.startswith("this machine's"))
     assert line.startswith("this machine's memory, if it trains here on the CPU: 2 process(es) x ")
     assert " of 64.00 GiB available; the estimate fits with 10% headroom" in line
-    monkeypatch.setattr(M, "_host_memory", lambda: 2**20)
-    assert "the estimate does NOT fit" in M.memory_report(r, 2, "tiny_grpo")
-    monkeypatch.setattr(M, "_host_memory", lambda: None)
-    assert "this machine's memory" not in M.memory_report(r, 2, "tiny_grpo")
+    monkeypatch.setattr(MT, "_host_memory", lambda: 2**20)
+    assert "the estimate does NOT fit" in MT.memory_report(r, 2, "tiny_grpo")
+    monkeypatch.setattr(MT, "_host_memory", lambda: None)
+    assert "this machine's memory" not in MT.memory_report(r, 2, "tiny_grpo")
 
 
 def test_grpo_longest_completion_fits_and_one_step_more_does_not():
@@ -691,10 +692,10 @@ def test_grpo_longest_completion_fits_and_one_step_more_does_not():
 
     recipe = resolve("llama8b_grpo_longctx", [])
     arch = M.load_architecture(recipe.model)
-    budget = M.parse_size("80GB")
+    budget = MT.parse_size("80GB")
     for n in (1, 2):
         setup = M.Setup.of(recipe)
-        longest = M.longest_sequence(recipe, 8, arch, setup, budget, sequence_parallel=n)
+        longest = MT.longest_sequence(recipe, 8, arch, setup, budget, sequence_parallel=n)
         assert longest > 0 and longest % n == 0
 
         def estimate(tokens):
@@ -703,4 +704,4 @@ def test_grpo_longest_completion_fits_and_one_step_more_does_not():
 
         assert estimate(longest).fits(budget, M.HEADROOM) and not estimate(longest + n).fits(budget, M.HEADROOM)
         assert estimate(longest + n).rollout_peak > estimate(longest).rollout_peak
-    assert "longest max_completion_len after a 512-token prompt" in M.max_seq_len_table(recipe, 8, budget)
+    assert "longest max_completion_len after a 512-token prompt" in MT.max_seq_len_table(recipe, 8, budget)

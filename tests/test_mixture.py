@@ -145,7 +145,7 @@ def test_command_line_overrides_of_a_mixture(tmp_path):
 
 
 def test_fingerprint_of_a_single_dataset_is_unchanged_and_a_mixture_is_data():
-    from finetune.checkpointing.checkpoint import DATA_KEYS, HARD_KEYS, OPTIONAL_DATA_KEYS, fingerprint
+    from finetune.checkpointing.manifest import DATA_KEYS, HARD_KEYS, OPTIONAL_DATA_KEYS, fingerprint
 
     before = set(HARD_KEYS + DATA_KEYS) - set(OPTIONAL_DATA_KEYS)  # the keys earlier versions wrote
     assert set(fingerprint(Recipe())) == before
@@ -157,7 +157,7 @@ def test_fingerprint_of_a_single_dataset_is_unchanged_and_a_mixture_is_data():
 def test_a_resume_that_changes_the_mixture_is_refused(tmp_path):
     import dataclasses
 
-    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.manifest import fingerprint
     from finetune.checkpointing.resume import ResumePoint, check_fits
 
     mix = Recipe(datasets=(DataSource(path="builtin:tiny-tasks", weight=0.5),))

@@ -14,6 +14,7 @@ import family_assets as FA
 from bench.helpers.held import held_bytes
 from finetune import arch as A
 from finetune import memory as M
+from finetune import memory_tables as MT
 from finetune.data import IGNORE
 from finetune.model import add_lora, load_model, loss_sum
 from finetune.recipe import Recipe
@@ -40,7 +41,7 @@ def test_dry_run_counts_the_models_parameters(name, tmp_path):
     config = FA.family_config(name)
     config.save_pretrained(tmp_path)
     numel = meta_numel(config)
-    report = M.memory_report(Recipe(model=str(tmp_path), strategy="fsdp"), 2)
+    report = MT.memory_report(Recipe(model=str(tmp_path), strategy="fsdp"), 2)
     assert f"model: {numel:,} parameters" in report, report
     assert "counted as a Llama-style decoder" not in report
     arch = M.load_architecture(str(tmp_path))

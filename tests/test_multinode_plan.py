@@ -15,8 +15,9 @@ import pytest
 
 from finetune import comm
 from finetune import memory as M
+from finetune import memory_tables as MT
 from finetune.arch import load_architecture
-from finetune.checkpointing.checkpoint import fingerprint
+from finetune.checkpointing.manifest import fingerprint
 from finetune.checkpointing.resume import ResumePoint, check_fits
 from finetune.plan import make_plan
 from finetune.recipe import RecipeError, resolve
@@ -219,7 +220,7 @@ def test_finetune_train_passes_the_node_count_through(capsys, monkeypatch):
     assert "hsdp (2 replicas, each sharded over 2 GPUs) on 4 cpu process(es), 2 machine(s)" in out
     shard_of_2 = M.recipe_estimate(resolve("tiny", ["strategy=hsdp"]), 4, load_architecture(resolve("tiny", []).model),
                                    gpus_per_node=2)
-    assert f"params {M.gib(shard_of_2.params, 2**20)}" in out
+    assert f"params {MT.gib(shard_of_2.params, 2**20)}" in out
     cmd = cli.launch_command({"--num_machines": "2", "--machine_rank": "1", "--main_process_ip": "10.0.0.1"},
                              ["--recipe", "tiny"], 4)
     assert cmd[cmd.index("--num_machines") + 1] == "2" and cmd[cmd.index("--machine_rank") + 1] == "1"
@@ -230,10 +231,10 @@ def test_where_a_node_cannot_hold_a_copy_hybrid_over_more_nodes_is_offered():
     neither, over 4 it does: the table adds hsdp over 32 GPUs after the node-wide row."""
     recipe = resolve("llama70b_lora_hsdp", ["lora=false"])
     arch = load_architecture(recipe.model)
-    text = comm.cluster_table(recipe, arch, 8, 8, M.parse_size("80GB"), M.HEADROOM)
+    text = comm.cluster_table(recipe, arch, 8, 8, MT.parse_size("80GB"), M.HEADROOM)
     labels = [line[2:].split("  ")[0] for line in text.splitlines() if line[:2] in ("  ", "* ")]
     assert labels[labels.index("hsdp shard 8") + 1] == "hsdp shard 32" and "hsdp shard 16" not in labels
-    small = comm.cluster_table(resolve("llama70b_lora_hsdp", []), arch, 8, 8, M.parse_size("80GB"), M.HEADROOM)
+    small = comm.cluster_table(resolve("llama70b_lora_hsdp", []), arch, 8, 8, MT.parse_size("80GB"), M.HEADROOM)
     assert "hsdp shard 16" not in small and "hsdp shard 32" not in small  # LoRA: a node holds a copy
 
 
@@ -268,7 +269,7 @@ def test_plan_nodes_neither_lists_nor_runs_a_layout_the_run_refuses(overrides, n
     planner said 'would run: hsdp shard 3'). Every layout it lists the run takes."""
     recipe = resolve("llama70b_lora_hsdp", overrides)
     arch = load_architecture(recipe.model)
-    text = comm.cluster_table(recipe, arch, nodes, 8, M.parse_size("80GB"), M.HEADROOM)
+    text = comm.cluster_table(recipe, arch, nodes, 8, MT.parse_size("80GB"), M.HEADROOM)
     own = M.Setup.of(recipe).label
     assert own not in cluster_labels(text) and f"would run: {own}" not in text
     assert f"the recipe's setup ({own}): not listed, the run refuses it on {nodes * 8} GPU(s): " in text and words in text

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from finetune.checkpointing.checkpoint import LoopState
+from finetune.checkpointing.run_state import LoopState
 from finetune.training.loop import NonFiniteError, skip_nonfinite
 from finetune.recipe import Recipe, RecipeError, apply_overrides, load_recipe_module, validate
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.memory import describe_run, holds_reference, load_architecture
+from finetune.memory import holds_reference, load_architecture
+from finetune.memory_tables import describe_run
 from finetune.training.objectives import DPO, SFT, Objective, objective_for
 from finetune.training.objectives.grpo import GRPO
 from finetune.recipe import Recipe, RecipeError, reference_kind, validate

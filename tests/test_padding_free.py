@@ -226,7 +226,7 @@ def test_models_that_carry_state_along_the_row_are_refused(model_type):
 
 
 def test_padding_free_may_change_on_resume():
-    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.manifest import fingerprint
     from finetune.checkpointing.resume import ResumePoint, changes
 
     saved = Recipe(max_steps=12, micro_batch_size=4, global_batch_size=16, packing=True)

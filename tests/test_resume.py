@@ -64,7 +64,7 @@ def test_another_world_size_keeps_the_global_batch_silently():
 def test_a_change_of_max_prompt_len_needs_allow_data_change_as_max_seq_len_does():
     """max_prompt_len decides which tokens of a pair's prompt are kept (and so which pairs are dropped):
     a resumed run that changes it trains other tokens at the checkpoint's data position."""
-    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.manifest import fingerprint
     from finetune.checkpointing.resume import check_fits
 
     dpo = dataclasses.replace(SAVED, objective="dpo", max_prompt_len=64)
@@ -91,7 +91,7 @@ def test_every_recipe_key_the_data_preparation_reads_is_a_data_key():
     import re
 
     import finetune.data
-    from finetune.checkpointing.checkpoint import DATA_KEYS
+    from finetune.checkpointing.manifest import DATA_KEYS
     from finetune.recipe import FIELDS
 
     read = {name for path in Path(finetune.data.__file__).parent.glob("*.py")
@@ -103,7 +103,7 @@ def test_every_recipe_key_the_data_preparation_reads_is_a_data_key():
 def test_a_checkpoint_from_before_a_data_key_existed_still_fits(tmp_path):
     """Checkpoints written before `tokenizer` and `chat_template` joined the data fingerprint lack them:
     they had the defaults, so resuming them with the defaults is no data change."""
-    from finetune.checkpointing.checkpoint import fingerprint
+    from finetune.checkpointing.manifest import fingerprint
     from finetune.checkpointing.resume import check_fits
 
     old = {k: v for k, v in fingerprint(SAVED).items() if k not in ("tokenizer", "chat_template")}

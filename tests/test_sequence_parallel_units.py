@@ -239,21 +239,22 @@ def test_longest_sequence_fits_and_one_step_more_does_not():
     from dataclasses import replace
 
     from finetune import memory as M
+    from finetune import memory_tables as MT
 
     r = M.Recipe(model="meta-llama/Llama-2-7b-hf", strategy="zero3", activation_checkpointing=True)
     a = M.load_architecture(r.model)
-    budget = M.parse_size("80GB")
+    budget = MT.parse_size("80GB")
     setup = M.Setup("zero3")
     lengths = {}
     for n in (1, 2, 8):
-        t = M.longest_sequence(r, 8, a, setup, budget, sequence_parallel=n)
+        t = MT.longest_sequence(r, 8, a, setup, budget, sequence_parallel=n)
         assert t % n == 0 and t > 0
         fits = [M.recipe_estimate(replace(r, max_seq_len=x, sequence_parallel=n), 8, a, setup).fits(budget)
                 for x in (t, t + n)]
         assert fits == [True, False]
         lengths[n] = t
     assert lengths[1] < lengths[2] < lengths[8]
-    assert M.longest_sequence(r, 1, a, M.Setup("ddp"), budget) == 0  # 16 bytes x 6.7e9 do not fit 80 GB
+    assert MT.longest_sequence(r, 1, a, M.Setup("ddp"), budget) == 0  # 16 bytes x 6.7e9 do not fit 80 GB
 
 
 def test_planner_cli_answers_the_longest_sequence(capsys):

@@ -421,7 +421,7 @@ def test_chat_template_inline_file_and_json(tmp_path):
 
 
 def test_chat_template_replaces_the_models_and_changes_the_data_fingerprint(finetune_cache, tmp_path, tiny_tokenizer):
-    from finetune.checkpointing.checkpoint import DATA_KEYS, fingerprint
+    from finetune.checkpointing.manifest import DATA_KEYS, fingerprint
     from finetune.model import load_tokenizer
 
     (tmp_path / "chatml.jinja").write_text(FA.CHATML)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: finetune and bench.* import from it
 
-from finetune.checkpointing.checkpoint import file_checksums  # noqa: E402
+from finetune.checkpointing.manifest import file_checksums  # noqa: E402
 
 
 class _Crc32:

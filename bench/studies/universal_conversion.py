@@ -25,7 +25,7 @@ from pathlib import Path
 
 def convert(checkpoint: Path, workers: int) -> float:
     out = Path(tempfile.mkdtemp(prefix="universal-", dir=checkpoint.parent))
-    cmd = [sys.executable, "-m", "finetune.checkpointing.checkpoint", "to-universal",
+    cmd = [sys.executable, "-m", "finetune.checkpointing.safe_loading", "to-universal",
            "--input_folder", str(checkpoint / "pytorch_model"), "--output_folder", str(out / "pytorch_model"),
            "--num_extract_workers", str(workers), "--num_merge_workers", str(workers)]
     t0 = time.perf_counter()

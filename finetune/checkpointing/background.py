@@ -37,21 +37,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.errors import RecipeError
 from finetune.faults import fault_point
-from finetune.memory import WAIT_LIMIT_DEFAULT_S, WAIT_LIMIT_VARIABLE, staging_root, wait_limit_s  # noqa: F401
+from finetune.checkpointing.manifest import BLOCK, file_xxh3
 
 MARKER = ".written.rank_{rank}.json"
-BLOCK = 8 << 20
-
-
-def run_staging_dir(output_dir) -> Path:
-    """This run's staging directory: one per output_dir (and user), so that a run resumed after a
-    SIGKILL finds, and removes, what the killed one left."""
-    import xxhash
-
-    key = xxhash.xxh3_64_hexdigest(str(Path(output_dir).resolve()).encode())
-    return staging_root() / f"finetune-staging-{os.getuid()}-{key}"
 
 
 def staged_bytes(directory: Path) -> int:
@@ -175,22 +164,6 @@ def lower_this_threads_priority(by: int = 10) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
     except (AttributeError, OSError):
         pass
-
-
-def file_xxh3(path: Path, fsync: bool = False) -> str:
-    """The xxh3-128 of a file's bytes (the manifest's checksum); fsync: also flush a file just written to
-    disk (its bytes are then read back from the page cache)."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
-    buf = bytearray(BLOCK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            h.update(view[:n])
-        if fsync:
-            os.fsync(f.fileno())
-    return h.hexdigest()
 
 
 def _write_all(f, view) -> None:

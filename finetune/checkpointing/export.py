@@ -22,8 +22,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # python finetune/checkpointing/export.py: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from finetune.checkpointing.checkpoint import (HF_DIR, checkpoints_dir, complete_checkpoints, first_failure,  # noqa: E402
-                                 safe_loading, verify)
+from finetune.checkpointing.checkpoint import first_failure  # noqa: E402
+from finetune.checkpointing.layout import HF_DIR, checkpoints_dir, complete_checkpoints  # noqa: E402
+from finetune.checkpointing.manifest import verify  # noqa: E402
+from finetune.checkpointing.safe_loading import safe_loading  # noqa: E402
 from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
 from finetune.files import publish, why_not_creatable  # noqa: E402
 from finetune.model import add_lora, model_class, without_zero3_init  # noqa: E402

@@ -40,7 +40,7 @@ def model_identity(model_path: str, cache_dir: str | None = None) -> dict:
     """{"files": {name: xxh3}} for a directory, {"hub": id, "revision": commit} for a hub id."""
     path = Path(model_path)
     if path.is_dir():
-        from finetune.checkpointing.checkpoint import file_checksums
+        from finetune.checkpointing.manifest import file_checksums
 
         return {"files": file_checksums(path, weight_files(path))}
     return {"hub": model_path, "revision": hub_revision(model_path, cache_dir)}

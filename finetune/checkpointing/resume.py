@@ -21,10 +21,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.assets import resolve_model
-from finetune.checkpointing.checkpoint import (DATA_KEYS, HARD_KEYS, MANIFEST, UnreadableManifest, checkpoints_dir,
-                                 check_small_files, checksum_mismatches, complete_checkpoints, damaged_by_checksum,
-                                 fingerprint, manifest_digest, partial_checkpoints, read_manifest, seal, seal_problem,
-                                 verify)
+from finetune.checkpointing.layout import MANIFEST, checkpoints_dir, complete_checkpoints, partial_checkpoints
+from finetune.checkpointing.manifest import (DATA_KEYS, HARD_KEYS, UnreadableManifest, checksum_mismatches,
+                                             damaged_by_checksum, fingerprint, manifest_digest, read_manifest, seal,
+                                             seal_problem, verify)
+from finetune.checkpointing.run_state import check_small_files
 from finetune.files import publish
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
@@ -381,7 +382,7 @@ def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
                     shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "finetune.checkpointing.checkpoint", "to-universal",
+        cmd = [sys.executable, "-m", "finetune.checkpointing.safe_loading", "to-universal",
                "--input_folder", str(point.path / "pytorch_model"),
                "--output_folder", str(tmp / "pytorch_model"), *conversion_workers(point)]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
@@ -411,7 +412,7 @@ def conversion_workers(point: ResumePoint, cpus: int | None = None, available: i
     its peak). The conversion is per-rank and per-parameter work in parallel processes; on 2 cores a
     58M-parameter zero2 checkpoint of 2 ranks took 79.7 s with 1 worker and 42.8 s with 2
     (bench/studies/universal_conversion.py, docs/async-checkpoints.md)."""
-    from finetune.memory import mem_available
+    from finetune.checkpointing.staging import mem_available
 
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

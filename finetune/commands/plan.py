@@ -8,7 +8,7 @@ import sys
 
 from finetune.arch import load_architecture
 from finetune.comm import INTER_GBPS, INTRA_GBPS, cluster_table, one_node_choice
-from finetune.memory import max_seq_len_table, parse_size, plan_table
+from finetune.memory_tables import max_seq_len_table, parse_size, plan_table
 from finetune.plan import data_parallel_size, derive_grad_accum
 from finetune.recipe import RecipeError, resolve
 

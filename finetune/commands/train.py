@@ -161,9 +161,9 @@ def prepare(args, lock: bool = True):
     checked resume point (finetune.checkpointing.resume). lock=False: check that output_dir is free without taking
     it (the `finetune` front, whose launched ranks take it and convert checkpoints if need be)."""
     from finetune.checkpointing import resume
-    from finetune.checkpointing.checkpoint import FINAL
+    from finetune.checkpointing.layout import FINAL
     from finetune.data import prevalidate_recipe
-    from finetune.memory import staging_problem
+    from finetune.checkpointing.staging import staging_problem
     from finetune.plan import make_plan, world_size_from_env
     from finetune.recipe import chat_template_text, resolve
 
@@ -198,7 +198,7 @@ def prepare(args, lock: bool = True):
 
 def print_dry_run(plan, recipe_name: str) -> None:
     """What --dry-run prints, here and in the `finetune train` front: the plan and its memory estimate."""
-    from finetune.memory import memory_report
+    from finetune.memory_tables import memory_report
 
     print(plan.describe())
     print(memory_report(plan.recipe, plan.world_size, recipe_name, gpus_per_node=plan.world_size // plan.num_machines))

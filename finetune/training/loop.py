@@ -17,8 +17,9 @@ import torch
 
 from finetune import data as D
 from finetune import sequence_parallel as SP
-from finetune.checkpointing.checkpoint import (FINAL, FINAL_MERGED, Checkpointer, LoopState, after_nonfinite, checkpoints_dir,
-                                 saved_names)
+from finetune.checkpointing.checkpoint import Checkpointer, after_nonfinite
+from finetune.checkpointing.layout import FINAL, FINAL_MERGED, checkpoints_dir, saved_names
+from finetune.checkpointing.run_state import LoopState
 from finetune.end_of_turn import base_generation_config, describe, trains_chats, with_end_of_turn
 from finetune.checkpointing.export import merge_adapter, save_final_model
 from finetune.recipe import padding_free_scores

@@ -225,7 +225,7 @@ def test_a_user_error_with_a_write_in_flight_waits_and_publishes_it(launch, tmp_
     assert "waiting (at most 1800s) for checkpoint step_000000004's background write before exiting" in run.stderr
     assert f"checkpoint {out / 'checkpoints' / 'step_000000004'} published" in run.stderr
     assert checkpoint_names(out) == ["step_000000002", "step_000000004"]
-    from finetune.checkpointing.checkpoint import verify
+    from finetune.checkpointing.manifest import verify
 
     verify(out / "checkpoints" / "step_000000004", checksums=True)  # whole: every file, size and checksum
     assert not staging_left(out)

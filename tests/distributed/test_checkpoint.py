@@ -259,7 +259,7 @@ class _RunsCode:
 
 def consistent_manifest(ckpt, *changed):
     """Rewrite the manifest's size and checksum of files changed on purpose, as an attacker could."""
-    from finetune.checkpointing.checkpoint import file_checksums
+    from finetune.checkpointing.manifest import file_checksums
 
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for f in changed:
@@ -322,7 +322,7 @@ def test_universal_conversion_is_verified_rebuilt_and_made_elsewhere_on_read_onl
     conversion rebuilt: the curve is the good conversion's. A checkpoint on read-only storage is
     converted into the new run's output_dir/universal-cache/ instead. The good conversion is the one
     test_two_processes_to_one[zero2]'s resume made (the same launch)."""
-    from finetune.checkpointing.checkpoint import manifest_digest, seal_problem
+    from finetune.checkpointing.manifest import manifest_digest, seal_problem
     from finetune.checkpointing.resume import CONVERSION, UNIVERSAL_CACHE
 
     reference = uninterrupted("zero2")
@@ -422,7 +422,7 @@ def test_full_disk_during_an_fsdp_save(launch, tmp_path):
     filesystem is full and naming the intact checkpoint to continue from (once, not "unexpected pos
     704 vs 598" and DCP's CheckpointException, a BaseException that passed run.py's handlers); the
     partial checkpoint is removed, the lock released, and step 2 still verifies."""
-    from finetune.checkpointing.checkpoint import verify
+    from finetune.checkpointing.manifest import verify
 
     disk = tmp_path / "disk"
     with tmpfs(disk, "size=2600k") as mounted:

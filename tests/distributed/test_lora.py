@@ -75,7 +75,7 @@ def saved_model_keys(checkpoint):
         from torch.distributed.checkpoint import FileSystemReader
 
         return list(FileSystemReader(str(fsdp)).read_metadata().state_dict_metadata)
-    from finetune.checkpointing.checkpoint import weights_only_torch_load
+    from finetune.checkpointing.safe_loading import weights_only_torch_load
 
     with weights_only_torch_load():
         states = torch.load(checkpoint / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_model_states.pt",
