@@ -40,7 +40,59 @@ class Calculator:
         return float(self.called)
 
 
+def calc() -> str:
+    """The product of 37 and 59 (a calculator that knows the one question `finetune chat` is asked in its test)."""
+    return str(37 * 59)
+
+
 class NoReset:
     def calc(self) -> str:
         """The answer."""
         return "1"
+
+
+# What the tool-happy model draws next after each token (a bigram table): after the generation prompt a call
+# most of the time, else a number; a call is calc's ([TOOL_CALLS]calc[ARGS]{}), or c's, which names no tool, or
+# one cut after [ARGS] (which does not parse), sometimes two in a turn; numbers run on or end the turn.
+NEXT = {"<|assistant|>": {"[TOOL_CALLS]": 0.6, **{d: 0.04 for d in "0123456789"}},
+        "[TOOL_CALLS]": {"c": 1.0}, "c": {"a": 0.6, "[ARGS]": 0.4}, "a": {"l": 1.0}, "l": {"c": 1.0},
+        "[ARGS]": {"{": 0.9, "<|end|>": 0.1}, "{": {"}": 1.0}, "}": {"<|end|>": 0.9, "[TOOL_CALLS]": 0.1},
+        **{d: {**{e: 0.075 for e in "0123456789"}, "<|end|>": 0.25} for d in "0123456789"}}
+
+
+def tool_happy_model(out):
+    """builtin:tiny-llama-tools with weights set (not trained) so that it draws the tokens of NEXT: its attention and
+    MLP outputs zero, each token's embedding a unit vector of its own, the output layer the log-probabilities of
+    what follows it. Its rollouts call recipes/tiny_grpo_tools.py's calculator, name a tool that does not exist,
+    write calls that do not parse and answer with numbers, as no untrained model does; training moves it from
+    there. Written with save_pretrained to `out`, loaded by a run as model=<out>."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from finetune.assets import tiny_model_dir
+
+    source = tiny_model_dir("tiny-llama-tools")
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    hidden = model.config.hidden_size
+    slot = {token: k for k, token in enumerate(NEXT)}  # every other token shares the last slot: the turn ends
+    end = tok.convert_tokens_to_ids("<|end|>")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        embed.zero_()
+        embed[:, hidden - 1] = 1.0
+        head = model.lm_head.weight
+        head.fill_(-30.0 / math.sqrt(hidden))
+        head[end, hidden - 1] = 0.0
+        for token, k in slot.items():
+            embed[tok.convert_tokens_to_ids(token)] = torch.nn.functional.one_hot(torch.tensor(k), hidden).float()
+            for after, p in NEXT[token].items():
+                head[tok.convert_tokens_to_ids(after), k] = math.log(p) / math.sqrt(hidden)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
