@@ -26,18 +26,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 # tiny-llama-tools: the tokenizer's tool-call tokens and a chat template that renders tools, calls and their
-# answers, after Mistral's (v11 on): the tools listed before the conversation as JSON, a call written
-# [TOOL_CALLS]name[ARGS]{arguments} (finetune/tools.py MistralCalls reads it), an answer as a `tool` turn.
+# answers, after Mistral's (v11 on): the tools listed before the conversation, a call written
+# [TOOL_CALLS]name[ARGS]{arguments} (finetune/tools.py MistralCalls reads it), an answer as a `tool` turn. The
+# listing is short, each tool's name(arguments): description, where Mistral's is the schemas' JSON: a
+# character tokenizer would make the JSON of one tool 200 tokens of every prompt.
 # Appended after the tiny tokenizer's tokens, so that every other id is the tiny-llama's.
 TOOL_SPECIALS = ["[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]", "<|tool|>"]
 TOOLS_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{% for t in tools %}{{ t['function']['name'] }}("
+    "{{ t['function']['parameters']['properties'] | list | join(',') }}): {{ t['function']['description'] }}\n"
+    "{% endfor %}[/AVAILABLE_TOOLS]{% endif %}"
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
     "{% if m['role'] == 'assistant' and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
     "[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]{{ c['function']['arguments'] | tojson }}{% endfor %}{% endif %}"
     "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-BUILTIN_MODELS = {"tiny-llama": "tiny-llama", "tiny-llama-h64": "tiny-llama-h64", "tiny-llama-tools": "tiny-llama-tools"}
+BUILTIN_MODELS = {"tiny-llama": "tiny-llama", "tiny-llama-h64": "tiny-llama-h64", "tiny-llama-tools": "tiny-llama-tools-1"}
 BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-3.jsonl",
                     "tiny-prompts": "tiny-prompts-1.jsonl", "tiny-kto": "tiny-kto-1.jsonl",
                     "tiny-products": "tiny-products-1.jsonl"}

@@ -469,3 +469,37 @@ def tool_metrics(records: list[dict]) -> dict:
             "tools/errors": failed / n, "tools/timeouts": float(sum(r["timeouts"] for r in records)),
             "tools/unparsed": float(sum(r["unparsed"] for r in records)),
             "tools/turns": sum(r["assistant_turns"] for r in records) / n}
+
+
+# ---------------------------------------------------------------- built in
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: the expression, for example "(12.5 + 3) * 4 ** 2"
+    """
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
+           ast.UAdd: operator.pos}
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.operand))
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and (abs(right) > 100 or abs(left) > 1e6):
+                raise ValueError("a power too large to compute")
+            return ops[type(node.op)](left, right)
+        raise ValueError(f"not arithmetic: {ast.unparse(node)[:40]}")
+
+    if len(expression) > 200:
+        raise ValueError("an expression longer than 200 characters")
+    result = value(ast.parse(expression, mode="eval").body)
+    return str(int(result) if isinstance(result, float) and result.is_integer() and abs(result) < 2**53 else result)

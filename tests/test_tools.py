@@ -271,7 +271,8 @@ def test_the_tiny_tools_model_renders_and_reads_its_calls():
     template = template_for(tok, schemas, stops_of(tok), "builtin:tiny-llama-tools")
     assert template.format.name == "mistral"
     text = render(tok, [{"role": "user", "content": "3*4"}], True, schemas)
-    assert text.startswith("<s>[AVAILABLE_TOOLS]" + json.dumps(schemas)) and text.endswith("<|user|>3*4<|end|><|assistant|>")
+    assert text == ("<s>[AVAILABLE_TOOLS]calc(): The product of the question's numbers.\nmultiply(a,b): Multiply two "
+                    "integers.\n[/AVAILABLE_TOOLS]<|user|>3*4<|end|><|assistant|>")
     turn = tok('[TOOL_CALLS]multiply[ARGS]{"a": 3, "b": 4}<|end|>', add_special_tokens=False).input_ids
     assert template.parse(turn).calls == [call("multiply", a=3, b=4)]
     assert tok.decode(template.suffix([{"role": "tool", "name": "multiply", "content": "12"}]),
