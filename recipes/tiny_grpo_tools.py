@@ -2,7 +2,7 @@
 call a calculator and copy its answer. Each prompt asks the product of two numbers of two digits
 (builtin:tiny-products: "37*59"), which a tiny model cannot compute; the calculator can: an environment
 made per completion (environment_factory=Calculator, reset with the row's numbers) whose one method,
-calc(), is the tool. The builtin tiny-llama-tools writes a call as [TOOL_CALLS]calc[ARGS]{} and ends its
+mul(), is the tool. The builtin tiny-llama-tools writes a call as [TOOL_CALLS]mul[ARGS]{} and ends its
 turn with <|end|>; the calculator's answer comes back as a tool turn, masked out of the loss, and the
 model answers in a second turn. Rewards: tool_call (the share of the right call's tokens in place at the
 start: dense, 1.0 for the call), char_match and exact_match of the last answer with the product.
@@ -28,7 +28,7 @@ class Calculator:
     def reset(self, a, b, **row):
         self.a, self.b = a, b
 
-    def calc(self) -> str:
+    def mul(self) -> str:
         """The product of the question's two numbers."""
         return str(self.a * self.b)
 
@@ -38,11 +38,11 @@ def right_call() -> list[int]:
     from finetune.assets import build_tokenizer
 
     tok = build_tokenizer(tools=True)
-    return tok("[TOOL_CALLS]calc[ARGS]{}<|end|>", add_special_tokens=False).input_ids
+    return tok("[TOOL_CALLS]mul[ARGS]{}<|end|>", add_special_tokens=False).input_ids
 
 
 def tool_call(completion_ids, **kwargs):
-    """The share of the right call's tokens ([TOOL_CALLS]calc[ARGS]{}<|end|>) in place at the completion's start:
+    """The share of the right call's tokens ([TOOL_CALLS]mul[ARGS]{}<|end|>) in place at the completion's start:
     1.0 for the call; partial credit token by token, so that every position of it is learnt at once."""
     call = right_call()
     return [sum(a == b for a, b in zip(ids, call)) / len(call) for ids in completion_ids]
@@ -69,7 +69,7 @@ recipe = Recipe(
     mixed_precision="no",
     micro_batch_size=16,
     global_batch_size=16,
-    lr=3e-3,
+    lr=1e-2,
     lr_scheduler="constant",
     warmup_steps=0,
     weight_decay=0.0,

@@ -277,3 +277,14 @@ def test_the_tiny_tools_model_renders_and_reads_its_calls():
     assert template.parse(turn).calls == [call("multiply", a=3, b=4)]
     assert tok.decode(template.suffix([{"role": "tool", "name": "multiply", "content": "12"}]),
                       skip_special_tokens=False) == "<|tool|>12<|end|><|assistant|>"
+
+
+def test_the_builtin_calculator_computes_arithmetic_and_nothing_else():
+    assert [T.calculator(e) for e in ("(12.5 + 3) * 4 ** 2", "7/2", "2**10", "-3 % 5", "10 // 4")] == \
+        ["248", "3.5", "1024", "2", "2"]
+    tools = {"calculator": T.calculator}
+    for expression, error in (("__import__('os')", "not arithmetic"), ("9**9**9", "a power too large"),
+                              ("1/0", "division by zero"), ("x" * 201, "longer than 200 characters")):
+        answer = T.call_tool(tools, call("calculator", expression=expression), 5)
+        assert answer.error == "raised" and error in answer.content
+    assert T.schema(T.calculator)["function"]["parameters"]["required"] == ["expression"]
