@@ -210,7 +210,7 @@ def stops_of(tok) -> set[int]:
     ("llama3", "llama3_2", "llama3_json"),
     ("qwen", "qwen2_5", "hermes"),
     ("qwen-base", "qwen2_5", "hermes"),  # its EOS is not the template's end of turn: cut at <|im_end|> all the same
-    ("qwen", "qwen3", "renders an assistant turn otherwise once a tool's answer follows it"),
+    ("qwen", "qwen3", "hermes"),  # through its training form (below)
     ("gemma", "gemma3", "cannot render a conversation with a tool call.*roles must alternate"),
     ("phi3", "phi3_5", "renders no tool call"),
     ("mistral-v3", F.MISTRAL, "renders no tool call"),
@@ -230,6 +230,24 @@ def test_prefix_check_on_real_templates(kind, template, expected, tmp_path):
     with pytest.raises(RecipeError, match=f"tools with model=some/model: its chat template ({expected})") as e:
         template_for(tok, schemas, stops_of(tok), "some/model")
     assert "\n" not in str(e.value)
+
+
+def test_qwen3_is_trained_with_its_training_template(tmp_path, caplog):
+    """Qwen3's own template drops an earlier turn's <think> block once a tool answers (the prefix check finds it);
+    its training form, which keeps every turn's block, is put on the tokenizer in its place, said in one line;
+    a template that is not Qwen3's own is refused instead."""
+    from finetune.training.agent import Template, training_template
+
+    tok = family_tokenizer("qwen", "qwen3", tmp_path)
+    original = tok.chat_template
+    problem = Template(tok, [T.schema(multiply)], stops_of(tok)).check()
+    assert "renders an assistant turn otherwise once a tool's answer follows it" in problem
+    template_for(tok, [T.schema(multiply)], stops_of(tok), "Qwen/Qwen3-8B")
+    assert tok.chat_template == training_template(original)[1] != original
+    assert "(the Qwen3 family's)" in caplog.text and "training form" in caplog.text
+    tok.chat_template = original.replace("ns.last_query_index %}", "ns.last_query_index  %}")  # not Qwen3's own
+    with pytest.raises(RecipeError, match="renders an assistant turn otherwise once a tool's answer follows it"):
+        template_for(tok, [T.schema(multiply)], stops_of(tok), "Qwen/Qwen3-8B")
 
 
 def test_tool_answers_render_as_the_template_goes_on(tmp_path):

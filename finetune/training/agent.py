@@ -173,13 +173,53 @@ class Template:
         return None
 
 
+# Training templates: a family's own chat template that fails the check, and the edit of it that passes (TRL's
+# get_training_chat_template swaps in copies of its own): Qwen3's renders an assistant turn's <think> block only
+# after the last user message and drops it from earlier turns, so a turn before a tool's answer is rendered
+# otherwise once the answer follows; its training form keeps every turn's block.
+QWEN3_TURN = """        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+"""
+TRAINING_TEMPLATES = (("Qwen3", QWEN3_TURN, """        {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+"""),)
+
+
+def training_template(template: str) -> tuple[str, str] | None:
+    """(the family, its training form) of a chat template TRAINING_TEMPLATES knows, else None."""
+    for family, original, replacement in TRAINING_TEMPLATES:
+        if isinstance(template, str) and original in template:
+            return family, template.replace(original, replacement)
+    return None
+
+
 def template_for(tokenizer, schemas: list[dict], stops, model: str) -> Template:
-    """The run's Template, its check passed; else one line naming the model and what breaks."""
+    """The run's Template, its check passed; a family's own template that fails it is replaced by its training
+    form where TRAINING_TEMPLATES has one (the tokenizer's chat_template is set to it, said in one line, and
+    saved with the model); else one line naming the model and what breaks."""
     if not getattr(tokenizer, "chat_template", None):
         raise RecipeError(f"tools with model={model}: its tokenizer has no chat template to render tool calls with; set "
                           "chat_template=... to one that renders tools, tool_calls and tool messages")
     template = Template(tokenizer, schemas, stops)
     problem = template.check()
+    known = training_template(tokenizer.chat_template) if problem else None
+    if known is not None:
+        original, tokenizer.chat_template = tokenizer.chat_template, known[1]
+        template = Template(tokenizer, schemas, stops)
+        if template.check() is None:
+            from finetune.training.metrics import log
+
+            log.warning(f"tools with model={model}: its chat template (the {known[0]} family's) {problem}; the run "
+                        f"renders conversations with its training form instead, which keeps every turn as the model "
+                        "wrote it (docs/agents.md, training templates), and saves it with the model")
+            return template
+        tokenizer.chat_template = original
     if problem:
         raise RecipeError(f"tools with model={model}: its chat template {problem}; set chat_template=... to a template "
                           "that renders each turn as the model writes it (docs/agents.md, the prefix check)")
