@@ -4,6 +4,8 @@ whatever the tool does, the tool-call formats read back from real tokenizers' en
 templates (tests/templates: Llama 3.1/3.2, Qwen2.5, Qwen3, Gemma 3, Phi-3.5; Mistral's own encoder,
 mistral_common), and the prefix check on every family the suite has."""
 
+import copy
+import functools
 import json
 import time
 from pathlib import Path
@@ -162,7 +164,7 @@ def test_formats_read_calls_and_count_broken_ones():
     assert phi4.parse('<|tool_call|>[{"name": "multiply"').broken
 
 
-@pytest.mark.parametrize("version", ["v3", "v7", "tekken"])
+@pytest.mark.parametrize("version", ["v3", "v7"])  # (tekken writes the same, converted in 20 s: left out)
 def test_mistral_calls_as_mistral_common_encodes_them(version, tmp_path):
     """Mistral's own encoder (mistral_common, the real tokenizers) writes an assistant turn's calls; decoded by the
     transformers tokenizer of the same file, the mistral format reads them back."""
@@ -171,8 +173,7 @@ def test_mistral_calls_as_mistral_common_encodes_them(version, tmp_path):
     from mistral_common.protocol.instruct.tool_calls import Function, FunctionCall, Tool, ToolCall
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-    files = {"v3": F.MISTRAL_MODELS["v3"], "v7": F.MISTRAL_MODELS["v7"], "tekken": "tekken_240911.json"}
-    encoder = MistralTokenizer.from_file(str(F.mistral_file(files[version])))
+    encoder = MistralTokenizer.from_file(str(F.mistral_file(F.MISTRAL_MODELS[version])))
     tools = [Tool(function=Function(name="multiply", description="Multiply.", parameters=T.schema(multiply)["function"]
                                     ["parameters"]))]
     messages = [UserMessage(content="What is 3 times 4?"),
@@ -181,7 +182,7 @@ def test_mistral_calls_as_mistral_common_encodes_them(version, tmp_path):
                 ToolMessage(content="12", tool_call_id="abcdefghi", name="multiply")]
     whole = encoder.encode_chat_completion(ChatCompletionRequest(tools=tools, messages=messages)).tokens
     asked = encoder.encode_chat_completion(ChatCompletionRequest(tools=tools, messages=messages[:1])).tokens
-    tok = F.tekken_tokenizer(tmp_path / "tok") if version == "tekken" else F.mistral_tokenizer(version, tmp_path / "tok")
+    tok = F.mistral_tokenizer(version, tmp_path / "tok")
     turn = whole[len(asked):]
     turn = turn[:turn.index(tok.eos_token_id)]  # the turn as the model writes it, to its </s>
     assert T.FORMATS["mistral"].parse(tok.decode(turn, skip_special_tokens=False)).calls == [call("multiply", a=3, b=4)]
@@ -190,10 +191,19 @@ def test_mistral_calls_as_mistral_common_encodes_them(version, tmp_path):
 # ---------------------------------------------------------------- the prefix check on real templates
 
 
-def family_tokenizer(kind: str, template: str, tmp_path):
+@functools.cache
+def trained_tokenizer(kind: str):
+    """The family's small tokenizer (tests/family_assets.py), trained once per kind."""
+    import tempfile
+
     family = F.Family(kind, "", {}, "", kind, [])
     corpus = ["What is 3 times 4? It is 12.", "multiply the first factor"] * 3
-    tok = F.make_tokenizer(family, corpus, tmp_path / kind)
+    return F.make_tokenizer(family, corpus, Path(tempfile.mkdtemp(prefix="tools-tok-")) / kind)
+
+
+def family_tokenizer(kind: str, template: str, tmp_path=None):
+    """A copy of the family's tokenizer with a real template (tests/templates) or one of family_assets'."""
+    tok = copy.deepcopy(trained_tokenizer(kind))
     tok.chat_template = (TEMPLATES / f"{template}.jinja").read_text() if template in TEMPLATES_ON_DISK else template
     return tok
 
