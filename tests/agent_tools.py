@@ -60,8 +60,9 @@ NEXT = {"<|assistant|>": {"[TOOL_CALLS]": 0.6, **{d: 0.04 for d in "0123456789"}
         **{d: {**{e: 0.075 for e in "0123456789"}, "<|end|>": 0.25} for d in "0123456789"}}
 
 
-def tool_happy_model(out):
-    """builtin:tiny-llama-tools with weights set (not trained) so that it draws the tokens of NEXT: its attention and
+def tool_happy_model(out, base: str = "tiny-llama-tools"):
+    """builtin:tiny-llama-tools (base: another builtin of its vocabulary's size, tiny-llama-h64 for vLLM, which
+    serves its head size) with weights set (not trained) so that it draws the tokens of NEXT: its attention and
     MLP outputs zero, each token's embedding a unit vector of its own, the output layer the log-probabilities of
     what follows it. Its rollouts call recipes/tiny_grpo_tools.py's calculator, name a tool that does not exist,
     write calls that do not parse and answer with numbers, as no untrained model does; training moves it from
@@ -69,13 +70,12 @@ def tool_happy_model(out):
     import math
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from finetune.assets import tiny_model_dir
+    from finetune.assets import build_tokenizer, tiny_model_dir
 
-    source = tiny_model_dir("tiny-llama-tools")
-    tok = AutoTokenizer.from_pretrained(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tok = build_tokenizer(tools=True)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(base), dtype=torch.float32)
     hidden = model.config.hidden_size
     slot = {token: k for k, token in enumerate(NEXT)}  # every other token shares the last slot: the turn ends
     end = tok.convert_tokens_to_ids("<|end|>")

@@ -153,3 +153,30 @@ def test_the_tool_mask_keeps_fed_tokens_out_of_the_loss():
     batch = rollout_batch([[1, 2]], [[5, 6, 7, 8]], [True], torch.zeros(1), 0, masks=[[1, 0, 0, 1]])
     assert batch["labels"].tolist() == [[IGNORE, IGNORE, 5, IGNORE, IGNORE, 8]]
     assert batch["input_ids"].tolist() == [[1, 2, 5, 6, 7, 8]]
+
+
+def test_an_engine_converses_one_request_per_turn(tiny):
+    """The vLLM engine's multi-turn rollout (agent.converse): each turn a request whose prompt is the conversation
+    so far, its budget what the earlier turns left, its seed the turn's own (turn 0: the completion's); the
+    answers fed between turns as the decode loop feeds them, masked 0 with log-prob 0.0."""
+    import types
+
+    from finetune.training.agent import converse, turn_seed
+
+    tok, ids = tiny
+    call, answer = ids("[TOOL_CALLS]calc[ARGS]{}<|end|>"), ids("12<|end|>")
+    asked = []
+
+    def engine(prompts, budgets, seeds):
+        asked.append((prompts, budgets, seeds))
+        return [types.SimpleNamespace(tokens=call if len(p) == 1 else answer, stopped=True,
+                                      logprobs=[-0.5] * len(call if len(p) == 1 else answer)) for p in prompts]
+
+    [(tokens, stopped, mask, logps)] = converse(engine, [[2]], [100], conversations(tok), [7])
+    fed = tokens[len(call):len(tokens) - len(answer)]
+    assert tok.decode(fed, skip_special_tokens=False) == "<|tool|>12<|end|><|assistant|>"
+    assert tokens == call + fed + answer and stopped
+    assert mask == [1] * len(call) + [0] * len(fed) + [1] * len(answer)
+    assert logps == [-0.5] * len(call) + [0.0] * len(fed) + [-0.5] * len(answer)
+    assert asked[0][1:] == ([100], [7]) and asked[1][0] == [[2] + call + fed]
+    assert asked[1][1:] == ([100 - len(call) - len(fed)], [turn_seed(7, 1)]) and turn_seed(7, 1) != 7

@@ -51,8 +51,6 @@ def test_tools_resolve_by_name_and_callable_with_schemas():
     ({"tools": (Calculator,)}, "is a class; a tool is a function"),
     ({"tools": (multiply, multiply)}, "two tools are named multiply"),
     ({"environment_factory": NoReset}, "an environment needs a reset"),
-    ({"environment_factory": "tests.agent_tools:Calculator", "tools": ("tests.agent_tools:multiply",),
-      "generation_backend": "vllm"}, "tools with generation_backend=vllm"),
     ({"tools": (multiply,), "sequence_parallel": 2}, "tools with sequence_parallel=2"),
     ({"max_tool_calling_iterations": 2}, "max_tool_calling_iterations=2 applies to a rollout with tools only"),
     ({"tool_timeout": 5.0}, "tool_timeout=5.0 applies to a rollout with tools only"),

@@ -105,9 +105,6 @@ def check_tools(r):
             raise RecipeError(f"{changed[0]}={getattr(r, changed[0])} applies to a rollout with tools only; set "
                               f"tools=module:function (or environment_factory=module:Class), or leave {changed[0]} out")
         return None
-    if r.generation_backend == "vllm":
-        raise RecipeError("tools with generation_backend=vllm: not built yet (each turn would go to the engine as a new "
-                          "request); use generation_backend=finetune, whose decode loop keeps the KV cache across turns")
     if r.sequence_parallel > 1:
         raise RecipeError(f"tools with sequence_parallel={r.sequence_parallel}: not tried (every rank of a group would "
                           "run the same tool calls); set sequence_parallel=1")

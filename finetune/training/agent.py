@@ -262,6 +262,48 @@ class Conversation:
                 "assistant_turns": sum(t["role"] == "assistant" for t in self.turns)}
 
 
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of a conversation's turn `turn` (0: the completion's own seed) for a generator that
+    samples each turn as a request of its own (the vLLM engine): a stable 63-bit hash, so that the completion's
+    seed fixes every turn."""
+    import hashlib
+
+    if turn == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"turn:{seed}:{turn}".encode(), digest_size=8).digest(), "little") >> 1
+
+
+def converse(generate_turns, prompts: list[list[int]], budgets: list[int], turns: "Conversations", seeds) -> list:
+    """Multi-turn completions from a generator of single turns (the vLLM engine: each turn a request of its own,
+    the conversation so far its prompt, its prefix cache reusing what is cached): generate_turns(prompts,
+    budgets, seeds) -> completions with .tokens, .stopped and .logprobs; between turns `turns` as the decode
+    loop asks it; budgets: each completion's most tokens (max_completion_len, within the context). Each
+    completion's tokens, whether it ended on a stop token, its mask (0: fed) and its
+    log-probs (0.0 for a fed token, which no term reads)."""
+    n = len(prompts)
+    tokens, masks, logps, stopped = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)], [False] * n
+    going, turn = list(range(n)), 0
+    while going:
+        outs = generate_turns([prompts[i] + tokens[i] for i in going], [budgets[i] - len(tokens[i]) for i in going],
+                              None if seeds is None else [turn_seed(seeds[i], turn) for i in going])
+        more = []
+        for i, out in zip(going, outs):
+            tokens[i] += out.tokens
+            masks[i] += [1] * len(out.tokens)
+            logps[i] += list(getattr(out, "logprobs", []) or [0.0] * len(out.tokens))
+            fed = turns.turn_ended(i, list(tokens[i]), budgets[i] - len(tokens[i])) if out.stopped else None
+            if fed:
+                tokens[i] += fed
+                masks[i] += [0] * len(fed)
+                logps[i] += [0.0] * len(fed)
+                if len(tokens[i]) < budgets[i]:
+                    more.append(i)
+            else:
+                stopped[i] = out.stopped
+        going, turn = more, turn + 1
+    return [(t, s, m, lp) for t, s, m, lp in zip(tokens, stopped, masks, logps)]
+
+
 class Conversations(Turns):
     """The conversations of one generation call (generation.Turns): between turns, run the calls and answer
     the tokens to feed."""
