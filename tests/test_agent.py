@@ -180,3 +180,38 @@ def test_an_engine_converses_one_request_per_turn(tiny):
     assert logps == [-0.5] * len(call) + [0.0] * len(fed) + [-0.5] * len(answer)
     assert asked[0][1:] == ([100], [7]) and asked[1][0] == [[2] + call + fed]
     assert asked[1][1:] == ([100 - len(call) - len(fed)], [turn_seed(7, 1)]) and turn_seed(7, 1) != 7
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_fed_tokens_count_in_no_term(loss_type):
+    """A micro-batch of conversations (finetune's GRPO loss on a model, beta > 0, num_iterations 2): the old and the
+    reference log-probs at fed tokens (tool mask 0) changed to anything, the loss, its gradient and every metric
+    (kl, entropy, clip ratios) stay the same: those tokens are in no loss term, no KL, no entropy and no
+    importance ratio; changed at a drawn token, they move."""
+    from finetune.training.objectives.grpo import GRPO
+    from tests.test_grpo_objective import REWARD, tiny_model
+
+    prompts = [[1, 5, 6], [1, 7, 8]]
+    completions = [[10, 11, 30, 31, 32, 12, 13], [14, 33, 34, 15]]
+    masks = [[1, 1, 0, 0, 0, 1, 1], [1, 0, 0, 1]]
+    batch = rollout_batch(prompts, completions, [True, True], torch.tensor([1.0, -0.7]), 0, masks=masks)
+    fed = torch.zeros_like(batch["labels"], dtype=torch.bool)
+    for i, (p, m) in enumerate(zip(prompts, masks)):
+        fed[i, len(p):len(p) + len(m)] = torch.tensor(m) == 0
+    g = torch.Generator().manual_seed(3)
+    batch["old_logps"] = -torch.rand(batch["labels"].shape, generator=g)
+    batch["ref_logps"] = -torch.rand(batch["labels"].shape, generator=g)
+    recipe = Recipe(objective="grpo", loss_type=loss_type, beta=0.04, num_iterations=2, micro_batch_size=2, **REWARD)
+
+    def outcome(b):
+        objective, model = GRPO(recipe), tiny_model()
+        loss = objective.loss(model, b)
+        loss.backward()
+        return loss.item(), model.lm_head.weight.grad.clone(), objective.take_metrics()
+
+    base = outcome(batch)
+    moved = dict(batch, old_logps=batch["old_logps"].masked_fill(fed, -9.0), ref_logps=batch["ref_logps"].masked_fill(fed, 0.0))
+    same = outcome(moved)
+    assert same[0] == base[0] and torch.equal(same[1], base[1]) and torch.equal(same[2], base[2])
+    drawn = dict(batch, old_logps=batch["old_logps"].masked_fill(~fed & (batch["labels"] != IGNORE), -9.0))
+    assert outcome(drawn)[0] != base[0]
