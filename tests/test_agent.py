@@ -138,7 +138,7 @@ def test_errors_broken_calls_the_budget_and_the_rounds(tiny):
     convs = conversations(tok)
     assert convs.turn_ended(0, ids("[TOOL_CALLS]multiply[ARGS]{\"a\": <|end|>"), room=100) is None
     assert convs.items[0].unparsed == 1 and convs.items[0].calls == 0
-    assert convs.messages[0] == [{"role": "assistant", "content": "multiply{\"a\":"}]
+    assert convs.messages[0] == [{"role": "assistant", "content": "multiply{\"a\": "}]  # decoded as is, as TRL's
     convs = conversations(tok)  # the answer does not fit: dropped, as TRL drops it; the call counted
     turn = ids("[TOOL_CALLS]calc[ARGS]{}<|end|>")
     assert convs.turn_ended(0, turn, room=3) is None

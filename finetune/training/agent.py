@@ -108,8 +108,9 @@ class Template:
             return self.format.parse_ids(ids, prefix)
         body = ids[:-1] if ids and ids[-1] in self.stops else ids
         parsed = self.format.parse(self.tokenizer.decode(body, skip_special_tokens=False))
-        if not parsed.calls:
-            parsed.content = self.tokenizer.decode(ids, skip_special_tokens=True).strip()
+        if not parsed.calls:  # TRL's content: the text parsed (stripped), or, where a call did not parse, decoded as is
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            parsed.content = text if parsed.broken else text.strip()
         return parsed
 
     def detect(self, turn: list[int], prefix: list[int], call: dict):
