@@ -276,7 +276,7 @@ def answer_with_tools(model, tokenizer, text: str, funcs: list, max_new_tokens: 
     messages = [{"role": "user", "content": text}]
     prompt = tokenizer(render_chat(tokenizer, messages, True, tools=schemas), add_special_tokens=False).input_ids
     turns = Conversations(template, Toolbox(funcs, schemas=schemas), [{"prompt": messages}], [0], [prompt],
-                          max_rounds=0, timeout=timeout)
+                          max_rounds=0, timeout=timeout, context=context_length(model.config))
     seeds = None
     if temperature > 0:
         seeds = [int(torch.randint(2**62, (1,), generator=generator or torch.Generator()))]

@@ -4,8 +4,8 @@ call a calculator and copy its answer. Each prompt asks the product of two numbe
 made per completion (environment_factory=Calculator, reset with the row's numbers) whose one method,
 mul(), is the tool. The builtin tiny-llama-tools writes a call as [TOOL_CALLS]mul[ARGS]{} and ends its
 turn with <|end|>; the calculator's answer comes back as a tool turn, masked out of the loss, and the
-model answers in a second turn. Rewards: tool_call (the share of the right call's tokens in place at the
-start: dense, 1.0 for the call), char_match and exact_match of the last answer with the product.
+model answers in a second turn. Rewards: tool_call (the share of the right call's tokens the completion
+starts with: 1.0 for the call), char_match and exact_match of the last answer with the product.
 
 MEASURED: see the figures below (filled in from the run of the first command).
 
@@ -42,10 +42,15 @@ def right_call() -> list[int]:
 
 
 def tool_call(completion_ids, **kwargs):
-    """The share of the right call's tokens ([TOOL_CALLS]mul[ARGS]{}<|end|>) in place at the completion's start:
-    1.0 for the call; partial credit token by token, so that every position of it is learnt at once."""
+    """The share of the right call's tokens ([TOOL_CALLS]mul[ARGS]{}<|end|>) the completion starts with: 1.0 for the
+    call, partial credit for its start (credit for a token in place after a wrong one would reward repeating one
+    token in every place, where the tiny model collapses)."""
     call = right_call()
-    return [sum(a == b for a, b in zip(ids, call)) / len(call) for ids in completion_ids]
+    out = []
+    for ids in completion_ids:
+        same = next((i for i, (a, b) in enumerate(zip(ids, call)) if a != b), min(len(ids), len(call)))
+        out.append(same / len(call))
+    return out
 
 
 recipe = Recipe(

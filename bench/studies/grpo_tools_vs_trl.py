@@ -36,7 +36,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-TEMPERATURE, STEPS, LR, MAX_LEN, G = 0.7, 3, 1e-3, 96, 4
+TEMPERATURE, STEPS, LR, MAX_LEN, G = 0.7, 3, 1e-3, 192, 4
+POSITIONS = 4096  # the model's context: beyond every conversation (TRL drops a tool answer that reaches it)
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 1e-4
 
 
@@ -77,7 +78,7 @@ PLANS = [
     [call("divide", a=5, b=0) + E, "I cannot." + E],                # a tool that raises
     ["<tool_call>\n{\"name\": \"multiply\", \"arguments\": " + E],  # a call that does not parse
     [call("multiply", a=5, b=6) + E, call("divide", a=30, b=6) + E, "30" + E],  # two rounds of calls
-    [call("multiply", a=5, b=6) + E, "thirty " * 40],               # cut at max_completion_len
+    [call("multiply", a=5, b=6) + E, "thirty " * 120],              # cut at max_completion_len
 ]
 
 
@@ -92,6 +93,7 @@ def family():
     tok.chat_template = (REPO / "tests" / "templates" / "qwen2_5.jinja").read_text()
     config = F.family_config("qwen2", -(-len(tok) // 64) * 64, bos_token_id=tok.bos_token_id,
                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config.max_position_embeddings = POSITIONS
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float()
     model.save_pretrained(root / "model")

@@ -310,10 +310,12 @@ class Conversations(Turns):
     the tokens to feed."""
 
     def __init__(self, template: Template, toolbox, rows: list[dict], seeds: list[int], prompts: list[list[int]],
-                 max_rounds: int, timeout: float, between=None):
+                 max_rounds: int, timeout: float, between=None, context: int | None = None):
         """between: called once a round of calls was answered, before the answer is fed (the crash tests' fault
-        point between turns)."""
+        point between turns). context: the generator's positions; answers that would reach them are dropped
+        (TRL's check: prompt, completion and answers at least the model's length)."""
         self.template, self.max_rounds, self.timeout, self.between = template, max_rounds, timeout, between
+        self.context = context
         self.items = []
         for row, seed, prompt in zip(rows, seeds, prompts):
             try:
@@ -338,7 +340,7 @@ class Conversations(Turns):
         conv.timeouts += sum(a.error == "timeout" for a in answers)
         messages = [{"role": "tool", "name": a.name, "content": a.content} for a in answers]
         suffix = self.template.suffix(messages)
-        fits = len(suffix) <= room
+        fits = len(suffix) <= room and (self.context is None or len(conv.prompt) + len(tokens) + len(suffix) < self.context)
         conv.turns += [m | {"error": a.error} | ({} if fits else {"dropped": "past max_completion_len"})
                        for m, a in zip(messages, answers)]
         if not fits:  # TRL drops the answers that would not fit, and the conversation ends with the call

@@ -25,6 +25,7 @@ from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import token_logps, token_logps_entropy, token_logps_within
+from finetune.model import context_length
 from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
@@ -358,9 +359,13 @@ class GRPO(Basic):
                     for i, p in enumerate(p for p in cols["prompt"] for _ in range(g))]
             r = run.recipe
             rank = run.accelerator.process_index
+            context = context_length(run.config)
+            if r.generation_backend == "vllm":  # the engine's max_model_len
+                context = min(context or r.max_seq_len, r.max_seq_len)
             turns = agent.Conversations(self.template, self.toolbox, rows, seeds, prompt_ids,
                                         r.max_tool_calling_iterations, r.tool_timeout,
-                                        between=lambda: fault_point("turn", rank, step))  # a kill between turns
+                                        between=lambda: fault_point("turn", rank, step),  # a kill between turns
+                                        context=context)
         with SP.whole_sequences():  # every rank of an SP group samples its group's prompts whole
             outs = self.generator(run, prompt_ids, seeds, updates, stop, **({"turns": turns} if turns else {}))
         self.generator.sleep()  # a vLLM engine on GPUs gives its memory back to the step (vllm_enable_sleep_mode)
