@@ -18,6 +18,7 @@ from pathlib import Path
 
 from finetune.checkpointing.layout import HF_DIR, MANIFEST
 from finetune.checkpointing.manifest import verify
+from finetune.checkpointing.safe_loading import safe_loading
 from finetune.checkpointing.export import ExportError, checkpoint_state_dict, lora_keys
 from finetune.generation import Sampling, generate, pad_id_for, render_prompt, stop_ids
 from finetune.model import add_lora, context_length, load_model
@@ -172,7 +173,14 @@ def _rebuild(ckpt: Path, base: str | None, manifest: dict, recipe: dict):
 
 
 def load(path: Path, base: str | None = None):
-    """(model in eval mode, tokenizer, the run's recipe.json or {}) for any output PATH."""
+    """(model in eval mode, tokenizer, the run's recipe.json or {}) for any output PATH, every file read
+    under safe_loading (a torch.load of final/'s pytorch_model.bin or an adapter's .bin is weights-only
+    whatever transformers' or peft's default)."""
+    with safe_loading():
+        return _load(path, base)
+
+
+def _load(path: Path, base: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

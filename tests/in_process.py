@@ -16,7 +16,8 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     from finetune.training import loop
 
     def no_training(plan):
-        raise AssertionError("run.main in the test process is for runs that stop before training; launch it")
+        # not an Exception: train.main's handler of one would end the process (os._exit) with pytest in it
+        raise WouldTrain("run.main in the test process is for runs that stop before training; launch it")
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     train, loop.train = loop.train, no_training
@@ -29,3 +30,9 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return code, out.getvalue(), err.getvalue()
+
+
+class WouldTrain(BaseException):
+    """run.main went past every check into training, which a call in the test process must not do: the
+    test fails with this rather than the test process exiting."""
+

@@ -193,6 +193,38 @@ def test_staging_directory_is_one_per_output_dir(tmp_path):
     assert S.run_staging_dir(tmp_path / "a") == S.run_staging_dir(tmp_path / "x" / ".." / "a")
 
 
+def test_a_staging_directory_another_could_write_or_read_is_refused(monkeypatch, tmp_path):
+    """The run's staging directory in a shared tmpfs is this user's alone (0700): one that another user made
+    first, one anyone may write, or a link at its name is refused in one line, before the launch
+    (staging_problem) and at the save (claim_staging_dir), rather than staged into: whoever holds it could
+    read the checkpoint or plant files that the background write copies into it."""
+    import os
+
+    monkeypatch.setenv("FINETUNE_STAGING_DIR", str(tmp_path))
+    r = recipe("async_save=true", f"output_dir={tmp_path / 'out'}")
+    staging = S.run_staging_dir(r.output_dir)
+    assert S.staging_problem(r, 1, 1) is None and not staging.exists()
+    S.claim_staging_dir(staging)
+    assert staging.is_dir() and staging.stat().st_mode & 0o777 == 0o700
+    S.claim_staging_dir(staging)  # again: its own
+    staging.chmod(0o777)
+    assert "may be written by others (mode 777)" in S.staging_problem(r, 1, 1)
+    with pytest.raises(S.RecipeError, match="may be written by others"):
+        S.claim_staging_dir(staging)
+    staging.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    staging.symlink_to(tmp_path / "elsewhere")
+    assert "is not a directory (a link)" in S.staging_problem(r, 1, 1)
+    staging.unlink()
+    if os.getuid() == 0:  # as root, a directory of another user can be made here
+        staging.mkdir(mode=0o700)
+        os.chown(staging, 12345, 12345)
+        assert "belongs to another user (uid 12345)" in S.staging_problem(r, 1, 1)
+        with pytest.raises(S.RecipeError) as e:
+            S.claim_staging_dir(staging)
+        assert str(e.value).endswith("set FINETUNE_STAGING_DIR to a directory of your own") and "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------- the universal conversion's workers
 
 

@@ -1,5 +1,5 @@
 """`finetune chat` on what a user may point it at: a checkpoint is verified as export verifies it
-(sizes and checksums: finetune.checkpointing.checkpoint.verify), a damaged or foreign directory is one `error:` line
+(sizes and checksums: finetune.checkpointing.manifest.verify), a damaged or foreign directory is one `error:` line
 and exit 2, and the prompt is rendered the way the run trained its prompts. The checkpoints here are
 the tiny model's real weights written the way a DDP run's save_state writes them (model.safetensors,
 hf/, recipe.json, a sealed manifest); chat on the checkpoints of real launches is in
@@ -133,7 +133,7 @@ def test_a_checkpoint_deleted_during_its_export_is_named(tmp_path, capsys, monke
     read = export.checkpoint_state_dict
 
     def rotated_away(path, template):
-        shutil.rmtree(path)  # as checkpoint.rotate removes an old checkpoint
+        shutil.rmtree(path)  # as layout.rotate removes an old checkpoint
         return read(path, template)
 
     monkeypatch.setattr(export, "checkpoint_state_dict", rotated_away)
@@ -142,7 +142,25 @@ def test_a_checkpoint_deleted_during_its_export_is_named(tmp_path, capsys, monke
     line = one_error_line(capsys.readouterr().err)
     assert line.startswith(f"error: checkpoint {ckpt} was deleted while it was being exported ("), line
     assert "keep_last" in line and "holds no model weights" not in line
-    assert not (tmp_path / "out").exists() and not (tmp_path / "out.tmp").exists()
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def test_export_leaves_every_file_it_did_not_create(tmp_path, capsys):
+    """Issue 52, item 3: `finetune export CKPT DIR/model` removed an existing DIR/model.tmp and all in it.
+    It stages in a directory of its own now: a user's model.tmp, .model.tmp and .model.previous stay as
+    they were, the export is written whole, and nothing of its own is left beside it."""
+    from finetune.commands.export import main as export_main
+
+    ckpt = write_checkpoint(tmp_path / "run" / "checkpoints" / "step_000000004")
+    out = tmp_path / "dir"
+    for name in ("model.tmp", ".model.tmp", ".model.previous", ".model.adapter.tmp"):
+        (out / name / "sub").mkdir(parents=True)
+        (out / name / "sub" / "mine.txt").write_text("a user's file")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    capsys.readouterr()
+    assert export_main([str(ckpt), str(out / "model")]) == 0, capsys.readouterr().err
+    assert (out / "model" / "config.json").is_file()
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.parts[len(out.parts)] != "model") == before
 
 
 @pytest.mark.parametrize("checksums", [True, False])
@@ -158,9 +176,10 @@ def test_a_flipped_pickle_byte_is_one_line(tmp_path, capsys, checksums):
     if checksums:
         assert line.startswith(f"error: checkpoint {ckpt} is damaged: pytorch_model.bin does not match the xxh3_128")
     else:
-        # torch's weights-only unpickler refuses it, or fails on what the flip made (a string no longer UTF-8)
-        assert line.startswith(f"error: {ckpt}") and "cannot be loaded" in line and "weights_only" not in line
-        assert "has no checksums (written by an older finetune)" in err
+        # read as the archive's pickle, before anything loads: what the flip made (a string no longer UTF-8) is
+        # damage, said as such (or a global outside the allow-list, refused)
+        assert line.startswith(f"error: checkpoint {ckpt}") and "weights_only=False" not in line, line
+        assert "is damaged: pytorch_model.bin is a damaged torch.save archive" in line or "is refused" in line, line
 
 
 # ---------------------------------------------------------------- prompts rendered as the run trained them
@@ -254,6 +273,41 @@ def test_a_garbage_model_directory_is_one_line(tmp_path, capsys, kind):
     line = one_error_line(err)
     assert code == 2 and out == "", err
     assert line.startswith(f"error: {path}") and "cannot be loaded" in line, line
+
+
+@pytest.mark.parametrize("kind", ["model-bin-bare-pickle", "model-bin-archive", "adapter-bin-archive"])
+def test_a_planted_payload_in_what_chat_reads_never_runs(tmp_path, capsys, kind):
+    """Issue 52: the exports chat reads (final/, an export, final_merged/: a plain model directory; a LoRA
+    adapter) with a pickle payload as their weights (pytorch_model.bin, adapter_model.bin, bare or inside
+    a torch.save archive): one line, exit 2, and the payload never runs (every load under safe_loading)."""
+    import pickle
+
+    import torch
+
+    from finetune.assets import tiny_model_dir
+    from test_checkpoint_files import RunsCode
+
+    tiny, marker, path = tiny_model_dir(), tmp_path / "code-ran", tmp_path / "model"
+    path.mkdir()
+    if kind.startswith("adapter"):
+        (path / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"],
+            "base_model_name_or_path": str(tiny)}))
+        weights = path / "adapter_model.bin"
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (path / name).write_text((tiny / name).read_text())
+    else:
+        (path / "config.json").write_text((tiny / "config.json").read_text())
+        weights = path / "pytorch_model.bin"
+    if kind.endswith("bare-pickle"):
+        weights.write_bytes(pickle.dumps(RunsCode(marker)))
+    else:
+        torch.save({"model.embed_tokens.weight": torch.zeros(2, 2), "hook": RunsCode(marker)}, weights)
+    code, out, err = chat(capsys, path, "Say hi", "--max-new-tokens", "2")
+    line = one_error_line(err)
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert line.startswith(f"error: {path}"), line
+    assert not marker.exists(), f"{weights.name} ran code"
 
 
 class Unreadable:

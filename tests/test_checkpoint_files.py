@@ -38,8 +38,9 @@ class RunsCode:
 
 def make_checkpoint(path: Path, step: int = 4, checksums: bool = True, files=None) -> Path:
     """A directory shaped like a finetune checkpoint: files, and a manifest of their sizes and checksums."""
-    files = files or {"pytorch_model/shard_0.bin": os.urandom(3000), "pytorch_model/shard_1.bin": os.urandom(1000),
-                      "loop_state.json": b'{"step": 4}'}
+    # the shards: bytes only a distributed-checkpoint reader reads (a torch.save name would be scanned as one)
+    files = files or {"pytorch_model/shard_0.distcp": os.urandom(3000),
+                      "pytorch_model/shard_1.distcp": os.urandom(1000), "loop_state.json": b'{"step": 4}'}
     for rel, data in files.items():
         (path / rel).parent.mkdir(parents=True, exist_ok=True)
         (path / rel).write_bytes(data)
@@ -109,13 +110,13 @@ def test_resume_auto_with_no_readable_manifest_refuses_rather_than_start_over(tm
 
 def test_checksums_catch_a_same_size_corruption(tmp_path):
     ckpt = make_checkpoint(tmp_path / "ckpt")
-    shard = ckpt / "pytorch_model" / "shard_0.bin"
+    shard = ckpt / "pytorch_model" / "shard_0.distcp"
     verify(ckpt, checksums=True)
     flip_byte(shard)
     verify(ckpt)  # sizes alone cannot see it
     with pytest.raises(RecipeError) as e:
         verify(ckpt, checksums=True)
-    assert "is damaged: pytorch_model/shard_0.bin does not match the xxh3_128 checksum" in str(e.value)
+    assert "is damaged: pytorch_model/shard_0.distcp does not match the xxh3_128 checksum" in str(e.value)
     assert "nothing was deleted" in str(e.value)
 
 
@@ -124,14 +125,14 @@ def test_checksums_are_verified_in_shares_that_together_cover_every_file(tmp_pat
     manifest = read_manifest(ckpt)
     parts = shares(manifest["files"], 2)
     assert sorted(sum(parts, [])) == sorted(manifest["files"]) and all(parts)
-    assert parts[0] == ["pytorch_model/shard_0.bin"]  # the largest file alone balances the rest
-    flip_byte(ckpt / "pytorch_model" / "shard_0.bin")
+    assert parts[0] == ["pytorch_model/shard_0.distcp"]  # the largest file alone balances the rest
+    flip_byte(ckpt / "pytorch_model" / "shard_0.distcp")
     verify_checksums(ckpt, manifest, rank=1, world=2)  # rank 1's share is intact
-    with pytest.raises(RecipeError, match="shard_0.bin does not match"):
+    with pytest.raises(RecipeError, match="shard_0.distcp does not match"):
         verify_checksums(ckpt, manifest, rank=0, world=2)
     # collectively every rank learns what any rank found
-    with pytest.raises(RecipeError, match="shard_0.bin does not match"):
-        verify_checksums(ckpt, manifest, rank=1, world=2, all_gather=lambda mine: [["pytorch_model/shard_0.bin"],
+    with pytest.raises(RecipeError, match="shard_0.distcp does not match"):
+        verify_checksums(ckpt, manifest, rank=1, world=2, all_gather=lambda mine: [["pytorch_model/shard_0.distcp"],
                                                                                      mine])
 
 
@@ -261,6 +262,65 @@ def test_a_garbled_metadata_is_damage_not_an_attack(tmp_path):
 
 
 
+@pytest.mark.parametrize("name", ["optimizer.bin", "scheduler.bin", "random_states_0.pkl",
+                                  "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                  "zero_redundancy_optimizer.pt"])
+@pytest.mark.parametrize("form", ["archive", "bare", "unlisted"])
+def test_verify_refuses_pickled_code_in_any_torch_file_before_anything_loads(tmp_path, name, form):
+    """Issue 52, item 4: a hostile optimizer.bin or scheduler.bin (any file a torch.load reads) used to be
+    refused inside each rank's load, a traceback per rank and exit 1; verify(), which every rank and the
+    front run before anything loads, reads each archive's pickle without running it and refuses in one
+    line: a global outside the allow-list, a bare pickle, or such a file put there after the save."""
+    import torch
+
+    marker = tmp_path / "code-ran"
+    ckpt = make_checkpoint(tmp_path / "ckpt", files={"loop_state.json": b'{"step": 4}',
+                                                     **({} if form == "unlisted" else {name: b"placeholder"})})
+    (ckpt / name).parent.mkdir(parents=True, exist_ok=True)
+    if form == "bare":
+        (ckpt / name).write_bytes(pickle.dumps(RunsCode(marker)))
+    else:
+        torch.save({"state": {0: {"step": torch.tensor(3.0)}}, "hook": RunsCode(marker)}, ckpt / name)
+    if form != "unlisted":  # the manifest made to match, as an attacker could
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        manifest["files"][name] = (ckpt / name).stat().st_size
+        manifest["checksums"] |= file_checksums(ckpt, [name])
+        (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(RecipeError) as e:
+        verify(ckpt, checksums=True)
+    message = str(e.value)
+    assert message.startswith(f"checkpoint {ckpt}: {name} is refused: it ") and "\n" not in message, message
+    assert {"archive": "names posix.system, which torch.load(weights_only=True) does not allow (it could run code)",
+            "bare": "is not a torch.save archive but a bare pickle",
+            "unlisted": "names posix.system"}[form] in message, message
+    assert message.endswith("nothing in it was run or loaded; use a checkpoint from a source you trust")
+    assert not marker.exists()
+
+
+def test_the_scan_passes_what_real_saves_hold(tmp_path):
+    """What Accelerate and DeepSpeed pickle beside tensors passes torch_file_problem: numpy's RNG state
+    (Accelerate's random_states_*.pkl), DeepSpeed's ZeRO classes; a damaged archive is damage, not an
+    attack."""
+    import random
+
+    import numpy as np
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    from finetune.checkpointing.safe_loading import DAMAGED, torch_file_problem
+
+    torch.save({"step": 1, "random_state": random.getstate(), "numpy_random_seed": np.random.get_state(),
+                "torch_manual_seed": torch.get_rng_state()}, tmp_path / "random_states_0.pkl")
+    torch.save({"zero_stage": ZeroStageEnum.optimizer_states, "loss_scaler": LossScaler(1.0),
+                "state": torch.zeros(3)}, tmp_path / "optim_states.pt")
+    assert torch_file_problem(tmp_path / "random_states_0.pkl") is None
+    assert torch_file_problem(tmp_path / "optim_states.pt") is None
+    data = bytearray((tmp_path / "optim_states.pt").read_bytes())
+    (tmp_path / "cut.pt").write_bytes(bytes(data[:len(data) // 2]))
+    assert torch_file_problem(tmp_path / "cut.pt").startswith(("is not a torch.save archive", DAMAGED))
+
+
 def test_a_bare_pickle_where_a_torch_save_archive_belongs_is_refused(tmp_path):
     """DeepSpeed's zero_to_fp32 loads with mmap=True, which fails on a bare pickle with a RuntimeError
     that says nothing of safety; safe_loading says what it is."""
@@ -294,7 +354,7 @@ def test_rotation_keeps_the_newest_and_the_one_just_written(tmp_path):
 
 
 def test_a_sealed_directory_is_checked_file_by_file(tmp_path):
-    """checkpoint.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
+    """manifest.seal / seal_problem: the listing a universal conversion carries (resume.ensure_universal)."""
     from finetune.checkpointing.manifest import seal, seal_problem
 
     d = tmp_path / "universal"

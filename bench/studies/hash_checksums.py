@@ -1,4 +1,4 @@
-"""Why checkpoints carry xxh3-128 checksums: throughput of finetune.checkpointing.checkpoint.file_checksums against
+"""Why checkpoints carry xxh3-128 checksums: throughput of finetune.checkpointing.manifest.file_checksums against
 sha256, blake2b, crc32 and plain reading, on 4 files of 512 MiB (read from the page cache after a
 warm-up pass, so it measures the CPU cost the hash adds to reading).
 

@@ -29,10 +29,11 @@ from finetune.checkpointing.background import BackgroundWrite, read_markers, rem
 from finetune.checkpointing.layout import (HF_DIR, MANIFEST, checkpoint_name, checkpoints_dir, complete_checkpoints,
                                            rotate)
 from finetune.checkpointing.manifest import CHECKSUM, file_checksums, fingerprint, shares, verify_checksums
-from finetune.checkpointing.run_state import RNG_DIR, LOOP_STATE, LoopState, load_rng, read_loop_state, save_rng
+from finetune.checkpointing.run_state import (LOOP_STATE, RNG_DIR, LoopState, load_rng, read_loop_state, save_in_flight,
+                                              save_rng)
 from finetune.checkpointing.safe_loading import UnsafeCheckpointError, safe_loading
 from finetune.checkpointing.snapshot import Snapshotter, reserve_pinned, state_storage_sizes
-from finetune.checkpointing.staging import run_staging_dir, wait_limit_s
+from finetune.checkpointing.staging import claim_staging_dir, run_staging_dir, wait_limit_s
 from finetune.files import publish
 from finetune.recipe import RecipeError
 from finetune.faults import fault_point
@@ -61,6 +62,12 @@ class Checkpointer:
         self.global_batch_size = plan.global_batch_size
         self.keep_last = r.keep_last
         self.records = dict(records or {})
+        # work in flight a checkpoint holds (Objective.in_flight: step -> {name: (tensors, plain data)})
+        self.in_flight = None
+        # rank 0: the save_id of the newest checkpoint this run started to save (or resumed from): what a
+        # vLLM engine's rollouts generated after it are sealed with (rollouts.save_recorded)
+        self.latest_id = plan.resume.manifest.get("save_id") if plan.resume is not None else None
+        self.save_ids: dict[str, str] = {}  # checkpoint name -> its save_id, until its manifest is written
         # async_save (background.py): the write in flight, if any (every rank has one or none alike),
         # and what the loop reports of each save (take_saved)
         self.async_save = r.async_save
@@ -87,6 +94,7 @@ class Checkpointer:
         name = checkpoint_name(state.step)
         final, tmp = self.root / name, self.root / f".{name}.partial"
         self.check_finite(state.step)
+        self.new_save_id(name)
 
         def start():
             if acc.is_main_process:
@@ -112,13 +120,20 @@ class Checkpointer:
         self._saved(state.step, final, time.perf_counter() - t_start, None)
         return final
 
+    def new_save_id(self, name: str) -> None:
+        """A random id for the checkpoint `name` about to be saved (rank 0's is the one its manifest records):
+        names this very save, where a step number could name another run's, or another attempt's."""
+        import secrets
+
+        self.latest_id = self.save_ids[name] = secrets.token_hex(16)
+
     def _commit(self, tmp: Path, final: Path, step: int, files: dict, checksums: dict, seconds: float) -> None:
         """Rank 0: the manifest (fsync'd: an empty manifest after a power cut would hide a complete
         checkpoint), then the rename that publishes the checkpoint, then keep_last."""
         manifest = {"step": step, "world_size": self.accelerator.num_processes,
                     "global_batch_size": self.global_batch_size, "fingerprint": self.fingerprint,
                     "files": files, "checksum": CHECKSUM, "checksums": dict(sorted(checksums.items())),
-                    "seconds": round(seconds, 3), **self.records}
+                    "seconds": round(seconds, 3), "save_id": self.save_ids.pop(final.name, None), **self.records}
         fault_point("before_publish", self.accelerator.process_index, step)
         with open(tmp / MANIFEST, "w") as f:
             f.write(json.dumps(manifest, indent=2) + "\n")
@@ -150,10 +165,12 @@ class Checkpointer:
         final, tmp = self.root / name, self.root / f".{name}.partial"
         staged = self.staging / f"{name}.rank_{acc.process_index}"
         self.check_finite(state.step)
+        self.new_save_id(name)
 
         def start():
+            claim_staging_dir(self.staging)  # this user's alone: nothing another can read or plant there
             shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
+            staged.mkdir()
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
@@ -306,6 +323,8 @@ class Checkpointer:
             optimizer.consolidate_state_dict(to=0)
             if acc.is_main_process:
                 torch.save(optimizer.state_dict(), tmp / ZERO_REDUNDANCY_OPTIMIZER)
+        for name, (tensors, data) in (self.in_flight(state.step) if self.in_flight else {}).items():
+            save_in_flight(tmp, name, tensors, data)
         fault_point("during_save", acc.process_index, state.step)
         if acc.is_main_process:
             (tmp / LOOP_STATE).write_text(json.dumps(asdict(state), indent=2) + "\n")

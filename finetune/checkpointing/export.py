@@ -27,7 +27,7 @@ from finetune.checkpointing.layout import HF_DIR, checkpoints_dir, complete_chec
 from finetune.checkpointing.manifest import verify  # noqa: E402
 from finetune.checkpointing.safe_loading import safe_loading  # noqa: E402
 from finetune.end_of_turn import checkpoint_generation_config  # noqa: E402
-from finetune.files import publish, why_not_creatable  # noqa: E402
+from finetune.files import publish, staging, why_not_creatable  # noqa: E402
 from finetune.model import add_lora, model_class, without_zero3_init  # noqa: E402
 from finetune.recipe import Recipe, RecipeError  # noqa: E402
 from finetune.faults import fault_point  # noqa: E402
@@ -72,14 +72,12 @@ def write_on_main(accelerator, out_dir: Path, write) -> None:
 
     error = None
     if accelerator.is_main_process:
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
-            write(tmp)
-            fault_point("final_write", 0, 0)
-            publish(tmp, out_dir)
+            with staging(out_dir) as tmp:
+                write(tmp)
+                fault_point("final_write", 0, 0)
+                publish(tmp, out_dir)
         except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
             saved = complete_checkpoints(checkpoints_dir(out_dir.parent))
             kept = (f"the checkpoint {saved[-1]} holds the same weights: once there is room, finetune export "
                     f"{saved[-1]} {out_dir}" if saved else "no checkpoint holds these weights")
@@ -157,11 +155,10 @@ def merge_adapter(base_path: str, adapter_dir: Path, out_dir: Path, dtype_name: 
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     if (Path(adapter_dir) / "generation_config.json").is_file():
         merged.generation_config = GenerationConfig.from_pretrained(adapter_dir)
-    tmp = Path(out_dir).with_name(Path(out_dir).name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
-    publish(tmp, Path(out_dir))
+    with staging(Path(out_dir)) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(tmp)
+        publish(tmp, Path(out_dir))
     return Path(out_dir)
 
 
@@ -258,7 +255,6 @@ def export_checkpoint(ckpt: Path, out_dir: Path, max_shard_size: str = "5GB", me
         gone = next((rel for rel in manifest["files"] if not (ckpt / rel).is_file()), None)
         if gone is None:
             raise
-        shutil.rmtree(out_dir.with_name(out_dir.name + ".tmp"), ignore_errors=True)
         raise ExportError(f"checkpoint {ckpt} was deleted while it was being exported ({gone} is gone: a run still "
                           "training keeps only its keep_last newest checkpoints); nothing was written; export a newer "
                           "checkpoint, or copy this one out of the run's checkpoints/ first") from None
@@ -303,23 +299,21 @@ def _export_verified(ckpt: Path, out_dir: Path, manifest: dict, max_shard_size: 
     if getattr(model, "generation_config", None) is not None:  # a reward model generates nothing
         model.generation_config = checkpoint_generation_config(hf, model.generation_config, recipe, tokenizer)
 
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(tmp)
-    _plain_architecture(tmp / "config.json")
-    write_run_recipe(ckpt, tmp)
+    with staging(out_dir) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        _plain_architecture(tmp / "config.json")
+        write_run_recipe(ckpt, tmp)
 
-    reloaded = auto.from_pretrained(tmp, dtype=model.dtype).eval()
-    probe = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want, got = model(probe).logits, reloaded(probe).logits
-    max_diff = float((want.float() - got.float()).abs().max())
-    if not torch.equal(want, got):
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"the exported model's logits differ from the checkpoint's by up to {max_diff:.3g}; "
-                          "nothing was written")
-    publish(tmp, out_dir)
+        reloaded = auto.from_pretrained(tmp, dtype=model.dtype).eval()
+        probe = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want, got = model(probe).logits, reloaded(probe).logits
+        max_diff = float((want.float() - got.float()).abs().max())
+        if not torch.equal(want, got):
+            raise ExportError(f"the exported model's logits differ from the checkpoint's by up to {max_diff:.3g}; "
+                              "nothing was written")
+        publish(tmp, out_dir)
     return {"checkpoint": str(ckpt), "step": manifest["step"], "world_size": manifest["world_size"],
             "out_dir": str(out_dir), "dtype": str(model.dtype).replace("torch.", ""),
             "parameters": sum(p.numel() for p in model.parameters()), "probe_max_abs_diff": max_diff}
@@ -400,49 +394,51 @@ def export_lora(ckpt: Path, out_dir: Path, manifest: dict, recipe: dict, merge: 
     with torch.no_grad():
         want = model(input_ids=probe).logits
 
-    adapter_tmp = out_dir.with_name(out_dir.name + (".adapter.tmp" if merge else ".tmp"))
-    shutil.rmtree(adapter_tmp, ignore_errors=True)
-    model.save_pretrained(adapter_tmp, safe_serialization=True)
-    tokenizer.save_pretrained(adapter_tmp)
-    generation_config.save_pretrained(adapter_tmp)
-    write_run_recipe(ckpt, adapter_tmp)
-    reloaded = PeftModel.from_pretrained(model.unload(), adapter_tmp).eval()  # the base again, adapter from disk
-    with torch.no_grad():
-        got = reloaded(input_ids=probe).logits
-    if not torch.equal(want, got):
-        shutil.rmtree(adapter_tmp, ignore_errors=True)
-        raise ExportError(f"the exported adapter's logits differ from the checkpoint's by up to "
-                          f"{float((want - got).abs().max()):.3g}; nothing was written")
     info = {"checkpoint": str(ckpt), "step": manifest["step"], "world_size": manifest["world_size"],
             "out_dir": str(out_dir), "base": str(base_path), "lora": True, "merged": merge,
             "adapter_parameters": sum(v.numel() for v in adapter.values()), "probe_max_abs_diff": 0.0}
-    if not merge:
-        publish(adapter_tmp, out_dir)
-        return info | {"dtype": "float32"}
+    with staging(out_dir, "adapter.tmp" if merge else "tmp") as adapter_tmp:
+        model.save_pretrained(adapter_tmp, safe_serialization=True)
+        tokenizer.save_pretrained(adapter_tmp)
+        generation_config.save_pretrained(adapter_tmp)
+        write_run_recipe(ckpt, adapter_tmp)
+        reloaded = PeftModel.from_pretrained(model.unload(), adapter_tmp).eval()  # the base again, adapter from disk
+        with torch.no_grad():
+            got = reloaded(input_ids=probe).logits
+        if not torch.equal(want, got):
+            raise ExportError(f"the exported adapter's logits differ from the checkpoint's by up to "
+                              f"{float((want - got).abs().max()):.3g}; nothing was written")
+        if not merge:
+            publish(adapter_tmp, out_dir)
+            return info | {"dtype": "float32"}
+    return info | export_merged(reloaded.merge_and_unload(), ckpt, out_dir, recipe, tokenizer, generation_config,
+                                base_model.config, probe, want, max_shard_size)
 
-    merged = reloaded.merge_and_unload()
+
+def export_merged(merged, ckpt: Path, out_dir: Path, recipe: dict, tokenizer, generation_config, config, probe,
+                  want, max_shard_size: str) -> dict:
+    """export_lora --merge: base + adapter as one plain model, written, reloaded and compared with its own
+    logits (exactly) and with the adapter's (within float tolerance), then published."""
+    import torch
+
     if recipe.get("mixed_precision") == "bf16":  # as final_merged/ of a bf16 run
         merged = merged.to(torch.bfloat16)
     merged.generation_config = generation_config
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
-    tokenizer.save_pretrained(tmp)
-    _plain_architecture(tmp / "config.json")
-    write_run_recipe(ckpt, tmp)
-    shutil.rmtree(adapter_tmp, ignore_errors=True)
-    with torch.no_grad():
-        merged_logits = merged(input_ids=probe).logits
-        del merged
-        again = model_class(base_model.config).from_pretrained(tmp, dtype=merged_logits.dtype).eval()
-        reread = again(input_ids=probe).logits
-    deviation = float((merged_logits.float() - want).abs().max())
-    tolerance = 1e-4 if merged_logits.dtype == torch.float32 else 0.1  # W + BA is not W x + B(A x) bit for bit
-    if not torch.equal(merged_logits, reread) or not deviation <= tolerance * (1 + float(want.abs().max())):
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ExportError(f"the merged model's logits differ from its reload or from base + adapter (by up to "
-                          f"{deviation:.3g}); nothing was written")
-    publish(tmp, out_dir)
-    return info | {"dtype": str(merged_logits.dtype).replace("torch.", ""), "probe_max_abs_diff": deviation,
-                   "parameters": sum(p.numel() for p in again.parameters())}
-
+    with staging(out_dir) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True, max_shard_size=max_shard_size)
+        tokenizer.save_pretrained(tmp)
+        _plain_architecture(tmp / "config.json")
+        write_run_recipe(ckpt, tmp)
+        with torch.no_grad():
+            merged_logits = merged(input_ids=probe).logits
+            del merged
+            again = model_class(config).from_pretrained(tmp, dtype=merged_logits.dtype).eval()
+            reread = again(input_ids=probe).logits
+        deviation = float((merged_logits.float() - want).abs().max())
+        tolerance = 1e-4 if merged_logits.dtype == torch.float32 else 0.1  # W + BA is not W x + B(A x) bit for bit
+        if not torch.equal(merged_logits, reread) or not deviation <= tolerance * (1 + float(want.abs().max())):
+            raise ExportError(f"the merged model's logits differ from its reload or from base + adapter (by up to "
+                              f"{deviation:.3g}); nothing was written")
+        publish(tmp, out_dir)
+    return {"dtype": str(merged_logits.dtype).replace("torch.", ""), "probe_max_abs_diff": deviation,
+            "parameters": sum(p.numel() for p in again.parameters())}

@@ -20,6 +20,7 @@ from pathlib import Path
 PREFIX = "step_"
 MANIFEST = "manifest.json"  # its presence makes a checkpoint directory complete
 HF_DIR = "hf"  # config and tokenizer, for export
+UNIVERSAL = "universal"  # beside a DeepSpeed checkpoint's files: its universal conversion (resume.ensure_universal)
 
 # Where a run's outputs live under output_dir.
 CHECKPOINTS = "checkpoints"  # checkpoints/step_<9 digits>/, each complete once its manifest is written

@@ -10,8 +10,10 @@ import json
 import os
 from pathlib import Path
 
-from finetune.checkpointing.layout import MANIFEST, existing_checkpoints, not_a_checkpoint
-from finetune.checkpointing.safe_loading import DCP_METADATA, DisallowedPickle, load_dcp_metadata
+from finetune.checkpointing.layout import MANIFEST, UNIVERSAL, existing_checkpoints, not_a_checkpoint
+from finetune.checkpointing.safe_loading import (DAMAGED, DCP_METADATA, TORCH_SUFFIXES, DisallowedPickle,
+                                                load_dcp_metadata, read_plain, safetensors_header,
+                                                torch_file_problem)
 from finetune.recipe import Recipe, RecipeError
 
 CHECKSUM = "xxh3_128"  # of every file, in the manifest (see file_checksums)
@@ -97,6 +99,7 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
         if f.stat().st_size != size:
             raise RecipeError(f"checkpoint {path} is damaged: {rel} has {f.stat().st_size} bytes, the manifest says "
                               f"{size}; nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+    refuse_pickled_code(path, manifest)
     for meta in sorted(path.rglob(DCP_METADATA)):
         with open(meta, "rb") as f:
             try:
@@ -113,6 +116,47 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
         if bad:
             raise damaged_by_checksum(path, bad)
     return manifest
+
+
+def refuse_pickled_code(path: Path, manifest: dict) -> None:
+    """Every file under the checkpoint that a reader will read holds what its name says, checked before
+    anything loads, on every rank alike, in one line naming the file:
+    - what a torch.load could read (optimizer.bin, scheduler.bin, the RNG states' .pkl, DeepSpeed's ZeRO
+      files, the ZeroRedundancyOptimizer's), listed in the manifest or put there after the save: a
+      torch.save archive whose pickle names nothing outside the allow-list (safe_loading.torch_file_problem),
+      instead of a refusal inside each rank's load (a traceback per rank);
+    - the JSON files (recipe.json, hf/'s config and tokenizer files) and the safetensors files (the weights,
+      the RNG states, work in flight): readable as such (their formats cannot run code; damage is said here,
+      not as a reader's traceback)."""
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = str(f.relative_to(path))
+        if rel.split("/")[0] == UNIVERSAL or rel.startswith(f".{UNIVERSAL}.") or rel == MANIFEST:
+            continue  # its DeepSpeed conversion, made from this checkpoint and sealed (resume.ensure_universal)
+        problem = file_kind_problem(f)
+        if problem is None and f.suffix in TORCH_SUFFIXES and rel not in manifest["files"]:
+            problem = f"is not in its {MANIFEST} (put there after the save)"
+        elif problem and checksum_mismatches(path, manifest, [rel]):
+            raise damaged_by_checksum(path, [rel])  # damaged by accident, as its checksum says
+        if problem and (problem.startswith(DAMAGED) or f.suffix not in TORCH_SUFFIXES):  # garbled, not hostile
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing in it was run or loaded; "
+                              "resume from an earlier checkpoint with --resume PATH")
+        if problem:
+            raise RecipeError(f"checkpoint {path}: {rel} is refused: it {problem}; nothing in it was run or loaded; "
+                              "use a checkpoint from a source you trust")
+
+
+def file_kind_problem(f: Path) -> str | None:
+    """What is wrong with a checkpoint file for the reader its name goes to (None: nothing)."""
+    if f.suffix in TORCH_SUFFIXES:
+        return torch_file_problem(f)
+    try:
+        if f.suffix == ".json":
+            read_plain(f)
+        elif f.suffix == ".safetensors":
+            safetensors_header(f)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 # ---------------------------------------------------------------- checksums

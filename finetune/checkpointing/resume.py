@@ -21,12 +21,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from finetune.assets import resolve_model
-from finetune.checkpointing.layout import MANIFEST, checkpoints_dir, complete_checkpoints, partial_checkpoints
+from finetune.checkpointing.layout import (MANIFEST, UNIVERSAL, checkpoints_dir, complete_checkpoints,
+                                           partial_checkpoints)
 from finetune.checkpointing.manifest import (DATA_KEYS, HARD_KEYS, UnreadableManifest, checksum_mismatches,
                                              damaged_by_checksum, fingerprint, manifest_digest, read_manifest, seal,
                                              seal_problem, verify)
-from finetune.checkpointing.run_state import check_small_files
-from finetune.files import publish
+from finetune.checkpointing.run_state import check_small_files, in_flight_files
+from finetune.files import publish, staging
 from finetune.lock import launch_id
 from finetune.plan import data_parallel_size, derive_grad_accum, world_size_from_env
 from finetune import objective_rules
@@ -74,6 +75,7 @@ def resolve(resume: str | None, recipe: Recipe, allow_data_change: bool, world_s
     check_fits(point, recipe, allow_data_change)
     check_model(point, resolve_model(recipe.model))
     changed = changes(point, recipe)
+    check_in_flight_held(point, recipe)
     check_identity(point, recipe, allow_model_change)
     asked = recipe.micro_batch_size * derive_grad_accum(recipe, world_size) * data_parallel_size(recipe, world_size)
     if asked != point.global_batch_size:
@@ -204,6 +206,15 @@ def check_fits(point: ResumePoint, recipe: Recipe, allow_data_change: bool) -> N
                           "mean the same; restore those values, or pass --allow-data-change to continue anyway")
 
 
+def check_in_flight_held(point: ResumePoint, recipe: Recipe) -> None:
+    """What the resumed run's next steps train on but cannot make again (the objective's in_flight rule)
+    must be in the checkpoint, listed by its manifest (run_state.save_in_flight): said before any model
+    loads, not at the first step."""
+    needed = getattr(objective_rules.rules(recipe), "in_flight", lambda r, step: None)(recipe, point.step)
+    if needed and not set(in_flight_files(needed[0])) <= set(point.manifest["files"]):
+        raise RecipeError(f"checkpoint {point.path} {needed[1]}")
+
+
 def changes(point: ResumePoint, recipe: Recipe) -> list[str]:
     """The recipe fields this resumed run changes, each with what the change does; refuses (one line,
     all of them) the changes a checkpoint cannot honour. Data and model keys are check_fits' job."""
@@ -316,8 +327,7 @@ def check_model(point: ResumePoint, model_path: str) -> None:
 # ---------------------------------------------------------------- DeepSpeed on another world size
 
 
-UNIVERSAL = "universal"
-CONVERSION = "conversion.json"  # the universal conversion's own listing: files, sizes, checksums (checkpoint.seal)
+CONVERSION = "conversion.json"  # the universal conversion's own listing: files, sizes, checksums (manifest.seal)
 UNIVERSAL_CACHE = "universal-cache"  # in output_dir: conversions of checkpoints on storage this run cannot write
 
 
@@ -374,36 +384,38 @@ def _universal(point: ResumePoint, output_dir: Path, log) -> Path:
     bad = checksum_mismatches(point.path, point.manifest, sorted(point.manifest.get("checksums") or {}))
     if bad:  # the conversion reads every shard: check them first
         raise damaged_by_checksum(point.path, bad)
-    tmp = target.parent / f".{UNIVERSAL}.{os.getpid()}.partial"
     try:
         if target == cache and cache.parent.parent.is_dir():  # one cached conversion at a time: they are large
             for old in cache.parent.parent.iterdir():
                 if old != cache.parent:
                     shutil.rmtree(old, ignore_errors=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "finetune.checkpointing.safe_loading", "to-universal",
-               "--input_folder", str(point.path / "pytorch_model"),
-               "--output_folder", str(tmp / "pytorch_model"), *conversion_workers(point)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
-                                                                        os.environ.get("PYTHONPATH")])))
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise RecipeError(f"converting {point.path} to a universal checkpoint failed: "
-                              f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
-        for item in point.path.iterdir():  # everything Accelerate reads besides the ZeRO shards
-            if item.is_file():
-                shutil.copy2(item, tmp / item.name)
-        (tmp / "latest").write_text("pytorch_model")
-        seal(tmp, CONVERSION, fields)  # last: a conversion without it is never reused
-        publish(tmp, target)
+        with staging(target, "partial") as tmp:
+            convert_into(point, tmp, fields)
+            publish(tmp, target)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
         raise RecipeError(f"cannot write the universal conversion of {point.path} into {target.parent}: "
                           f"{e.strerror or e}; free space there, or resume on {point.world_size} processes, "
                           "which needs no conversion") from None
     return target
+
+
+def convert_into(point: ResumePoint, tmp: Path, fields: dict) -> None:
+    """DeepSpeed's ds_to_universal of the checkpoint's ZeRO files into tmp (reading them weights-only:
+    safe_loading's `to-universal`), with everything else Accelerate reads copied beside, sealed."""
+    cmd = [sys.executable, "-m", "finetune.checkpointing.safe_loading", "to-universal",
+           "--input_folder", str(point.path / "pytorch_model"),
+           "--output_folder", str(tmp / "pytorch_model"), *conversion_workers(point)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                    os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RecipeError(f"converting {point.path} to a universal checkpoint failed: "
+                          f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+    for item in point.path.iterdir():  # everything Accelerate reads besides the ZeRO shards
+        if item.is_file():
+            shutil.copy2(item, tmp / item.name)
+    (tmp / "latest").write_text("pytorch_model")
+    seal(tmp, CONVERSION, fields)  # last: a conversion without it is never reused
 
 
 def conversion_workers(point: ResumePoint, cpus: int | None = None, available: int | None = None) -> list[str]:

@@ -1,19 +1,32 @@
-"""The state a run restores beside the model, optimizer and scheduler: the loop's counters (LoopState,
-loop_state.json) and each rank's random generators (rng/rank_<i>.safetensors), each read as what it must
-be before anything loads.
+"""The state a run restores beside the model, optimizer and scheduler, each read as what it must be
+before anything loads: the loop's counters (LoopState, loop_state.json), each rank's random generators
+(rng/rank_<i>.safetensors), and work in flight (in_flight/<name>.safetensors + <name>.json).
+
+Work in flight is what a resumed run must train on but cannot make again: GRPO's rollout when a checkpoint
+falls inside it (num_iterations > 1: the completions and old log-probs of a policy the checkpoint no longer
+holds). An objective hands it to the Checkpointer as tensors and plain JSON data (Objective.in_flight);
+save_in_flight writes it into the checkpoint being written, so the manifest lists and checksums it like
+every other file (and async_save stages it as it does the rest); load_in_flight reads it back from the
+checkpoint a run resumes from, and only from there, through safe_loading's readers (safetensors and
+JSON: nothing in either can run code).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from finetune.checkpointing.layout import MANIFEST
+from finetune.checkpointing.manifest import CHECKSUM, checksum_mismatches
+from finetune.checkpointing.safe_loading import read_plain, read_tensors
 from finetune.recipe import RecipeError
 
 LOOP_STATE = "loop_state.json"
 RNG_DIR = "rng"  # rank_<i>.safetensors: each rank's torch (and CUDA) generator states
+IN_FLIGHT_DIR = "in_flight"  # <name>.safetensors (tensors) and <name>.json (plain data): work in flight
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 # ---------------------------------------------------------------- RNG states (safetensors, not pickle)
@@ -37,6 +50,7 @@ def check_small_files(path: Path, manifest: dict) -> None:
     manifest), or one that is not safetensors of uint8 generator states, is one line, not a traceback
     at the load."""
     read_loop_state(path)
+    check_in_flight(path, manifest)
     rng = path / RNG_DIR
     if not rng.is_dir():
         return
@@ -119,3 +133,94 @@ def read_loop_state(path: Path) -> LoopState:
                           "the file as the save wrote it, or resume from an earlier checkpoint with --resume PATH")
     return LoopState(**values)
 
+
+# ---------------------------------------------------------------- work in flight
+
+
+def save_in_flight(directory: Path, name: str, tensors: dict, data: dict) -> None:
+    """Work in flight into `directory` (a checkpoint being written: Checkpointer._write calls it with what
+    Objective.in_flight returns), as in_flight/<name>.safetensors (tensors, saved as they are: dtype and
+    shape kept) and in_flight/<name>.json (data: JSON's plain types only)."""
+    from safetensors.torch import save_file
+
+    if not _NAME.fullmatch(name):
+        raise ValueError(f"in-flight state name {name!r}: letters, digits, '_', '.' and '-' only")
+    folder = directory / IN_FLIGHT_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.json").write_text(json.dumps(data) + "\n")
+    save_file({k: t.detach().cpu().contiguous() for k, t in tensors.items()}, str(folder / f"{name}.safetensors"))
+
+
+def in_flight_files(name: str) -> tuple[str, str]:
+    return f"{IN_FLIGHT_DIR}/{name}.safetensors", f"{IN_FLIGHT_DIR}/{name}.json"
+
+
+def load_in_flight(directory: Path, name: str, listing: dict, what: str,
+                   listing_name: str = MANIFEST) -> tuple[dict, dict] | None:
+    """The work in flight `name` that save_in_flight wrote into `directory`: (tensors, data), or None where
+    it holds none. listing: the manifest (or a seal, named listing_name) of the directory: both files must be
+    in it with their size and checksum, so that only what was saved with it is read. what: how a refusal
+    names the directory ("checkpoint PATH"). Anything else is one line (RecipeError), nothing loaded."""
+    rels = in_flight_files(name)
+    present = [rel for rel in rels if (directory / rel).is_file()]
+    if not present:
+        return None
+    unlisted = [rel for rel in present if rel not in listing.get("files", {})]
+    if unlisted:
+        raise RecipeError(f"{what}: {unlisted[0]} is not in its {listing_name} (put there after the save); nothing "
+                          "was loaded; remove it and resume again")
+    missing = [rel for rel in rels if rel not in present]
+    if missing:
+        raise RecipeError(f"{what} is damaged: {missing[0]} is missing; nothing was loaded; resume from an earlier "
+                          "checkpoint with --resume PATH")
+    sizes = [rel for rel in rels if (directory / rel).stat().st_size != listing["files"][rel]]
+    bad = sizes or (checksum_mismatches(directory, listing, list(rels)) if listing.get("checksum") == CHECKSUM else [])
+    if bad:
+        raise RecipeError(f"{what} is damaged: {bad[0]} does not match its {listing_name} "
+                          f"({'size' if sizes else CHECKSUM}); "
+                          "nothing was loaded; resume from an earlier checkpoint with --resume PATH")
+    try:
+        tensors = read_tensors(directory / rels[0])
+        data = read_plain(directory / rels[1])
+    except ValueError as e:
+        failed = rels[0] if "safetensors" in str(e) else rels[1]
+        raise RecipeError(f"{what} is damaged: {failed} {e}; nothing was loaded; resume from an earlier checkpoint "
+                          "with --resume PATH") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{what} is damaged: {rels[1]} holds a JSON {type(data).__name__}, not an object; nothing "
+                          "was loaded; resume from an earlier checkpoint with --resume PATH")
+    return tensors, data
+
+
+def check_in_flight(path: Path, manifest: dict) -> None:
+    """Every file under in_flight/ listed in the manifest and readable as tensors or plain data, before
+    anything loads (check_small_files)."""
+    folder = path / IN_FLIGHT_DIR
+    if not folder.is_dir():
+        return
+    names = sorted({f.name.rsplit(".", 1)[0] for f in folder.iterdir()})
+    for f in sorted(folder.iterdir()):
+        if f.suffix not in (".safetensors", ".json") or not f.is_file():
+            raise RecipeError(f"checkpoint {path}: {IN_FLIGHT_DIR}/{f.name} is not work in flight a save writes "
+                              f"(put there after the save); nothing was loaded; remove {f} and resume again")
+    for name in names:
+        load_in_flight(path, name, manifest, f"checkpoint {path}")
+
+
+def ragged(rows: list, dtype) -> tuple:
+    """Rows of different lengths (each completion's tokens, its log-probs) as one flat tensor and the rows'
+    lengths, for save_in_flight; unragged gives them back as lists (the same Python numbers: float32
+    values round-trip exactly)."""
+    import torch
+
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    flat = torch.tensor([x for r in rows for x in r], dtype=dtype)
+    return flat, lengths
+
+
+def unragged(flat, lengths) -> list[list]:
+    out, at = [], 0
+    for n in lengths.tolist():
+        out.append(flat[at:at + n].tolist())
+        at += n
+    return out

@@ -1,18 +1,28 @@
 """The one place that decides what a file any command reads may contain: tensors and plain data, never
-pickled code. Every torch.load of a checkpoint file, of DeepSpeed's ZeRO files and of Accelerate's
-optimizer.bin, scheduler.bin and random states runs weights_only (with DeepSpeed's few classes allowed);
-torch.distributed.checkpoint's `.metadata` pickle is read with an allow-list of its own. Resume, export and
-chat load through `safe_loading()`; `python -m finetune.checkpointing.safe_loading to-universal` runs
-DeepSpeed's conversion under it.
+pickled code.
+
+- Before anything loads, torch_file_problem reads a torch.save archive's pickle without running it (its
+  opcodes, not its objects) and names any global outside the allow-list (torch's weights-only set,
+  DeepSpeed's classes, Accelerate's numpy RNG states); manifest.verify asks it of every such file in a
+  checkpoint, on every rank alike, so a hostile optimizer.bin is one line, exit 2.
+- At the load, within safe_loading(), every torch.load runs weights_only (DeepSpeed's and Accelerate's
+  own calls included, with DeepSpeed's few classes allowed) and torch.distributed.checkpoint's `.metadata`
+  pickle is read with an allow-list of its own. Resume, export and chat load through it;
+  `python -m finetune.checkpointing.safe_loading to-universal` runs DeepSpeed's conversion under it.
+- What finetune writes itself beside tensors is safetensors and JSON (RNG states, work in flight: run_state),
+  read with read_tensors / read_plain / safetensors_header: formats that hold no code.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+from finetune.errors import RecipeError
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a shard set: a pickle
 
@@ -77,9 +87,96 @@ def _refused_global(error: Exception) -> str:
     return f"holds something else than tensors ({reason})"
 
 
-class UnsafeCheckpointError(RuntimeError):
-    """A file that load_state read holds pickled objects outside the allow-list. Not a RecipeError:
-    under DeepSpeed each rank reads its own files, so only some ranks may see it, and each says so."""
+class UnsafeCheckpointError(RecipeError):
+    """A file that load_state read holds pickled objects outside the allow-list: one line, exit code 2.
+    verify() finds such a file before the launch (torch_file_problem, on every rank alike); this is the
+    backstop of what only the load itself reads (a distributed checkpoint's non-tensor items)."""
+
+
+# Files a torch.load may read: each must be a torch.save archive whose pickle names nothing outside
+# the allow-list (torch's weights-only set, DeepSpeed's classes, Accelerate's numpy RNG states).
+TORCH_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+DAMAGED = "is a damaged torch.save archive"  # torch_file_problem's answer for garbled bytes, not hostile ones
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def _allowed_global_names() -> set[str]:
+    """The globals a checkpoint's torch.save archives may name beyond torch's own weights-only set: what
+    weights_only_torch_load allows (DeepSpeed's) and what Accelerate allows for its RNG states (numpy's
+    array reconstruction and dtypes, codecs.encode), under both spellings of numpy's core module."""
+    import codecs
+
+    import numpy as np
+
+    objects = [*_trusted_deepspeed_globals(), np.ndarray, np.dtype, codecs.encode]
+    if hasattr(np, "dtypes"):
+        objects += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    names = {f"{o.__module__}.{o.__qualname__}" for o in objects}
+    names |= {f"{core}.multiarray._reconstruct" for core in ("numpy.core", "numpy._core")}
+    names |= {"_codecs.encode", "codecs.encode"}
+    return names
+
+
+def torch_file_problem(path: Path) -> str | None:
+    """Why torch.load must not read `path` (None: it may): a bare pickle where a torch.save archive belongs,
+    or an archive whose pickle names a global outside the allow-list. Reads the archive's pickle without
+    running it (torch.serialization.get_unsafe_globals_in_checkpoint: its opcodes, not its objects) and
+    never the tensors' bytes: cheap enough for every rank to ask of every file before anything loads."""
+    import zipfile
+
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        return f"cannot be read ({type(e).__name__}: {e.strerror or e})"
+    if head != ZIP_MAGIC or not zipfile.is_zipfile(path):
+        return "is not a torch.save archive but a bare pickle or other bytes, which is refused (it could run code)"
+    try:
+        names = get_unsafe_globals_in_checkpoint(str(path))
+    except Exception as e:  # noqa: BLE001 - a damaged archive: said, not raised
+        return f"{DAMAGED} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    refused = sorted(set(names) - _allowed_global_names())
+    if refused:
+        return (f"names {', '.join(refused[:3])}, which torch.load(weights_only=True) does not allow (it could run "
+                "code)")
+    return None
+
+
+def read_tensors(path: Path) -> dict:
+    """A safetensors file's tensors: its format is a JSON header and the tensors' bytes, nothing that runs.
+    A file that is not one raises ValueError with one line saying what it is."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"is not a safetensors file ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'empty'})") from None
+
+
+def safetensors_header(path: Path) -> list[str]:
+    """The names of a safetensors file's tensors, from its header alone (the tensors' bytes are not read).
+    ValueError: one line saying what the file is instead."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"is not a safetensors file ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else 'empty'})") from None
+
+
+def read_plain(path: Path):
+    """A JSON file's plain data (objects, lists, strings, numbers, booleans, null). ValueError: one line."""
+    try:
+        return json.loads(Path(path).read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"is not plain JSON ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'})") \
+            from None
 
 
 # What a torch.distributed.checkpoint `.metadata` pickle may name (found by unpickling the metadata of

@@ -29,6 +29,10 @@ def staging_problem(recipe: Recipe, world_size: int, local_processes: int) -> st
     problem = staging_dir_problem(staging_root())
     if problem:
         return problem
+    mine = foreign_directory_problem(run_staging_dir(recipe.output_dir))
+    if mine:
+        return (f"async_save=true stages checkpoints in {run_staging_dir(recipe.output_dir)}, but {mine}; remove it, "
+                "or set FINETUNE_STAGING_DIR to a directory of your own")
     try:
         e = recipe_estimate(recipe, world_size, load_architecture(recipe.model))
     except EstimateError:
@@ -121,6 +125,38 @@ def mem_available() -> int | None:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+def foreign_directory_problem(path: Path) -> str | None:
+    """Why this run must not stage in `path` (None: it is absent, or a directory of this user's that no one
+    else may write): another user's directory, or a link, at the name this run's staging takes in a shared
+    tmpfs would let them read or replace what a save stages before it is copied into the checkpoint."""
+    import stat
+
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"{path} cannot be examined ({e.strerror or e})"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory (a {'link' if stat.S_ISLNK(st.st_mode) else 'file'})"
+    if st.st_uid != os.getuid():
+        return f"{path} belongs to another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        return f"{path} may be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def claim_staging_dir(path: Path) -> None:
+    """This run's staging directory, made this user's alone (0700) or refused (RecipeError, one line)."""
+    problem = foreign_directory_problem(path)
+    if problem is None:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = foreign_directory_problem(path)
+    if problem:
+        raise RecipeError(f"async_save=true stages checkpoints in {path}, but {problem}; nothing was staged there; "
+                          "remove it, or set FINETUNE_STAGING_DIR to a directory of your own")
 
 
 def run_staging_dir(output_dir) -> Path:

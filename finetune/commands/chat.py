@@ -107,7 +107,7 @@ def load_model_of(path: Path, base: str | None):
     """finetune.chat.load, with what a file it reads can raise as one line."""
     try:
         return load(path, base)
-    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpointing.checkpoint.safe_loading)
+    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune/checkpointing/safe_loading.py)
         # torch's message is many lines, advising weights_only=False; its reason is after "WeightsUnpickler error:"
         reason = str(e).split("WeightsUnpickler error:", 1)[-1]
         reason = next((line.strip() for line in reason.splitlines() if line.strip()), type(e).__name__)

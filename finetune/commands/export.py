@@ -32,14 +32,13 @@ def main(argv=None) -> int:
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune.checkpointing.checkpoint.safe_loading)
+    except pickle.UnpicklingError as e:  # a file outside the allow-lists (finetune/checkpointing/safe_loading.py)
         print(f"error: checkpoint {args.checkpoint}: {e}; use a checkpoint from a source you trust; nothing was "
               "written", file=sys.stderr)
         return 2
     except OSError as e:  # writing failed after all (a full disk, storage that went away); the partial is removed
-        print(f"error: writing {args.out_dir} failed: {type(e).__name__}: {e}; it was not created (a partial "
-              f"{args.out_dir.name}.tmp beside it may be deleted); free space or choose another OUT_DIR",
-              file=sys.stderr)
+        print(f"error: writing {args.out_dir} failed: {type(e).__name__}: {e}; it was not created (its partial "
+              "copy was removed); free space or choose another OUT_DIR", file=sys.stderr)
         return 2
     if result.get("lora") and not result["merged"]:
         print(f"exported the LoRA adapter of step {result['step']} (written by {result['world_size']} process(es)) "

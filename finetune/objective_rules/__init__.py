@@ -19,6 +19,8 @@ Each module is one objective's entry, with:
     reference(r)    the reference it holds beside the policy: None, "precomputed", "adapter" or "frozen"
     check(r, strategy)  its own rules, asked only under objective=NAME
     resume_problem(r, changed)  (optional) why a resumed run may not make these changes, or None
+    in_flight(r, step)  (optional) the work in flight a checkpoint after `step` steps must hold for a run
+                    to resume from it: (its name, why a resume cannot do without it), or None
 
 Adding an objective is a module here, its entry in OBJECTIVES, its recipe keys in recipe.py and its
 class in finetune/training/objectives."""

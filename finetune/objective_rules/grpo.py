@@ -27,6 +27,20 @@ FORWARD_ROWS = 1
 PAIR_BATCHES = False
 
 
+IN_FLIGHT_ROLLOUT = "grpo_rollout"  # a checkpoint's rollout in flight (finetune/checkpointing/run_state.py)
+
+
+def in_flight(r, step: int) -> tuple[str, str] | None:
+    """A checkpoint inside a rollout (num_iterations > 1, step not a multiple of it) must hold that rollout:
+    its next steps train on completions and old log-probs of a policy the checkpoint no longer holds."""
+    if r.num_iterations > 1 and step % r.num_iterations:
+        return IN_FLIGHT_ROLLOUT, (f"was saved inside rollout {step // r.num_iterations} (step {step}, num_iterations="
+                                   f"{r.num_iterations}) and holds no in-flight rollout (an older finetune kept it "
+                                   "outside the checkpoint, where a resume no longer reads it); resume from a "
+                                   "checkpoint at a multiple of num_iterations")
+    return None
+
+
 def reference(r) -> str | None:
     """One only with beta > 0 (its KL term): the adapter disabled under LoRA, else a frozen copy."""
     return None if not r.beta else ("adapter" if r.lora else "frozen")

@@ -245,6 +245,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     samples = SampleWriter(out / "samples.jsonl", accelerator.is_main_process, accelerator)
     checkpoints = Checkpointer(plan, accelerator, optimizer, model_path, config, tokenizer, generation_config,
                                records=records)
+    checkpoints.in_flight = objective.in_flight  # what each checkpoint holds of the objective's work in flight
     checkpoints.reserve_host_buffers(model)
     run = Run(plan=plan, out=out, accelerator=accelerator, model_path=model_path, config=config, tokenizer=tokenizer,
               datasets=datasets, schedule=schedule, total_steps=total_steps, eval_rows=eval_rows, prompts=prompts,

@@ -1,7 +1,8 @@
 """GRPO's rollout machinery: the prompts a rollout reads and each rank's share, every completion's
 sampling seed, the generation itself (generate_completions), the micro-batches the loss reads
-(rollout_batch), the rollout's metrics, the record of every completion (rollouts.jsonl) and the
-rollout cache a resumed run reads (rollout-cache/). The objective that drives them is
+(rollout_batch), the rollout's metrics, the record of every completion (rollouts.jsonl), and a rollout as
+the state a resumed run reads: in the checkpoint inside it (rollout_state), or recorded after a checkpoint by
+a vLLM engine (save_recorded, rollout-cache/K/). The objective that drives them is
 finetune/training/objectives/grpo.py; the loss they feed is finetune/rl_losses.py.
 
 What a rollout gives the loop, per micro-batch (rollout_batch builds it):
@@ -24,6 +25,7 @@ from finetune import data as D
 from finetune.data import IGNORE
 from finetune.generation import Sampling, decode_compiled, generate, pad_id_for, stop_ids
 from finetune.model import context_length
+from finetune.objective_rules.grpo import IN_FLIGHT_ROLLOUT
 from finetune.recipe import RecipeError
 from finetune.rl_losses import group_advantages, nanstd
 from finetune.rewards import weighted_rewards
@@ -270,29 +272,106 @@ def append_lines(path, step: int, lines: str) -> None:
                           "auto") from None
 
 
-def save_rollout(out, k: int, record: dict, keep: int = 2) -> None:
-    """num_iterations > 1 or a vLLM engine: rollout k kept on disk (the main process), so that a run resumed
-    inside it (or, with the engine, at it) trains on the same completions with the same old log-probs; the
-    files of rollouts before the last `keep` removed."""
-    import os
+# A rollout kept for a resumed run: the completions, their rewards and advantages, the old log-probs (and a
+# vLLM engine's importance weights), gathered from every rank, as tensors and plain data. Inside the
+# checkpoint when a checkpoint falls inside the rollout (num_iterations > 1: Objective.in_flight, written
+# and checksummed with the checkpoint, finetune/checkpointing/run_state.py); and with a vLLM engine, each
+# rollout generated after the newest checkpoint, in output_dir/rollout-cache/K/, sealed with that
+# checkpoint's save_id, so that a run resumed from that very checkpoint trains on what its engine had
+# generated (and no other run's leftovers are ever read).
+SEAL = "seal.json"
 
-    folder = out / CACHE_DIR
+
+def rollout_state(k: int, record: dict) -> tuple[dict, dict]:
+    """A rollout's record as (tensors, plain data), for run_state.save_in_flight."""
+    from finetune.checkpointing.run_state import ragged
+
+    tensors = {"rewards": record["rewards"], "advantages": record["advantages"]}
+    tensors["tokens"], tensors["token_lengths"] = ragged(record["tokens"], torch.int64)
+    tensors["old_logps"], tensors["old_logp_lengths"] = ragged(record["old_logps"], torch.float32)
+    if record["is_ratio"] is not None:
+        tensors["is_ratio"], tensors["is_ratio_lengths"] = ragged(record["is_ratio"], torch.float32)
+    data = {"rollout": k, "rows": [int(r) for r in record["rows"]], "stopped": [bool(s) for s in record["stopped"]],
+            "values": {name: (None if v is None else float(v)) for name, v in record["values"].items()}}
+    if any(t is not None for t in record.get("talk") or ()):  # with tools: each conversation and its tool mask
+        data["talk"] = record["talk"]
+    return tensors, data
+
+
+def rollout_record(tensors: dict, data: dict, what: str) -> dict:
+    """rollout_state's (tensors, data) back as the record read_rollout takes; a part missing or of another
+    shape is one line naming `what`."""
+    from finetune.checkpointing.run_state import unragged
+
+    try:
+        record = {"rows": list(data["rows"]), "stopped": list(data["stopped"]), "values": dict(data["values"]),
+                  "rewards": tensors["rewards"], "advantages": tensors["advantages"],
+                  "tokens": unragged(tensors["tokens"], tensors["token_lengths"]),
+                  "old_logps": unragged(tensors["old_logps"], tensors["old_logp_lengths"]),
+                  "is_ratio": unragged(tensors["is_ratio"], tensors["is_ratio_lengths"]) if "is_ratio" in tensors
+                  else None, "talk": list(data["talk"]) if data.get("talk") is not None else None}
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        raise RecipeError(f"{what} is damaged: its rollout lacks {e} or holds it in another form; nothing was "
+                          "loaded; resume from an earlier checkpoint with --resume PATH") from None
+    n = len(record["tokens"])
+    if not (len(record["stopped"]) == len(record["old_logps"]) == record["rewards"].shape[0]
+            == record["advantages"].shape[0] == n) or (record["talk"] is not None and len(record["talk"]) != n):
+        raise RecipeError(f"{what} is damaged: its rollout's parts disagree on the number of completions; nothing "
+                          "was loaded; resume from an earlier checkpoint with --resume PATH")
+    return record
+
+
+def save_recorded(out, k: int, record: dict, after: str | None, keep: int) -> None:
+    """Rollout k, generated by a vLLM engine after the checkpoint whose save_id is `after`, into
+    output_dir/rollout-cache/k/ (written aside, sealed, then renamed into place); entries before the last
+    `keep` and any of a later rollout (the future of an interrupted run this one replaced) removed."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from finetune.checkpointing.manifest import seal
+    from finetune.checkpointing.run_state import save_in_flight
+    from finetune.files import publish
+
+    folder = Path(out) / CACHE_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{k}.pt.tmp{os.getpid()}"
-    torch.save(record, tmp)
-    os.replace(tmp, folder / f"{k}.pt")
-    for old in folder.glob("*.pt"):
-        if old.stem.isdigit() and int(old.stem) <= k - keep:
-            old.unlink()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{k}.", suffix=".partial", dir=folder))
+    try:
+        save_in_flight(tmp, IN_FLIGHT_ROLLOUT, *rollout_state(k, record))
+        seal(tmp, SEAL, {"after": after, "rollout": k})
+        publish(tmp, folder / str(k))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in folder.iterdir():
+        if old.name.isdigit() and (int(old.name) <= k - keep or int(old.name) > k):
+            shutil.rmtree(old, ignore_errors=True)
 
 
-def load_rollout(out, k: int, step: int) -> dict:
-    path = out / CACHE_DIR / f"{k}.pt"
-    if not path.is_file():
-        raise RecipeError(f"resuming at step {step} (inside rollout {k}, num_iterations > 1) needs {path}, written "
-                          "when that rollout was generated, and it is gone; resume from a checkpoint at a multiple "
-                          "of num_iterations")
-    return torch.load(path, weights_only=False)
+def load_recorded(out, k: int, after: str | None) -> dict | None:
+    """Rollout k as save_recorded wrote it after the checkpoint whose save_id is `after`; None where there is
+    none, or it was recorded after another checkpoint (another run's, or this run's line before a resume
+    from elsewhere), which is never read. One damaged is one line."""
+    import json
+    from pathlib import Path
+
+    from finetune.checkpointing.manifest import seal_problem
+    from finetune.checkpointing.run_state import load_in_flight
+
+    entry = Path(out) / CACHE_DIR / str(k)
+    if after is None or not (entry / SEAL).is_file():
+        return None
+    try:
+        listing = json.loads((entry / SEAL).read_text())
+    except (OSError, ValueError):
+        listing = None
+    if isinstance(listing, dict) and (listing.get("after") != after or listing.get("rollout") != k):
+        return None
+    what = f"{entry} (rollout {k}, generated by the engine after the checkpoint resumed from)"
+    problem = seal_problem(entry, SEAL, {"after": after, "rollout": k})
+    if problem:
+        raise RecipeError(f"{what} is damaged: {problem}; nothing was loaded; remove {entry} to generate the "
+                          "rollout again, or resume from an earlier checkpoint")
+    return rollout_record(*load_in_flight(entry, IN_FLIGHT_ROLLOUT, listing, what, SEAL), what)
 
 
 # ---------------------------------------------------------------- the rollout phase

@@ -92,8 +92,8 @@ def per_save(rel: str, data: bytes):
     """A file's content less what differs between any two saves of the same state: DCP's .metadata
     records the directory it was written to and a random save_id; Accelerate's random_states_*.pkl
     holds Python's and NumPy's generators, which nothing seeds (the run draws from neither: the
-    resumes below are exact); recipe.json names output_dir and async_save; the manifest the seconds
-    and those files' checksums."""
+    resumes below are exact); recipe.json names output_dir and async_save; the manifest the seconds,
+    its save_id and those files' checksums."""
     name = Path(rel).name
     if name == ".metadata":
         meta = pickle.loads(data)
@@ -111,7 +111,7 @@ def per_save(rel: str, data: bytes):
         varying = [r for r in m["files"] if Path(r).name in (".metadata", "recipe.json")
                    or Path(r).name.startswith("random_states_")]
         return {k: ({f: v for f, v in m[k].items() if f not in varying} if k in ("files", "checksums") else m[k])
-                for k in m if k != "seconds"}
+                for k in m if k not in ("seconds", "save_id")}  # save_id: a random id of each save
     return data
 
 

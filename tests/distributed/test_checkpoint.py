@@ -245,7 +245,7 @@ def test_checkpoint_files_are_never_unpickled(uninterrupted, export_in_process, 
     assert proc.returncode == 2
     assert not marker.exists(), "a checkpoint file ran code while being loaded"
     message = proc.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"error: checkpoint {ckpt}: {shard.name} "), message
+    assert message.startswith(f"error: checkpoint {ckpt}: {shard.relative_to(ckpt)} is refused"), message
     assert "(it could run code); nothing in it was run" in message and "Traceback" not in proc.stderr
 
 
@@ -255,6 +255,61 @@ class _RunsCode:
 
     def __reduce__(self):
         return (open, (self.path, "w"))
+
+
+# Every file a command reads of a checkpoint, per strategy's format: what torch.load reads (Accelerate's
+# optimizer.bin, scheduler.bin and RNG states, DeepSpeed's ZeRO files, the ZeroRedundancyOptimizer's), DCP's
+# .metadata, the safetensors files (weights, RNG states) and the JSON ones (loop state, recipe, hf/). "+":
+# put there after the save (not in the manifest), as a resume on 3 processes would read random_states_2.pkl.
+# ":archive": the payload inside a torch.save archive (a real optimizer state beside it), not a bare pickle.
+PLANTED = {
+    "ddp": ["optimizer.bin", "optimizer.bin:archive", "scheduler.bin", "random_states_0.pkl", "+random_states_2.pkl",
+            "rng/rank_0.safetensors", "model.safetensors", "loop_state.json", "recipe.json", "hf/config.json",
+            "hf/tokenizer.json"],
+    "ddp_zero_redundancy_optimizer": ["zero_redundancy_optimizer.pt"],
+    "zero3": ["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt",
+              "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt:archive", "random_states_1.pkl"],
+    "fsdp": ["pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata", "scheduler.bin"],
+}
+
+
+@pytest.mark.parametrize("strategy,planted", [(s, f) for s, files in PLANTED.items() for f in files])
+def test_a_planted_payload_in_any_checkpoint_file_never_runs(strategy, planted, uninterrupted, run_in_process,
+                                                            export_in_process, chat_in_process, tmp_path):
+    """Issue 52's "done when": a pickle payload (it would create a marker file) in any file a resume, an
+    export or a chat reads of a checkpoint, the manifest made to match as an attacker could: each command
+    refuses it in one line naming the file, exit 2, before anything loads, and the payload never runs. In
+    the test process: the three commands' checks are the ones every rank of a launch runs first."""
+    import torch
+
+    run = uninterrupted(strategy)
+    marker = tmp_path / "code-ran"
+    out = tmp_path / "out"
+    ckpt = out / "checkpoints" / "step_000000012"
+    shutil.copytree(run.output_dir / "checkpoints" / ckpt.name, ckpt)
+    rel, _, form = planted.lstrip("+").partition(":")
+    target = ckpt / rel
+    if form == "archive":
+        torch.save({"state": {0: {"step": torch.tensor(3.0)}}, "hook": _RunsCode(str(marker))}, target)
+    else:
+        target.write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    if not planted.startswith("+"):
+        consistent_manifest(ckpt, target)
+    flag = "ddp_shard_optimizer=true" if strategy == "ddp_zero_redundancy_optimizer" else None
+    overrides = [f"strategy={strategy.split('_')[0]}", *([flag] if flag else []), *SAVE]
+    commands = {"resume": lambda: run_in_process(*overrides, "--resume", str(ckpt), "--dry-run", output_dir=out),
+                "export": lambda: export_in_process(ckpt, tmp_path / "exported"),
+                "chat": lambda: chat_in_process(ckpt, "Say hi", "--max-new-tokens", "2")}
+    if rel.startswith("hf/"):  # the model's config and tokenizer: what export and chat read, a resume does not
+        del commands["resume"]
+    for name, command in commands.items():
+        proc = command()
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, (name, proc.returncode, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, (name, proc.stderr[-3000:])
+        assert errors[0].startswith(f"error: checkpoint {ckpt}") and rel in errors[0], (name, errors[0])
+        assert not marker.exists(), f"{name}: the payload in {rel} ran"
+    assert not (tmp_path / "exported").exists() and not (out / "finetune.lock").exists()
 
 
 def consistent_manifest(ckpt, *changed):
@@ -469,7 +524,8 @@ def test_a_full_disk_at_final_is_one_line_naming_the_checkpoint_to_export(launch
     assert errors[0].endswith(f"the partial directory was removed and the checkpoint {ckpt} holds the same weights: "
                               f"once there is room, finetune export {ckpt} {final}"), errors[0]
     assert run.stderr.count("Traceback") <= 1  # the launcher's report that its workers exited with 2
-    assert not final.exists() and not (out / "final.tmp").exists() and not (out / "finetune.lock").exists()
+    assert not final.exists() and not (out / "finetune.lock").exists()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".final.")], "its staging directory is removed"
     exported = export_in_process(ckpt, final)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert AutoModelForCausalLM.from_pretrained(final) is not None

@@ -142,28 +142,114 @@ def killed_zero3(launch, tmp_path_factory):
     return out, snapshot
 
 
-def test_sigkill_and_exact_resume_inside_a_rollout(grpo_run, launch, killed_zero3):
+def plant_another_runs_rollout_cache(out, marker) -> None:
+    """What another run can leave in output_dir/rollout-cache (issue 52): the file an older finetune read on
+    resume with torch.load(weights_only=False), here a payload that creates `marker`, and an entry of a
+    rollout recorded after another run's checkpoint, well formed, with other completions and advantages."""
+    import pickle
+
+    import torch
+
+    from finetune.training.rollouts import CACHE_DIR, save_recorded
+
+    class RunsCode:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    other = {"values": {"reward": 1.0}, "old_logps": [[0.0] * 8] * 16, "is_ratio": None, "rows": [0, 1, 2, 3],
+             "tokens": [[5] * 3] * 16, "stopped": [True] * 16, "rewards": torch.ones(16, 1),
+             "advantages": torch.full((16,), 3.0)}
+    save_recorded(out, 1, other, after="another-run", keep=8)
+    (out / CACHE_DIR / "1.pt").write_bytes(pickle.dumps(RunsCode()))
+
+
+def test_sigkill_and_exact_resume_inside_a_rollout(grpo_run, launch, killed_zero3, tmp_path):
     """Killed after step 5 (rank 1), resumed from step 3's checkpoint: step 4 is the second step of the
-    rollout generated at step 3, whose completions and old log-probs are read back from its cache."""
+    rollout generated at step 3, whose completions and old log-probs are read back from the checkpoint
+    (its in-flight state, in its manifest), and nowhere else: another run's rollout cache left in
+    output_dir, a pickle payload among it, is never read (issue 52: it ran, or step 4 trained on the other
+    run's completions)."""
     want = grpo_run("zero3", 2)
     out, _ = killed_zero3
+    ckpt = out / "checkpoints" / "step_000000003"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert {"in_flight/grpo_rollout.safetensors", "in_flight/grpo_rollout.json"} <= set(manifest["files"])
+    assert manifest["save_id"] and not (out / "rollout-cache").exists(), "nothing kept outside the checkpoint"
+    marker = tmp_path / "code-ran"
+    plant_another_runs_rollout_cache(out, marker)
     second = launch(2, "strategy=zero3", *GRPO, "--resume", "auto", output_dir=out, recipe="tiny_grpo")
     assert "at step 3" in second.stderr
+    assert not marker.exists(), "a planted rollout-cache file ran code"
     assert rollouts(second) == rollouts(want)
     assert records(second) == records(want)
     assert eval_records(second) == eval_records(want), "the eval at step 6, after the resume, as uninterrupted"
+    # the checkpoint at step 6 (a rollout's end) holds none; step 3's of the resumed line holds rollout 1 again
+    assert not (out / "checkpoints" / "step_000000006" / "in_flight").exists()
+
+
+@pytest.mark.parametrize("damage,words", [
+    ("cut", "is damaged: in_flight/grpo_rollout.safetensors has 100 bytes, the manifest says"),
+    ("payload", "is damaged: in_flight/grpo_rollout.safetensors is not a safetensors file"),
+    ("payload-json", "is damaged: in_flight/grpo_rollout.json is not plain JSON"),
+    ("gone", "was saved inside rollout 1 (step 3, num_iterations=2) and holds no in-flight rollout"),
+])
+def test_a_damaged_or_planted_in_flight_rollout_is_one_line(killed_zero3, run_in_process, tmp_path, damage, words):
+    """The in-flight rollout of step 3's checkpoint cut to 100 bytes, replaced by a pickle payload (the
+    manifest made to match), or absent (a checkpoint of an older finetune, which kept it outside): one line,
+    exit 2, before any model loads, and the payload never runs."""
+    import pickle
+
+    out = tmp_path / "run"
+    shutil.copytree(killed_zero3[1] / "checkpoints" / "step_000000003", out / "checkpoints" / "step_000000003")
+    ckpt, marker = out / "checkpoints" / "step_000000003", tmp_path / "code-ran"
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    target = ckpt / "in_flight" / ("grpo_rollout.json" if damage == "payload-json" else "grpo_rollout.safetensors")
+
+    class RunsCode:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    if damage == "cut":
+        target.write_bytes(target.read_bytes()[:100])
+    elif damage == "gone":
+        shutil.rmtree(ckpt / "in_flight")
+        manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.startswith("in_flight/")}
+        manifest["checksums"] = {k: v for k, v in manifest["checksums"].items() if k in manifest["files"]}
+    else:
+        from finetune.checkpointing.manifest import file_checksums
+
+        target.write_bytes(pickle.dumps(RunsCode()))
+        rel = str(target.relative_to(ckpt))
+        manifest["files"][rel] = target.stat().st_size
+        manifest["checksums"] |= file_checksums(ckpt, [rel])
+    if damage != "cut":
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    run = run_in_process("strategy=zero3", *GRPO, "--resume", "auto", "--dry-run", output_dir=out, recipe="tiny_grpo")
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    assert words in errors[0], errors[0]
+    assert not marker.exists()
 
 
 def test_resume_on_another_process_count(grpo_run, launch, killed_zero3, tmp_path_factory):
     """The killed 2-process ZeRO-3 run resumed on 1 process (ZeRO-3 still) from step 3's checkpoint,
-    inside the rollout generated at step 3: the rollouts and metrics of the uninterrupted 2-process run."""
+    inside the rollout generated at step 3: the rollouts and metrics of the uninterrupted 2-process run.
+    As issue 52 found it: `--resume OTHER/checkpoints/step_3 output_dir=X` where X holds another run's
+    rollout-cache (a pickle payload among it); nothing of it is read."""
     want = grpo_run("zero3", 2)
-    out = tmp_path_factory.mktemp("grpo-fault-1proc") / "run"
-    shutil.copytree(killed_zero3[1], out)
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+    other = tmp_path_factory.mktemp("grpo-fault-1proc") / "other"
+    shutil.copytree(killed_zero3[1], other)
+    assert sorted(p.name for p in (other / "checkpoints").iterdir() if p.name.startswith("step_")) == \
         ["step_000000003"], "the kill left step 3's checkpoint only"
-    resumed = launch(1, "strategy=zero3", *GRPO, "--resume", "auto", output_dir=out, recipe="tiny_grpo")
-    assert "at step 3" in resumed.stderr
+    out = other.parent / "x"
+    out.mkdir()
+    for record in ("rollouts.jsonl", "metrics.jsonl"):  # what the comparison reads of steps 1-3
+        shutil.copy(other / record, out / record)
+    marker = other.parent / "code-ran"
+    plant_another_runs_rollout_cache(out, marker)
+    resumed = launch(1, "strategy=zero3", *GRPO, "--resume", str(other / "checkpoints" / "step_000000003"),
+                     output_dir=out, recipe="tiny_grpo")
+    assert "at step 3" in resumed.stderr and not marker.exists()
     assert_same_run(resumed, want)
 
 

@@ -27,6 +27,11 @@ An objective's life in a run, in the loop's order:
                                   (loop.evaluate); GRPO: the eval prompts' completions sampled and
                                   scored by the reward functions, no loss
     eval_count                    what an eval batch's summed loss is averaged over (loss_eval)
+    in_flight(step)               at each save, on each rank: the work in flight a resumed run must train
+                                  on but cannot make again, {name: (tensors, plain JSON data)}, written
+                                  into the checkpoint (finetune/checkpointing/run_state.py save_in_flight,
+                                  read back with load_in_flight); GRPO: the rollout a checkpoint inside it
+                                  needs (num_iterations > 1); the others: none
 
 `metrics` names the values take_metrics sums (in order), `shown` those the progress line and the run
 summary show beside the loss, with their short labels."""
@@ -95,6 +100,8 @@ class Objective(Protocol):
 
     def means(self, sums: torch.Tensor, count: torch.Tensor) -> list[float]: ...
 
+    def in_flight(self, step: int) -> dict: ...
+
 
 class Basic:
     """The defaults: no set-up, no rollout, metrics averaged over the global batch's count. An objective
@@ -114,6 +121,9 @@ class Basic:
         return None
 
     def after_prepare(self, context: Context, model) -> dict:
+        return {}
+
+    def in_flight(self, step: int) -> dict:
         return {}
 
     def schedule(self, plan, num_rows: int, ranks: int):

@@ -3,7 +3,7 @@ the objective the loop asks (objectives/base.py): each step's rollout (sampled, 
 for num_iterations steps and for a resumed run), its micro-batches with the old and the reference's
 log-probs, each micro-batch's loss, how a global batch is counted, its metrics. The loss family itself,
 pure functions on tensors, is finetune/rl_losses.py; the rollout machinery (seeds, shares, the
-generation, records, the cache) is finetune/training/rollouts.py.
+generation, records, a rollout kept for a resume) is finetune/training/rollouts.py.
 
 The rollout's own metrics (rewards per function, completion lengths) come from rollouts.rollout_metrics,
 on the gathered global batch; the loss's (kl, clip ratios) from rl_losses.policy_loss's sums, reduced over
@@ -30,11 +30,14 @@ from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
 from finetune.training.metrics import log
-from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, ROLLOUTS, completion_seed, eval_metrics, eval_prompt_batches,
-                                        eval_seed, eval_share, fill_groups, first_failure, generate_completions, joined,
-                                        keep_rollouts, load_rollout, model_lengths, padded_rows, rank_prompts,
-                                        real_rows, refill_schedule, rollout_batch, rollout_metric_names,
-                                        rollout_metrics, rollouts_summary, save_rollout, prompt_schedule,
+from finetune.checkpointing.run_state import load_in_flight
+from finetune.objective_rules import grpo as grpo_rules
+from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, IN_FLIGHT_ROLLOUT, ROLLOUTS, completion_seed,
+                                        eval_metrics, eval_prompt_batches, eval_seed, eval_share, fill_groups,
+                                        first_failure, generate_completions, joined, keep_rollouts, load_recorded,
+                                        model_lengths, padded_rows, rank_prompts, real_rows, refill_schedule,
+                                        rollout_batch, rollout_metric_names, rollout_metrics, rollout_record,
+                                        rollout_state, rollouts_summary, save_recorded, prompt_schedule,
                                         signal_groups, talk_of, warn_undecodable, write_dropped, write_rollouts)
 from finetune.training import agent
 from finetune.faults import fault_point
@@ -100,6 +103,8 @@ class GRPO(Basic):
         self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
         self.reference = None
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
+        self.kept = None  # (rollout index, its record): what a checkpoint inside it holds (in_flight)
+        self.replaying = False  # a resumed run with an engine: training on what it generated before (load_recorded)
         self.rollout_values: dict = {}
         self.sums = None
         self.micro_batch_count = float(recipe.micro_batch_size)  # the rollout's (count_per_micro_batch)
@@ -128,7 +133,6 @@ class GRPO(Basic):
         """Checked before the policy loads, so each is one line before any expensive work: the reward
         models (check_reward_models), vLLM where generation_backend=vllm, a reward function that needs a column the prompt rows lack; and
         sampling that gives no learning signal (a warning)."""
-        from finetune.objective_rules import grpo as grpo_rules
         from finetune.rewards import missing_column_problem
 
         check_installed(context.recipe)  # generation_backend=vllm where vLLM imports, before the model loads
@@ -165,21 +169,27 @@ class GRPO(Basic):
 
                 shutil.rmtree(Path(context.recipe.output_dir) / CACHE_DIR, ignore_errors=True)
         self.generator = generator_for(context, generate_completions)
-        self.resumed = context.plan.resume is not None
+        self.resume = context.plan.resume
+        self.replaying = self.resume is not None and self.generator.logprobs
         return {}
 
     def rollout(self, run, step: int, micro_batches: list[dict], stop=None) -> list[dict] | None:
         """This rank's micro-batches of step `step` (0-based): rollout step // num_iterations, generated
-        now at its first step, kept for the next num_iterations - 1, read back from its cache file when a
-        resumed run starts inside it. None where a stop request (stop: finetune.training.stopping.StopRequest)
+        now at its first step, kept for the next num_iterations - 1, read back from the checkpoint's in-flight
+        state when a resumed run starts inside it (in_flight_record), or from what a vLLM engine generated after
+        that checkpoint (load_recorded). None where a stop request (stop: finetune.training.stopping.StopRequest)
         ended the generation or the reward functions on any rank: the step is dropped."""
         k = step // self.num_iterations
         if self.cached is None or self.cached[0] != k:
             # a resumed run whose engine generated rollout k before the interruption trains on those completions
-            recorded = self.resumed and self.generator.logprobs and (run.out / CACHE_DIR / f"{k}.pt").is_file()
-            if step % self.num_iterations or recorded:
-                made = self.read_rollout(run, k, step, first=not step % self.num_iterations)
+            recorded = None if step % self.num_iterations or not self.replaying else \
+                load_recorded(run.out, k, self.resume.manifest.get("save_id"))
+            if step % self.num_iterations:
+                made = self.read_rollout(run, k, step, self.in_flight_record(k, step))
+            elif recorded is not None:
+                made = self.read_rollout(run, k, step, recorded, first=True)
             else:
+                self.replaying = False  # what the interrupted run generated from here on followed its own updates
                 made = self.new_rollout(run, k, step, stop)
             if made is None:
                 return None
@@ -282,11 +292,12 @@ class GRPO(Basic):
             olds = rows_of("old_logps")
             ratios = rows_of("is_ratio") if "is_ratio" in batches[0] else None
             if accelerator.is_main_process:
-                # the engine's rollouts back to the last checkpoint's: a resumed run trains on them, not on new ones
-                keep = 2 if not engine else max(2, -(-r.save_every // self.num_iterations) + 1)
-                save_rollout(run.out, k, {"values": values, "old_logps": olds, "is_ratio": ratios,
-                                          "rows": rows, "tokens": all_tokens, "stopped": all_stopped,
-                                          "rewards": all_rewards, "advantages": advantages, "talk": all_talk}, keep)
+                self.kept = (k, {"values": values, "old_logps": olds, "is_ratio": ratios, "rows": rows,
+                                 "tokens": all_tokens, "stopped": all_stopped, "rewards": all_rewards,
+                                 "advantages": advantages, "talk": all_talk})
+                if engine:  # the engine's rollouts back to the last checkpoint's: a resumed run trains on them
+                    save_recorded(run.out, k, self.kept[1], run.checkpoints.latest_id,
+                                  keep=max(2, -(-r.save_every // self.num_iterations) + 1))
         if accelerator.is_main_process:
             self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages, all_talk)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
@@ -430,12 +441,39 @@ class GRPO(Basic):
             batches.append(parts)
         return None, eval_metrics(batches, self.rewards.weights, self.rewards.names, g, r.scale_rewards)
 
-    def read_rollout(self, run, k: int, step: int, first: bool = False) -> tuple[list[dict], dict]:
+    def in_flight(self, step: int) -> dict:
+        """What a checkpoint after `step` steps holds of the rollout in flight: the rollout the next step trains
+        on when it was generated before (num_iterations > 1, step inside it), on the main process."""
+        k = step // self.num_iterations
+        if step % self.num_iterations == 0 or self.kept is None or self.kept[0] != k:
+            return {}
+        return {IN_FLIGHT_ROLLOUT: rollout_state(k, self.kept[1])}
+
+    def in_flight_record(self, k: int, step: int) -> dict:
+        """Rollout k from the checkpoint this run resumed from (its in-flight state, which the manifest
+        lists and checksums), and nowhere else; one line where it holds none."""
+        point = self.resume
+        if point is None or point.step != step:
+            raise RecipeError(f"step {step + 1} trains on rollout {k}, which this run holds neither in memory nor in "
+                              "the checkpoint it resumed from")
+        what = f"checkpoint {point.path}"
+        found = load_in_flight(point.path, IN_FLIGHT_ROLLOUT, point.manifest, what)
+        if found is None:  # (resume.check_in_flight_held said so before the launch)
+            raise RecipeError(f"{what} {grpo_rules.in_flight(self.recipe, step)[1]}")
+        tensors, data = found
+        if data.get("rollout") != k:
+            raise RecipeError(f"{what} is damaged: its in-flight rollout is rollout {data.get('rollout')!r}, not {k}; "
+                              "nothing was loaded; resume from an earlier checkpoint with --resume PATH")
+        return rollout_record(tensors, data, what)
+
+    def read_rollout(self, run, k: int, step: int, saved: dict, first: bool = False) -> tuple[list[dict], dict]:
         """A resumed run starting inside rollout k: its completions, advantages and old log-probs (and a vLLM
-        engine's importance weights) from the cache file the run wrote when it generated them (the policy has
-        moved since). first: the resumed run starts at rollout k's first step, which the engine had generated
-        before the interruption; its rollouts.jsonl records are written again."""
-        saved = load_rollout(run.out, k, step)
+        engine's importance weights) from the rollout the run kept when it generated them (the policy has moved
+        since): the checkpoint's in-flight rollout, or what the engine recorded after it. first: the resumed run
+        starts at rollout k's first step, which the engine had generated before the interruption; its
+        rollouts.jsonl records are written again."""
+        if run.accelerator.is_main_process:
+            self.kept = (k, saved)  # a checkpoint later inside rollout k holds it again
         rows = saved["rows"]
         prompt_ids, share = self.rank_share(run, rows)
         ratios = saved.get("is_ratio")
