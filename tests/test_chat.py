@@ -519,7 +519,7 @@ def test_chat_with_tools_runs_the_calls_between_turns(tmp_path, capsys):
     from finetune.commands.chat import main
     from tests.agent_tools import tool_happy_model
 
-    model = tool_happy_model(tmp_path / "model")  # a model whose turns call calc (tests/agent_tools.py)
+    model = tool_happy_model(tmp_path / "model", tool="calc")  # a model whose turns call calc (tests/agent_tools.py)
     argv = [str(model), "37*59", "--temperature", "1", "--seed", "9", "--max-new-tokens", "40"]
     assert main([*argv, "--tools", "tests.agent_tools:calc"]) == 0
     printed = [line for line in capsys.readouterr().out.splitlines() if "real_accelerator" not in line]  # DeepSpeed's

@@ -21,7 +21,7 @@ def test_tools_with_the_vllm_engine(launch, tmp_path_factory):
     model = tool_happy_model(tmp_path_factory.mktemp("tool-happy-h64"), base="tiny-llama-h64")
     run = launch(2, "strategy=zero3", f"model={model}", "generation_backend=vllm", "max_steps=3", "global_batch_size=4",
                  "num_generations=4", "micro_batch_size=4", "eval_every=0", "eval_at_start=false",
-                 "max_tool_calling_iterations=2", "max_completion_len=32", "lr=1e-2", "warmup_steps=0",
+                 "max_tool_calling_iterations=2", "max_completion_len=32", "lr=1e-4", "warmup_steps=0",
                  recipe="tiny_grpo_tools")
     records = [r for r in run_history(read_metrics(run.output_dir / "metrics.jsonl")) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3]
