@@ -15,8 +15,11 @@ TRL's own rendering of the tool answers), its own _tool_call_loop, reward call a
 
 Compared: the completion tokens and the tool mask (TRL's tool_mask), the messages the reward functions get,
 the rewards and advantages, TRL's tool metrics (tools/call_frequency, tools/failure_frequency); then, from
-the same weights, STEPS AdamW steps on those completions: the loss at each step and the weights after the
-last, for dapo (beta 0) and grpo with beta 0.04 (a frozen reference), at temperature 0.7.
+the same weights, STEPS AdamW steps on those completions: the loss at each step, the reference's log-probs
+(beta > 0), the first step's gradients and the weights after the last, for dapo (beta 0) and grpo with beta
+0.04 (a frozen reference), at temperature 0.7. Where the weights differ most, the study prints that element's
+first gradient on each side and the difference of AdamW's first updates they imply: a gradient of fp32
+roundoff's size (a zero, up to it) near AdamW's eps makes lr * g / (|g| + eps) follow the roundoff.
 
     python bench/studies/grpo_tools_vs_trl.py                 # needs trl importable (pip install -e .[bench])
     python bench/studies/grpo_tools_vs_trl.py --doc docs/benchmarks.md    # also writes its section
@@ -249,7 +252,8 @@ def compare(loss_type: str, beta: float) -> dict:
     trl_opt = torch.optim.AdamW(trainer.model.parameters(), lr=LR)
     inputs = [dict(r) for r in rows]
 
-    result = {"loss_type": loss_type, "beta": beta, "d_loss": 0.0, "losses": []}
+    result = {"loss_type": loss_type, "beta": beta, "d_loss": 0.0, "losses": [], "d_ref": None}
+    first_grads = {}  # each side's gradients of the first step, from the same weights
     for step in range(STEPS):
         out = replay_trl(trainer, tok, tokens, prompt_ids, inputs)
         trl_tokens = unpadded(out["completion_ids"], out["completion_mask"])
@@ -281,17 +285,33 @@ def compare(loss_type: str, beta: float) -> dict:
             if beta:
                 b["ref_logps"] = objective.reference.token_logps(ours_model, b, objective.temperature)
             micro.append(b)
+        if beta:  # the reference's log-probs of the drawn tokens, TRL's against ours
+            trl_ref = [row[m] for row, m in zip(out["ref_per_token_logps"], (out["completion_mask"] * out["tool_mask"]).bool())]
+            ours_ref = [row[m] for b in micro for row, m in zip(b["ref_logps"], b["labels"] != IGNORE)]
+            result["d_ref"] = max(result["d_ref"] or 0.0, max((x - y).abs().max().item() for x, y in zip(trl_ref, ours_ref)))
         count = sum(int((b["labels"] != IGNORE).sum()) for b in micro) if loss_type in TOKEN_COUNTED else len(tokens)
         ours_opt.zero_grad()
         ours_loss = sum(objective.loss(ours_model, b) / count for b in micro)
         ours_loss.backward()
         objective.take_metrics()
+        if step == 0:
+            trl_grads = dict(trainer.model.named_parameters())
+            first_grads = {n: (trl_grads[n].grad.clone(), q.grad.clone()) for n, q in ours_model.named_parameters()}
+            result["d_grad"] = max((a - b).abs().max().item() for a, b in first_grads.values())
         result["losses"].append((trl_loss, ours_loss.item()))
         result["d_loss"] = max(result["d_loss"], abs(trl_loss - ours_loss.item()))
         trl_opt.step()
         ours_opt.step()
     trl_weights = dict(trainer.model.named_parameters())
-    result["d_weights"] = max((trl_weights[n] - p).abs().max().item() for n, p in ours_model.named_parameters())
+    diffs = {n: (trl_weights[n] - p).abs().flatten() for n, p in ours_model.named_parameters()}
+    result["d_weights"] = max(d.max().item() for d in diffs.values())
+    # the largest difference, and the first step's gradient of that element on each side: where it is of fp32
+    # roundoff's size, near AdamW's eps, the first update lr * g / (|g| + eps) follows the roundoff, not the loss
+    name = max(diffs, key=lambda n: diffs[n].max().item())
+    i = diffs[name].argmax().item()
+    g_trl, g_ours = (g.flatten()[i].item() for g in first_grads[name])
+    first_update = lambda g: LR * g / (abs(g) + 1e-8)  # noqa: E731  AdamW's first step (bias-corrected), eps 1e-8
+    result["worst"] = (name, i, g_trl, g_ours, abs(first_update(g_trl) - first_update(g_ours)))
     result["moved"] = max((trl_weights[n].detach() - start[n]).abs().max().item() for n in start if n in trl_weights)
     return result
 
@@ -308,19 +328,26 @@ def main(argv=None) -> int:
              f"Qwen2.5's template, a random 2-layer Qwen2 (fp32), {len(PLANS)} completions (2 prompts x {G}), "
              f"max_completion_len {MAX_LEN}, temperature {TEMPERATURE}, {STEPS} AdamW steps (lr {LR:g}), 2 micro-batches",
              "", "| loss_type | beta | tokens as TRL | tool mask as TRL | reward messages as TRL | advantages: max abs diff "
-             "| tool metrics: max abs diff | loss per step (TRL / ours) | loss: max abs diff | weights after the last "
-             "step: max abs diff | how far the weights moved |", "|" + " --- |" * 11]
+             "| tool metrics: max abs diff | reference log-probs: max abs diff | loss per step (TRL / ours) | loss: max abs "
+             "diff | first step's gradients: max abs diff | weights after the last step: max abs diff | how far the "
+             "weights moved |", "|" + " --- |" * 13]
     ok = True
     for r in results:
         losses = ", ".join(f"{a:.6f} / {b:.6f}" for a, b in r["losses"])
         lines.append(f"| {r['loss_type']} | {r['beta']:g} | {r['same_tokens']} | {r['same_masks']} | "
-                     f"{r['same_messages']} | {r['advantages']:.1e} | {r['tool_metrics']:.1e} | {losses} | "
-                     f"{r['d_loss']:.1e} | {r['d_weights']:.1e} | {r['moved']:.1e} |")
+                     f"{r['same_messages']} | {r['advantages']:.1e} | {r['tool_metrics']:.1e} | "
+                     f"{'-' if r['d_ref'] is None else format(r['d_ref'], '.1e')} | {losses} | {r['d_loss']:.1e} | "
+                     f"{r['d_grad']:.1e} | {r['d_weights']:.1e} | {r['moved']:.1e} |")
         ok &= (r["same_tokens"] and r["same_masks"] and r["same_messages"] and r["advantages"] < LOSS_TOLERANCE
                and r["tool_metrics"] < 1e-9 and r["d_loss"] <= LOSS_TOLERANCE and r["d_weights"] <= WEIGHT_TOLERANCE)
     lines += ["", f"{results[0]['calls']} tool calls and {results[0]['fed_tokens']} fed (masked) tokens in the "
               f"{len(PLANS)} conversations; within the bounds (loss {LOSS_TOLERANCE:g}, weights {WEIGHT_TOLERANCE:g}): "
               f"{'yes' if ok else 'NO'}"]
+    for r in results:
+        name, i, g_trl, g_ours, update = r["worst"]
+        lines.append(f"{r['loss_type']}: the weights differ most at {name}[{i}], whose first gradient was {g_trl:.2e} "
+                     f"(TRL) / {g_ours:.2e} (ours), fp32 roundoff of a gradient that is 0 up to it, near AdamW's eps "
+                     f"1e-8, so the first updates lr*g/(|g|+eps) differ by {update:.1e}")
     print("\n".join(lines))
     if args.doc:
         from bench.parts.report import TOOLS_BEGIN, TOOLS_END, TOOLS_TITLE, write_marked_section
