@@ -234,7 +234,7 @@ class VLLMEngine:
             sequence = result.outputs[0]
             tokens = list(sequence.token_ids)
             logps = [float(step[t].logprob) for t, step in zip(tokens, sequence.logprobs)] if logprobs else []
-            out[i] = EngineCompletion(tokens, bool(tokens) and tokens[-1] in stop, seconds, logps)
+            out[i] = EngineCompletion(tokens, bool(tokens) and tokens[-1] in stop, seconds, logprobs=logps)
         return out
 
 

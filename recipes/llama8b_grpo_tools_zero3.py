@@ -15,6 +15,7 @@ weighted 0.2. Before the first rollout the template's prefix check passes (docs/
 template renders each turn as the model writes it. Each step takes 64 prompts and samples 8 conversations
 of each (64 per GPU, generated in one batch with the whole model gathered once on each GPU; the KV cache of
 each conversation goes on across its turns). Needs the math-verify package (pip install math-verify).
+Sized for 8 x 80 GB GPUs (H100 or A100 80 GB): the rollout's peak, not the step's, sets the size.
 Memory per GPU, the planner's estimate (python -m finetune.plan --recipe llama8b_grpo_tools_zero3 --gpus 8 --gpu-mem 80GB):
     params 1.87 + grads 1.87 + optimizer 11.22 + activations 7.22 + buffers 6.12 = total 28.30 GiB
     rollout: model states 14.96 + gathered weights 14.96 + KV cache 14.00 + prefill 6.38 = rollout peak 50.29 GiB
