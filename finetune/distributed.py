@@ -59,7 +59,8 @@ def deepspeed_cpu_local_size() -> None:
     LOCAL_SIZE as it starts, and where it equals the world size it creates a shared-memory allreduce
     buffer per rank in /dev/shm (64 MiB each, for inference_all_reduce, which training never calls)
     that nothing removes when the process ends: every run left 128 MiB of RAM behind until the
-    machine ran out (tests/distributed/conftest.py checks each launch leaves none)."""
+    machine ran out (tests/distributed/conftest.py checks each launch leaves none). The zero strategies now keep
+    that op from being built at all (strategy/zero.py no_shared_memory_allreduce)."""
     import deepspeed.comm as dist
 
     if dist.is_initialized():

@@ -123,41 +123,47 @@ def _precision(mixed_precision: str) -> str:
 
 
 def describe_run(recipe: Recipe, world_size: int, arch: Architecture) -> str:
+    """The planner's first lines: the model; what trains; the objective and what it holds beside the policy;
+    the GPUs, precision and micro batch (each in lines short enough to read in a terminal)."""
     lora, r, targets = recipe_lora(recipe)
     n = arch.num_parameters()
-    what = "full fine-tune"
+    trains = "full fine-tune"
     if lora:
-        what = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
+        trains = f"LoRA r={r} on {','.join(targets) or 'every projection'}: {lora_parameters(arch, r, targets):,} trained"
+    what = {"sft": "sft: the next-token loss on the responses",
+            "reward": "reward: a reward model's score head on preference pairs (Bradley-Terry)"}.get(recipe.objective, "")
     if recipe.objective in ("dpo", "kto"):
         reference = {None: "none (reference-free)", "precomputed": "precomputed log-probs",
                      "adapter": "the base, adapter disabled", "frozen": "a frozen copy"}[reference_kind(recipe)]
         loss = (f"{recipe.dpo_loss} preference loss (micro batch in pairs)" if recipe.objective == "dpo" else
                 f"{recipe.kto_loss} loss on unpaired rows (and a KL row each, scored without gradient)")
-        what += f"; {loss}, reference: {reference}"
+        what = f"{loss}, reference: {reference}"
     rollout = Rollout.of(recipe, world_size)
     if rollout is not None and recipe.objective == "grpo":
         reference = {None: "none (beta=0)", "adapter": "the base, adapter disabled",
                      "frozen": "a frozen copy"}[reference_kind(recipe)]
-        what += (f"; GRPO {recipe.loss_type}: {rollout.rows} completions per GPU each rollout "
-                 f"(num_generations={recipe.num_generations}), up to {rollout.prompt_tokens} prompt + "
-                 f"{recipe.max_completion_len} completion tokens, reference: {reference}")
+        what = (f"GRPO {recipe.loss_type}: {rollout.rows} completions per GPU each rollout "
+                f"(num_generations={recipe.num_generations}), up to {rollout.prompt_tokens} prompt + "
+                f"{recipe.max_completion_len} completion tokens, reference: {reference}")
     if recipe.objective == "distill":
         teacher, why = teacher_architecture(recipe.teacher_model)
         held = (f"{teacher.num_parameters():,} parameters, held as a reference is" if teacher is not None else
                 f"NOT counted: {why}")
-        what += (f"; distillation (beta {recipe.distill_beta:g}, lmbda {recipe.lmbda:g}) from teacher "
-                 f"{recipe.teacher_model} ({held})")
+        what = (f"distillation (beta {recipe.distill_beta:g}, lmbda {recipe.lmbda:g}) from teacher "
+                f"{recipe.teacher_model} ({held})")
         if rollout is not None:
             what += (f", {rollout.rows} completions per GPU each on-policy step, up to "
                      f"{recipe.max_completion_len} tokens")
     size = f" ({n / 1e9:.2f} B)" if n >= 10**8 else ""
     sp = recipe.sequence_parallel
     split = f" (sequence_parallel={sp}: each row split across {sp} GPUs)" if sp > 1 else ""
-    return (f"{recipe.model}: {n:,} parameters{size}, {what}; {world_size} GPU(s){split}, "
-            f"{_precision(recipe.mixed_precision)}, micro batch {recipe.micro_batch_size} x {recipe.max_seq_len} tokens, "
-            f"activation checkpointing {'on' if recipe.activation_checkpointing else 'off'}"
-            + (", the layer inputs offloaded to CPU memory" if recipe.activation_offload else "")
-            + f", attention {recipe.attn_implementation}")
+    machine = (f"{world_size} GPU(s){split}, {_precision(recipe.mixed_precision)}, micro batch "
+               f"{recipe.micro_batch_size} x {recipe.max_seq_len} tokens, activation checkpointing "
+               f"{'on' if recipe.activation_checkpointing else 'off'}"
+               + (", the layer inputs offloaded to CPU memory" if recipe.activation_offload else "")
+               + f", attention {recipe.attn_implementation}")
+    return "\n".join([f"{recipe.model}: {n:,} parameters{size}"]
+                     + [note_lines(part, indent="  ") for part in (trains, what, machine) if part])
 
 
 def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headroom: float = HEADROOM,
@@ -211,25 +217,27 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
     if refused:
         lines.append(refused)
     if with_engine:
-        lines.append("GRPO with a vLLM engine per GPU: engine is its weights and the KV cache of the GPU's "
+        lines.append(note_lines("GRPO with a vLLM engine per GPU: engine is its weights and the KV cache of the GPU's "
                      "completions (its minimum; with a budget, fits counts the share vllm_gpu_memory_utilization "
                      "while it generates, and through the step unless vllm_enable_sleep_mode=true), push a weight "
                      "push's transient (vllm_push_layers layers), rollout the generation phase's peak; total the "
-                     "step's, with what the engine keeps then")
+                     "step's, with what the engine keeps then"))
     elif with_rollout:
-        lines.append(("distill" if distill else "GRPO") + ": total is the step's peak, rollout the generation "
+        lines.append(note_lines(("distill" if distill else "GRPO") + ": total is the step's peak, rollout the generation "
                      "phase's (model states, " + ("teacher" if distill else "reference, log-probs") + ", "
                      "the weights gathered for generation under zero3/fsdp, the KV cache of every "
-                     "completion of the GPU, one layer's prefill); fits: both do")
+                     "completion of the GPU, one layer's prefill); fits: both do"))
     if distill and with_reference:
-        lines.append("teacher: the distillation teacher in the compute dtype, sharded under fsdp and zero3, whole on "
-                     "each GPU under ddp, zero1 and zero2; buffers add its output layer, copied whole for the loss"
-                     + ("; rollout: the on-policy completions' generation phase" if with_rollout else ""))
+        lines.append(note_lines("teacher: the distillation teacher in the compute dtype, sharded under fsdp and zero3, "
+                                "whole on each GPU under ddp, zero1 and zero2; buffers add its output layer, copied "
+                                "whole for the loss"
+                                + ("; rollout: the on-policy completions' generation phase" if with_rollout else "")))
     elif with_reference:
-        lines.append("reference: the " + ("GRPO KL penalty's (beta > 0)" if with_rollout else "DPO") + " reference model, "
-                     "a frozen copy in the compute dtype: sharded under fsdp and zero3, whole on each GPU under ddp, "
-                     "zero1 and zero2 (none with LoRA, " + ("beta=0" if with_rollout else
-                                                            "dpo_loss=simpo or precompute_reference=true") + ")")
+        lines.append(note_lines(reference_note(recipe.objective)))
+    lines.append(note_lines("buffers: what the strategy holds beside the model states: communication buckets (ddp: a "
+                            "copy of every gradient; zero: the reduce bucket), layers gathered for compute (zero3, fsdp), "
+                            "the optimizer step's fp32 temporaries"
+                            + ("; the teacher's output layer" if distill and with_reference else "")))
     if budget:
         best, said = choose([e for _, e in rows]) if choose else (None, [])
         mine = next((e for _, e in rows if e.setup == own), None)
@@ -253,8 +261,28 @@ def plan_table(recipe: Recipe, world_size: int, budget: int | None = None, headr
                          + "".join(f", {x}" for x in said[:1]) + ")"
                          + (f"; override with {how}{note}" if how else "; the recipe's own"))
             lines += said[1:]
+    if not budget:
+        lines.append(f"which of these fit, and the one it would run: add --gpu-mem, one GPU's memory (--gpus {world_size} "
+                     "--gpu-mem 80GB)")
     lines.append("estimates: ZeRO paper model states + activations counted per tensor of a Llama layer; see finetune/memory.py")
     return "\n".join(lines)
+
+
+def note_lines(text: str, width: int = 110, indent: str = "") -> str:
+    """A note of the planner's report in lines of at most `width` characters, the later ones indented."""
+    import textwrap
+
+    return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent + "  ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def reference_note(objective: str) -> str:
+    """The planner's word on the reference column: whose reference it is, where it lives, when there is none."""
+    whose, none = {"grpo": ("GRPO's KL penalty (beta > 0)", "beta=0"),
+                   "kto": ("KTO", "precompute_reference=true"),
+                   "dpo": ("DPO", "dpo_loss=simpo or precompute_reference=true")}.get(objective, (objective, ""))
+    return (f"reference: the {whose} reference model, a frozen copy in the compute dtype: sharded under fsdp and zero3, "
+            f"whole on each GPU under ddp, zero1 and zero2 (none with LoRA{', ' + none if none else ''})")
 
 
 def memory_report(recipe: Recipe, world_size: int, recipe_name: str = "", gpus_per_node: int | None = None) -> str:

@@ -39,7 +39,10 @@ TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "m
 
 
 def _opt(default, *, choices=None, min=None, max=None, help=""):
-    return field(default=default, metadata={"choices": choices, "min": min, "max": max, "help": help})
+    metadata = {"choices": choices, "min": min, "max": max, "help": help}
+    if isinstance(default, dict):  # a mapping: each recipe its own
+        return field(default_factory=lambda: dict(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 FORMATS = ("auto", "alpaca", "messages", "prompt_completion", "text", "preference", "prompt", "unpaired")
@@ -95,6 +98,10 @@ class Recipe:
     dataset: str = _opt("builtin:tiny-tasks", help="hub id, local json/jsonl/parquet/csv file or directory")
     dataset_split: str = _opt("train")
     dataset_format: str = _opt("auto", choices=FORMATS)
+    columns: dict = _opt({}, help="dataset's fields read as the format's: the format's field -> the dataset's, "
+                         "label:thumbs,completion:answer on the command line, columns={'label': 'thumbs'} in a "
+                         "recipe file (messages also role:from,content:value); also eval_dataset's and eval_split's "
+                         "rows; a mixture maps each source's own (datasets.N.columns=...)")
     datasets: tuple[DataSource, ...] = _opt((), help="a mixture, in the recipe file: DataSource(path=..., "
                                             "format=..., weight=... or rows=..., split=..., columns={...}) "
                                             "entries; overrides: datasets.0.weight=0.5; empty: dataset above")
@@ -428,12 +435,45 @@ def load_recipe_module(name: str) -> Recipe:
         raise
     except SyntaxError as e:
         raise RecipeError(f"recipe {path}: syntax error on line {e.lineno}: {e.msg}") from None
+    except TypeError as e:
+        unknown = _unknown_keyword(e, path)
+        if unknown:
+            raise RecipeError(unknown) from None
+        raise RecipeError(f"recipe {path} failed to import: {type(e).__name__}: {e}") from None
     except Exception as e:  # a user's Python file can fail in any way; say where
         raise RecipeError(f"recipe {path} failed to import: {type(e).__name__}: {e}") from None
     recipe = getattr(module, "recipe", None)
     if not isinstance(recipe, Recipe):
         raise RecipeError(f"recipe {path} must define `recipe = Recipe(...)` (found {type(recipe).__name__})")
     return recipe
+
+
+def _unknown_keyword(error: TypeError, path: Path) -> str | None:
+    """Recipe(learning_rate=...) or DataSource(colums=...) in a recipe file, as one line naming the file's
+    line, the key and the key meant, as the command line names it; None for any other TypeError."""
+    import re
+    import traceback
+
+    found = re.search(r"(Recipe|DataSource)\.__init__\(\) got an unexpected keyword argument '(\w+)'", str(error))
+    if not found:
+        return None
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == str(path)]
+    where = f"recipe {path}" + (f" line {lines[-1]}" if lines else "")
+    kind, key = found.groups()
+    if kind == "Recipe":
+        return f"{where}: {unknown_key_message(key)}"
+    close = difflib.get_close_matches(key, SOURCE_FIELDS, n=1)
+    return (f"{where}: DataSource has no field {key!r}{f'; did you mean {close[0]}?' if close else ''} (fields: "
+            f"{', '.join(SOURCE_FIELDS)})")
+
+
+def unknown_key_message(key: str) -> str:
+    """An unknown recipe key, with the key meant: a close spelling, or ours for the Trainer's and TRL's name."""
+    close = difflib.get_close_matches(key, FIELDS, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    if key in PEER_NAMES:
+        hint = f" (the Trainer's and TRL's name); did you mean {PEER_NAMES[key]}?"
+    return f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)"
 
 
 # ---------------------------------------------------------------- overrides
@@ -473,6 +513,8 @@ def parse_value(key: str, text: str):
     if origin in (list, tuple):
         items = tuple(s.strip() for s in text.split(",") if s.strip())
         return items if origin is tuple else list(items)
+    if kind is dict:
+        return _parse_mapping(key, text)
     return text
 
 
@@ -481,10 +523,16 @@ def _parse_mapping(key: str, text: str) -> dict:
     out = {}
     for item in (s.strip() for s in text.split(",") if s.strip()):
         if ":" not in item:
-            raise RecipeError(f"{key}={text}: expected field:field pairs, comma-separated (messages:conversations)")
+            raise RecipeError(f"{key}={text}: expected field:field pairs, the format's field first, comma-separated "
+                              "(label:thumbs,completion:answer)")
         a, b = item.split(":", 1)
         out[a.strip()] = b.strip()
     return out
+
+
+def _mapping_text(columns: dict) -> str:
+    """{"label": "thumbs"} as the command line writes it: label:thumbs"""
+    return ",".join(f"{k}:{v}" for k, v in columns.items())
 
 
 def _source_override(recipe: Recipe, sources: list, key: str, value: str) -> None:
@@ -529,11 +577,7 @@ def apply_overrides(recipe: Recipe, overrides: list[str]) -> Recipe:
                               "DataSource(...); on the command line override one source's field "
                               "(datasets.0.weight=0.5), or train on one source with dataset=...")
         if key not in FIELDS:
-            close = difflib.get_close_matches(key, FIELDS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            if key in PEER_NAMES:
-                hint = f" (the Trainer's and TRL's name); did you mean {PEER_NAMES[key]}?"
-            raise RecipeError(f"unknown recipe key {key!r}{hint} (see finetune/recipe.py for all keys)")
+            raise RecipeError(unknown_key_message(key))
         changes[key] = parse_value(key, value)
     if recipe.datasets and "dataset" in changes:
         changes["datasets"] = ()  # dataset=... on a mixture recipe: train on that one source
@@ -566,6 +610,13 @@ def _check_field(name: str, value) -> None:
             check_source_fields("eval_dataset", value, weighted=False)
         elif not isinstance(value, str):
             raise RecipeError(f"eval_dataset={value!r:.120}: expected a path, a hub id or a DataSource(...)")
+        return
+    if kind is dict:
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+            raise RecipeError(f"{name}={value!r:.120}: expected a dict of field names ({{'label': 'thumbs'}})")
+        problem = columns_problem(name, value)
+        if problem:
+            raise RecipeError(problem)
         return
     if kind is bool and not isinstance(value, bool):
         raise RecipeError(f"{name}={value!r}: expected true or false")
@@ -625,14 +676,28 @@ def check_source_fields(key: str, source: DataSource, weighted: bool = True) -> 
     if not weighted and (source.rows or source.weight != 1.0):
         raise RecipeError(f"{key}: weight and rows apply to training sources (datasets=...); an eval set is "
                           "used whole")
-    for target in source.columns:
-        if target not in MAPPABLE:
-            raise RecipeError(f"{key}.columns maps {target!r}, which no format has; map one of "
-                              f"{', '.join(MAPPABLE)} to the dataset's field")
+    problem = columns_problem(f"{key}.columns", source.columns)
+    if problem:
+        raise RecipeError(problem)
     for name, role in source.roles.items():
         if role not in ROLES:
             raise RecipeError(f"{key}.roles maps {name!r} to {role!r}; the roles are {', '.join(ROLES)}")
     _check_source(f"{key}.path", source.path)
+
+
+def columns_problem(key: str, columns: dict) -> str | None:
+    """A column mapping's first wrong entry: each maps a field some format reads (MAPPABLE) to a field of
+    the dataset, both non-empty names; a mapping written the wrong way round is named as such."""
+    for target, name in columns.items():
+        if not target or not name:
+            return f"{key} maps {target!r} to {name!r}: both sides need a field name (label:thumbs)"
+        if target not in MAPPABLE and name in MAPPABLE:
+            return (f"{key} maps {target!r}, which no format has: the wrong way round? the format's field comes "
+                    f"first ({name}:{target} reads the dataset's field {target} as {name})")
+        if target not in MAPPABLE:
+            return (f"{key} maps {target!r}, which no format has; map one of {', '.join(MAPPABLE)} to the dataset's "
+                    "field (label:thumbs reads the dataset's field thumbs as label)")
+    return None
 
 
 def looks_local(source: str) -> bool:
@@ -700,6 +765,10 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError(f"report_to={tracker}, but {TRACKER_PACKAGES[tracker]} is not installed; "
                               f"pip install {TRACKER_PACKAGES[tracker]} (or pip install -e .[{tracker}]), "
                               "or drop it from report_to")
+    if r.datasets and r.columns:
+        raise RecipeError(f"columns={_mapping_text(r.columns)} maps the fields of dataset=..., but this recipe mixes "
+                          f"{len(r.datasets)} sources (datasets=...), each with its own columns: set "
+                          f"datasets.N.columns={_mapping_text(r.columns)} for the source that needs it")
     if not r.datasets:
         _check_source("dataset", r.dataset)
     if r.eval_dataset and isinstance(r.eval_dataset, str):
@@ -711,9 +780,10 @@ def validate(recipe: Recipe) -> Recipe:
     if looks_local(r.model) and not Path(r.model).expanduser().is_dir():
         raise RecipeError(f"model={r.model}: no such directory; give a hub id (org/name), a directory written "
                           "by save_pretrained, or builtin:tiny-llama")
-    if r.model.startswith(BUILTIN_PREFIX):
-        if r.model[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
-            raise RecipeError(f"model={r.model}: unknown builtin; available: "
+    for key in ("model", "teacher_model"):
+        name = getattr(r, key)
+        if name.startswith(BUILTIN_PREFIX) and name[len(BUILTIN_PREFIX):] not in BUILTIN_MODELS:
+            raise RecipeError(f"{key}={name}: unknown builtin; available: "
                               + ", ".join(BUILTIN_PREFIX + k for k in BUILTIN_MODELS))
     return recipe
 
@@ -835,7 +905,8 @@ def describe_fields() -> str:
         meta = f.metadata
         allowed = f" ({'|'.join(map(str, meta['choices']))})" if meta.get("choices") else ""
         help_text = f"  {meta['help']}" if meta.get("help") else ""
-        lines.append(f"  {name}={f.default!r}{allowed}{help_text}")
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {name}={default!r}{allowed}{help_text}")
     return "\n".join(lines)
 
 

@@ -336,19 +336,34 @@ def rloo_advantages(per_func: torch.Tensor, weights: torch.Tensor, num_generatio
     scored) minus beta times its KL (kl: each completion's summed old - ref token log-probs, k1, at the
     rollout), minus the mean of its group's other scorable rewards; normalize: then over the whole batch to
     mean 0 and std 1 (+1e-4); NaN (unscorable, or alone in its group) -> 0. And whether each group's
-    (penalised) rewards have std 0 (frac_reward_zero_std)."""
-    rewards = weighted_rewards(per_func.double(), weights)
+    (penalised) rewards have std 0 (frac_reward_zero_std). In float32 with TRL's operations in TRL's order,
+    so that a group of equal rewards keeps TRL's rounding in its advantages (a few float32 ulps of either
+    sign, or 0): the clip metrics count an advantage by its sign, and more exact arithmetic would count
+    other completions than TRL's. Only where float32 overflows (rewards near 1e30 under normalize: their
+    squares) is it float64, which keeps their advantages where TRL's would all be 0."""
+    made = _rloo(per_func.float(), weights, num_generations, kl, beta, normalize)
+    if made is None:  # float32's squares overflowed
+        made = _rloo(per_func.double(), weights, num_generations, kl, beta, normalize)
+    advantages, zero_std = made
+    return advantages.float(), zero_std
+
+
+def _rloo(per_func, weights, num_generations, kl, beta, normalize) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rewards = weighted_rewards(per_func, weights)
     if beta != 0.0 and kl is not None:
-        rewards = rewards - beta * kl.double()
+        rewards = rewards - beta * kl.to(rewards)
     grouped = rewards.view(-1, num_generations)
     std = nanstd(grouped, dim=1)
     scorable = (~torch.isnan(grouped)).sum(dim=1, keepdim=True)
     baselines = (torch.nansum(grouped, dim=1, keepdim=True) - grouped) / (scorable - 1)
     advantages = rewards - baselines.view(-1)
     if normalize:
-        advantages = (advantages - torch.nanmean(advantages)) / (nanstd(advantages) + 1e-4)
+        spread = nanstd(advantages)
+        if torch.isinf(spread):  # the squares overflowed: None (the caller computes in float64)
+            return None
+        advantages = (advantages - torch.nanmean(advantages)) / (spread + 1e-4)
     zero_std = torch.isclose(std, torch.zeros_like(std)).repeat_interleave(num_generations)
-    return torch.nan_to_num(advantages, nan=0.0).float(), zero_std
+    return torch.nan_to_num(advantages, nan=0.0), zero_std
 
 
 def rloo_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

@@ -5,12 +5,12 @@ labelled undesirable, half and half): rewards/chosen climbs above 0 and rewards/
     accelerate launch --multi_gpu --num_processes 2 finetune/run.py --recipe tiny_kto
     python finetune/run.py --recipe tiny_kto strategy=ddp          # one process
 
-Measured (2 processes under zero3, the command above; a shared 2-core machine, 24 s of training, 42 s in
-all): eval loss 0.500, 0.457, 0.425, 0.418 at steps 0, 20, 40, 60; eval rewards/chosen 0.00, 0.20, 0.31,
-0.33 and rewards/rejected 0.00, -0.15, -0.30, -0.34 (margin 0.00, 0.35, 0.61, 0.66); train loss 0.489
-(step 10) to 0.415 (step 60), grad_norm 0.15-0.18 throughout. The KL estimate (the policy against the
+Measured (2 processes under zero3, the command above; a shared 2-core machine under load, 51 s of training,
+71 s in all): eval loss 0.500, 0.457, 0.425, 0.418 at steps 0, 20, 40, 60; eval rewards/chosen 0.00, 0.20,
+0.30, 0.33 and rewards/rejected 0.00, -0.15, -0.30, -0.33 (margin 0.00, 0.35, 0.61, 0.66); train loss 0.488
+(step 10) to 0.413 (step 60), grad_norm 0.15-0.18 throughout. The KL estimate (the policy against the
 reference on mismatched prompts and answers, clamped at 0) stays small and noisy on these short answers:
-eval kl 0.00, 0.20, 0.00, 0.00, train kl between 0 and 0.94. As with tiny_dpo, what the untrained tiny
+eval kl 0.00, 0.20, 0.00, 0.00, train kl between 0 and 0.67 at the logged steps. As with tiny_dpo, what the untrained tiny
 model learns is what tells the labels apart (the case, letters a-m against n-z): its greedy answers go
 from noise to the right case and letter range ('Capitals: bbkl' -> 'GGGGGGGC'). loss.png shows the loss,
 rewards/chosen, rewards/rejected and kl, train and eval.

@@ -1,10 +1,11 @@
-"""The shipped catalog: every recipe in recipes/ loads and validates offline through the loading
-finetune/run.py uses, dry-runs (in-process, so the whole catalog costs one torch import), and states
+"""The shipped catalog: every recipe git tracks in recipes/ (tests/shipped.py: not a user's own beside them)
+loads and validates offline through the loading finetune/run.py uses, dry-runs (in-process, so the whole catalog costs one torch import), and states
 in its header a launch command and the planner's current estimate; every launcher config in
 accelerate_configs/ is valid YAML that accelerate accepts, says in its first comment what it is for,
 and passes check_launcher with every recipe (the recipe decides the strategy)."""
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -14,11 +15,12 @@ import yaml
 from finetune import memory as M
 from finetune import memory_tables as MT
 from finetune.plan import check_launcher, derive_grad_accum
-from finetune.recipe import RECIPES_DIR, Recipe, available_recipes, resolve
+from finetune.recipe import RECIPES_DIR, Recipe, resolve
+from shipped import shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "accelerate_configs").glob("*.yaml"))
-RECIPES = available_recipes()
+RECIPES = shipped_recipes()  # ours, not a user's own recipes beside them
 PLANNED = re.compile(r"python -m finetune\.plan --recipe (\S+) --gpus (\d+) --gpu-mem (\S+?)\)")
 TOTAL = re.compile(r"= total ([0-9.]+) GiB")
 OFFLOADED = re.compile(r"offloaded to CPU ([0-9.]+) GiB")
@@ -33,6 +35,21 @@ def test_catalog_is_there():
     for name in ("llama7b_zero3", "llama7b_fsdp", "llama7b_zero2", "llama7b_zero3_offload", "llama7b_fsdp_offload",
                  "llama8b_lora_fsdp", "llama70b_lora_zero3_offload", "mistral7b_zero3", "qwen7b_fsdp"):
         assert name in RECIPES
+
+
+def test_a_users_recipes_beside_ours_are_not_judged(tmp_path):
+    """A user's recipes/my_kto.py (untracked, as the README's first recipes are saved) is not one of the
+    shipped recipes these tests check; outside a git checkout every recipe file is."""
+    import subprocess
+
+    (tmp_path / "recipes").mkdir()
+    for name in ("__init__", "ours", "my_kto"):
+        (tmp_path / "recipes" / f"{name}.py").write_text("")
+    assert shipped_recipes.__wrapped__(tmp_path) == ["my_kto", "ours"]  # no checkout: every file
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "recipes/ours.py", "recipes/__init__.py"], cwd=tmp_path, check=True)
+    assert shipped_recipes.__wrapped__(tmp_path) == ["ours"]
+    assert "tiny" in RECIPES and not [n for n in RECIPES if n.startswith("my_")]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -147,11 +164,18 @@ def _launcher_env(path: Path) -> dict:
     return prepare_multi_gpu_env(args)
 
 
+@functools.cache
+def resolved(name: str) -> Recipe:
+    """resolve(name, []) once per session: check_launcher only reads the recipe, and resolving the whole
+    catalog again for each launcher config cost 13 CPU-seconds a config."""
+    return resolve(name, [])
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_launcher_config_agrees_with_every_recipe(path):
     env = _launcher_env(path)
     for name in RECIPES:
-        check_launcher(resolve(name, []), env)
+        check_launcher(resolved(name), env)
 
 
 def test_slurm_script_is_valid_bash_and_resumes():

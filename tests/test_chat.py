@@ -85,7 +85,8 @@ def test_chat_verifies_a_checkpoints_checksums_as_export_does(tmp_path, capsys):
     line = one_error_line(err)
     assert code == 2 and out == "", err
     assert line == (f"error: checkpoint {ckpt} is damaged: model.safetensors does not match the xxh3_128 checksum in "
-                    "its manifest.json; nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+                    f"its manifest.json; nothing was deleted; to continue from the newest intact checkpoint before it, move "
+                    f"it out of the way (mv {ckpt} {tmp_path / 'damaged-step_000000004'}) and --resume auto")
     capsys.readouterr()
     assert export_main([str(ckpt), str(tmp_path / "out")]) == 2
     assert one_error_line(capsys.readouterr().err) == line

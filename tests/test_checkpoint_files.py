@@ -105,6 +105,45 @@ def test_resume_auto_with_no_readable_manifest_refuses_rather_than_start_over(tm
     assert "step_000000004, step_000000008" in str(e.value)
 
 
+def test_the_advice_for_a_damaged_checkpoint_works_as_typed(tmp_path):
+    """The damaged newest checkpoint's advice was `--resume PATH` of an earlier one, which check_lineage refuses
+    while the damaged one (newer) is in checkpoints/. Now it says to move it out of the way and --resume auto:
+    done as written, the run continues from the checkpoint before it."""
+    import shlex
+    import shutil
+
+    from finetune.checkpointing.resume import check_start
+
+    root = tmp_path / "checkpoints"
+    make_checkpoint(root / "step_000000004", step=4)
+    damaged = make_checkpoint(root / "step_000000008", step=8)
+    (damaged / "pytorch_model" / "shard_1.distcp").write_bytes(b"cut")
+    with pytest.raises(RecipeError) as e:
+        find_resume_point("auto", tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"checkpoint {damaged} is damaged: pytorch_model/shard_1.distcp has 3 bytes")
+    assert "\n" not in message and "--resume PATH" not in message
+    mv = shlex.split(message[message.index("(mv ") + 1:message.index(") and --resume auto")])
+    assert mv[:2] == ["mv", str(damaged)] and message.endswith("and --resume auto")
+    shutil.move(mv[1], mv[2])
+    check_start("auto", str(tmp_path))
+    assert find_resume_point("auto", tmp_path).step == 4
+    check_start(str(root / "step_000000004"), str(tmp_path))  # and by its path: nothing newer is left
+    assert (root / "damaged-step_000000008" / MANIFEST).is_file(), "moved, not deleted"
+
+
+def test_what_a_stopped_run_leaves_is_said_as_it_is(tmp_path):
+    """A reward function failing before the first checkpoint said "its last checkpoint is intact": there was none.
+    Now the line names the newest checkpoint, or says there is none yet."""
+    from finetune.checkpointing.resume import kept_checkpoint
+
+    assert kept_checkpoint(tmp_path) == "no checkpoint had been saved yet (--resume auto starts it again)"
+    make_checkpoint(tmp_path / "checkpoints" / "step_000000002", step=2)
+    make_checkpoint(tmp_path / "checkpoints" / "step_000000004", step=4)
+    (tmp_path / "checkpoints" / ".step_000000006.partial").mkdir()
+    assert kept_checkpoint(tmp_path) == "its newest checkpoint, step_000000004, is intact"
+
+
 # ---------------------------------------------------------------- checksums
 
 

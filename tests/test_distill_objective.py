@@ -226,3 +226,18 @@ def test_a_missing_teacher_is_one_line_before_the_models_load(tmp_path):
     context = types.SimpleNamespace(recipe=objective.recipe, tokenizer=None, config=None)
     with pytest.raises(RecipeError, match=r"teacher_model=.*final: no such directory; .*run it first"):
         objective.before_model(context)
+
+
+def test_a_teacher_that_is_the_student_is_said(tmp_path, monkeypatch):
+    """Distilling a model into itself: the divergence and its gradient start at 0, so the student learns
+    nothing; one line says so (before_model logs it on the main process)."""
+    from finetune.training.objectives.distill import same_model
+
+    line = same_model(Recipe(objective="distill", model="builtin:tiny-llama", teacher_model="builtin:tiny-llama"))
+    assert line.startswith("teacher_model=builtin:tiny-llama is the student's own model (model=builtin:tiny-llama)")
+    assert "has nothing to learn from its copy" in line and "\n" not in line
+    (tmp_path / "final").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert same_model(Recipe(objective="distill", model="final", teacher_model=str(tmp_path / "final")))
+    assert same_model(Recipe(objective="distill", model="builtin:tiny-llama", teacher_model="final")) is None
+    assert same_model(Recipe(objective="distill", model="org/a", teacher_model="org/b")) is None

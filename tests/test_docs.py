@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from shipped import shipped_recipes
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -43,10 +44,6 @@ def readme_recipes() -> dict[str, str]:
     """The recipes the README writes out (`# recipes/NAME.py` first), by name."""
     return {m.group(1): m.group(0) for block in FENCE.finditer((REPO / "README.md").read_text())
             for m in [re.match(r"# recipes/(\w+)\.py\n.*", block.group(1), re.S)] if m}
-
-
-def shipped_recipes() -> list[str]:
-    return sorted(p.stem for p in (REPO / "recipes").glob("*.py") if p.stem != "__init__")
 
 
 def commands(page: Path) -> list[tuple[int, list[str]]]:
@@ -160,24 +157,80 @@ def test_the_links_lead_to_pages_that_exist():
     assert not broken, broken
 
 
+def readme_section(title: str) -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
+
+
 def test_the_readme_is_a_front_door():
-    """Read in about five minutes: the two commands, three first recipes, where to read more."""
+    """Read in about five minutes: the two commands, a check of the set-up, a first recipe per objective,
+    what a GPU node's user types first, where to read more."""
     text = (REPO / "README.md").read_text()
     assert len(text.splitlines()) <= 150
     assert "bash scripts/setup.sh && .venv/bin/finetune train tiny --num_processes 2" in text
-    assert "bash .ci/run" in text and "source .venv/bin/activate" in text
+    assert "bash .ci/run" in text
     assert sorted(readme_recipes()) == ["my_distill", "my_dpo", "my_grpo", "my_kto", "my_sft"]
+    check = readme_section("Check your set-up")
+    assert "source .venv/bin/activate" in check and 'python -m pytest -m "not distributed"' in check
+    gpu = readme_section("On a GPU node")
+    launch = "accelerate launch --config_file accelerate_configs/multi_gpu_8.yaml finetune/run.py --recipe llama7b_zero3"
+    assert (REPO / "accelerate_configs" / "multi_gpu_8.yaml").is_file()
+    assert f"{launch}\n" in gpu and f"{launch} --resume auto\n" in gpu and "finetune train llama7b_zero3" in gpu
+    objectives = readme_section("Where to read more").split("- Objectives, a page each:\n")[1].split("\n- ")[0]
+    assert all(line.startswith("  - [") for line in objectives.strip("\n").splitlines()), objectives
+
+
+# Where a page may write the launcher's own commands (`accelerate launch ... finetune/run.py`, `python
+# finetune/run.py`, `python -m finetune.plan|data|export`) instead of the docs' idiom (`finetune train|plan|
+# data|export`): recipes.md names them once, the README's "On a GPU node" shows them, layout.md maps the
+# entry points, and the benchmark pages record the commands their harness ran.
+OTHER_IDIOM = re.compile(r"accelerate launch [^`\n]*finetune/run\.py|python finetune/run\.py --recipe|"
+                         r"python -m finetune\.(plan|data|export)\b")
+NAMES_THE_LAUNCHER = {"recipes.md", "layout.md", "benchmarks.md", "benchmarks-throughput-3-rounds.md"}
+
+
+def test_one_idiom_across_the_readme_and_docs():
+    found = []
+    for page in PAGES:
+        if page.name in NAMES_THE_LAUNCHER:
+            continue
+        text = page.read_text()
+        if page.name == "README.md":
+            text = text.replace(readme_section("On a GPU node"), "")
+        found += [f"{page.name}: {line.strip()}" for line in text.splitlines() if OTHER_IDIOM.search(line)]
+    assert not found, "write these as finetune train|plan|data|export:\n" + "\n".join(found)
+    named = (REPO / "docs" / "recipes.md").read_text()
+    assert "accelerate launch --config_file" in named and "python -m finetune.plan|data|export" in named
+
+
+@pytest.fixture
+def readme_runs(tmp_path, monkeypatch):
+    """A directory as the README's commands leave it, the working directory of the test: runs/tiny/final
+    (the first command's model) and runs/my_sft/final (the SFT recipe's), which the README's preference
+    and distillation recipes start from (the builtin tiny model's files stand in for both)."""
+    import shutil
+
+    from finetune.assets import tiny_model_dir
+
+    for run in ("tiny", "my_sft"):
+        shutil.copytree(tiny_model_dir(), tmp_path / "runs" / run / "final")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 @pytest.mark.parametrize("name", ["my_sft", "my_dpo", "my_kto", "my_distill", "my_grpo"])
-def test_the_readmes_recipes_load_validate_and_dry_run(name, tmp_path):
+def test_the_readmes_recipes_load_validate_and_dry_run(name, readme_runs):
     """Each of the README's recipes, saved as a user saves it: at most ten lines of recipe below its
     imports (the GRPO one with its reward function), loaded and validated, and a dry run of it (the data
-    prepared, the plan printed) as `finetune train NAME --dry-run` does."""
+    prepared, the plan printed) as `finetune train NAME --dry-run` does, where the README's earlier
+    commands left their runs."""
     from in_process import run_main
 
     from finetune.recipe import load_recipe_module, validate
 
+    tmp_path = readme_runs
     source = readme_recipes()[name]
     body = [line for line in source.splitlines()[1:] if line.strip() and not line.startswith(("from ", "import "))]
     assert len(body) <= 10, body
@@ -191,7 +244,27 @@ def test_the_readmes_recipes_load_validate_and_dry_run(name, tmp_path):
             [1.0, 0.25, 0.0]
     code, out, err = run_main(["--recipe", str(path), "--dry-run", f"output_dir={tmp_path / 'out'}"])
     assert code == 0, err
-    assert f"{recipe.strategy} on 1 " in out
+    assert f"{recipe.strategy} on 1 " in out and f"data dataset={recipe.dataset}: " in out
+    assert recipe.eval_at_start, "a first recipe shows where its metrics start: eval_at_start=True (step 0)"
+
+
+def test_the_readmes_preference_recipes_start_from_its_sft_run():
+    """KTO and DPO on the untrained builtin model move every metric and answer noise ("he he he", issue 52):
+    the README's start from its SFT recipe's final/, and the README, kto.md and preference-tuning.md say
+    that they need a model that already answers."""
+    from finetune.recipe import Recipe
+
+    def recipe(name):
+        scope = {}
+        exec(readme_recipes()[name], scope)
+        return scope["recipe"]
+
+    sft = recipe("my_sft")
+    assert sft.objective == "sft" and sft.model == Recipe().model
+    for name in ("my_dpo", "my_kto"):
+        assert recipe(name).model == f"{sft.output_dir}/final", name
+    for page in ("README.md", "docs/kto.md", "docs/preference-tuning.md"):
+        assert "a model that already answers" in " ".join((REPO / page).read_text().split()), page
 
 
 def output_dir_of(words: list[str]) -> str | None:

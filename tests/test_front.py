@@ -149,6 +149,53 @@ def test_config_and_tokenized_data_are_checked_before_the_launch(args, message, 
     assert not (tmp_path / "out").exists()
 
 
+def teacher_dirs(root: Path) -> dict:
+    """A reward model's final/ (its config: LlamaForSequenceClassification, one label; the student's tokenizer)
+    and a directory whose config.json is not JSON."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from finetune.assets import resolve_model
+    from finetune.model import reward_config
+
+    student = resolve_model("builtin:tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    reward = root / "reward" / "final"
+    reward_config(AutoConfig.from_pretrained(student), tokenizer.pad_token_id).save_pretrained(reward)
+    tokenizer.save_pretrained(reward)
+    garbled = root / "garbled"
+    garbled.mkdir()
+    (garbled / "config.json").write_text("{not json")
+    return {"REWARD": str(reward), "GARBLED": str(garbled)}
+
+
+@pytest.mark.parametrize("teacher,message", [
+    ("builtin:nosuch", "error: teacher_model=builtin:nosuch: unknown builtin; available: builtin:tiny-llama"),
+    ("REWARD", "error: teacher_model=REWARD: it is a LlamaForSequenceClassification, a reward model (one score per "
+               "row): distillation learns the teacher's next-token distribution"),
+    ("GARBLED", "error: teacher_model=GARBLED: cannot read its config"),
+], ids=["unknown-builtin", "reward-model", "unreadable"])
+def test_a_teacher_that_cannot_teach_is_found_before_the_launch(teacher, message, tmp_path, capsys, monkeypatch):
+    """The teacher was checked by each rank after its start (an AssertionError traceback for an unknown
+    builtin, an IndexError in the divergence for a reward model, 45 s in for an unreadable one): the front
+    checks it before launching anything, in one line."""
+    from finetune.commands import cli
+
+    def launched(cmd, output_dir):
+        raise AssertionError(f"launched {cmd}")
+
+    teacher = teacher_dirs(tmp_path).get(teacher, teacher)
+    monkeypatch.setattr(cli, "supervise", launched)
+    capsys.readouterr()
+    code = cli.main(["train", "tiny_distill", f"teacher_model={teacher}", "--num_processes", "2",
+                     f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith(message.replace("REWARD", teacher).replace("GARBLED", teacher)), err
+    assert "Traceback" not in err and "finetune: " not in err
+    assert not (tmp_path / "out").exists()
+
+
 SIGNAL_FRONT = """
 import os, signal, sys, time
 time.sleep(float(sys.argv[1]))
@@ -166,3 +213,16 @@ def test_a_sigterm_as_the_launch_starts_exits_143(delay, tmp_path):
                   f"sys.exit(supervise([sys.executable, '-c', {SIGNAL_FRONT!r}, '{delay}'], Path({str(tmp_path)!r})))")
     proc = subprocess.run([sys.executable, "-c", front_code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
+
+
+def test_finetune_train_help_lists_every_recipe_key(capsys):
+    """The docs' idiom is `finetune train`: its --help lists the keys (python finetune/run.py --help did)."""
+    from finetune.commands.cli import main
+    from finetune.recipe import FIELDS
+
+    assert main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: finetune train RECIPE") and "recipe keys (override with key=value):" in out
+    listed = {line.split("=", 1)[0].strip() for line in out.splitlines() if line.startswith("  ") and "=" in line}
+    assert set(FIELDS) <= listed, set(FIELDS) - listed
+    assert main(["train"]) == 2 and "finetune train --help lists them" in capsys.readouterr().out

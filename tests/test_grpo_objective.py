@@ -843,3 +843,58 @@ def test_the_entropy_bonus_unit_is_the_loss_count_per_micro_batch():
     assert masked.count_per_micro_batch(tokens, stopped) == 11 / 2
     talk = [{"tool_mask": [1] * (len(t) - 1) + [0]} for t in tokens]  # with tools: the tokens the model drew
     assert dapo.count_per_micro_batch(tokens, stopped, talk) == (16 - len(tokens)) / 2
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"loss_type": "dapo", "sapo_temperature_pos": 2.0},
+     "sapo_temperature_pos=2 applies to loss_type=sapo only (loss_type=dapo has no use for it); set loss_type=sapo"),
+    ({"loss_type": "grpo", "vespo_lambda_neg": 5.0}, "vespo_lambda_neg=5 applies to loss_type=vespo only"),
+    ({"loss_type": "sapo", "vespo_k_pos": 1.0}, "vespo_k_pos=1 applies to loss_type=vespo only"),
+    ({"loss_type": "vespo", "vespo_k_neg": -1.0}, "vespo_k_neg=-1: must be >= 0; the weight phi(w)"),
+    ({"loss_type": "vespo", "vespo_lambda_pos": 0.0}, "vespo_lambda_pos=0: must be > 0"),
+    ({"loss_type": "vespo", "vespo_k_pos": 10.0, "vespo_lambda_pos": 1.0},
+     "vespo_k_pos=10 with vespo_lambda_pos=1: the weight phi(w) = exp(lambda + k log w - lambda w) peaks at 1.2e+06 "
+     "(at the ratio w = 10)"),
+    ({"loss_type": "vespo", "vespo_k_neg": 0.0, "vespo_lambda_neg": 40.0},
+     "vespo_k_neg=0 with vespo_lambda_neg=40: the weight phi(w) = exp(lambda + k log w - lambda w) peaks at 2.4e+17 "
+     "(at the ratio w = 1e-08)"),
+])
+def test_loss_type_keys_and_vespo_weights_that_blow_up_are_refused(changes, message):
+    """sapo's and vespo's keys were accepted and ignored under the other loss types; vespo's weight could peak
+    at millions (one sequence outweighing a step) and the run stop on a NaN blamed on the learning rate."""
+    from finetune.recipe import RecipeError, validate
+
+    with pytest.raises(RecipeError) as e:
+        validate(Recipe(objective="grpo", **REWARD, dataset_format="prompt", num_generations=2, global_batch_size=4,
+                        micro_batch_size=4, **changes))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value), str(e.value)
+
+
+def test_vespo_s_peak_is_the_weight_s_largest_value():
+    """The bound's peak against rl_losses.gamma_weights itself, over the sequence ratios it is computed for."""
+    from finetune.objective_rules.grpo import vespo_peak, vespo_problem
+    from finetune.rl_losses import gamma_weights
+
+    log_w = torch.linspace(math.log(1e-8), 20.0, 200001).unsqueeze(1)
+    for k, lam in ((2.0, 3.0), (3.0, 2.0), (10.0, 1.0), (5.0, 5.0), (0.5, 4.0)):
+        phi = gamma_weights(torch.ones(len(log_w), 1), log_w, torch.ones(len(log_w), 1), k_pos=k, lambda_pos=lam)
+        assert math.log(phi.double().max().item()) == pytest.approx(vespo_peak(k, lam)[0], abs=1e-3)
+    assert all(vespo_problem(k, lam, side) is None for k, lam, side in ((2.0, 3.0, "pos"), (3.0, 2.0, "neg"),
+                                                                           (5.0, 5.0, "pos"), (20.0, 10.0, "neg")))
+
+
+def test_a_loss_that_stops_being_finite_names_the_loss_s_own_settings(tmp_path):
+    """A NaN stop blamed the learning rate or the data; where entropy_coef, sapo's or vespo's settings were
+    changed from TRL's defaults it names them first."""
+    from finetune.checkpointing.checkpoint import LoopState
+    from finetune.training.loop import NonFiniteError, skip_nonfinite
+
+    r = Recipe(objective="grpo", loss_type="vespo", vespo_k_pos=4.0, vespo_lambda_pos=4.0, entropy_coef=0.5, **REWARD)
+    with pytest.raises(NonFiniteError) as e:
+        skip_nonfinite(LoopState(step=2), math.nan, 1.0, r, tmp_path)
+    assert ("stopped without saving (entropy_coef=0.5 (TRL's default: 0) and vespo_k_pos=4 (TRL's default: 2) and "
+            "vespo_lambda_pos=4 (TRL's default: 3) enter this loss and can make it blow up: try the default first; "
+            "no checkpoint had been saved") in str(e.value)
+    with pytest.raises(NonFiniteError) as e:
+        skip_nonfinite(LoopState(step=2), math.nan, 1.0, Recipe(objective="grpo", **REWARD), tmp_path)
+    assert "default first" not in str(e.value) and "(no checkpoint had been saved" in str(e.value)

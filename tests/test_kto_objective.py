@@ -14,7 +14,7 @@ import torch
 import family_assets as FA
 from finetune import data as D
 from finetune.data.preference import encode_pairs
-from finetune.data.unpaired import encode_unpaired, kl_partners, kl_row, with_kl_rows
+from finetune.data.unpaired import encode_unpaired, kl_partners, kl_row, kl_rows, with_kl_rows
 from finetune.loss import sequence_logps
 from finetune.recipe import Recipe, RecipeError, validate
 from finetune.training.objectives import KTO, objective_for
@@ -100,6 +100,83 @@ def test_batch_layout_rows_then_their_kl_rows_and_placeholders(tiny_tokenizer):
     assert kl == row2["input_ids"][:prompt] + answer
     assert (batch["labels"][[2, n + 2]] == D.IGNORE).all()  # the placeholder trains nothing, nor its KL row
     assert real_pairs(batch).tolist() == [True, True, False]
+
+
+def completion_of(row: dict) -> list[int]:
+    return row["input_ids"][D.prompt_length(row["input_ids"], row["labels"]):]
+
+
+def test_training_kl_rows_are_made_from_each_micro_batch_as_fetched(tiny_tokenizer):
+    """The shuffled training split carries no KL rows: each micro-batch, in the order it is fetched, pairs
+    each row's prompt with the completion of the row before it (the first row's with the last's), TRL's
+    rotation within the batch its KTOTrainer reads; cut at kl_max_len."""
+    import datasets
+
+    ds = datasets.Dataset.from_dict(encode_unpaired(tiny_rows(), tiny_tokenizer, 64))
+    order = [3, 0, 4]
+    batch = D.fetch(ds, order, tiny_tokenizer.pad_token_id, False, kl_max_len=64)
+    n = len(order)
+    for j, (row, partner) in enumerate(zip(order, [4, 3, 0])):
+        mine, other = ds[row], ds[partner]
+        prompt = D.prompt_length(mine["input_ids"], mine["labels"])
+        want = mine["input_ids"][:prompt] + completion_of(other)
+        assert batch["input_ids"][n + j, :len(want)].tolist() == want
+        trained = batch["labels"][n + j][batch["labels"][n + j] != D.IGNORE].tolist()
+        assert trained == completion_of(other)
+    assert kl_rows([ds[i] for i in order], 64) == [(batch["input_ids"][n + j][batch["attention_mask"][n + j] == 1]
+                                                     .tolist(), batch["labels"][n + j][batch["attention_mask"][n + j]
+                                                                                     == 1].tolist()) for j in range(n)]
+    short = D.fetch(ds, order, tiny_tokenizer.pad_token_id, False, kl_max_len=12)
+    assert short["attention_mask"][n:].sum(-1).max() <= 12 < batch["attention_mask"][n:].sum(-1).max()
+
+
+def test_the_micro_batches_and_so_the_kl_rows_are_the_same_on_any_process_count():
+    """A step's micro-batches are the same rows in the same order whether one process accumulates them or
+    several processes take one each (BatchSchedule), so the KL rows made from them are too (2 processes =
+    1), and as accelerate shards a sequential batch sampler (micro-batch a of rank p: batch a x world + p)."""
+    one, two = D.BatchSchedule(100, 4, 2, 1, 42), D.BatchSchedule(100, 4, 1, 2, 42)
+    for step in range(one.steps_per_epoch + 3):
+        assert one.rows(step, 0) == two.rows(step, 0) + two.rows(step, 1)
+
+
+def test_rollout_fetches_the_step_and_reads_the_precomputed_epoch(tiny_tokenizer):
+    """kto's rollout makes the step's micro-batches from the schedule (the loop fetches none), their KL rows
+    from each, and where the reference was precomputed, the rows' and KL rows' values of the step's epoch;
+    the step's KL is the mean over its rows of the policy's minus those, clamped at 0."""
+    import types
+
+    import datasets
+    from finetune.assets import tiny_model_dir
+    from finetune import sequence_parallel as SP
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir()).float()
+    ds = datasets.Dataset.from_dict(encode_unpaired(tiny_rows() * 2, tiny_tokenizer, 64))
+    schedule = D.BatchSchedule(len(ds), 2, 2, 1, 7)
+    recipe = Recipe(objective="kto", micro_batch_size=2, max_seq_len=64, loss_impl="full")
+    objective = KTO(recipe)
+    assert objective.makes_batches and not KTO(Recipe(objective="kto", kto_loss="apo_zero_unpaired")).makes_batches
+    objective.to_device = lambda batch, device: batch
+    objective.epoch_reference = [torch.arange(20, dtype=torch.float32).view(10, 2) - 50 - 100 * e for e in range(3)]
+    run = types.SimpleNamespace(schedule=schedule, recipe=recipe, model=model, datasets=types.SimpleNamespace(train=ds),
+                                tokenizer=tiny_tokenizer, accelerator=types.SimpleNamespace(device=torch.device("cpu")),
+                                parallel=types.SimpleNamespace(sp=SP.Layout()), reduce_sum=lambda t: t)
+    step = schedule.steps_per_epoch + 1  # epoch 1's second step
+    batches = objective.rollout(run, step, [])
+    rows = schedule.rows(step, 0)
+    assert len(batches) == 2
+    policy, reference = [], []
+    for batch, part in zip(batches, rows):
+        want = D.fetch(ds, part, tiny_tokenizer.pad_token_id, False, kl_max_len=64)
+        assert torch.equal(batch["input_ids"], want["input_ids"])
+        table = objective.epoch_reference[1]
+        assert batch["ref_logps"].tolist() == [table[i, 0].item() for i in part] + [table[i, 1].item() for i in part]
+        with torch.no_grad():
+            policy += sequence_logps(model, half(batch, True), "full")[0].tolist()
+        reference += [table[i, 1].item() for i in part]
+    want = max(0.0, sum(p - r for p, r in zip(policy, reference)) / len(policy))
+    assert objective.kl.item() == pytest.approx(want, rel=1e-6) and want > 0
 
 
 def test_a_sequence_parallel_shard_keeps_both_halves_and_the_labels(tiny_tokenizer):
@@ -240,3 +317,75 @@ def test_a_resume_may_not_change_the_micro_batch_that_pairs_the_kl_rows(monkeypa
     assert changes(point, Recipe(objective="kto", kto_loss="apo_zero_unpaired", max_steps=12, micro_batch_size=8,
                                  global_batch_size=16)) == [
         "micro_batch_size: 4 -> 8 (the global batch is kept, accumulation is recomputed)"]
+
+
+def test_conversational_rows_without_a_chat_template_are_called_unpaired_rows(tiny_tokenizer):
+    """The refusal spoke of "preference rows" for KTO's rows; it names them as they are."""
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = None
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}],
+             "label": True}]
+    with pytest.raises(D.DataError) as e:
+        encode_unpaired(rows, tokenizer, 64)
+    assert str(e.value).startswith("unpaired rows (objective=kto) of messages need a tokenizer with a chat_template; "
+                                   "set chat_template=...")
+    with pytest.raises(D.DataError, match="^preference rows of messages need a tokenizer with a chat_template"):
+        encode_pairs([{"prompt": rows[0]["prompt"], "chosen": rows[0]["completion"],
+                       "rejected": rows[0]["completion"]}], tokenizer, 64)
+
+
+@pytest.mark.parametrize("labels,side", [([True] * 5, "desirable (label true)"),
+                                         ([False] * 5, "undesirable (label false)"), ([True, False] * 3, None)])
+def test_data_with_one_label_only_is_said(labels, side, tiny_tokenizer, caplog):
+    """Every row true (or false) trained with `margin nan` and no word. KTO's loss takes each row alone
+    against the KL, so one side trains (TRL too); the run says, once, what that does."""
+    import types
+
+    import datasets
+
+    rows = [r | {"label": label} for r, label in zip(tiny_rows() * 2, labels)]
+    ds = datasets.Dataset.from_dict(encode_unpaired(rows, tiny_tokenizer, 64))
+    objective = KTO(Recipe(objective="kto", micro_batch_size=2))
+    context = types.SimpleNamespace(recipe=objective.recipe, datasets=types.SimpleNamespace(train=ds, eval=None),
+                                    to_device=None, schedule=None, total_steps=0,
+                                    accelerator=types.SimpleNamespace(is_main_process=True))
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        objective.before_model(context)
+    said = [r.getMessage() for r in caplog.records if "training rows is labelled" in r.getMessage()]
+    if side is None:
+        assert not said
+    else:
+        assert len(said) == 1 and said[0].startswith(f"every one of the {len(labels)} training rows is labelled {side}")
+        assert said[0].endswith("check which field they are read from")
+
+
+def test_what_a_user_sees_of_kto_data_labels_in_the_dry_run_show_and_summary(tmp_path, capsys):
+    """Thumbs-up/down rows (the label a field `thumbs`, mapped on the command line): the dry run says each
+    source's rows as stored and their label balance without tokenizing; `finetune data --show` says each
+    row's label, and its summary the labels of the train and eval rows (issue 52)."""
+    from in_process import run_main
+
+    from finetune.commands import data as data_command
+
+    rows = [{"prompt": f"Copy: {w}\nAnswer: ", "completion": w if k % 4 else w.upper(), "thumbs": bool(k % 4)}
+            for k, w in enumerate(f"{a}{b}" for a in "abcdefgh" for b in "ijkl")]  # 24 of 32 desirable
+    path = tmp_path / "thumbs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--recipe", "tiny_kto", f"dataset={path}", "dataset_format=auto", "columns=label:thumbs",
+            "eval_fraction=0.25", f"output_dir={tmp_path / 'out'}"]
+    code, out, err = run_main(args + ["--dry-run"])
+    assert code == 0, err
+    assert f"data dataset={path}: 32 unpaired rows as stored; labels: 24 desirable (true), 8 undesirable (false)\n" \
+           "data eval: 25% of the rows held out (eval_fraction=0.25)\n" in out
+    assert data_command.main(args[:-1] + ["--show", "3", "--color", "never"]) == 0
+    shown = capsys.readouterr().out
+    heads = [line for line in shown.splitlines() if line.startswith("--- row")]
+    assert len(heads) == 3 and all(h.endswith(("; label true (desirable)", "; label false (undesirable)"))
+                                   for h in heads), heads
+    train, = [line for line in shown.splitlines() if line.startswith("train: ")]
+    evals, = [line for line in shown.splitlines() if line.startswith("eval: ")]
+    good = [int(line.split(" rows (")[1].split(" desirable")[0]) for line in (train, evals)]
+    assert train.startswith("train: 24 rows (") and evals.startswith("eval: 8 rows (") and sum(good) == 24, shown

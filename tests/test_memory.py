@@ -662,7 +662,7 @@ def test_grpo_plan_table_and_dry_run_report():
     r = _grpo()
     table = MT.plan_table(r, 8, MT.parse_size("80GB"), name="llama8b_grpo_zero3")
     assert "GRPO dapo: 64 completions per GPU each rollout (num_generations=8), up to 512 prompt + 512 completion " \
-           "tokens, reference: none (beta=0)" in table
+           "tokens, reference: none (beta=0)" in " ".join(table.split())  # in lines a terminal shows whole
     header = next(line for line in table.splitlines() if line.startswith("per GPU"))
     for column in ("log-probs", "total", "gathered", "kv cache", "prefill", "rollout"):
         assert column in header
@@ -716,3 +716,28 @@ def test_grpo_longest_completion_fits_and_one_step_more_does_not():
         assert estimate(longest).fits(budget, M.HEADROOM) and not estimate(longest + n).fits(budget, M.HEADROOM)
         assert estimate(longest + n).rollout_peak > estimate(longest).rollout_peak
     assert "longest max_completion_len after a 512-token prompt" in MT.max_seq_len_table(recipe, 8, budget)
+
+
+@pytest.mark.parametrize("name, reference", [
+    ("tiny_kto", "reference: the KTO reference model"), ("tiny_dpo", "reference: the DPO reference model"),
+    ("llama8b_kto_lora_fsdp", None), ("llama8b_grpo_zero3", None), ("tiny_distill", None)])
+def test_the_planner_reads_in_a_terminal_and_names_what_it_counts(name, reference):
+    """Issue 52: the recipe line ran to 300 characters, a KTO run's reference was "the DPO reference model",
+    `buffers` was not explained, and nothing said that --gpu-mem tells which setups fit."""
+    recipe = resolve(name, [])
+    without = MT.plan_table(recipe, 4, name=name).splitlines()
+    rule = next(k for k, line in enumerate(without) if set(line) == {"-"})
+    end = next(k for k, line in enumerate(without) if line.startswith("* the recipe's own setup"))
+    prose = without[:rule - 1] + without[end:]  # all but the table
+    assert max(map(len, prose)) <= 120, max(prose, key=len)
+    assert without[0].startswith(f"recipe {name}: ") and without[1].startswith("  ") and without[2].startswith("  ")
+    text = "\n".join(without)
+    if reference:
+        assert reference in text and "DPO" not in text.replace(reference if "DPO" in reference else "-", "")
+    else:  # LoRA (the adapter disabled), or GRPO's beta=0: no reference column, no note of one
+        assert "reference model" not in text
+    assert "buffers: what the strategy holds beside the model states" in text
+    assert without[-2] == "which of these fit, and the one it would run: add --gpu-mem, one GPU's memory (--gpus 4 " \
+                          "--gpu-mem 80GB)"
+    with_budget = MT.plan_table(recipe, 4, MT.parse_size("80GB"), name=name)
+    assert "add --gpu-mem" not in with_budget and "fits" in with_budget

@@ -499,3 +499,55 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model(mixture_recipe, overr
             signal.signal(s, h)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and expected in err[0], err
+
+
+# ---------------------------------------------------------------- columns, the recipe key (one dataset)
+
+
+def test_columns_maps_one_datasets_fields_and_the_advice_works_as_typed(tmp_path, tiny_tokenizer):
+    """Thumbs-up/down rows whose label is a field `thumbs` (issue 52): the line that stops the run names the
+    mapping, and that mapping typed on the command line (columns=label:thumbs) trains them, with the labels
+    read from thumbs, as the same mapping in a recipe file (columns={...}) and on a DataSource do."""
+    import re
+
+    from finetune.checkpointing.manifest import fingerprint
+
+    rows = [{"prompt": f"Copy: ab{i}\nAnswer: ", "completion": "AB" if i % 2 else "ab", "thumbs": i % 2 == 1}
+            for i in range(20)]
+    path = write_jsonl(tmp_path / "thumbs.jsonl", rows)
+    for fmt in ("unpaired", "auto"):  # the format given, and detected (then the rows look like prompt_completion)
+        recipe = validate(apply_overrides(Recipe(), ["objective=kto", f"dataset={path}", f"dataset_format={fmt}",
+                                                     "micro_batch_size=2", "eval_fraction=0.1"]))
+        message = one_line(D.prevalidate_recipe, recipe, error=DataError)
+        assert re.findall(r"columns=\S+", message) == ["columns=label:thumbs"], message
+        typed = validate(apply_overrides(recipe, ["columns=label:thumbs"]))
+        assert typed.columns == {"label": "thumbs"}
+        D.prevalidate_recipe(typed)
+    data = D.build_datasets(typed, tiny_tokenizer)
+    assert sorted(list(data.train["desirable"]) + list(data.eval["desirable"])) == [0] * 10 + [1] * 10
+    in_file = validate(replace(recipe, columns={"label": "thumbs"}))
+    assert D.build_datasets(in_file, tiny_tokenizer).train["input_ids"][:] == data.train["input_ids"][:]
+    as_source = validate(replace(recipe, datasets=(DataSource(path=str(path), columns={"label": "thumbs"}),)))
+    assert D.build_datasets(as_source, tiny_tokenizer).train["input_ids"][:] == data.train["input_ids"][:]
+    assert fingerprint(typed)["columns"] == {"label": "thumbs"} and "columns" not in fingerprint(Recipe())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["columns=thumbs:label"], "columns maps 'thumbs', which no format has: the wrong way round? the format's field "
+                               "comes first (label:thumbs reads the dataset's field thumbs as label)"),
+    (["columns=answer:response"], "columns maps 'answer', which no format has; map one of messages, role,"),
+    (["columns=label"], "columns=label: expected field:field pairs, the format's field first"),
+    (["columns=label:"], "columns maps 'label' to '': both sides need a field name"),
+])
+def test_a_bad_columns_mapping_is_named(overrides, message):
+    assert one_line(lambda: validate(apply_overrides(Recipe(), overrides))).startswith(message)
+
+
+def test_columns_with_a_mixture_names_the_sources_key(tmp_path):
+    good = str(write_jsonl(tmp_path / "a.jsonl", alpaca(4)))
+    mixture = Recipe(datasets=(DataSource(path=good), DataSource(path=good)))
+    assert one_line(validate, replace(mixture, columns={"output": "answer"})) == (
+        "columns=output:answer maps the fields of dataset=..., but this recipe mixes 2 sources (datasets=...), each "
+        "with its own columns: set datasets.N.columns=output:answer for the source that needs it")
+    assert one_line(validate, replace(mixture, columns={"output": 3})).startswith("columns={'output': 3}: expected a dict")
+    validate(apply_overrides(mixture, [f"dataset={good}", "columns=output:output"]))  # one source again: taken

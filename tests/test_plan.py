@@ -246,6 +246,14 @@ def test_deepspeed_offload_params_only_has_no_optimizer_section():
 
 
 def test_deepspeed_offload_nvme_paths(tmp_path):
+    """The plan checks that DeepSpeed's async_io op can be built (libaio, a compiler, ninja) before it makes
+    an nvme config; where it cannot (scripts/setup.sh without --nvme), that check's own line is the skip's
+    reason. CI's setup has --nvme, so the test runs there."""
+    from finetune.plan import async_io_problem
+
+    problem = async_io_problem(cuda_available=False)
+    if problem:
+        pytest.skip(f"this machine cannot build DeepSpeed's async_io op: {problem} (bash scripts/setup.sh --nvme)")
     _, cfg = ds("strategy=zero3", "offload_optimizer=nvme", "offload_params=nvme", f"nvme_path={tmp_path}")
     z = cfg["zero_optimization"]
     assert z["offload_optimizer"] == {"device": "nvme", "pin_memory": False, "nvme_path": str(tmp_path)}
@@ -448,3 +456,20 @@ def test_the_planner_refuses_what_the_run_refuses(args, reason, capsys):
             raise RecipeError(config_problem(r, load_config(r)[1]))
     assert main(["--recipe", "tiny", "--gpu-mem", "80GB", "--gpus", "4", "sequence_parallel=2"]) == 0
     assert "the recipe's setup (zero3):" in capsys.readouterr().out
+
+
+def test_zero_on_cpu_builds_no_shared_memory_allreduce(monkeypatch):
+    """DeepSpeed's CPU communication builds its deepspeed_shm_comm op as it starts (TorchBackend.__init__ calls
+    build_shm_op: minutes of C++ the first time), for an allreduce training never calls; the zero strategies
+    replace that builder before their group starts. A DeepSpeed that renamed it fails here, not in a run."""
+    import importlib
+    import inspect
+
+    backend = importlib.import_module("deepspeed.comm.torch")
+
+    from finetune.strategy.zero import no_shared_memory_allreduce
+
+    assert "build_shm_op()" in inspect.getsource(backend.TorchBackend.__init__)
+    monkeypatch.setattr(backend, "build_shm_op", backend.build_shm_op)  # put back after the test
+    no_shared_memory_allreduce()
+    assert backend.build_shm_op() is None

@@ -162,6 +162,28 @@ def test_the_trainers_names_point_at_ours(key, suggestion):
     assert all(ours.split()[0] in FIELDS for ours in PEER_NAMES.values()) and not set(PEER_NAMES) & set(FIELDS)
 
 
+def test_a_recipe_files_unknown_key_is_named_as_the_command_line_names_it(tmp_path):
+    """Recipe(learning_rate=...) in a recipe file was a TypeError line without the hint the command line
+    gives: now the same hint, with the file's line; a misspelt DataSource field likewise."""
+    from finetune.recipe import load_recipe_module
+
+    path = tmp_path / "my_sft.py"
+    path.write_text("from finetune.recipe import DataSource, Recipe\n\nrecipe = Recipe(\n    learning_rate=1e-4)\n")
+    with pytest.raises(RecipeError) as e:
+        load_recipe_module(str(path))
+    assert str(e.value) == (f"recipe {path} line 3: unknown recipe key 'learning_rate' (the Trainer's and TRL's "
+                            "name); did you mean lr? (see finetune/recipe.py for all keys)")
+    assert str(e.value).endswith(error_of(["learning_rate=1e-4"]))
+    path.write_text("from finetune.recipe import DataSource, Recipe\nrecipe = Recipe(datasets=[DataSource('a.jsonl', "
+                    "colums={})])\n")
+    with pytest.raises(RecipeError, match=rf"^recipe {path} line 2: DataSource has no field 'colums'; did you mean "
+                                          "columns\\? \\(fields: path, format,"):
+        load_recipe_module(str(path))
+    path.write_text("from finetune.recipe import Recipe\nrecipe = Recipe(lr=len(3))\n")  # another TypeError: as was
+    with pytest.raises(RecipeError, match=r"failed to import: TypeError: object of type 'int' has no len\(\)"):
+        load_recipe_module(str(path))
+
+
 def test_override_without_equals():
     msg = error_of(["lr"])
     assert "'lr'" in msg and "key=value" in msg

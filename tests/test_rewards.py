@@ -192,7 +192,8 @@ def test_recipe_grpo_accepts_names_callables_and_command_line_lists():
 
 @pytest.mark.parametrize("changes, message", [
     ({"reward_funcs": ()}, "objective=grpo needs reward functions: reward_funcs=module:function"),
-    ({"reward_funcs": ("my_rewards:correct",)}, "reward_funcs=my_rewards:correct: module my_rewards cannot be imported"),
+    ({"reward_funcs": ("no_such_rewards_module:correct",)},  # not my_rewards, which a user may well have
+     "reward_funcs=no_such_rewards_module:correct: module no_such_rewards_module cannot be imported"),
     ({"reward_weights": (1.0, 2.0)}, "reward_weights=1.0,2.0: 2 weights for 1 reward functions"),
     ({"num_generations": 1}, "num_generations=1: a group needs at least 2 completions"),
     ({"micro_batch_size": 3}, "micro_batch_size=3 x grad_accum=1 completions per process do not split into whole "

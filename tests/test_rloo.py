@@ -114,7 +114,7 @@ def test_advantages_as_trl(beta, normalize, g):
     want, _ = trl_rloo_advantages(t, per_func, g, old, ref, mask)
     kl = ((old - ref) * mask).sum(-1)
     got, zero_std = rloo_advantages(per_func, torch.tensor([1.0, 0.5]), g, kl, beta, normalize)
-    assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    assert torch.equal(got, want), "TRL's float32 arithmetic, bit for bit"
     assert got[6] == 0 and got.abs().sum() > 0
     assert zero_std.float().mean().item() == t._metrics["train"]["frac_reward_zero_std"][0]
     if beta:
@@ -125,6 +125,57 @@ def test_a_group_of_equal_rewards_has_zero_advantages_and_std():
     per_func = torch.tensor([[1.0], [1.0], [0.0], [2.0]])
     advantages, zero_std = rloo_advantages(per_func, torch.tensor([1.0]), 2)
     assert advantages.tolist() == [0.0, 0.0, -2.0, 2.0] and zero_std.tolist() == [True, True, False, False]
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_groups_of_equal_rewards_keep_trl_s_rounding_and_its_clip_metrics(normalize):
+    """Groups whose completions all got the same (non-dyadic) reward: TRL's float32 leave-one-out leaves a few
+    ulps in their advantages (here +3e-8 in one group, and under normalize_advantages every group's), which
+    clip_ratio/high_mean counts by their sign where the ratio is past 1 + epsilon_high. Ours computes as TRL
+    does, so the advantages are TRL's bit for bit and so are the clip metrics; more exact arithmetic (float64)
+    gives these groups exactly 0 and counts other completions."""
+    per_func = torch.tensor([[0.1, 0.7]] * 4 + [[0.3, 0.9]] * 4 + [[1.0, 0.0], [0.0, 1.0], [0.2, 0.3], [0.9, 0.1]]
+                            + [[0.35, 0.15]] * 4)
+    weights = (1.0, 0.5)
+    want, _ = trl_rloo_advantages(trainer(0.0, normalize, weights=weights), per_func, 4, None, None, None)
+    got, zero_std = rloo_advantages(per_func, torch.tensor(weights), 4, None, 0.0, normalize)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert zero_std.tolist() == [True] * 8 + [False] * 4 + [True] * 4
+    assert (want[:4] != 0).all() and (want[:4] > 0).all(), "TRL's rounding leaves a positive advantage here"
+    exact = (per_func.double() * torch.tensor(weights, dtype=torch.float64)).sum(1).view(-1, 4)
+    exact = (exact - (exact.sum(1, keepdim=True) - exact) / 3).view(-1)
+    if normalize:
+        exact = (exact - exact.mean()) / (exact.std() + 1e-4)
+    assert (exact[:4] == 0).all() and (exact[12:] == 0).all(), "float64 leaves none"
+
+    logps = torch.randn(16, 5, generator=torch.Generator().manual_seed(3)) * 0.1 - 1.0
+    mask = torch.ones(16, 5)
+    old = logps - 0.1  # every sequence's ratio exp(0.5) = 1.65, past 1 + epsilon_high: clipped where A > 0
+    t = trainer(0.0, normalize, weights=weights)
+    trl_rloo_compute_loss(t, logps, torch.zeros(16, 5), {"completion_mask": mask, "old_logps": (old * mask).sum(1),
+                                                         "advantages": want})
+    settings = LossSettings(loss_type="rloo", epsilon=0.2, epsilon_high=0.28)
+    objective = GRPO(Recipe(objective="grpo", loss_type="rloo", epsilon=0.2, epsilon_high=0.28, **REWARD))
+
+    def clip_metrics(advantages):
+        sums = policy_loss(logps, advantages, mask, old_logps=old, entropies=torch.zeros(16, 5), settings=settings)[1]
+        values = dict(zip(objective.loss_metrics, objective.means(sums)))
+        return {k: v for k, v in values.items() if k.startswith("clip_ratio/")}
+
+    ours = clip_metrics(got)
+    theirs = {k: v[0] for k, v in t._metrics["train"].items() if k.startswith("clip_ratio/")}
+    assert ours == theirs and ours["clip_ratio/high_mean"] > 0
+    assert clip_metrics(exact.float())["clip_ratio/high_mean"] != theirs["clip_ratio/high_mean"]
+
+
+def test_huge_rewards_keep_their_normalized_advantages():
+    """Rewards near 1e30 under normalize_advantages: float32's squares overflow (TRL's advantages would all be
+    0, without a word); those are computed in float64 and keep their advantages."""
+    per_func = torch.tensor([[1e30], [3e30], [-1e30], [1e30]])
+    advantages, zero_std = rloo_advantages(per_func, torch.ones(1), 2, normalize=True)
+    small, _ = rloo_advantages(per_func / 1e30, torch.ones(1), 2, normalize=True)
+    assert advantages.dtype == torch.float32 and torch.allclose(advantages, small, rtol=1e-4)
+    assert advantages.abs().min() > 0.5 and not zero_std.any()
 
 
 @pytest.mark.parametrize("iterations", [1, 2])

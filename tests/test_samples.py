@@ -268,3 +268,20 @@ def test_eval_reads_stop_requests_between_batches():
     forwards.clear()
     assert evaluate(*args, stop=_StopAfter(2)) is None and len(forwards) == 2  # asked after the second batch
     assert model.training  # left as training expects it
+
+
+def test_kto_samples_take_desirable_rows_and_never_call_an_undesirable_completion_the_reference(tmp_path, tiny_tokenizer):
+    """An undesirable row's completion was shown as the sample's "reference" (issue 52): the desirable eval
+    rows come first, with their completions as references, then undesirable rows with none."""
+    from finetune.recipe import DataSource, Recipe
+
+    rows = [{"prompt": f"Copy: {w}\nAnswer: ", "completion": w if good else w.upper(), "label": good}
+            for w, good in (("ab", False), ("cd", True), ("ef", False), ("gh", True))]
+    path = tmp_path / "kto.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = Recipe(dataset=str(path), objective="kto", micro_batch_size=2, max_seq_len=64, eval_fraction=0.0)
+    ds = D.tokenize_dataset(D.load_source(DataSource(path=str(path))), "unpaired", tiny_tokenizer, recipe, "kto")
+    prompts = eval_prompts(ds, 3, tiny_tokenizer)
+    assert [(p.text.split("Copy: ")[1].split("\n")[0], p.reference) for p in prompts] == [
+        ("cd", "cd"), ("gh", "gh"), ("ab", "")]
+    assert [p.reference for p in eval_prompts(ds, 2, tiny_tokenizer, limit=2)] == ["cd", ""]  # eval_max_samples

@@ -3,8 +3,9 @@
 # first. Every phase records its result and the script goes on when something fails.
 #   1. recipes: every tiny recipe through `finetune train` at its own settings and mixed_precision=bf16 (a GPU
 #      user's precision; generation_compile stays auto: the compiled decode loop on a GPU): tiny, tiny_dpo,
-#      tiny_reward, tiny_grpo, and tiny_grpo with generation_compile=false. Each must reach the metric its
-#      header promises (bench/gpu/e2e_check.py TARGETS).
+#      tiny_reward, tiny_kto, tiny_grpo, tiny_rloo, tiny_distill (its teacher: this run's tiny, final/) and
+#      tiny_grpo with generation_compile=false. Each must reach the metric its header promises
+#      (bench/gpu/e2e_check.py TARGETS).
 #   2. fp32: the compiled decode loop's tokens against the eager loop's in fp32 (must be equal).
 #   3. grpo: whole GRPO steps of a 1B model, ours against TRL's GRPOTrainer (bench/gpu/grpo_rollout.py --steps),
 #      rollout and step seconds; TRL's row is given the time to finish.
@@ -14,7 +15,12 @@
 #
 #   bash bench/gpu/e2e.sh            # on the device, from the repository root; carry bench/wheels_gpu
 #   E2E_SMOKE=1 bash bench/gpu/e2e.sh  # on CPU (2 processes, a few steps each, the 1B phases on small models):
-#                                      # checks the script itself; tests/test_bench_gpu_e2e.py runs it
+#                                      # checks the script itself; tests/distributed/test_gpu_e2e_smoke.py runs it
+# The smoke mode trains only E2E_RECIPES (the test: one recipe), so that its cost stays flat as rows are added;
+# every row of the default list is then checked without training (e2e_check.py resolve): the recipe and the
+# script's overrides resolve and validate as `finetune train` takes them, the row has a target, its metric is
+# one the run logs at eval, and tiny_distill's teacher is made by a row before it. What only training shows
+# (that the figure is reached) is the GPU run's to say.
 # E2E_BUDGET (default 530): seconds in all; a phase that would not finish is skipped and says so.
 # E2E_PHASES (default recipes,fp32,grpo,async): the phases to run, in that order; E2E_RECIPES (comma-separated)
 # the recipes phase's runs; E2E_ASYNC the async phase's strategies.
@@ -33,6 +39,9 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 BENCH_CA
 note() { echo "[e2e $((SECONDS - T0))s] $*"; }
 left() { echo $((BUDGET - (SECONDS - T0))); }
 has() { [[ ",$PHASES," == *",$1,"* ]]; }
+DEFAULT_RECIPES="tiny,tiny_dpo,tiny_reward,tiny_kto,tiny_grpo,tiny_rloo,tiny_distill,tiny_grpo generation_compile=false"
+# tiny_distill's teacher: the tiny row's final/ (a row of its own would be the same run)
+teacher() { [[ "$1" == tiny_distill* && "$1" != *teacher_model=* ]] && echo "teacher_model=$STATE/runs/tiny/final"; }
 
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${E2E_COMMIT:-unknown}")
 note "start: budget ${BUDGET}s, smoke=$SMOKE, phases $PHASES, commit $commit"
@@ -67,8 +76,8 @@ if has recipes; then
         rm -rf "$run_dir"
         start=$SECONDS
         # shellcheck disable=SC2086
-        timeout $(( $(left) - 10 )) $PY -m finetune.cli train $spec --num_processes $NPROC mixed_precision=bf16 \
-            "output_dir=$run_dir" "${SHORT[@]}" > "$run_dir.log" 2>&1
+        timeout $(( $(left) - 10 )) $PY -m finetune.cli train $spec $(teacher "$spec") --num_processes $NPROC \
+            mixed_precision=bf16 "output_dir=$run_dir" "${SHORT[@]}" > "$run_dir.log" 2>&1
         rc=$?
         $PY bench/gpu/e2e_check.py recipe "$spec" "$run_dir" $((SECONDS - start)) $rc $([ "$SMOKE" = 1 ] && echo --smoke) \
             >> "$OUT/rows.jsonl" || note "check of $spec FAILED"
@@ -77,7 +86,11 @@ if has recipes; then
         cp -f "$run_dir/summary.json" "$OUT/$name.summary.json" 2>/dev/null
         cp -f "$run_dir.log" "$OUT/$name.log" 2>/dev/null
         rm -rf "$run_dir/checkpoints"
-    done < <(echo "${E2E_RECIPES:-tiny,tiny_dpo,tiny_reward,tiny_grpo,tiny_grpo generation_compile=false}" | tr ',' '\n')
+    done < <(echo "${E2E_RECIPES:-$DEFAULT_RECIPES}" | tr ',' '\n')
+    if [ "$SMOKE" = 1 ]; then  # every default row, not trained here: see the header
+        $PY bench/gpu/e2e_check.py resolve "$DEFAULT_RECIPES" "$STATE" >> "$OUT/rows.jsonl" || note "resolve FAILED to run"
+        tail -1 "$OUT/rows.jsonl"
+    fi
 fi
 
 # 2. the compiled loop's tokens equal the eager loop's in fp32

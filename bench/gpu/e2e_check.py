@@ -2,12 +2,17 @@
 
     python bench/gpu/e2e_check.py recipe NAME RUN_DIR SECONDS RC   # one recipe's row (a JSON line into rows.jsonl)
     python bench/gpu/e2e_check.py compiled-equals-eager            # the compiled decode loop against the eager one, fp32
+    python bench/gpu/e2e_check.py resolve "SPEC,SPEC,..." STATE    # every row checked without training (smoke mode)
     python bench/gpu/e2e_check.py table ROWS.jsonl                 # the markdown table of every row
 
 Each tiny recipe's target is the figure its header promises, read from its metrics.jsonl (train and
 eval records, finetune.training.metrics.run_history): tiny's eval loss falls from about 4.8 to about 2.2,
 tiny_dpo's eval rewards/accuracies climbs well above 0.5, tiny_reward's eval accuracy too, tiny_grpo's
-eval reward rises (0.057 -> 0.144 over 60 steps on CPU)."""
+eval reward rises (0.057 -> 0.144 over 60 steps on CPU), tiny_kto's eval rewards/chosen climbs above 0
+and rewards/rejected falls below it (their margin 0 -> 0.66 on 2 CPU processes), tiny_rloo's eval reward
+rises (0.054 -> 0.227), tiny_distill's eval divergence falls (2.889 -> 0.389 over 200 steps). The GPU runs
+one process in bf16: the targets leave room for that against the headers' 2-process fp32 figures (a
+1-process bf16 run of each on CPU: docs/gpu-e2e.md)."""
 
 from __future__ import annotations
 
@@ -24,7 +29,11 @@ TARGETS = {
     "tiny_dpo": ("eval_rewards/accuracies", 0.9, True),
     "tiny_reward": ("eval_accuracy", 0.75, True),
     "tiny_grpo": ("eval_reward", 0.10, True),
+    "tiny_kto": ("eval_rewards/margins", 0.4, True),
+    "tiny_rloo": ("eval_reward", 0.15, True),
+    "tiny_distill": ("eval_loss", 0.8, False),
 }
+TEACHERS = {"tiny_distill": "tiny"}  # the row whose final/ a row reads (e2e.sh's teacher)
 
 
 def recipe_row(name: str, run_dir: str, seconds: float, rc: int, smoke: bool = False) -> dict:
@@ -98,6 +107,38 @@ def compiled_equals_eager() -> dict:
     return out
 
 
+def resolve_rows(specs: list[str], state: str) -> dict:
+    """Every row of e2e.sh's list without training it (the smoke mode trains one): each recipe, with the
+    script's overrides, loads and validates as `finetune train` takes it; it has a target, whose metric the
+    run logs at eval (eval_loss where the objective has an eval loss, else eval_ and one of its metrics);
+    a row that reads another's final/ comes after it."""
+    from finetune.recipe import RecipeError, apply_overrides, load_recipe_module, validate
+    from finetune.training.objectives import objective_for
+
+    problems, names = [], [spec.split()[0] for spec in specs]
+    for k, spec in enumerate(specs):
+        name, *overrides = spec.split()
+        if name not in TARGETS:
+            problems.append(f"{spec}: no target in TARGETS")
+            continue
+        teacher = TEACHERS.get(name)
+        if teacher and teacher not in names[:k]:
+            problems.append(f"{spec}: its teacher, {teacher}'s final/, is made by no row before it")
+        overrides += ["mixed_precision=bf16", f"output_dir={state}/runs/{name}"] + (
+            [f"teacher_model={state}/runs/{teacher}/final"] if teacher else [])
+        try:
+            recipe = validate(apply_overrides(load_recipe_module(name), overrides))
+        except RecipeError as e:
+            problems.append(f"{spec}: {e}")
+            continue
+        objective, metric = objective_for(recipe), TARGETS[name][0]
+        logged = ["eval_loss"] * (objective.name != "grpo") + [f"eval_{m}" for m in objective.metrics]
+        if metric not in logged:
+            problems.append(f"{spec}: its target metric {metric} is not one the run logs ({', '.join(logged)})")
+    return {"check": "every row resolves (not trained)", "ok": not problems,
+            "what": f"{len(specs)} rows: {', '.join(specs)}", **({"error": "; ".join(problems)[:600]} if problems else {})}
+
+
 def table(rows: list[dict]) -> str:
     def num(x):
         return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
@@ -135,6 +176,9 @@ def main(argv: list[str]) -> int:
             row = {"check": "compiled loop = eager loop (fp32)", "ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
         row["seconds"] = round(time.time() - t0, 1)
         print(json.dumps(row))
+        return 0
+    if argv[0] == "resolve":
+        print(json.dumps(resolve_rows([s for s in argv[1].split(",") if s.strip()], argv[2])))
         return 0
     if argv[0] == "table":
         rows = [json.loads(line) for line in Path(argv[1]).read_text().splitlines() if line.strip()]

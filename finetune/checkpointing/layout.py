@@ -94,3 +94,10 @@ def rotate(root: Path, keep_last: int, keep: Path) -> list[Path]:
         shutil.rmtree(old, ignore_errors=True)
     return dropped
 
+
+def set_aside(path: Path) -> str:
+    """The advice for a damaged checkpoint, as commands that run: --resume of an earlier one is refused while
+    this newer one is in checkpoints/ (resume.check_lineage), so it is moved out of the way first (a name
+    that does not start with the checkpoints' prefix: neither listed nor rotated)."""
+    return (f"to continue from the newest intact checkpoint before it, move it out of the way (mv {path} "
+            f"{path.with_name('damaged-' + path.name)}) and --resume auto")

@@ -10,7 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from finetune.checkpointing.layout import MANIFEST, UNIVERSAL, existing_checkpoints, not_a_checkpoint
+from finetune.checkpointing.layout import (MANIFEST, UNIVERSAL, existing_checkpoints, not_a_checkpoint,
+                                          set_aside)
 from finetune.checkpointing.safe_loading import (DAMAGED, DCP_METADATA, TORCH_SUFFIXES, DisallowedPickle,
                                                 load_dcp_metadata, read_plain, safetensors_header,
                                                 torch_file_problem)
@@ -24,10 +25,10 @@ HARD_KEYS = ("model", "strategy", "lora", "lora_r", "lora_target_modules")
 # num_proc, padding_free and sequence_parallel give the same tokens laid out otherwise.
 DATA_KEYS = ("dataset", "dataset_split", "dataset_format", "eval_dataset", "eval_fraction", "max_seq_len",
              "packing", "train_on_prompt", "seed", "tokenizer", "chat_template", "datasets", "eval_split",
-             "max_prompt_len", "max_completion_len")
+             "max_prompt_len", "max_completion_len", "columns")
 # Data keys written into a fingerprint only when set, so that a single-dataset run's fingerprint is the
 # one earlier versions wrote (their checkpoints still resume, and new ones resume on older versions).
-OPTIONAL_DATA_KEYS = ("datasets", "eval_split", "max_prompt_len", "max_completion_len")
+OPTIONAL_DATA_KEYS = ("datasets", "eval_split", "max_prompt_len", "max_completion_len", "columns")
 
 
 BLOCK = 8 << 20  # bytes read at a time when hashing
@@ -94,11 +95,11 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
     for rel, size in manifest["files"].items():
         f = path / rel
         if not f.is_file():
-            raise RecipeError(f"checkpoint {path} is damaged: {rel} is missing; nothing was deleted; resume from an "
-                              "earlier checkpoint with --resume PATH")
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} is missing; nothing was deleted; "
+                              + set_aside(path))
         if f.stat().st_size != size:
             raise RecipeError(f"checkpoint {path} is damaged: {rel} has {f.stat().st_size} bytes, the manifest says "
-                              f"{size}; nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+                              f"{size}; nothing was deleted; " + set_aside(path))
     refuse_pickled_code(path, manifest)
     for meta in sorted(path.rglob(DCP_METADATA)):
         with open(meta, "rb") as f:
@@ -109,7 +110,7 @@ def verify(path: Path, checksums: bool = False, manifest: dict | None = None, re
                                   "run or loaded; use a checkpoint from a source you trust") from None
             except Exception as e:  # truncated or garbled: damaged rather than hostile
                 raise RecipeError(f"checkpoint {path} is damaged: {meta.relative_to(path)} cannot be read "
-                                  f"({type(e).__name__}: {e}); resume from an earlier checkpoint with --resume PATH") \
+                                  f"({type(e).__name__}: {e}); " + set_aside(path)) \
                     from None
     if checksums:
         bad = checksum_mismatches(path, manifest, sorted(manifest.get("checksums") or {}))
@@ -139,7 +140,7 @@ def refuse_pickled_code(path: Path, manifest: dict) -> None:
             raise damaged_by_checksum(path, [rel])  # damaged by accident, as its checksum says
         if problem and (problem.startswith(DAMAGED) or f.suffix not in TORCH_SUFFIXES):  # garbled, not hostile
             raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing in it was run or loaded; "
-                              "resume from an earlier checkpoint with --resume PATH")
+                              + set_aside(path))
         if problem:
             raise RecipeError(f"checkpoint {path}: {rel} is refused: it {problem}; nothing in it was run or loaded; "
                               "use a checkpoint from a source you trust")
@@ -196,7 +197,7 @@ def checksum_mismatches(path: Path, manifest: dict, rels: list[str]) -> list[str
 def damaged_by_checksum(path: Path, bad: list[str]) -> RecipeError:
     return RecipeError(f"checkpoint {path} is damaged: {', '.join(bad[:3])}{' and more' if len(bad) > 3 else ''} "
                        f"do{'es' if len(bad) == 1 else ''} not match the {CHECKSUM} checksum in its {MANIFEST}; "
-                       "nothing was deleted; resume from an earlier checkpoint with --resume PATH")
+                       "nothing was deleted; " + set_aside(path))
 
 
 def verify_checksums(path: Path, manifest: dict, rank: int, world: int, all_gather=None, log=print) -> None:

@@ -141,6 +141,15 @@ def check_lineage(resume: str, output_dir: Path, complete: list[Path]) -> None:
                           "run would overwrite; move them out of that directory first, or --resume auto to "
                           "continue from the newest")
 
+def kept_checkpoint(output_dir) -> str:
+    """What a run that stops now leaves to continue from, in words (--resume auto continues from it): its newest
+    complete checkpoint, or none yet, where --resume auto starts the run again."""
+    saved = complete_checkpoints(checkpoints_dir(output_dir))
+    if saved:
+        return f"its newest checkpoint, {saved[-1].name}, is intact"
+    return "no checkpoint had been saved yet (--resume auto starts it again)"
+
+
 def find(resume: str | None, output_dir: Path, log=print) -> ResumePoint | None:
     """--resume auto: the newest complete checkpoint (incomplete ones, and ones whose manifest cannot be
     read, are named and skipped), else None. --resume PATH: that checkpoint, verified."""

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.checkpointing.layout import MANIFEST
+from finetune.checkpointing.layout import MANIFEST, set_aside
 from finetune.checkpointing.manifest import CHECKSUM, checksum_mismatches
 from finetune.checkpointing.safe_loading import read_plain, read_tensors
 from finetune.recipe import RecipeError
@@ -74,8 +74,8 @@ def check_small_files(path: Path, manifest: dict) -> None:
             problem = ("holds no 'torch' generator state" if "torch" not in tensors else
                        f"holds {bad[0]!r}, which is not a generator state (a uint8 vector)" if bad else None)
         if problem:
-            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing was loaded; resume from an "
-                              "earlier checkpoint with --resume PATH")
+            raise RecipeError(f"checkpoint {path} is damaged: {rel} {problem}; nothing was loaded; "
+                              + set_aside(path))
 
 
 def load_rng(directory: Path, rank: int, seed: int, step: int) -> bool:
@@ -118,7 +118,7 @@ def read_loop_state(path: Path) -> LoopState:
         values = json.loads(f.read_text())
     except (OSError, ValueError) as e:
         raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} is unreadable ({type(e).__name__}); "
-                          "resume from an earlier checkpoint with --resume PATH") from None
+                          + set_aside(path)) from None
     fields = {f.name: f.type for f in dataclasses.fields(LoopState)}
     problem = (f"a JSON {type(values).__name__}, not an object" if not isinstance(values, dict) else None)
     if problem is None:
@@ -130,7 +130,7 @@ def read_loop_state(path: Path) -> LoopState:
                    f"{wrong[0]}={values[wrong[0]]!r}, not a number" if wrong else None)
     if problem:
         raise RecipeError(f"checkpoint {path} is damaged: {LOOP_STATE} holds {problem}; nothing was loaded; restore "
-                          "the file as the save wrote it, or resume from an earlier checkpoint with --resume PATH")
+                          "the file as the save wrote it, or " + set_aside(path))
     return LoopState(**values)
 
 

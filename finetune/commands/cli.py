@@ -128,12 +128,15 @@ def train(argv: list[str]) -> int:
     from finetune.recipe import RecipeError
 
     if not argv or argv[0] in ("-h", "--help"):
+        from finetune.recipe import describe_fields
+
         print("usage: finetune train RECIPE [key=value ...] [--resume auto|PATH] [--allow-data-change]\n"
               "                      [--allow-model-change] [--dry-run]\n"
               "                      [--num_processes N] [--config_file YAML] [--num_machines N --machine_rank R\n"
               "                       --main_process_ip IP --main_process_port PORT]\n\n"
-              "RECIPE is a name in recipes/ or a .py file; key=value overrides a recipe field "
-              "(python finetune/run.py --help lists them).")
+              "RECIPE is a name in recipes/ or a .py file; key=value overrides a recipe field"
+              + (":\n\nrecipe keys (override with key=value):\n" + describe_fields() if argv else
+                 " (finetune train --help lists them)."))
         return 0 if argv else 2
     try:
         options, rest = _launcher_options(argv)

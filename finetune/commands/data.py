@@ -71,7 +71,9 @@ def main(argv=None) -> int:
                                      "trained" for side in ("chosen", "rejected")))
             print(show_pair(tokenizer, row, colour))
             continue
-        print(header + f"{len(row['input_ids'])} tokens, {trained(row['labels'])} trained")
+        label = "" if "desirable" not in row else \
+            f"; label {'true (desirable)' if row['desirable'] else 'false (undesirable)'}"  # an unpaired row (KTO)
+        print(header + f"{len(row['input_ids'])} tokens, {trained(row['labels'])} trained{label}")
         print(show_row(tokenizer, row["input_ids"], row["labels"], row.get("position_ids"), colour))
     summary = summary_lines(data, recipe)
     if not args.json:

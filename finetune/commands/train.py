@@ -197,10 +197,14 @@ def prepare(args, lock: bool = True):
 
 
 def print_dry_run(plan, recipe_name: str) -> None:
-    """What --dry-run prints, here and in the `finetune train` front: the plan and its memory estimate."""
+    """What --dry-run prints, here and in the `finetune train` front: the plan, the data as stored (rows,
+    format, KTO's labels; nothing tokenized) and the memory estimate."""
+    from finetune.data import overview_lines
     from finetune.memory_tables import memory_report
 
     print(plan.describe())
+    for line in overview_lines(plan.recipe):
+        print(line)
     print(memory_report(plan.recipe, plan.world_size, recipe_name, gpus_per_node=plan.world_size // plan.num_machines))
 
 
@@ -209,7 +213,8 @@ def check_model_and_data(plan) -> None:
     under the launcher's traceback), checked in the `finetune` front before it launches: vLLM where
     generation_backend=vllm, the model's
     config against the recipe (sequence_parallel and the attention heads, rows concatenated in a model
-    that carries state along the sequence), and the data as tokenized (a source left with no trained
+    that carries state along the sequence), a distillation's teacher (its config and tokenizer: there,
+    readable, a causal LM of the student's vocabulary), and the data as tokenized (a source left with no trained
     token or pair, fewer rows than one global batch, fewer eval rows than sample_prompts). Config and
     tokenizer are a few small files. Tokenizing here costs the run nothing: the datasets cache keeps
     the result under a content fingerprint and the ranks read it from there (as after `finetune data`)."""
@@ -226,6 +231,10 @@ def check_model_and_data(plan) -> None:
     if problem:
         raise RecipeError(problem)
     tokenizer = load_tokenizer(r, model_path)
+    if r.teacher_model:  # objective=distill: there, readable, a causal LM of the student's vocabulary
+        from finetune.training.objectives.distill import check_teacher
+
+        check_teacher(r, tokenizer, config)
     datasets = D.build_datasets(r, tokenizer)
     problem = D.BatchSchedule(len(datasets.train), r.micro_batch_size, plan.grad_accum,
                               plan.data_parallel_size, r.seed).problem()

@@ -22,8 +22,8 @@ from finetune.data.formats import (ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT, Data
                                    detect_format, extract_prompt, format_hint, sharegpt_hint, split_pair, unknown_role)
 from finetune.data.sources import (CSV_MISSING, SHAREGPT_COLUMNS, SHAREGPT_ROLES, check_columns, eval_source,
                                    first_row_of, is_saved_dataset, local_splits, map_row, need_fields, need_split,
-                                   prevalidate, prevalidate_recipe, saved_splits, top_level_columns, train_sources,
-                                   with_sharegpt)
+                                   overview_lines, prevalidate, prevalidate_recipe, saved_splits, top_level_columns,
+                                   train_sources, with_sharegpt)
 from finetune.data.tokenization import (GENERATION_TAG, assistant_spans, bos_ids, encode_batch, encode_conversations,
                                         encode_messages, encode_prompt_completion, encode_row, encode_text, pack_rows,
                                         plan_packing, render_chat, render_chats, text_ids)

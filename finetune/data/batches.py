@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from finetune.data.formats import IGNORE
+from finetune.data.unpaired import kl_rows
 
 
 @dataclass(frozen=True)
@@ -94,17 +95,23 @@ def collate_pairs(rows: list[dict], pad_id: int) -> dict:
     return batch
 
 
-def collate_unpaired(rows: list[dict], indices: list[int], pad_id: int) -> dict:
+def collate_unpaired(rows: list[dict], indices: list[int], pad_id: int, kl_max_len: int = 0) -> dict:
     """A micro-batch of unpaired rows (objective=kto, finetune/data/unpaired.py) laid out as preference
-    pairs are (collate_pairs): its n rows, then their n KL rows (kl_input_ids, kl_labels; rows without
-    them, kto_loss=apo_zero_unpaired's, repeat the rows, which nothing reads), and `desirable` [n]; where
-    the rows carry them, the reference's log-probs of both (ref_logps [2n]). A placeholder (index -1) has
-    no trained token in either of its rows."""
+    pairs are (collate_pairs): its n rows, then their n KL rows, and `desirable` [n]; where the rows carry
+    them, the reference's log-probs of both (ref_logps [2n]). The KL rows: the rows' own (kl_input_ids,
+    kl_labels: a split read in order), else with kl_max_len those of this micro-batch (unpaired.kl_rows:
+    each row's prompt with the completion of the row before it), else (kto_loss=apo_zero_unpaired) the rows
+    repeated, which nothing reads. A placeholder (index -1) has no trained token in either of its rows."""
+    if "kl_input_ids" in rows[0]:
+        kl = [(row["kl_input_ids"], row["kl_labels"]) for row in rows]
+    elif kl_max_len:
+        kl = kl_rows(rows, kl_max_len)
+    else:
+        kl = [(row["input_ids"], row["labels"]) for row in rows]
     sides = []
-    kl = "kl_input_ids" if "kl_input_ids" in rows[0] else "input_ids"
-    for row, i in zip(rows, indices):
+    for row, i, (kl_ids, kl_labels) in zip(rows, indices, kl):
         side = {"chosen_input_ids": row["input_ids"], "chosen_labels": row["labels"],
-                "rejected_input_ids": row[kl], "rejected_labels": row[kl.replace("input_ids", "labels")]}
+                "rejected_input_ids": kl_ids, "rejected_labels": kl_labels}
         side |= {c: row[c] for c in REFERENCE_COLUMNS if c in row}
         if i < 0:
             for name in PAIR_SIDES:
@@ -165,15 +172,16 @@ def input_tokens(batch: dict) -> int:
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
 
 
-def fetch(ds, indices: list[int], pad_id: int, packed: bool, padding_free: bool = False) -> dict:
+def fetch(ds, indices: list[int], pad_id: int, packed: bool, padding_free: bool = False, kl_max_len: int = 0) -> dict:
     """Rows by index; index -1 is a placeholder (keeps ranks in lock-step) that carries no targets.
     A placeholder is row 0 with its labels unset; padding-free, it is laid out as row 0 is (a packed
-    row's real length is read before its labels are cleared), so every rank still runs the forward."""
+    row's real length is read before its labels are cleared), so every rank still runs the forward.
+    kl_max_len: unpaired rows get their KL rows from this micro-batch, cut at it (collate_unpaired)."""
     real = [i if i >= 0 else 0 for i in indices]
     cols = ds[real]
     rows = [{k: cols[k][j] for k in cols} for j in range(len(real))]
     if "desirable" in cols:
-        return collate_unpaired(rows, indices, pad_id)
+        return collate_unpaired(rows, indices, pad_id, kl_max_len)
     if "chosen_input_ids" in cols:
         for j, i in enumerate(indices):
             if i < 0:

@@ -72,9 +72,29 @@ def format_hint(fields, fmt: str) -> str:
         found = detect_format(fields, "")
     except DataError:
         return ""
-    if found == fmt or (found, fmt) == ("prompt", "prompt_completion"):  # a row missing its completion
-        return ""
+    if set(FORMAT_FIELDS[found]) <= set(FORMAT_FIELDS[fmt]):  # fmt's row lacking a field (a prompt row: its
+        return ""  # completion; a prompt_completion row: an unpaired row's label): not another format
     return f"; these rows hold {ROWS_OF[found]}: set dataset_format={found} (or auto; format='{found}' on a DataSource)"
+
+
+# every top-level field some format reads (alpaca's optional input, ShareGPT's conversations): a row's
+# other fields are those a column mapping may read a missing one from
+READ_FIELDS = {name for fields in FORMAT_FIELDS.values() for name in fields} | {"input", "conversations"}
+
+
+def mapping_hint(fields, needed) -> str:
+    """Advice that works as typed for a format's fields the rows lack: read each from a field of the rows
+    that no format reads, with the recipe key `columns` (columns=label:thumbs); "" where the rows lack
+    nothing or have no such field."""
+    have = set(fields)
+    missing = [name for name in needed if name not in have]
+    unread = sorted(str(name) for name in have if name not in READ_FIELDS)
+    if not missing or not unread:
+        return ""
+    if len(missing) == 1 and len(unread) == 1:
+        return f"if the rows' field {unread[0]} holds {missing[0]}, map it: columns={missing[0]}:{unread[0]}"
+    return (f"map the rows' fields that hold {', '.join(missing)}: columns={','.join(f'{m}:FIELD' for m in missing)}, "
+            f"each FIELD one of {', '.join(unread)}")
 
 
 def unknown_role(where: str, index: int, role) -> DataError:
@@ -107,8 +127,9 @@ def check_row(row, fmt: str, where: str) -> None:
         raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
     for name in FORMAT_FIELDS[fmt]:
         if name not in row or row[name] is None:
+            mapped = mapping_hint([k for k, v in row.items() if v is not None], FORMAT_FIELDS[fmt])
             raise DataError(f"{where}: missing field {name!r} (dataset_format={fmt} needs "
-                            f"{', '.join(FORMAT_FIELDS[fmt])}){format_hint(row, fmt)}")
+                            f"{', '.join(FORMAT_FIELDS[fmt])})" + (format_hint(row, fmt) or (mapped and f"; {mapped}")))
     if fmt == "preference":
         return check_pair(row, where)
     if fmt == "prompt":

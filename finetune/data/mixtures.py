@@ -83,7 +83,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         where = spec.path if not recipe.datasets else f"datasets[{i}] {spec.path}"
         names = check_columns(raw.column_names, spec, where)
         fmt = spec.format if spec.format != "auto" else detect_format(names, where)
-        check_objective(recipe, fmt, key, spec.path)
+        check_objective(recipe, fmt, key, spec.path, lambda: names)
         raw_held = None
         if evaluated is None and recipe.eval_fraction > 0 and len(raw) >= 2:
             split = raw.train_test_split(test_size=recipe.eval_fraction, seed=recipe.seed, shuffle=True)
@@ -149,7 +149,7 @@ def build_datasets(recipe: Recipe, tokenizer) -> Datasets:
         if eval_fmt == "auto":
             where = f"{spec.path} (eval)"
             eval_fmt = detect_format(check_columns(raw_eval.column_names, spec, where), where)
-        check_objective(recipe, eval_fmt, key, spec.path)
+        check_objective(recipe, eval_fmt, key, spec.path, lambda: raw_eval.column_names)
         evals = tokenize_dataset(raw_eval, eval_fmt, tokenizer, recipe, f"{spec.path} (eval)", spec=spec,
                                  pack=False, keep_counts=True,
                                  row_names=RowNames.of(raw_eval, f"{spec.path} (eval)", spec))
@@ -180,7 +180,7 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
         lines.append(f"data {s['source']} {s['path']} ({s['format']}, split {s['split']}): {s['rows']} rows"
                      f"{dropped}{cut}; {share}: {s['rows_in_mix']} rows in the mix, {token_counts(s, recipe)}")
     t = data.summary
-    line = f"data train: {t['rows']} rows, {token_counts(t, recipe)}"
+    line = f"data train: {t['rows']} rows{labels(data.train)}, {token_counts(t, recipe)}"
     if recipe.objective != "grpo":
         line += f" ({100 * t['target_tokens'] / max(t['tokens'], 1):.1f}%)"
     if "packed_rows" in t:
@@ -191,8 +191,16 @@ def summary_lines(data: Datasets, recipe: Recipe) -> list[str]:
     lines.append(line)
     if "eval" in t:
         e = t["eval"]
-        lines.append(f"data eval: {e['rows']} rows, {token_counts(e, recipe)}")
+        lines.append(f"data eval: {e['rows']} rows{labels(data.eval)}, {token_counts(e, recipe)}")
     return lines
+
+
+def labels(ds) -> str:
+    """Unpaired rows' (KTO's) labels, counted: ' (N desirable, M undesirable)'; '' for other rows."""
+    if ds is None or "desirable" not in ds.column_names:
+        return ""
+    good = int(sum(ds["desirable"]))
+    return f" ({good} desirable, {len(ds) - good} undesirable)"
 
 
 def token_counts(counts: dict, recipe: Recipe) -> str:

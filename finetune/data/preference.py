@@ -68,11 +68,11 @@ def encode_sides(rows: list[dict], tokenizer) -> list[tuple]:
     return [(out[2 * k], out[2 * k + 1]) for k in range(len(rows))]
 
 
-def encode_completions(items: list[tuple], tokenizer) -> list[tuple]:
+def encode_completions(items: list[tuple], tokenizer, rows: str = "preference rows") -> list[tuple]:
     """Per (prompt, completion, conversational), its (ids, labels), untruncated: a text is the
     prompt_completion row (prompt, completion), a conversation the chat row prompt + completion, trained on
     the completion's own assistant turns after the served prompt; one tokenizer call for all the texts,
-    one for all the conversations."""
+    one for all the conversations. rows: what they are, in a refusal (encode_conversations)."""
     texts = [k for k, item in enumerate(items) if not item[2]]
     chats = [k for k, item in enumerate(items) if item[2]]
     out: list = [None] * len(items)
@@ -83,7 +83,7 @@ def encode_completions(items: list[tuple], tokenizer) -> list[tuple]:
     if chats:
         conversations = [list(items[k][0]) + list(items[k][1]) for k in chats]
         skips = [sum(1 for m in items[k][0] if m["role"] == "assistant") for k in chats]
-        encoded = encode_conversations(tokenizer, conversations, skips)
+        encoded = encode_conversations(tokenizer, conversations, skips, rows)
         served = served_prompts(tokenizer, [items[k][0] for k in chats])
         for j, k in enumerate(chats):
             out[k] = after_prompt(served[j], *encoded[j])

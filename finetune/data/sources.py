@@ -8,8 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from finetune import objective_rules
-from finetune.assets import BUILTIN_FORMATS
-from finetune.data.formats import DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, unknown_role
+from finetune.assets import BUILTIN_FORMATS, resolve_dataset
+from finetune.data.formats import (DataError, FORMAT_FIELDS, check_row, detect_format, format_hint, mapping_hint,
+                                   unknown_role)
 from finetune.recipe import DATA_EXTENSIONS, DataSource, ROLES, Recipe, looks_local
 
 
@@ -42,23 +43,24 @@ def train_sources(recipe: Recipe) -> list[tuple[str, str, DataSource]]:
     """(key, split key, source) of each training source: the mixture's, or the single `dataset`."""
     if recipe.datasets:
         return [(f"datasets[{i}].path", f"datasets[{i}].split", s) for i, s in enumerate(recipe.datasets)]
-    return [("dataset", "dataset_split",
-             DataSource(path=recipe.dataset, format=recipe.dataset_format, split=recipe.dataset_split))]
+    return [("dataset", "dataset_split", DataSource(path=recipe.dataset, format=recipe.dataset_format,
+                                                    split=recipe.dataset_split, columns=dict(recipe.columns)))]
 
 
 def eval_source(recipe: Recipe) -> tuple[str, str, DataSource] | None:
     """The eval set named by the recipe: eval_dataset (a DataSource, or a path/hub id read with
-    eval_split, else dataset_split), or dataset's own eval_split; None: hold out eval_fraction."""
+    eval_split, else dataset_split), or dataset's own eval_split; None: hold out eval_fraction. The recipe's
+    columns map a path's or a split's rows as they map dataset's (a DataSource maps its own)."""
     e = recipe.eval_dataset
     if isinstance(e, DataSource):
         return "eval_dataset.path", "eval_dataset.split", e
     if e:
         return ("eval_dataset", "eval_split" if recipe.eval_split else "dataset_split",
                 DataSource(path=e, format="auto" if recipe.datasets else recipe.dataset_format,
-                           split=recipe.eval_split or recipe.dataset_split))
+                           split=recipe.eval_split or recipe.dataset_split, columns=dict(recipe.columns)))
     if recipe.eval_split and not recipe.datasets:
         return "dataset", "eval_split", DataSource(path=recipe.dataset, format=recipe.dataset_format,
-                                                   split=recipe.eval_split)
+                                                   split=recipe.eval_split, columns=dict(recipe.columns))
     return None
 
 
@@ -176,13 +178,16 @@ def _data_files(path: Path) -> list[Path]:
 
 
 def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource | None = None,
-                split: str = "train", split_key: str = "dataset_split") -> str:
+                split: str = "train", split_key: str = "dataset_split", counts: dict | None = None) -> str:
     """Scan local JSON/JSONL files row by row before anything expensive: names file and line.
 
     Returns the resolved format. Parquet/CSV are checked by their column names, a save_to_disk folder
     by its features; hub datasets cannot be checked before they are downloaded. `spec` carries the
-    source's column mapping, checked against the rows; `split` must be one the source has.
+    source's column mapping, checked against the rows; `split` must be one the source has. counts: a
+    dict that gets the rows as stored ("rows") and, for unpaired rows, the desirable ones ("desirable";
+    not for CSV, whose cells are text until datasets reads them).
     """
+    counts = {} if counts is None else counts
     if not looks_local(source):
         return fmt
     spec = spec or DataSource(path=source, format=fmt, split=split)
@@ -199,6 +204,9 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
         need_fields(names, fmt, str(path))
         if len(saved) == 0:
             raise DataError(f"{key}={source}: the dataset is empty")
+        counts["rows"] = len(saved)
+        if fmt == "unpaired":
+            counts["desirable"] = sum(map(bool, saved[top_level_columns(spec.columns).get("label", "label")]))
         if fmt == "preference":
             _check_pairs(saved.select_columns(_pair_fields(saved.column_names, spec)), spec, f"{path} row")
         return fmt
@@ -227,6 +235,8 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                     fmt = detect_format(row.keys() if isinstance(row, dict) else [], where)
                 check_row(row, fmt, where)
                 rows_seen += 1
+                if fmt == "unpaired":
+                    counts["desirable"] = counts.get("desirable", 0) + bool(row["label"])
         else:
             columns = _columns(path)
             spec = with_sharegpt(spec, columns, _parquet_first_row(path, columns))
@@ -235,13 +245,53 @@ def prevalidate(source: str, fmt: str, key: str = "dataset", *, spec: DataSource
                 fmt = detect_format(names, str(path))
             missing = [c for c in FORMAT_FIELDS[fmt] if c not in names]
             if missing:
-                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}{format_hint(names, fmt)}")
+                mapped = mapping_hint(names, FORMAT_FIELDS[fmt])
+                raise DataError(f"{path}: missing column(s) {missing} for dataset_format={fmt}"
+                                + (format_hint(names, fmt) or (mapped and f"; {mapped}")))
             rows_seen += _num_rows(path, [top_level_columns(spec.columns).get(c, c) for c in FORMAT_FIELDS[fmt]], fmt)
+            if fmt == "unpaired" and suffix == ".parquet":
+                import pyarrow.parquet as pq
+
+                label = top_level_columns(spec.columns).get("label", "label")
+                counts["desirable"] = counts.get("desirable", 0) + sum(
+                    map(bool, pq.read_table(path, columns=[label]).column(label).to_pylist()))
+            elif fmt == "unpaired":
+                counts["desirable"] = None
             if fmt == "preference":
                 _check_pairs(_table_rows(path, _pair_fields(columns, spec)), spec, f"{path} row")
     if rows_seen == 0:
         raise DataError(f"{key}={source}: the dataset is empty")
+    counts["rows"] = rows_seen
     return fmt
+
+
+def overview_lines(recipe: Recipe) -> list[str]:
+    """What a dry run says of the data without tokenizing it, read as prevalidate reads it: each training
+    source's and the eval set's format and rows as stored, and for unpaired rows (KTO) how many are
+    desirable; a hub dataset is read only once downloaded. `finetune data` shows the rows as tokenized."""
+    lines = []
+    evaluated = eval_source(recipe)
+    for key, split_key, spec in train_sources(recipe) + ([evaluated] if evaluated else []):
+        name = f"{key.removesuffix('.path')}={spec.path}" + (f" (split {spec.split})" if spec.split != "train" else "")
+        path = resolve_dataset(spec.path)
+        if not looks_local(path):
+            lines.append(f"data {name}: a hub dataset, not read by a dry run (its rows are counted once it is "
+                         "downloaded: finetune data reads it)")
+            continue
+        counts = {}
+        fmt = prevalidate(path, spec.format, key, spec=replace(spec, path=path), split=spec.split,
+                          split_key=split_key, counts=counts)
+        if fmt == "auto" and spec.path.startswith("builtin:"):
+            fmt = BUILTIN_FORMATS.get(spec.path[len("builtin:"):], fmt)
+        line = f"data {name}: {counts['rows']:,} {fmt} rows as stored"
+        if counts.get("desirable") is not None:
+            good = counts["desirable"]
+            line += f"; labels: {good:,} desirable (true), {counts['rows'] - good:,} undesirable (false)"
+        lines.append(line)
+    if evaluated is None and recipe.eval_fraction > 0:
+        lines.append(f"data eval: {recipe.eval_fraction:.0%} of the rows held out "
+                     f"(eval_fraction={recipe.eval_fraction:g})")
+    return lines
 
 
 def prevalidate_recipe(recipe: Recipe) -> None:
@@ -253,40 +303,63 @@ def prevalidate_recipe(recipe: Recipe) -> None:
         fmt = prevalidate(spec.path, spec.format, key, spec=spec, split=spec.split, split_key=split_key)
         if fmt == "auto" and spec.path.startswith("builtin:"):
             fmt = BUILTIN_FORMATS.get(spec.path[len("builtin:"):], fmt)
-        check_objective(recipe, fmt, key, spec.path)
+        check_objective(recipe, fmt, key, spec.path, lambda: local_fields(spec))
 
 
-def check_objective(recipe: Recipe, fmt: str, key: str, path: str) -> None:
+def local_fields(spec: DataSource) -> list[str]:
+    """A local source's fields (its first row's, or its columns), for advice after an error; [] where they
+    cannot be read cheaply (a hub dataset, an unreadable file)."""
+    path = Path(spec.path).expanduser()
+    try:
+        if is_saved_dataset(path) or not looks_local(spec.path):
+            return []
+        first = (local_splits(path).get(spec.split) or [None])[0]
+        if first is None or first.suffix.lower() not in (".json", ".jsonl"):
+            return _columns(first) if first is not None else []
+        text = first.read_text(encoding="utf-8").lstrip()
+        row = json.loads(text)[0] if text.startswith("[") else next(row for _, row in _jsonl_rows(first, text))
+        return list(row) if isinstance(row, dict) else []
+    except (OSError, ValueError, IndexError, StopIteration, DataError):
+        return []
+
+
+def check_objective(recipe: Recipe, fmt: str, key: str, path: str, fields=lambda: ()) -> None:
     """objective=dpo and reward train on preference rows only, and preference rows train with those only;
     likewise grpo and prompt rows, kto and unpaired rows
-    (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is)."""
+    (fmt auto: not known yet, as a hub dataset's before it is downloaded: checked again once it is).
+    fields: the rows' fields (called on a mismatch only), to say which to map with `columns`."""
     key = key.removesuffix(".path")
     rows = objective_rules.rules(recipe).ROWS
+
+    def mapping(needed) -> str:
+        """How to map the fields the objective's rows need, as typed: columns=label:thumbs."""
+        named = mapping_hint(fields(), needed)
+        return named or f"map its fields with columns={','.join(f'{name}:FIELD' for name in needed)}"
+
     if rows == ("preference",) and fmt not in ("auto", "preference"):
         raise DataError(f"objective={recipe.objective} needs preference rows (prompt, chosen, rejected); {key}={path} "
-                        f"has {fmt} rows: use a preference dataset (or map its fields with columns={{'chosen': ..., "
-                        "'rejected': ...}), or set objective=sft")
+                        f"has {fmt} rows: use a preference dataset (or {mapping(('chosen', 'rejected'))}), or set "
+                        "objective=sft")
     if "preference" not in rows and fmt == "preference":
         raise DataError(f"{key}={path} has preference rows (chosen, rejected), which train with objective=dpo; set "
                         f"objective=dpo (objective=reward: a reward model), or use a dataset of SFT rows (objective="
                         f"{recipe.objective})")
     if rows == ("prompt",) and fmt not in ("auto", "prompt"):
         raise DataError(f"objective=grpo needs prompt rows (a prompt column, text or messages, and the columns its "
-                        f"rewards read); {key}={path} has {fmt} rows: map the prompt with columns={{'prompt': ...}} "
-                        "and set dataset_format=prompt, or set objective=sft")
+                        f"rewards read); {key}={path} has {fmt} rows: {mapping(('prompt',))} and set "
+                        "dataset_format=prompt, or set objective=sft")
     if rows == ("unpaired",) and fmt not in ("auto", "unpaired"):
         raise DataError(f"objective=kto needs unpaired rows (prompt, completion, label: true for a desirable "
-                        f"completion, false for an undesirable one); {key}={path} has {fmt} rows: map the fields with "
-                        "columns={'completion': ..., 'label': ...} and set dataset_format=unpaired (builtin:tiny-kto "
-                        "shows the shape), or set objective=sft")
+                        f"completion, false for an undesirable one); {key}={path} has {fmt} rows: "
+                        f"{mapping(('prompt', 'completion', 'label'))} and set dataset_format=unpaired "
+                        "(builtin:tiny-kto shows the shape), or set objective=sft")
     if "unpaired" not in rows and fmt == "unpaired":
         raise DataError(f"{key}={path} has unpaired rows (prompt, completion, label), which train with objective=kto; "
                         f"set objective=kto, or use a dataset of SFT rows (objective={recipe.objective})")
     if "prompt" not in rows and fmt == "prompt":
         raise DataError(f"{key}={path} has prompt rows (a prompt and no completion to learn), which train with "
                         f"objective=grpo; set objective=grpo, or use a dataset of SFT rows (objective="
-                        f"{recipe.objective}; a column holding the answer is mapped with columns={{'completion': "
-                        "...}})")
+                        f"{recipe.objective}; a field holding the answer is mapped with columns=completion:FIELD)")
 
 
 def _pair_fields(columns, spec: DataSource) -> list[str]:

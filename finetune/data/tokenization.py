@@ -241,11 +241,13 @@ def encode_row(row: dict, fmt: str, tokenizer, train_on_prompt: bool, max_len: i
     return encode_prompt_completion(tokenizer, row["prompt"], row["completion"], train_on_prompt, max_len)
 
 
-def encode_conversations(tokenizer, conversations: list[list[dict]], skip_turns: list[int]):
+def encode_conversations(tokenizer, conversations: list[list[dict]], skip_turns: list[int],
+                         rows: str = "preference rows"):
     """(ids, labels) of each conversation as encode_messages makes them, but its first skip_turns
-    assistant turns not trained (a preference pair's side: the prompt's answers are context)."""
+    assistant turns not trained (a preference pair's side, or an unpaired row: the prompt's answers are
+    context). rows: what the conversations are, in the refusal of a tokenizer without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError("preference rows of messages need a tokenizer with a chat_template; set chat_template=... "
+        raise DataError(f"{rows} of messages need a tokenizer with a chat_template; set chat_template=... "
                         "(a file or the template itself), or tokenizer=... to one that has it")
     if GENERATION_TAG.search(tokenizer.chat_template):
         rendered = render_chats(tokenizer, conversations, spans=True)

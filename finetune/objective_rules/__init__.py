@@ -21,6 +21,8 @@ Each module is one objective's entry, with:
     resume_problem(r, changed)  (optional) why a resumed run may not make these changes, or None
     in_flight(r, step)  (optional) the work in flight a checkpoint after `step` steps must hold for a run
                     to resume from it: (its name, why a resume cannot do without it), or None
+    loss_settings_named(r)  (optional) its settings that can make the loss blow up by themselves, named
+                    where a run stops on a loss that is not finite (GRPO's entropy_coef, sapo's, vespo's)
 
 Adding an objective is a module here, its entry in OBJECTIVES, its recipe keys in recipe.py and its
 class in finetune/training/objectives."""
@@ -58,3 +60,10 @@ def reference_kind(recipe) -> str | None:
     carried by the rows), "adapter" (LoRA: the policy with its adapter disabled) or "frozen" (a frozen
     copy of the starting weights, placed by the strategy)."""
     return rules(recipe).reference(recipe)
+
+
+def loss_settings_named(recipe) -> str | None:
+    """The objective's own settings that can make its loss blow up whatever the learning rate and data, in
+    words, where the recipe changed them (None: none); said where a run stops on a loss that is not finite."""
+    named = getattr(rules(recipe), "loss_settings_named", None)
+    return named(recipe) if named else None

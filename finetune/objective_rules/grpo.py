@@ -6,6 +6,8 @@ allowed."""
 
 from __future__ import annotations
 
+import math
+
 from finetune.errors import RecipeError, refuse_switched_on
 from finetune.objective_rules.common import default
 
@@ -97,10 +99,70 @@ def check(r, strategy) -> None:
         raise RecipeError("cast_lm_head_to_fp32=true with loss_impl=full: the output layer's matmul is computed in "
                           "float32 on the chunked path (loss_impl=chunked, the default); set loss_impl=chunked or "
                           "cast_lm_head_to_fp32=false")
+    for loss_type, keys in LOSS_TYPE_KEYS.items():
+        changed = [k for k in keys if getattr(r, k) != default(r, k)]
+        if changed and r.loss_type != loss_type:
+            raise RecipeError(f"{changed[0]}={getattr(r, changed[0]):g} applies to loss_type={loss_type} only "
+                              f"(loss_type={r.loss_type} has no use for it); set loss_type={loss_type}, or leave "
+                              f"{changed[0]} out")
     if r.loss_type == "sapo" and min(r.sapo_temperature_pos, r.sapo_temperature_neg) <= 0:
         key = "sapo_temperature_pos" if r.sapo_temperature_pos <= 0 else "sapo_temperature_neg"
         raise RecipeError(f"{key}={getattr(r, key):g}: sapo's gate divides by its temperature; use a value above 0 "
                           "(TRL's defaults: 1.0 and 1.05)")
+    if r.loss_type == "vespo":
+        for side in ("pos", "neg"):
+            problem = vespo_problem(getattr(r, f"vespo_k_{side}"), getattr(r, f"vespo_lambda_{side}"), side)
+            if problem:
+                raise RecipeError(problem)
+
+
+# The keys of one loss type only (TRL's GRPOConfig names); the others' runs would ignore them
+LOSS_TYPE_KEYS = {"sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+                  "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")}
+# vespo's weight phi(w) = exp(lambda + k log w - lambda w) (rl_losses.gamma_weights; 1 at w = 1) over the
+# sequence ratios it is computed for, w in [1e-8, e^20]: above this peak one sequence's term outweighs a
+# step's others by orders of magnitude (TRL's defaults peak at 1.2 and 1.24)
+VESPO_PEAK_MAX = 1e3
+
+
+def vespo_peak(k: float, lam: float) -> tuple[float, float]:
+    """The largest log phi(w) over w in [1e-8, e^20], and the w where it is: at w = k / lambda where that is
+    in the range (k >= 0, lambda > 0), else at an end."""
+    low, high = 1e-8, math.exp(20.0)
+    candidates = [low, high] + ([k / lam] if low < k / lam < high else [])
+    return max((lam + k * math.log(w) - lam * w, w) for w in candidates)
+
+
+def vespo_problem(k: float, lam: float, side: str) -> str | None:
+    """Why vespo's weight with these k and lambda (the advantage's sign `side`) would blow the loss up, or None."""
+    sign = ">=" if side == "pos" else "<"
+    if k < 0:
+        return (f"vespo_k_{side}={k:g}: must be >= 0; the weight phi(w) = exp(lambda + k log w - lambda w) of a "
+                f"sequence whose advantage is {sign} 0 grows as w^k while its ratio w falls (to {1e-8 ** k:.1e} at "
+                f"w = 1e-8), and the loss with it (TRL's default: {2.0 if side == 'pos' else 3.0:g})")
+    if lam <= 0:
+        return (f"vespo_lambda_{side}={lam:g}: must be > 0 (TRL's weight clamps it to 1e-4, where the weight is "
+                f"about w^k and reaches e^(20k) at the largest ratio it is computed for; TRL's default: "
+                f"{3.0 if side == 'pos' else 2.0:g})")
+    log_peak, at = vespo_peak(k, lam)
+    if log_peak > math.log(VESPO_PEAK_MAX):
+        return (f"vespo_k_{side}={k:g} with vespo_lambda_{side}={lam:g}: the weight phi(w) = exp(lambda + k log w - "
+                f"lambda w) peaks at {math.exp(min(log_peak, 700.0)):.2g} (at the ratio w = {at:.3g}), where one "
+                f"sequence's term outweighs a step's others and the loss blows up; keep the peak under "
+                f"{VESPO_PEAK_MAX:g} (lambda near k keeps it near 1; TRL's defaults k 2, lambda 3 and k 3, lambda 2)")
+    return None
+
+
+def loss_settings_named(r) -> str | None:
+    """The loss's own settings changed from TRL's defaults (entropy_coef, sapo's, vespo's), named where a run's
+    loss stopped being finite: they can make it blow up, whatever the learning rate and the data."""
+    keys = ("entropy_coef",) + LOSS_TYPE_KEYS.get(r.loss_type, ())
+    changed = [f"{k}={getattr(r, k):g} (TRL's default: {default(r, k):g})" for k in keys
+               if getattr(r, k) != default(r, k)]
+    if not changed:
+        return None
+    return (f"{' and '.join(changed)} {'enters' if len(changed) == 1 else 'enter'} this loss and can make it blow up: "
+            "try the default first")
 
 
 def check_tools(r):

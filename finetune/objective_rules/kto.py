@@ -28,13 +28,13 @@ def reference(r) -> str | None:
 
 def resume_problem(r, changed: dict) -> str | None:
     """What a resumed run may not change (changed: key -> (the checkpoint's value, this run's)): the KL rows
-    pair rows within chunks of micro_batch_size, so another micro_batch_size would estimate the resumed
-    steps' KL on other pairs than the uninterrupted run's."""
+    pair rows within each micro-batch, so another micro_batch_size would estimate the resumed steps' KL on
+    other pairs than the uninterrupted run's."""
     if r.kto_loss == "kto" and "micro_batch_size" in changed:
         old, new = changed["micro_batch_size"]
-        return (f"micro_batch_size: {old} -> {new}: objective=kto's KL rows pair each row's prompt with another "
-                "row's completion within chunks of micro_batch_size rows, so the resumed steps would estimate "
-                "the KL on other pairs")
+        return (f"micro_batch_size: {old} -> {new}: objective=kto's KL rows pair each row's prompt with the "
+                "completion of the row before it within its micro-batch, so the resumed steps would estimate the KL "
+                f"on other pairs; resume with micro_batch_size={old}")
     return None
 
 
@@ -51,9 +51,9 @@ def check(r, strategy) -> None:
                               "within 1 to 4/3 of undesirable_weight x undesirable rows")
     if r.kto_loss == "kto" and r.micro_batch_size < 2:
         raise RecipeError(f"micro_batch_size={r.micro_batch_size} with objective=kto: the KL estimate pairs each "
-                          "prompt with the completion of the row before it within chunks of micro_batch_size rows "
-                          "(TRL's rule), so a chunk of one pairs a row with itself; set micro_batch_size=2 or more, "
-                          "or kto_loss=apo_zero_unpaired (no KL estimate)")
+                          "prompt with the completion of the row before it within its micro-batch (TRL's rule), so a "
+                          "micro-batch of one pairs a row with itself; set micro_batch_size=2 or more, or "
+                          "kto_loss=apo_zero_unpaired (no KL estimate)")
     refuse_switched_on(r, ("packing", "padding_free", "train_on_prompt"), "objective=kto",
                        "a row is scored as its whole sequence, on the completion only")
     if r.sequence_parallel > 1 and r.precompute_reference:

@@ -29,6 +29,7 @@ from finetune.model import (concatenation_problem, load_config, load_model, load
                             sample_length_problem)
 from finetune.training.objectives import Context, Objective, objective_for
 from finetune.parallel import Parallel
+from finetune.objective_rules import loss_settings_named
 from finetune.offload import activation_offload
 from finetune.generation import answer_length
 from finetune.plan import Plan
@@ -138,8 +139,10 @@ def skip_nonfinite(state: LoopState, loss: float, grad_norm, recipe, out: Path) 
         return True
     allowed = (f"{recipe.max_nonfinite_steps} such step(s) were skipped already; " if recipe.max_nonfinite_steps
                else "")
+    named = loss_settings_named(recipe)  # GRPO's entropy_coef, sapo's, vespo's, where changed
     raise NonFiniteError(f"step {step}: loss {loss}, gradient norm {norm}: not finite; {allowed}stopped "
-                         f"without saving ({after_nonfinite(out / 'checkpoints', recipe, step)})")
+                         f"without saving ({named + '; ' if named else ''}"
+                         f"{after_nonfinite(out / 'checkpoints', recipe, step)})")
 
 
 def to_device(data, device):
@@ -233,7 +236,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
                       weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device,
-                      sp=sp)
+                      sp=sp, schedule=schedule, total_steps=total_steps)
     objective.before_model(context)
 
     model, optimizer, scheduler = load_and_prepare(plan, accelerator, model_path, config, total_steps)
@@ -420,6 +423,8 @@ class Reporter:
     def begin(self, step: int) -> None:
         """The progress bar (or log lines), from the step the run starts at."""
         self.progress = Progress(self.total_steps, step, self.accelerator.is_main_process, self.objective.shown)
+        if self.objective.loss_note:
+            self.progress.note(self.objective.loss_note)
 
     def step(self, state: LoopState, result: StepResult, scheduler, meter: Throughput, epoch: int) -> None:
         """After each optimizer step: a record every log_every steps and at the last."""
@@ -568,8 +573,9 @@ def finish(run: Run, state: LoopState, meter: Throughput, last_eval: float | Non
     reporter.close()
     if stopped:
         reporter.final_plot()
-        log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto"
-                    if state.step else "stopped by signal before the first training step; nothing to save")
+        if is_main:  # every rank stops alike, whichever rank the signal reached: one line
+            log.warning(f"stopped by signal at step {state.step}; checkpoint saved; continue with --resume auto"
+                        if state.step else "stopped by signal before the first training step; nothing to save")
         finish_together(accelerator)
         return {"steps": state.step, "stopped": True}
     final = save_final_model(accelerator, run.model, run.tokenizer, out / FINAL,

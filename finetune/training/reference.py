@@ -165,21 +165,28 @@ def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Path], to_device, key: dict,
+def split_passes(datasets, recipe, layout: SP.Layout) -> list[tuple]:
+    """What precompute scores: each split's rows once, this data-parallel rank's share of them in micro-batches
+    ((name, split, this rank's micro-batches as row lists, kl_max_len 0: the rows' own second halves))."""
+    return [(name, ds, D.eval_batches(ds, recipe.micro_batch_size, layout.dp_rank, layout.dp_size), 0)
+            for name, ds in (("train", datasets.train), ("eval", datasets.eval)) if ds is not None]
+
+
+def precompute(accelerator, model, passes: list[tuple], recipe, pad_id: int, paths: list[Path], to_device, key: dict,
                layout: SP.Layout) -> Path:
-    """One pass over the train and eval pairs with the policy as it starts (adapter off under LoRA):
-    each data-parallel rank scores its share (under sequence parallelism each rank of its group a slice
-    of every pair, summed over the group), rank 0 writes them all (atomically), every rank waits for
-    the file."""
+    """One pass with the policy as it starts (adapter off under LoRA) over each of `passes` (split_passes;
+    KTO's also scores its training KL rows as each epoch's micro-batches make them): each data-parallel rank
+    scores its micro-batches (under sequence parallelism each rank of its group a slice of every pair, summed
+    over the group), each row's two values under the pass's name (None for a row the pass does not score),
+    rank 0 writes them all (atomically), every rank waits for the file."""
     reference = AdapterDisabled(recipe) if recipe.lora else None
     values = {}
     model.eval()
-    for split, ds in (("train", datasets.train), ("eval", datasets.eval)):
-        if ds is None:
-            continue
+    for name, ds, batches, kl_max_len in passes:
         mine = {}
-        for rows in D.eval_batches(ds, recipe.micro_batch_size, layout.dp_rank, layout.dp_size):
-            batch = to_device(layout.shard(D.fetch(ds, rows, pad_id, False)), accelerator.device)
+        for rows in batches:
+            batch = to_device(layout.shard(D.fetch(ds, rows, pad_id, False, kl_max_len=kl_max_len)),
+                              accelerator.device)
             if reference is not None:
                 sums = reference.logps(model, batch)
             else:
@@ -193,7 +200,7 @@ def precompute(accelerator, model, datasets, recipe, pad_id: int, paths: list[Pa
         gathered = [None] * accelerator.num_processes
         torch.distributed.all_gather_object(gathered, mine)
         merged = {k: v for part in gathered for k, v in part.items()}
-        values[split] = [merged[i] for i in range(len(ds))]
+        values[name] = [merged.get(i) for i in range(len(ds))]
     model.train()
     target = None
     if accelerator.is_main_process:
@@ -261,14 +268,14 @@ def read_precomputed(path: Path, key: dict, sha256: str | None = None) -> tuple[
     return values, digest
 
 
-def attach(datasets, path: Path, values: dict):
-    """The train and eval pairs with their reference log-probs (read from `path`) as two columns."""
-    for split in ("train", "eval"):
+def attach(datasets, path: Path, values: dict, splits: tuple[str, ...] = ("train", "eval")):
+    """The splits' pairs with their reference log-probs (read from `path`) as two columns."""
+    for split in splits:
         ds = getattr(datasets, split)
         if ds is None:
             continue
         pairs = values.get(split) or []
-        if len(pairs) != len(ds):
+        if len(pairs) != len(ds) or None in pairs:
             raise RecipeError(f"{path}: holds {len(pairs)} {split} pairs' reference log-probs for {len(ds)} pairs; "
                               "delete it to compute them again")
         ds = ds.add_column(COLUMNS[0], [float(c) for c, _ in pairs])

@@ -50,15 +50,21 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
     row's tokens before its first target token, and its first answer (the target tokens that follow).
     A packed row gives its first example, a preference pair its chosen side (its prompt, and the chosen
     answer as the reference), a prompt row (GRPO) its prompt and its `answer` column as the reference
-    (the column exact_match scores against; empty where it has none). Rows without a prompt (text rows,
-    train_on_prompt=true) give none; an eval set smaller than n is a RecipeError."""
+    (the column exact_match scores against; empty where it has none). An unpaired row (KTO) is a
+    reference only where it is desirable: the desirable rows come first, and an undesirable row, taken
+    where there are fewer than n desirable ones, has an empty reference (its completion is what the
+    model should not answer). Rows without a prompt (text rows, train_on_prompt=true) give none; an eval
+    set smaller than n is a RecipeError."""
     available = min(len(ds), limit) if limit else len(ds)
     if n > available:
         raise RecipeError(f"sample_prompts={n} is more than the {available} eval rows"
                           f"{' (eval_max_samples)' if limit and limit < len(ds) else ''}; lower sample_prompts "
                           "(0: no samples)")
+    order = list(range(available))
+    desirable = list(ds.select(order)["desirable"]) if "desirable" in ds.column_names else [1] * available
+    order = [i for i in order if desirable[i]] + [i for i in order if not desirable[i]]
     prompts = []
-    for i in range(n):
+    for i in order[:n]:
         row = ds[i]
         if "prompt_input_ids" in row:
             prompt = list(row["prompt_input_ids"])
@@ -76,8 +82,8 @@ def eval_prompts(ds, n: int, tokenizer, limit: int = 0) -> list[Prompt]:
             continue
         stop = next((j for j in range(start, len(labels)) if labels[j] == D.IGNORE), len(labels))
         prompt = list(ids[:start])
-        prompts.append(Prompt(prompt, tokenizer.decode(prompt),
-                              tokenizer.decode(ids[start:stop], skip_special_tokens=True)))
+        answer = tokenizer.decode(ids[start:stop], skip_special_tokens=True) if desirable[i] else ""
+        prompts.append(Prompt(prompt, tokenizer.decode(prompt), answer))
     return prompts
 
 

@@ -4,9 +4,12 @@ command a CPU user types. The tiny model, tokenizer and data are built once per 
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import resource
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from finetune.training.metrics import read_metrics, run_history
+from forkserver import forkable
 from suite_runs import SAVE, STRATEGIES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -75,12 +79,68 @@ def launch_env(tmp_path_factory) -> dict:
 SHM, SHM_LEFT = Path("/dev/shm"), "deepspeed_allreduce_buffer_*"
 
 
+class ForkServer:
+    """tests/distributed/forkserver.py, started on the first launch it serves and stopped with the session."""
+
+    def __init__(self, env: dict, workdir: Path):
+        self.env, self.workdir, self.proc, self.replies, self.count = env, workdir, None, None, 0
+
+    def _start(self) -> None:
+        read, write = os.pipe()
+        log = open(self.workdir / "server.log", "w")
+        env = dict(self.env, DS_ACCELERATOR="cpu")  # a rank sets it before DeepSpeed is imported (train.main)
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forkserver.py")), str(write)],
+                                     cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=log, stderr=log, text=True,
+                                     pass_fds=(write,))
+        os.close(write)
+        self.replies = os.fdopen(read)
+        ready = self.replies.readline()
+        if not ready:
+            raise RuntimeError(f"the fork server did not start: {(self.workdir / 'server.log').read_text()[-3000:]}")
+
+    def launch(self, nprocs: int, args: list[str], env: dict, timeout: int) -> tuple[int, str, str, bool, float]:
+        """(exit code, stdout, stderr, timed out, CPU seconds of the ranks) of one launch."""
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.count += 1
+        out, err = self.workdir / f"{self.count}.out", self.workdir / f"{self.count}.err"
+        request = {"nprocs": nprocs, "args": args, "env": env, "cwd": str(REPO), "port": _free_port(),
+                   "timeout": timeout, "stdout": str(out), "stderr": str(err)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.replies.readline()
+        if not line:
+            raise RuntimeError(f"the fork server died: {(self.workdir / 'server.log').read_text()[-3000:]}")
+        reply = json.loads(line)
+        return reply["returncode"], out.read_text(), err.read_text(), reply["timed_out"], reply["cpu_s"]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# FINETUNE_TEST_LAUNCH=real: every launch through `accelerate launch` / `python finetune/run.py` (forkserver.py)
+ALL_REAL = os.environ.get("FINETUNE_TEST_LAUNCH", "") == "real"
+
+
 @pytest.fixture(scope="session")
 def launch(launch_env, tmp_path_factory):
-    """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`."""
+    """launch(nprocs, *overrides) -> Run; nprocs=1 runs plain `python finetune/run.py`. A launch runs its
+    ranks as forks of tests/distributed/forkserver.py (the imports paid once per session: a 2-process tiny
+    run costs about 8 CPU-seconds instead of 28), with the environment and the handling of a failed rank
+    that `accelerate launch` gives. The real command (`accelerate launch ...`) runs for the first
+    multi-process launch of each recipe (each objective) and of each strategy in the session, for real=True,
+    front=True, and an extra_env the server cannot give a forked rank (forkserver.forkable)."""
+    server = ForkServer(launch_env, tmp_path_factory.mktemp("forkserver"))
+    launched_for_real: set[tuple[str, str]] = set()  # ("recipe", name), ("strategy", name) a real launch trained
 
     def run(nprocs: int, *overrides: str, recipe: str = "tiny", output_dir: Path | None = None,
-            check: bool = True, timeout: int = 600, extra_env: dict | None = None, front: bool = False) -> Run:
+            check: bool = True, timeout: int = 600, extra_env: dict | None = None, front: bool = False,
+            real: bool = False) -> Run:
         """front=True launches through `finetune train` (finetune/cli.py) instead of accelerate directly."""
         out = output_dir or tmp_path_factory.mktemp("run")
         args = ["--recipe", recipe, *FAST, f"output_dir={out}", *overrides]
@@ -94,18 +154,49 @@ def launch(launch_env, tmp_path_factory):
                    str(nprocs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), "finetune/run.py", *args]
         env = dict(launch_env, **(extra_env or {}))
+        # the launch path itself is checked too: the first multi-process launch of each recipe (each objective)
+        # and of each strategy in the session is real, and so is every launch that the server cannot give
+        strategy = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("strategy=")), "")
+        keys = {("recipe", recipe)} | ({("strategy", strategy)} if strategy else set())
+        real = real or (nprocs > 1 and not keys <= launched_for_real)
+        forked = not (real or front or ALL_REAL or not forkable(extra_env or {}))
         shm_before = set(SHM.glob(SHM_LEFT))
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        started, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
+        if forked:
+            code, stdout, stderr, timed_out, cpu = server.launch(nprocs, args, env, timeout)
+            if timed_out:
+                raise subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+        else:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+            code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
+        log_launch(nprocs, forked, time.monotonic() - started, cpu, code)
+        if not forked and nprocs > 1 and code == 0:
+            launched_for_real.update(keys)
         left = sorted(set(SHM.glob(SHM_LEFT)) - shm_before)
         for path in left:  # removed before failing: each holds 64 MiB of the machine's RAM
             path.unlink(missing_ok=True)
-        result = Run(Path(out), proc.returncode, proc.stdout, proc.stderr, launch_env)
-        if check and proc.returncode != 0:
-            raise AssertionError(f"launch failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-6000:]}")
+        result = Run(Path(out), code, stdout, stderr, launch_env)
+        if check and code != 0:
+            how = "forked by tests/distributed/forkserver.py" if forked else " ".join(cmd)
+            raise AssertionError(f"launch failed ({code}): {how}\n{' '.join(cmd)}\n{stderr[-6000:]}")
         assert not left, f"the launch left DeepSpeed's shared-memory buffers in /dev/shm: {[p.name for p in left]}"
         return result
 
-    return run
+    yield run
+    server.stop()
+
+
+def log_launch(nprocs: int, forked: bool, wall: float, cpu: float, code: int) -> None:
+    """FINETUNE_TEST_LAUNCH_LOG=FILE: one JSON line per launch (the test, processes, forked or real, wall and CPU
+    seconds of its processes): what each launch costs (/work/coord/SUITE.md, docs/tests.md)."""
+    path = os.environ.get("FINETUNE_TEST_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0], "nprocs": nprocs,
+                                "forked": forked, "wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "code": code,
+                                "load1": round(os.getloadavg()[0], 2)}) + "\n")
 
 
 def _free_port() -> int:

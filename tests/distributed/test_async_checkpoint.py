@@ -80,7 +80,7 @@ def checkpoint_names(out: Path) -> list[str]:
 
 
 def staging_left(out: Path) -> list[Path]:
-    from finetune.checkpointing.background import run_staging_dir
+    from finetune.checkpointing.staging import run_staging_dir
 
     return list(run_staging_dir(out).glob("*")) if run_staging_dir(out).exists() else []
 
@@ -192,6 +192,7 @@ def test_sigterm_with_a_write_in_flight_saves_and_resumes_exactly(cut, resumed, 
     assert first.returncode == 0, first.stderr[-3000:]
     assert "waited" in first.stderr and "for checkpoint step_000000005's background write" in first.stderr
     assert first.left == ["step_000000005", "step_000000008"]
+    assert first.stderr.count("stopped by signal") == 1, first.stderr[-3000:]  # SIGTERM to rank 1: said once
     assert "stopped by signal at step 8" in first.stderr
     second = resumed("zero2")
     assert f"resumed from {out / 'checkpoints' / 'step_000000008'} at step 8" in second.stderr

@@ -6,6 +6,7 @@ exports to the same Hugging Face model as `final/`; damaged or foreign checkpoin
 
 from __future__ import annotations
 
+import re
 import json
 import math
 import os
@@ -565,7 +566,7 @@ def test_planted_or_damaged_small_files_are_one_line(plant, words, run_in_proces
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
     message = refused.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: checkpoint {ckpt}") and words in message, message
-    assert "nothing was loaded" in message
+    assert re.search(r"nothing (in it )?was (run or )?loaded", message), message
     assert sorted(p.name for p in ckpt.rglob("*")) == before
     assert not (out / "finetune.lock").exists()
 

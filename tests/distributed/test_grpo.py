@@ -102,6 +102,9 @@ def test_two_processes_sample_and_train_as_one(grpo_run, strategy):
     summary = json.loads((two.output_dir / "summary.json").read_text())
     assert summary["final_eval_reward"] == evals[2]["eval_reward"] and summary["final_eval_loss"] is None
     assert "eval metrics" in two.stderr and "eval loss" not in two.stderr
+    # why the loss shown is about 0, said once (beta > 0 here: its KL term too)
+    assert two.stderr.count("note: the loss shown stays about 0 whatever the policy learns") == 1
+    assert "plus beta=" in two.stderr
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and r["completions/max_length"] <= 8 for r in recs)
 
 
@@ -321,7 +324,7 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(launch, tmp_path_fa
     # 5's rollout
     assert errors[0].startswith("error: step 5: reward function broken raised ZeroDivisionError: division by zero "
                                 "(prompt: '"), errors[0]
-    assert "its last checkpoint is intact" in errors[0]
+    assert "its newest checkpoint, step_000000004, is intact: fix the function" in errors[0]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000002", "step_000000004"]
     assert [r["step"] for r in rollouts(run)] == [1] * 16 + [3] * 16
 

@@ -59,6 +59,8 @@ class Context:
     weights_on_this_rank: bool  # whether a model loaded now reads its weights on this rank (strategy.reads_weights)
     to_device: Callable  # a batch onto the training device (loop.to_device)
     sp: object  # this rank's sequence-parallel layout (finetune.sequence_parallel.Layout)
+    schedule: object = None  # the rows each step reads (finetune.data.BatchSchedule, objective.schedule)
+    total_steps: int = 0  # the steps the run trains for
 
     @property
     def recipe(self):
@@ -71,6 +73,7 @@ class Objective(Protocol):
     metrics: tuple[str, ...]
     maxed: int  # the last `maxed` of take_metrics' values reduce over ranks by max (the rest by sum)
     shown: dict[str, str]  # metric -> its short label on the progress line and in the summary
+    loss_note: str  # said once as training starts where the loss shown needs a word (GRPO's: about 0); "": none
     panels: tuple  # loss.png's panels: (title, y label, metric key), train and eval (training/metrics.py)
     generates: bool  # the trained model generates text (eval samples); a reward model only scores
     makes_batches: bool  # rollout() makes the step's batches itself (GRPO): the loop fetches no rows
@@ -108,6 +111,7 @@ class Basic:
     with metrics adds their sums to self.sums in loss()."""
     metrics: tuple[str, ...] = ()
     shown: dict[str, str] = {}
+    loss_note = ""
     panels = LOSS_PANELS  # loss.png: the loss
     generates = True
     identifies_model = False

@@ -112,6 +112,67 @@ def same_vocabulary(student_tokenizer, teacher_path: str, student_config, teache
     return None
 
 
+def check_teacher(recipe, student_tokenizer, student_config) -> tuple[str, object]:
+    """The teacher's directory and config, read without its weights: one line (RecipeError) where it is not
+    there, cannot be read, is not a causal language model (a reward model's final/, a classifier) or has
+    another vocabulary than the student's. The `finetune` front calls it before launching
+    (commands/train.check_model_and_data), each rank before either model loads (before_model)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from finetune.assets import resolve_model
+    from finetune.recipe import looks_local
+    from finetune.unwrap import without_zero3_init
+
+    with without_zero3_init():  # a builtin teacher made now is built whole, not partitioned by ZeRO-3's zero.Init
+        path = resolve_model(recipe.teacher_model)
+    if looks_local(recipe.teacher_model) and not Path(path).is_dir():
+        raise RecipeError(f"teacher_model={recipe.teacher_model}: no such directory; point it at a model directory "
+                          "(a run's final/: the tiny_distill recipe's teacher is made by `finetune/run.py --recipe "
+                          "tiny`, run it first) or a hub id")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"teacher_model={recipe.teacher_model}: cannot read its config ({str(e).splitlines()[0]}); "
+                          "give a hub id or a directory with config.json (offline? set HF_HUB_OFFLINE=0)") from None
+    problem = not_a_language_model(config) or same_vocabulary(student_tokenizer, path, student_config, config)
+    if problem:
+        raise RecipeError(f"teacher_model={recipe.teacher_model}: {problem}")
+    return path, config
+
+
+def not_a_language_model(config) -> str | None:
+    """Why a model of this config cannot teach (one line), or None: its class (config.architectures) is not
+    a causal language model's, so it gives no next-token distribution (a reward model: one score per row)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from finetune.model import is_reward_config
+
+    classes = getattr(config, "architectures", None) or []
+    if not classes or any(c in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for c in classes):
+        return None
+    what = "a reward model (one score per row)" if is_reward_config(config) else "not a causal language model"
+    return (f"it is a {'/'.join(classes)}, {what}: distillation learns the teacher's next-token distribution; give "
+            "a causal language model of the student's vocabulary (a run's final/ after objective=sft, for example)")
+
+
+def same_model(recipe) -> str | None:
+    """A line where the teacher is the student's own starting model: the divergence starts at 0, and with it
+    its gradient (but for rounding), so the student has nothing to learn from its copy."""
+    from pathlib import Path
+
+    def where(name):  # a directory by its real path; a hub id or builtin:NAME as it is
+        path = Path(name).expanduser()
+        return str(path.resolve()) if path.is_dir() else name
+
+    if where(recipe.teacher_model) != where(recipe.model):
+        return None
+    return (f"teacher_model={recipe.teacher_model} is the student's own model (model={recipe.model}): the divergence "
+            "starts at 0, with its gradient, so the student has nothing to learn from its copy (only rounding noise); "
+            "give a stronger teacher of the same vocabulary")
+
+
 def teacher_identity(path: str, main: bool) -> dict:
     """The teacher's weights' identity (finetune/checkpointing/identity.py: its files' hashes, or its hub
     revision), computed on the main process and shared: recorded in every checkpoint, compared on resume."""
@@ -141,35 +202,14 @@ class Distill(Basic):
         self.sums = None
 
     def before_model(self, context: Context) -> None:
-        """The teacher's config and tokenizer read, before either model loads: one line where its vocabulary is
-        not the student's, or where it cannot be read."""
-        from transformers import AutoConfig
-
-        from finetune.assets import resolve_model
+        """The teacher checked (check_teacher), before either model loads."""
         from finetune.training.generators import check_installed
 
         check_installed(context.recipe)
-        from pathlib import Path
-
-        from finetune.recipe import looks_local
-
-        from finetune.unwrap import without_zero3_init
-
         r = context.recipe
-        with without_zero3_init():  # a builtin teacher made now is built whole, not partitioned by ZeRO-3's zero.Init
-            self.teacher_path = resolve_model(r.teacher_model)
-        if looks_local(r.teacher_model) and not Path(self.teacher_path).is_dir():
-            raise RecipeError(f"teacher_model={r.teacher_model}: no such directory; point it at a model directory "
-                              "(a run's final/: the tiny_distill recipe's teacher is made by `finetune/run.py --recipe "
-                              "tiny`, run it first) or a hub id")
-        try:
-            self.teacher_config = AutoConfig.from_pretrained(self.teacher_path)
-        except (OSError, ValueError) as e:
-            raise RecipeError(f"teacher_model={r.teacher_model}: cannot read its config ({str(e).splitlines()[0]}); "
-                              "give a hub id or a directory with config.json (offline? set HF_HUB_OFFLINE=0)") from None
-        problem = same_vocabulary(context.tokenizer, self.teacher_path, context.config, self.teacher_config)
-        if problem:
-            raise RecipeError(f"teacher_model={r.teacher_model}: {problem}")
+        self.teacher_path, self.teacher_config = check_teacher(r, context.tokenizer, context.config)
+        if context.accelerator.is_main_process and same_model(r):
+            log.warning(same_model(r))
         self.teacher_identity = teacher_identity(self.teacher_path, context.accelerator.is_main_process)
         resume = context.plan.resume
         saved = resume.manifest.get("teacher_identity") if resume is not None else None

@@ -41,7 +41,7 @@ from finetune.training.metrics import log
 from finetune.training.objectives.base import Basic, Context
 from finetune.recipe import reference_kind
 from finetune.training.reference import (attach, build_reference, check_precomputed, precompute, precompute_key,
-                                precomputed_path, read_precomputed)
+                                precomputed_path, read_precomputed, split_passes)
 from finetune.checkpointing.resume import reference_record
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -100,7 +100,7 @@ class DPO(Basic):
         if reference_kind(self.recipe) != "precomputed":
             return
         r = context.recipe
-        key = precompute_key(r, context.datasets, context.identity, context.tokenizer)
+        key = self.reference_key(context)
         paths = precomputed_path(r, context.datasets, key)
         self.precomputed = (key, paths, *check_precomputed(r, paths, reference_record(context.plan.resume)))
 
@@ -118,13 +118,25 @@ class DPO(Basic):
         key, paths, found, sha256 = self.precomputed
         if found is None:
             t0 = time.perf_counter()
-            found = precompute(accelerator, model, context.datasets, r, context.tokenizer.pad_token_id, paths,
-                               context.to_device, key, context.sp)
+            found = precompute(accelerator, model, self.reference_passes(context), r, context.tokenizer.pad_token_id,
+                               paths, context.to_device, key, context.sp)
             if accelerator.is_main_process:
                 log.info(f"reference log-probs of every pair computed in {time.perf_counter() - t0:.1f}s: {found}")
         values, sha256 = read_precomputed(found, key, sha256)
-        attach(context.datasets, found, values)
+        self.attach_reference(context, found, values)
         return {"reference_logps": {"path": str(found), "sha256": sha256}}
+
+    def reference_key(self, context: Context) -> dict:
+        """What the precomputed log-probs are of (reference.precompute_key): the prepared pairs and the model."""
+        return precompute_key(context.recipe, context.datasets, context.identity, context.tokenizer)
+
+    def reference_passes(self, context: Context) -> list[tuple]:
+        """What precompute_reference scores: every pair of each split once (reference.split_passes)."""
+        return split_passes(context.datasets, context.recipe, context.sp)
+
+    def attach_reference(self, context: Context, path, values: dict) -> None:
+        """The precomputed log-probs (read and checked) onto the pairs, as two columns of each split."""
+        attach(context.datasets, path, values)
 
     def loss(self, model, batch: dict, aux: list | None = None) -> torch.Tensor:
         """The summed loss of one micro-batch's pairs; its metrics' sums are kept for take_metrics."""

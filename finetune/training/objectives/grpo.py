@@ -26,6 +26,7 @@ from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import token_logps, token_logps_entropy, token_logps_within
 from finetune.model import context_length
+from finetune.checkpointing.resume import kept_checkpoint
 from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
                                           generator_for, importance_weights)
@@ -60,6 +61,18 @@ def gather_rows(obj) -> list:
     return gather_objects(obj)[::SP.group_size()]
 
 
+def loss_note(recipe) -> str:
+    """Said once as training starts: why the progress line's loss stays near 0 (users took `loss 0.0000`
+    at every step for a run that learns nothing)."""
+    ratio = "is 1 on the step's own rollout" if recipe.num_iterations == 1 else \
+        f"is 1 on a rollout's first step and near 1 on its later ones (num_iterations={recipe.num_iterations})"
+    kl = f"; plus beta={recipe.beta:g} x the KL to the reference, which grows as the policy moves" \
+        if recipe.beta and recipe.loss_type != "rloo" else ""
+    return (f"note: the loss shown stays about 0 whatever the policy learns: it is the policy loss, whose advantages "
+            f"average 0 within each group and whose importance ratio {ratio}{kl}; the reward shows the learning (and "
+            "eval reward at each eval)")
+
+
 class GRPO(Basic):
     name = "grpo"
     makes_batches = True  # the loop hands rollout() no fetched rows: it reads the step's prompts itself
@@ -92,6 +105,7 @@ class GRPO(Basic):
         self.loss_metrics = metric_names(self.loss_type, self.beta)
         self.metrics = self.loss_metrics + self.rollout_names
         self.shown = {"reward": "reward"} | ({"kl": "kl"} if self.beta != 0.0 else {})
+        self.loss_note = loss_note(recipe)
         # loss.png: not the policy loss, which is about 0 whatever the policy
         self.panels = (("reward: the weighted sum of the reward functions", "reward (mean per completion)", "reward"),
                        ("completion length", "tokens per completion (mean)", "completions/mean_length"),
@@ -212,8 +226,8 @@ class GRPO(Basic):
             return None
         failed = first_failure(parts)
         if failed is not None:
-            raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, its last checkpoint is "
-                              "intact: fix the function and continue with --resume auto")
+            raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, {kept_checkpoint(run.out)}: "
+                              "fix the function and continue with --resume auto")
         return (*joined(parts, len(self.rewards.names)), seconds, talk_of(parts))
 
     def dynamic_batch(self, run, k: int, step: int, rows: list[int], stop=None):
@@ -436,8 +450,8 @@ class GRPO(Basic):
                 return None
             failed = first_failure(parts)
             if failed is not None:
-                raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, its last "
-                                  "checkpoint is intact: fix the function and continue with --resume auto")
+                raise RecipeError(f"eval at {failed}; the run stopped at the eval after step {step}, "
+                                  f"{kept_checkpoint(run.out)}: fix the function and continue with --resume auto")
             batches.append(parts)
         return None, eval_metrics(batches, self.rewards.weights, self.rewards.names, g, r.scale_rewards)
 
