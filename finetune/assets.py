@@ -25,11 +25,28 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-BUILTIN_MODELS = {"tiny-llama": "tiny-llama", "tiny-llama-h64": "tiny-llama-h64"}
+# tiny-llama-tools: the tokenizer's tool-call tokens and a chat template that renders tools, calls and their
+# answers, after Mistral's (v11 on): the tools listed before the conversation, a call written
+# [TOOL_CALLS]name[ARGS]{arguments} (finetune/tools.py MistralCalls reads it), an answer as a `tool` turn. The
+# listing is short, each tool's name(arguments): description, where Mistral's is the schemas' JSON: a
+# character tokenizer would make the JSON of one tool 200 tokens of every prompt.
+# Appended after the tiny tokenizer's tokens, so that every other id is the tiny-llama's.
+TOOL_SPECIALS = ["[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]", "<|tool|>"]
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{% for t in tools %}{{ t['function']['name'] }}("
+    "{{ t['function']['parameters']['properties'] | list | join(',') }}): {{ t['function']['description'] }}\n"
+    "{% endfor %}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "[TOOL_CALLS]{{ c['function']['name'] }}[ARGS]{{ c['function']['arguments'] | tojson }}{% endfor %}{% endif %}"
+    "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+BUILTIN_MODELS = {"tiny-llama": "tiny-llama", "tiny-llama-h64": "tiny-llama-h64", "tiny-llama-tools": "tiny-llama-tools-1"}
 BUILTIN_DATASETS = {"tiny-tasks": "tiny-tasks.jsonl", "tiny-preferences": "tiny-preferences-3.jsonl",
-                    "tiny-prompts": "tiny-prompts-1.jsonl", "tiny-kto": "tiny-kto-1.jsonl"}
+                    "tiny-prompts": "tiny-prompts-1.jsonl", "tiny-kto": "tiny-kto-1.jsonl",
+                    "tiny-products": "tiny-products-1.jsonl"}
 BUILTIN_FORMATS = {"tiny-tasks": "alpaca", "tiny-preferences": "preference", "tiny-prompts": "prompt",
-                   "tiny-kto": "unpaired"}  # what prevalidation knows of them
+                   "tiny-kto": "unpaired", "tiny-products": "prompt"}  # what prevalidation knows of them
 
 
 def cache_root() -> Path:
@@ -64,12 +81,15 @@ def _rows_file(name: str, seed: int, row, n: int) -> Path:
     return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_DATASETS[name])
 
 
-def build_tokenizer():
+def build_tokenizer(tools: bool = False):
+    """The tiny character-level tokenizer; tools: with the tool-call tokens and template (tiny-llama-tools)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     chars = list(string.printable)
     vocab = {tok: i for i, tok in enumerate(SPECIALS + [c for c in chars if c not in SPECIALS])}
+    if tools:
+        vocab |= {tok: len(vocab) + i for i, tok in enumerate(TOOL_SPECIALS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -77,23 +97,24 @@ def build_tokenizer():
                                                         special_tokens=[("<s>", vocab["<s>"])])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
-        additional_special_tokens=SPECIALS[4:], model_max_length=4096,
+        additional_special_tokens=SPECIALS[4:] + (TOOL_SPECIALS if tools else []), model_max_length=4096,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
     return tok
 
 
 def tiny_model_dir(name: str = "tiny-llama") -> Path:
     """The builtin model `name` (BUILTIN_MODELS), built once in the cache. tiny-llama: 2 layers, hidden 64,
     4 heads of 16; tiny-llama-h64: the same tokenizer and depth, hidden 128 in 2 query heads of 64 (one
-    key/value head): a head size vLLM's CPU attention serves (it refuses 16), for generation_backend=vllm."""
+    key/value head): a head size vLLM's CPU attention serves (it refuses 16), for generation_backend=vllm;
+    tiny-llama-tools: the tiny-llama's weights with the tool-call tokens and template (TOOLS_CHAT_TEMPLATE)."""
     wide = name == "tiny-llama-h64"
 
     def build(tmp: Path) -> Path:
         import torch
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        tok = build_tokenizer()
+        tok = build_tokenizer(tools=name == "tiny-llama-tools")
         shape = (dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1) if wide
                  else dict(hidden_size=64, intermediate_size=176, num_attention_heads=4, num_key_value_heads=2))
         config = LlamaConfig(
@@ -205,6 +226,20 @@ def tiny_prompts_file(n: int = 4000) -> Path:
     return _rows_file("tiny-prompts", 2718, _prompt, n)
 
 
+def _product(rng: random.Random) -> dict:
+    """A product of two numbers of two digits, which a tiny model cannot compute (8,100 of them), and a
+    calculator that can (recipes/tiny_grpo_tools.py): the prompt as a conversation, the answer, the numbers."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return {"prompt": [{"role": "user", "content": f"{a}*{b}"}], "answer": str(a * b), "a": a, "b": b}
+
+
+def tiny_products_file(n: int = 4000) -> Path:
+    """Prompt rows for objective=grpo with tools (recipes/tiny_grpo_tools.py): the product of two numbers of two
+    digits, its answer, and the numbers (which the recipe's calculator environment is reset with)."""
+
+    return _rows_file("tiny-products", 3141, _product, n)
+
+
 def resolve_model(name: str) -> str:
     """builtin:NAME -> a local directory made on first use; anything else unchanged."""
     if name.startswith("builtin:"):
@@ -216,6 +251,6 @@ def resolve_model(name: str) -> str:
 def resolve_dataset(name: str) -> str:
     if name.startswith("builtin:"):
         files = {"tiny-tasks": tiny_tasks_file, "tiny-preferences": tiny_preferences_file,
-                 "tiny-prompts": tiny_prompts_file, "tiny-kto": tiny_kto_file}
+                 "tiny-prompts": tiny_prompts_file, "tiny-kto": tiny_kto_file, "tiny-products": tiny_products_file}
         return str(files[name[len("builtin:"):]]())
     return name

@@ -248,3 +248,55 @@ def answer(model, tokenizer, text: str, fmt: str, max_new_tokens: int, temperatu
                             pad_id=pad_id_for(tokenizer), context=context_length(model.config), seeds=seeds,
                             vocab_size=len(tokenizer))
     return tokenizer.decode(completion.tokens, skip_special_tokens=True)
+
+
+def tools_of(specs: str | None, recipe: dict) -> list:
+    """--tools module:function,... as functions (tools.resolve_tools: one line where one cannot be used), else
+    the tools of the run's recipe.json (an environment_factory, which needs a data row to reset, is not
+    offered: name its tools' functions with --tools)."""
+    from finetune.tools import ToolSpecError, resolve_tools
+
+    names = [s.strip() for s in specs.split(",") if s.strip()] if specs else list(recipe.get("tools") or [])
+    try:
+        return resolve_tools(names)
+    except ToolSpecError as e:
+        raise RecipeError(f"--{e}" if str(e).startswith("tools=") else str(e)) from None
+
+
+def answer_with_tools(model, tokenizer, text: str, funcs: list, max_new_tokens: int, temperature: float = 0.0,
+                      generator=None, timeout: float = 60.0) -> tuple[str, list[str]]:
+    """The model's answer to one chat prompt with tools (finetune/training/agent.py, as a GRPO run's rollout): the
+    prompt rendered with the tools' schemas, the calls the model writes run between its turns and their
+    answers fed back, until a turn without a call or max_new_tokens in all. (the last answer, a line per call:
+    `[tool] name {arguments} -> answer`)."""
+    import json as _json
+
+    import torch
+
+    from finetune.data import render_chat
+    from finetune.end_of_turn import end_of_turn
+    from finetune.tools import Toolbox, schema
+    from finetune.training.agent import Conversations, template_for
+
+    schemas = [schema(f) for f in funcs]
+    stops = stop_ids(tokenizer, model) | set(end_of_turn(tokenizer).ids)
+    template = template_for(tokenizer, schemas, stops, getattr(model, "name_or_path", "the model"))
+    messages = [{"role": "user", "content": text}]
+    prompt = tokenizer(render_chat(tokenizer, messages, True, tools=schemas), add_special_tokens=False).input_ids
+    turns = Conversations(template, Toolbox(funcs, schemas=schemas), [{"prompt": messages}], [0], [prompt],
+                          max_rounds=0, timeout=timeout, context=context_length(model.config))
+    seeds = None
+    if temperature > 0:
+        seeds = [int(torch.randint(2**62, (1,), generator=generator or torch.Generator()))]
+    [completion] = generate(model, [prompt], Sampling(max_new_tokens, temperature), stop_ids=stops,
+                            pad_id=pad_id_for(tokenizer), context=context_length(model.config), seeds=seeds,
+                            vocab_size=len(tokenizer), turns=turns)
+    turns.finish([completion])
+    said = [m["content"] for m in turns.messages[0] if m["role"] == "assistant"]
+    calls = [c for m in turns.messages[0] if m["role"] == "assistant" for c in m.get("tool_calls", [])]
+    answers = [m for m in turns.messages[0] if m["role"] == "tool"]
+    lines = [f"[tool] {c['function']['name']} {_json.dumps(c['function']['arguments'])} -> "
+             f"{a['content'] if a is not None else '(not run: past max_new_tokens or the rounds)'}"
+             for c, a in zip(calls, answers + [None] * (len(calls) - len(answers)))]
+    return (said[-1] if said else ""), lines
+

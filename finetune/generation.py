@@ -105,6 +105,18 @@ class Completion:
     stopped: bool  # True: ended on a stop id; False: cut at max_new_tokens, at the context, or by should_stop
     seconds: float = 0.0  # from the call's start until this sequence ended
     logprobs: list[float] = field(default_factory=list)  # each token's log-probability, when asked (generate's logprobs)
+    mask: list[int] | None = None  # with turns: 1 where the model drew the token, 0 where it was fed (a tool's answer)
+
+
+class Turns:
+    """What a multi-turn generation asks between turns (finetune/training/agent.py holds one per batch):
+    called when sequence `row` draws a stop token (the last of `tokens`, its completion so far), with
+    `room` tokens left to it, it answers the tokens to feed the sequence before it draws again (a tool's
+    answer as the chat template renders it), or None: the sequence ends there. Fed tokens never end a
+    turn, count against the budget, and are marked 0 in Completion.mask."""
+
+    def turn_ended(self, row: int, tokens: list[int], room: int) -> list[int] | None:
+        raise NotImplementedError
 
 
 # A counter-based generator (splitmix64's output function: Steele, Lea and Flood, "Fast splittable
@@ -191,7 +203,8 @@ def check_request(prompts: list[list[int]], sampling: Sampling, seeds: list[int]
 def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int], pad_id: int,
              context: int | None, seeds: list[int] | None = None,
              should_stop: Callable[[], bool] | None = None, vocab_size: int | None = None,
-             compiled: bool = False, logprobs: bool = False, logprob_rows: int | None = None) -> list[Completion]:
+             compiled: bool = False, logprobs: bool = False, logprob_rows: int | None = None,
+             turns: Turns | None = None) -> list[Completion]:
     """Batched KV-cache generation over left-padded prompts on an unwrapped HF causal LM whose weights are
     already whole (the caller gathers them once around the call). seeds[i] is sequence i's own seed: its
     tokens are drawn with noise keyed by (seeds[i], position) (next_tokens), so they do not depend on
@@ -204,7 +217,10 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
     worth its compile time on a GPU (decode_compiled). logprobs: also each drawn token's log-probability
     under the distribution a trainer scores (token_logps_within: softmax of the logits / temperature, 1
     when greedy, over the first vocab_size ids, before top_k and top_p), in Completion.logprobs;
-    logprob_rows: over the output layer's first logprob_rows ids instead (all of them: a loss's token_logps)."""
+    logprob_rows: over the output layer's first logprob_rows ids instead (all of them: a loss's token_logps).
+    turns: a multi-turn generation (Turns): a sequence
+    that ends a turn may be fed more tokens and go on, in the same KV cache (nothing is computed again);
+    its sampled tokens keep their positions' noise, so a seed fixes the whole conversation."""
     if not prompts:
         return []
     sampled = check_request(prompts, sampling, seeds)
@@ -225,8 +241,10 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
     longest = max(budget)
     step = _Decoder(model, n, width, longest, mask, positions) if compiled and longest < 2**20 else None
-    # is any sequence still going: read every token on CPU (free), every 8th on a GPU (a device sync)
-    check_every = 8 if device.type == "cuda" else 1
+    # is any sequence still going: read every token on CPU (free), every 8th on a GPU (a device sync); every
+    # token with turns, whose ends the host answers
+    check_every = 8 if device.type == "cuda" and turns is None else 1
+    fed = _Fed(n, pad_id, device) if turns is not None else None
     columns: list[torch.Tensor] = []
     scores: list[torch.Tensor] = []  # each column's log-probabilities (logprobs=True)
     checked: list[tuple[int, float]] = []  # (tokens drawn, seconds since t0) where the host looked
@@ -246,11 +264,16 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
                 extra["output_router_logits"] = False
             result = model(input_ids=ids, past_key_values=past, use_cache=True, logits_to_keep=1, **extra)
             past, logits = result.past_key_values, result.logits[:, -1]
-        tokens = torch.where(active, next_tokens(logits, sampling, seed_ids, t, vocab_size), pad_id)
+        tokens = next_tokens(logits, sampling, seed_ids, t, vocab_size)
+        if fed is not None:
+            tokens = fed.override(tokens)
+        tokens = torch.where(active, tokens, pad_id)
         columns.append(tokens)
         if logprobs:
             scores.append(drawn_logps(logits, tokens, sampling.temperature or 1.0, logprob_rows or vocab_size))
         hit = active & torch.isin(tokens, stop)
+        if fed is not None:
+            hit = fed.answer(turns, tokens, active, hit, left)
         stopped |= hit
         left = left - active.long()
         active = active & ~hit & (left > 0)
@@ -272,6 +295,9 @@ def generate(model, prompts: list[list[int]], sampling: Sampling, *, stop_ids: C
         # the seconds at the first look of the host once its last token was drawn
         seconds = next((s for k, s in checked if k >= count), checked[-1][1]) if count else 0.0
         out.append(Completion(row[:count], bool(hit), seconds, lp[:count]))
+    if fed is not None:
+        for completion, mask in zip(out, fed.masks):
+            completion.mask = mask[:len(completion.tokens)]
     return out
 
 
@@ -281,6 +307,46 @@ def drawn_logps(logits: torch.Tensor, tokens: torch.Tensor, temperature: float,
     first vocab_size ids (the distribution a trainer scores: finetune.loss.token_logps_within)."""
     logits = logits.float()[:, :vocab_size] if vocab_size else logits.float()
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens.clamp(max=logits.shape[-1] - 1)[:, None])[:, 0]
+
+
+class _Fed:
+    """A multi-turn generation's host side (generate's turns): each sequence's tokens so far, which of them
+    were fed, and the tokens it is still to be fed."""
+
+    def __init__(self, n: int, pad_id: int, device):
+        self.pad_id, self.device = pad_id, device
+        self.rows: list[list[int]] = [[] for _ in range(n)]
+        self.masks: list[list[int]] = [[] for _ in range(n)]
+        self.queue: list[list[int]] = [[] for _ in range(n)]
+        self.now = [False] * n  # fed at this step
+
+    def override(self, drawn: torch.Tensor) -> torch.Tensor:
+        """The step's tokens: each sequence's next fed token where it has one, else what it drew."""
+        self.now = [bool(q) for q in self.queue]
+        if not any(self.now):
+            return drawn
+        forced = torch.tensor([q.pop(0) if q else self.pad_id for q in self.queue], device=self.device)
+        return torch.where(torch.tensor(self.now, device=self.device), forced, drawn)
+
+    def answer(self, turns: Turns, tokens: torch.Tensor, active: torch.Tensor, hit: torch.Tensor,
+               left: torch.Tensor) -> torch.Tensor:
+        """Record the step and ask `turns` about every sequence whose drawn token ends a turn; the sequences
+        that end (a stop token drawn and nothing to feed them)."""
+        going, values = active.tolist(), tokens.tolist()
+        for i, on in enumerate(going):
+            if on:
+                self.rows[i].append(values[i])
+                self.masks[i].append(0 if self.now[i] else 1)
+        ended = [on and h and not now for on, h, now in zip(going, hit.tolist(), self.now)]
+        rooms = left.tolist()
+        for i in [i for i, e in enumerate(ended) if e]:
+            more = turns.turn_ended(i, list(self.rows[i]), int(rooms[i]) - 1)
+            if more:
+                if len(more) > rooms[i] - 1:
+                    raise ValueError(f"turns fed {len(more)} tokens to a sequence with room for {rooms[i] - 1}")
+                self.queue[i] = list(more)
+                ended[i] = False
+        return torch.tensor(ended, dtype=torch.bool, device=hit.device)
 
 
 class _Decoder:

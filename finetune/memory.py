@@ -539,7 +539,11 @@ def static_cache_length(tokens: int) -> int:
 @dataclass(frozen=True)
 class Rollout:
     """A GRPO rank's rollout phase: rows completions generated in one batch, each up to prompt_tokens +
-    completion_tokens = tokens long, and how many fp32 log-prob copies of them the step keeps."""
+    completion_tokens = tokens long, and how many fp32 log-prob copies of them the step keeps. With tools
+    (docs/agents.md) a completion is a conversation whose turns and fed tool answers share
+    max_completion_len, in one KV cache that goes on across the turns: the longest conversation's cache is
+    the same prompt + max_completion_len positions (the prompt longer by the tools' schemas, which
+    max_prompt_len / max_seq_len count)."""
     rows: int
     prompt_tokens: int
     tokens: int

@@ -27,7 +27,7 @@ from finetune.errors import RecipeError, refuse_switched_on
 from finetune import objective_rules
 from finetune.objective_rules import reference_kind  # noqa: F401 (asked of the recipe by reference.py, memory.py, resume)
 from finetune.objective_rules.dpo import DPO_BETA_RANGE, SIMPO_GAMMA_MAX  # noqa: F401 (the tests read them here)
-from finetune.objective_rules.grpo import GRPO_LISTS
+from finetune.objective_rules.grpo import GRPO_LISTS, GRPO_OBJECTS
 from finetune.strategy import NAMES as STRATEGIES, strategy_for
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -203,6 +203,18 @@ class Recipe:
                                "finetune.rewards:math_answer, finetune.rewards:think_format; in a recipe file also "
                                "exact_match_on(column), regex_reward(pattern), RewardModel(directory))")
     reward_weights: tuple[object, ...] = _opt((), help="grpo: one weight per reward function, comma-separated; empty: 1 each")
+    # Agents (finetune/tools.py, finetune/training/agent.py, docs/agents.md; TRL's names): tools the model calls over
+    # several turns, each answer rendered by the chat template, in the sequence but out of the loss
+    tools: tuple[object, ...] = _opt((), help="grpo: tools the model may call between turns: functions with type "
+                                     "hints and a docstring, callables in the recipe file or module:function names, "
+                                     "comma-separated (docs/agents.md)")
+    environment_factory: object = _opt("", help="grpo: a class (in the recipe file, or module:Class) made once per "
+                                       "completion: reset(**row), its public methods are tools, get_reward() a "
+                                       "reward (TRL's)")
+    max_tool_calling_iterations: int = _opt(0, min=0, help="grpo with tools: the most rounds of tool calls a "
+                                            "completion makes (0: as many as max_completion_len holds, TRL's None)")
+    tool_timeout: float = _opt(60.0, min=0.0, help="grpo with tools: a call that runs longer answers an error the "
+                               "model reads (0: no limit)")
     num_generations: int = _opt(8, help="grpo: completions sampled per prompt (a group), at least 2")
     temperature: float = _opt(1.0, min=0.0, help="grpo, distill: sampling temperature (0: greedy; distill: also the divergence's)")
     top_p: float = _opt(1.0, min=0.0, max=1.0, help="grpo, distill: nucleus sampling's probability mass (1: off)")
@@ -351,7 +363,7 @@ class Recipe:
     def __post_init__(self):
         if isinstance(self.datasets, list):  # a recipe file may write the mixture as a list
             object.__setattr__(self, "datasets", tuple(self.datasets))
-        for name in ("reward_funcs", "reward_weights"):  # a recipe file may write them as lists, or one function
+        for name in ("reward_funcs", "reward_weights", "tools"):  # a recipe file may write them as lists, or one function
             value = getattr(self, name)
             if isinstance(value, list) or callable(value):
                 object.__setattr__(self, name, tuple(value) if isinstance(value, list) else (value,))
@@ -363,6 +375,11 @@ class Recipe:
             from finetune.rewards import spec_name
 
             values["reward_funcs"] = tuple(spec_name(f) for f in self.reward_funcs)
+        if self.tools:
+            values["tools"] = tuple(f if isinstance(f, str) else f"{f.__module__}:{f.__qualname__}" for f in self.tools)
+        if self.environment_factory and not isinstance(self.environment_factory, str):
+            f = self.environment_factory
+            values["environment_factory"] = f"{f.__module__}:{getattr(f, '__qualname__', type(f).__qualname__)}"
         return values
 
 
@@ -598,7 +615,7 @@ def _check_field(name: str, value) -> None:
         for i, source in enumerate(value):
             check_source_fields(f"datasets[{i}]", source)
         return
-    if name in GRPO_LISTS:
+    if name in GRPO_LISTS or name in GRPO_OBJECTS:
         return  # checked with the objective (finetune/objective_rules/grpo.py): callables and numbers, not strings only
     if name == "eval_dataset":
         if isinstance(value, DataSource):

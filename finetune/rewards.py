@@ -64,23 +64,29 @@ def resolve(spec):
     """A callable from a callable or a "module:function" string."""
     if callable(spec):
         return not_a_class(spec, f"{spec.__module__}:{spec.__qualname__}" if isinstance(spec, type) else "")
+    return not_a_class(resolve_name(spec, "reward_funcs", "finetune.rewards:exact_match"), spec)
+
+
+def resolve_name(spec, key: str, example: str):
+    """The callable a "module:name" string names (a dotted name reaches inside the module), or one line
+    naming the recipe key `key` and what is wrong (the reward functions', the tools', the environment's)."""
     if not isinstance(spec, str) or ":" not in spec:
-        raise RewardSpecError(f"reward_funcs={spec!r}: name a reward function as module:function (for example "
-                              "finetune.rewards:exact_match), or give a callable in the recipe file")
+        raise RewardSpecError(f"{key}={spec!r}: name it as module:function (for example {example}), or give a callable in "
+                              "the recipe file")
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # noqa: BLE001 - any failure to import is the same mistake for the user
-        raise RewardSpecError(f"reward_funcs={spec}: module {module_name} cannot be imported ({type(e).__name__}: "
+        raise RewardSpecError(f"{key}={spec}: module {module_name} cannot be imported ({type(e).__name__}: "
                               f"{e}); check the name and that it is on PYTHONPATH") from None
     func = module
     for part in attr.split("."):
         func = getattr(func, part, None)
         if func is None:
-            raise RewardSpecError(f"reward_funcs={spec}: module {module_name} has no {attr}; check the name")
+            raise RewardSpecError(f"{key}={spec}: module {module_name} has no {attr}; check the name")
     if not callable(func):
-        raise RewardSpecError(f"reward_funcs={spec}: {attr} is a {type(func).__name__}, not a function")
-    return not_a_class(func, spec)
+        raise RewardSpecError(f"{key}={spec}: {attr} is a {type(func).__name__}, not a function")
+    return func
 
 
 def not_a_class(func, spec: str):
@@ -93,6 +99,11 @@ def not_a_class(func, spec: str):
                               "(or as a module:name bound to one)")
     raise RewardSpecError(f"reward_funcs={spec} is a class, not a reward function: give an instance of it (one "
                           "whose call returns the rewards), or a function")
+
+
+def has_get_reward(cls) -> bool:
+    """Whether an environment class gives a reward of its own (get_reward, TRL's environment_factory)."""
+    return callable(getattr(cls, "get_reward", None))
 
 
 def resolve_all(specs) -> list:
@@ -138,14 +149,19 @@ def weighted_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Ten
 class Rewards:
     """The recipe's reward functions with their names and weights."""
 
-    def __init__(self, specs, weight_values=()):
-        self.funcs = resolve_all(specs)
+    def __init__(self, specs, weight_values=(), extra=()):
+        """extra: reward functions besides the recipe's (an environment's get_reward), weighed 1 unless
+        weight_values gives them a weight too (one more than specs)."""
+        self.funcs = resolve_all(specs) + list(extra)
         self.names = [short_name(f) for f in self.funcs]
-        self.weights = weights(weight_values, len(self.funcs))
+        if weight_values and len(weight_values) == len(specs):
+            self.weights = torch.cat([weights(weight_values, len(specs)), torch.ones(len(extra))])
+        else:
+            self.weights = weights(weight_values, len(self.funcs))
 
     @classmethod
-    def from_recipe(cls, recipe) -> Rewards:
-        return cls(recipe.reward_funcs, recipe.reward_weights)
+    def from_recipe(cls, recipe, extra=()) -> Rewards:
+        return cls(recipe.reward_funcs, recipe.reward_weights, extra)
 
     def score(self, step: int, prompts: list, completions: list[str], completion_ids: list[list[int]],
               columns: dict[str, list]) -> torch.Tensor:
@@ -185,17 +201,27 @@ class Rewards:
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def missing_column_problem(rewards: Rewards, row: dict, columns: list[str]) -> str | None:
+def missing_column_problem(rewards: Rewards, row: dict, columns: list[str], toolbox=None) -> str | None:
     """Whether a reward function needs a column the prompt rows lack, found before any model loads: each
     function (a RewardModel reads no column, and is not loaded for this) is called once on `row` (a
-    prompt row's prompt and its columns) with an empty completion. A KeyError or TypeError there (a
+    prompt row's prompt and its columns) with an empty completion (with tools: an empty assistant
+    message, and with an environment_factory the row's environment). A KeyError or TypeError there (a
     column looked up, a keyword argument missing) is the one line; any other failure is left to the
     run, since an empty completion may be what a function cannot take."""
+    kwargs = {c: [row[c]] for c in columns}
+    completion = "" if toolbox is None else [{"role": "assistant", "content": ""}]
+    if toolbox is not None and toolbox.factory is not None:
+        try:
+            kwargs["environments"] = [toolbox.for_completion({c: row[c] for c in ["prompt", *columns]}, 0)[1]]
+        except Exception as e:  # noqa: BLE001 - the user's environment
+            return (f"environment_factory: making and resetting an environment on the first training row raised "
+                    f"{type(e).__name__}: {e}; reset(**row) gets the columns {', '.join(['prompt', *columns])} (and "
+                    "seed where it takes one): fix the environment or the data")
     for func, name in zip(rewards.funcs, rewards.names):
         if isinstance(func, RewardModel):
             continue
         try:
-            func(prompts=[row["prompt"]], completions=[""], completion_ids=[[]], **{c: [row[c]] for c in columns})
+            func(prompts=[row["prompt"]], completions=[completion], completion_ids=[[]], **kwargs)
         except (KeyError, TypeError) as e:
             return (f"reward function {name}, called on the first training row with an empty completion before the "
                     f"model loads, raised {type(e).__name__}: {e}; the prompt rows have the columns "
@@ -222,10 +248,12 @@ def as_number(value) -> float | None:
 
 
 def completion_text(completion) -> str:
-    """A completion's text: a string, or the content of a conversational completion's messages."""
+    """A completion's text: a string, or a conversational completion's answer: the content of its last
+    assistant message (with tools, what the model wrote after the tools answered)."""
     if isinstance(completion, str):
         return completion
-    return "".join(m.get("content", "") for m in completion)
+    answers = [m.get("content") or "" for m in completion if m.get("role", "assistant") == "assistant"]
+    return answers[-1] if answers else ""
 
 
 def exact_match_on(column: str):
@@ -309,8 +337,9 @@ def side_ids(tokenizer, prompt, completion) -> list[int]:
     loses it), the EOS id. A conversational prompt: prompt + the completion as the assistant's message,
     rendered by the chat template and tokenized without added special tokens."""
     text = completion_text(completion)
-    if not isinstance(prompt, str):
-        messages = list(prompt) + [{"role": "assistant", "content": text}]
+    if not isinstance(prompt, str):  # a conversation with tools: every message of it (TRL's)
+        messages = list(prompt) + (list(completion) if isinstance(completion, list) else
+                                   [{"role": "assistant", "content": text}])
         return list(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False).input_ids)
     eos = tokenizer.eos_token
     if eos and text.endswith(eos):

@@ -195,13 +195,14 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, *, stop_ids: Collection[int],
                  context: int | None = None, seeds: list[int] | None = None, logprobs: bool = False,
-                 vocab_size: int | None = None, **_unused) -> list[Completion]:
+                 vocab_size: int | None = None, budgets: list[int] | None = None, **_unused) -> list[Completion]:
         """As finetune.generation.generate: each prompt's completion, ending at a stop id, at
         sampling.max_new_tokens, or where prompt and completion fill `context` (None: the engine's
         max_model_len). seeds[i] seeds sequence i's sampling (needed when temperature > 0). logprobs: also
         each token's log-probability (EngineCompletion.logprobs). vocab_size: the tokenizer's vocabulary
         (len(tokenizer)); ids from it on are not generated (module docstring), and the log-probs are then
-        over its rows only.
+        over its rows only. budgets: each prompt's own most new tokens, within sampling.max_new_tokens (a
+        conversation's next turn: what its earlier turns left of the budget).
         Completion.seconds is the whole call's duration (vLLM runs the batch together). Keyword
         arguments of the HF backend that do not apply here (pad_id) are accepted and ignored."""
         from vllm import SamplingParams
@@ -211,7 +212,8 @@ class VLLMEngine:
             return []
         sampled = check_request(prompts, sampling, seeds)
         limit = self.max_model_len if context is None else min(context, self.max_model_len)
-        budgets = [min(sampling.max_new_tokens, max(limit - len(p), 0)) for p in prompts]
+        budgets = [min(sampling.max_new_tokens, max(limit - len(p), 0), sampling.max_new_tokens if budgets is None
+                       else budgets[i]) for i, p in enumerate(prompts)]
         asked = [i for i, b in enumerate(budgets) if b > 0]
         out = [EngineCompletion([], False) for _ in prompts]
         if not asked:
@@ -232,7 +234,7 @@ class VLLMEngine:
             sequence = result.outputs[0]
             tokens = list(sequence.token_ids)
             logps = [float(step[t].logprob) for t, step in zip(tokens, sequence.logprobs)] if logprobs else []
-            out[i] = EngineCompletion(tokens, bool(tokens) and tokens[-1] in stop, seconds, logps)
+            out[i] = EngineCompletion(tokens, bool(tokens) and tokens[-1] in stop, seconds, logprobs=logps)
         return out
 
 

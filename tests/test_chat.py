@@ -511,3 +511,22 @@ def test_chat_refuses_a_reward_model_in_one_line(tmp_path, capsys, how):
     line = one_error_line(err)
     assert code == 2 and out == "", err
     assert line.startswith(f"error: {path} is a reward model (objective=reward)") and "RewardModel(" in line, line
+
+
+def test_chat_with_tools_runs_the_calls_between_turns(tmp_path, capsys):
+    """`finetune chat --tools module:function`: the prompt rendered with the tool's schema, the calls the model
+    writes run between its turns and answered (each a [tool] line), then its last answer; a tool that cannot be
+    described to the model is one line."""
+    from finetune.commands.chat import main
+    from tests.agent_tools import tool_happy_model
+
+    model = tool_happy_model(tmp_path / "model", tool="calc")  # a model whose turns call calc (tests/agent_tools.py)
+    argv = [str(model), "37*59", "--temperature", "1", "--seed", "9", "--max-new-tokens", "40"]
+    assert main([*argv, "--tools", "tests.agent_tools:calc"]) == 0
+    printed = [line for line in capsys.readouterr().out.splitlines() if "real_accelerator" not in line]  # DeepSpeed's
+    assert printed[:2] == ["[tool] calc {} -> 2183"] * 2 and len(printed) == 3
+    assert main([*argv, "--tools", "tests.agent_tools:no_docstring"]) == 2
+    err = capsys.readouterr().err
+    assert "tool tests.agent_tools:no_docstring cannot be described to the model" in err and err.count("\n") == 1
+    assert main([*argv, "--tools", "tests.agent_tools:calc", "--format", "raw"]) == 2
+    assert "--tools with raw prompts" in capsys.readouterr().err

@@ -300,6 +300,13 @@ def test_the_compiled_static_cache_loop_gives_the_eager_tokens(sampling):
     want = generate(model, prompts[::-1], sampling, **{**kw, "seeds": seeds and seeds[::-1]})
     assert [(c.tokens, c.stopped) for c in cut] == [(c.tokens, c.stopped) for c in want]
     assert any(c.stopped for c in cut)
+    # a multi-turn generation (turns: tokens fed at each turn's end, the cache going on): the same in both loops
+    from tests.test_agent import Feed
+
+    talks = [generate(model, prompts[::-1], sampling, compiled=compiled, turns=Feed([50, 51], rounds=2),
+                      **{**kw, "seeds": seeds and seeds[::-1]}) for compiled in (True, False)]
+    assert [(c.tokens, c.mask, c.stopped) for c in talks[0]] == [(c.tokens, c.mask, c.stopped) for c in talks[1]]
+    assert any(0 in c.mask for c in talks[0])
 
 
 @pytest.mark.internals

@@ -806,14 +806,16 @@ def test_dynamic_sampling_keeps_the_groups_with_a_signal_in_generation_order():
     g, weights = 2, torch.tensor([1.0])
     nan = float("nan")
     first = ([10, 11, 12, 13], [[i] for i in range(8)], [True] * 8,
-             torch.tensor([[1.0], [0.0], [0.5], [0.5], [nan], [nan], [0.2], [0.3]]))
-    second = ([20, 21], [[i] for i in range(8, 12)], [False] * 4, torch.tensor([[0.0], [0.0], [1.0], [nan]]))
+             torch.tensor([[1.0], [0.0], [0.5], [0.5], [nan], [nan], [0.2], [0.3]]), [{"c": i} for i in range(8)])
+    second = ([20, 21], [[i] for i in range(8, 12)], [False] * 4, torch.tensor([[0.0], [0.0], [1.0], [nan]]),
+              [None] * 4)
     assert signal_groups(first[3], weights, g).tolist() == [True, False, False, True]
     assert signal_groups(second[3], weights, g).tolist() == [False, False]  # one scored: no std
-    rows, tokens, stopped, rewards, found, dropped = fill_groups([first, second], 2, weights, g)
+    rows, tokens, stopped, rewards, talk, found, dropped = fill_groups([first, second], 2, weights, g)
     assert rows == [10, 13] and tokens == [[0], [1], [6], [7]] and found == 2 and stopped == [True] * 4
+    assert talk == [{"c": 0}, {"c": 1}, {"c": 6}, {"c": 7}]  # each completion's conversation goes with it
     assert rewards.view(-1)[:2].tolist() == [1.0, 0.0] and dropped == [(0, 1), (0, 2), (1, 0), (1, 1)]
-    rows, tokens, _, _, found, dropped = fill_groups([first, second], 4, weights, g)
+    rows, tokens, _, _, _, found, dropped = fill_groups([first, second], 4, weights, g)
     assert rows == [10, 13, 11, 12] and found == 2 and dropped == [(1, 0), (1, 1)]  # short: equal groups fill in
 
 
@@ -839,6 +841,8 @@ def test_the_entropy_bonus_unit_is_the_loss_count_per_micro_batch():
     masked = GRPO(Recipe(objective="grpo", loss_type="cispo", micro_batch_size=2, mask_truncated_completions=True,
                          **REWARD))
     assert masked.count_per_micro_batch(tokens, stopped) == 11 / 2
+    talk = [{"tool_mask": [1] * (len(t) - 1) + [0]} for t in tokens]  # with tools: the tokens the model drew
+    assert dapo.count_per_micro_batch(tokens, stopped, talk) == (16 - len(tokens)) / 2
 
 
 @pytest.mark.parametrize("changes,message", [

@@ -23,9 +23,10 @@ from finetune.training.rollouts import (CACHE_DIR, IN_FLIGHT_ROLLOUT, load_recor
 from test_checkpoint_files import RunsCode
 
 
-def rollout(seed: int = 0, ratios: bool = False) -> dict:
+def rollout(seed: int = 0, ratios: bool = False, tools: bool = False) -> dict:
     """A rollout's record as GRPO keeps it: 3 completions (one empty), 2 reward functions, old log-probs
-    per row (fp32 values as Python floats, as .tolist() gives them)."""
+    per row (fp32 values as Python floats, as .tolist() gives them); with tools, each completion's
+    conversation record (finetune/training/agent.py: turns, tool mask, counts)."""
     g = torch.Generator().manual_seed(seed)
     lengths = (5, 7, 4)
     rows = lambda: [torch.randn(n, generator=g).tolist() for n in lengths]  # noqa: E731
@@ -33,14 +34,22 @@ def rollout(seed: int = 0, ratios: bool = False) -> dict:
             "old_logps": rows(), "is_ratio": rows() if ratios else None, "rows": [11, 3],
             "tokens": [[5, 6, 7], [8], []], "stopped": [True, False, True],
             "rewards": torch.tensor([[1.0, float("nan")], [0.0, 2.0], [0.5, 0.5]]),
-            "advantages": torch.randn(3, generator=g)}
+            "advantages": torch.randn(3, generator=g),
+            "talk": [{"turns": [{"role": "assistant", "content": "", "tool_calls": [{"name": "mul", "arguments":
+                                                                                   {"a": 3, "b": 4}}]},
+                                {"role": "tool", "name": "mul", "content": "12", "error": None}],
+                      "tool_mask": [1, 0, 1], "calls": 1, "failures": 0, "timeouts": 0, "unparsed": 0,
+                      "assistant_turns": 1}, None,
+                     {"turns": [], "tool_mask": [], "calls": 0, "failures": 0, "timeouts": 0, "unparsed": 1,
+                      "assistant_turns": 0}] if tools else None}
 
 
 def same(a: dict, b: dict) -> bool:
     tensors = all(torch.equal(a[k], b[k]) for k in ("advantages",)) and torch.equal(
         a["rewards"].nan_to_num(-9), b["rewards"].nan_to_num(-9))
     values = json.dumps(a["values"]) == json.dumps(b["values"])  # NaN as NaN
-    return tensors and values and all(a[k] == b[k] for k in ("old_logps", "is_ratio", "rows", "tokens", "stopped"))
+    return tensors and values and all(a[k] == b[k] for k in ("old_logps", "is_ratio", "rows", "tokens", "stopped",
+                                                             "talk"))
 
 
 def checkpoint_with(tmp_path: Path, record: dict, k: int = 1) -> tuple[Path, dict]:
@@ -51,12 +60,13 @@ def checkpoint_with(tmp_path: Path, record: dict, k: int = 1) -> tuple[Path, dic
     return ckpt, seal(ckpt, MANIFEST, {"step": 3})
 
 
-@pytest.mark.parametrize("ratios", [False, True])
-def test_a_rollout_round_trips_exactly_through_a_checkpoint(tmp_path, ratios):
+@pytest.mark.parametrize("ratios,tools", [(False, False), (True, False), (False, True)])
+def test_a_rollout_round_trips_exactly_through_a_checkpoint(tmp_path, ratios, tools):
     """Every value a resumed step trains on comes back as it was: the tokens, the fp32 old log-probs and
     importance weights (as the same Python floats), the rewards with their NaN (not scored), the advantages
-    bit for bit, the metrics; only safetensors and JSON are written."""
-    record = rollout(ratios=ratios)
+    bit for bit, the metrics, with tools each conversation and its tool mask; only safetensors and JSON
+    are written."""
+    record = rollout(ratios=ratios, tools=tools)
     ckpt, manifest = checkpoint_with(tmp_path, record)
     assert sorted(p.name for p in (ckpt / IN_FLIGHT_DIR).iterdir()) == [f"{IN_FLIGHT_ROLLOUT}.json",
                                                                          f"{IN_FLIGHT_ROLLOUT}.safetensors"]

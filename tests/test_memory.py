@@ -597,6 +597,17 @@ def test_grpo_rollout_terms_by_hand():
     assert M.recipe_estimate(resolve("llama8b_dpo_zero3", []), 8, a).rollout_peak == 0
 
 
+def test_grpo_with_tools_counts_the_longest_conversation():
+    """recipes/llama8b_grpo_tools_zero3 (64 conversations a GPU): each conversation's turns and the calculator's
+    answers share max_completion_len=1024 after a prompt of up to 768 tokens (the tool's schema in it), one
+    KV cache across the turns: 64 x 1792 positions x 128 KiB = 14 GiB a GPU, as the recipe's header says."""
+    r = resolve("llama8b_grpo_tools_zero3", [])
+    assert M.Rollout.of(r, 8) == M.Rollout(rows=64, prompt_tokens=768, tokens=1792, logp_copies=0, compiled=True)
+    e = M.recipe_estimate(r, 8, arch(r.model))
+    assert e.kv_cache == 64 * 1792 * 128 * 2**10 == 14 * GIB
+    assert round(e.rollout_peak / GIB, 2) == 50.29 and round(e.total / GIB, 2) == 28.30
+
+
 def test_grpo_compiled_rollout_counts_the_static_cache_rounded_up():
     """generation_compile (auto on a GPU, true) preallocates a StaticCache of the row's length rounded up to
     256 positions (generation._Decoder uses the same function); eager generation holds what rows reach."""

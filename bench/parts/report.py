@@ -56,13 +56,15 @@ DPO_BEGIN, DPO_END = "<!-- dpo-vs-trl:begin -->", "<!-- dpo-vs-trl:end -->"
 DPO_TITLE = "## 12. DPO against TRL's DPOTrainer"
 GRPO_BEGIN, GRPO_END = "<!-- grpo-vs-trl:begin -->", "<!-- grpo-vs-trl:end -->"
 GRPO_TITLE = "## 14. A whole GRPO step against TRL's GRPOTrainer (bench/studies/grpo_vs_trl.py)"
+TOOLS_BEGIN, TOOLS_END = "<!-- grpo-tools-vs-trl:begin -->", "<!-- grpo-tools-vs-trl:end -->"
+TOOLS_TITLE = "## 17. GRPO with tools against TRL's GRPOTrainer (bench/studies/grpo_tools_vs_trl.py)"
 # Sections measured by other benches, kept as they are and in this order by the report:
 # bench/parts/loss_memory.py; bench/studies/ data_prep.py, step_overhead.py, samples.py, sp_memory.py, dpo_vs_trl.py,
-# grpo_vs_trl.py
+# grpo_vs_trl.py, grpo_tools_vs_trl.py
 KEPT_SECTIONS = [(LOSS_TITLE, LOSS_BEGIN, LOSS_END), (DATA_TITLE, DATA_BEGIN, DATA_END),
                  (STEP_TITLE, STEP_BEGIN, STEP_END), (SAMPLES_TITLE, SAMPLES_BEGIN, SAMPLES_END),
                  (SP_TITLE, SP_BEGIN, SP_END), (DPO_TITLE, DPO_BEGIN, DPO_END),
-                 (GRPO_TITLE, GRPO_BEGIN, GRPO_END)]
+                 (GRPO_TITLE, GRPO_BEGIN, GRPO_END), (TOOLS_TITLE, TOOLS_BEGIN, TOOLS_END)]
 
 
 def write_marked_section(doc: Path, title: str, begin: str, end: str, section: str) -> None:

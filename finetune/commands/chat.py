@@ -9,7 +9,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from finetune.chat import DEFAULT_MAX_NEW_TOKENS, answer, context_warnings, load, max_new_tokens_of, prompt_format
+from finetune.chat import (DEFAULT_MAX_NEW_TOKENS, answer, answer_with_tools, context_warnings, load, max_new_tokens_of,
+                           prompt_format, tools_of)
 from finetune.training.metrics import setup_logging
 from finetune.recipe import RecipeError
 from finetune.generation import PROMPT_FORMATS, render_prompt
@@ -53,6 +54,10 @@ examples:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy, as the run's samples (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="for --temperature above 0 (default 0)")
     parser.add_argument("--base", help="a LoRA adapter's or checkpoint's base model (default: the run's model)")
+    parser.add_argument("--tools", help="tools the model may call, module:function names, comma-separated (each a "
+                        "function with type hints and a docstring): their schemas go into the prompt, the calls it "
+                        "writes are run between its turns and their answers fed back, each shown as a [tool] line "
+                        "(docs/agents.md). Default: the tools of the run's recipe.json, if it names any")
     parser.add_argument("--separator", default=SEPARATOR,
                         help=f"the line between prompts on standard input (default {SEPARATOR!r})")
     args = parser.parse_intermixed_args(argv)  # options before or after PROMPT
@@ -130,6 +135,10 @@ def main(argv=None) -> int:
             model = model.to("cuda")
         generator = torch.Generator().manual_seed(args.seed)
         max_new_tokens = args.max_new_tokens or max_new_tokens_of(recipe)
+        funcs = tools_of(args.tools, recipe)
+        if funcs and fmt != "chat":
+            raise RecipeError(f"--tools with {fmt} prompts: a tool's schema and its calls are rendered by the chat "
+                              "template; pass --format chat")
 
         check_prompt(args.input, "--input")
 
@@ -137,6 +146,10 @@ def main(argv=None) -> int:
             check_prompt(text, "the prompt")
             for line in context_warnings(model, recipe, len(render_prompt(tokenizer, text, fmt, args.input))):
                 print(line, file=sys.stderr, flush=True)
+            if funcs:  # the calls it makes, then its last answer
+                said, calls = answer_with_tools(model, tokenizer, text, funcs, max_new_tokens, args.temperature,
+                                                generator)
+                return "\n".join([*calls, said])
             return answer(model, tokenizer, text, fmt, max_new_tokens, args.temperature, generator, args.input)
 
         if args.prompt is not None:

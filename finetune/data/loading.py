@@ -199,6 +199,7 @@ def tokenize_prompts(ds, tokenizer, recipe: Recipe, where: str, spec: DataSource
     A bad row is named by row_names (its file line where there is one)."""
     source = top_level_columns(spec.columns).get("prompt", "prompt")
     room = max(recipe.max_seq_len - recipe.max_completion_len, 1)
+    tools = tool_schemas(recipe)
 
     def encode(batch, indices):
         rows = [map_row({k: batch[k][i] for k in batch}, spec, f"{where} row {index}")
@@ -209,13 +210,24 @@ def tokenize_prompts(ds, tokenizer, recipe: Recipe, where: str, spec: DataSource
             except DataError:
                 check_row(row, "prompt", row_names(index))  # the same error, the row named where it is
         names = _Named(row_names, indices)
-        out = encode_prompts(rows, tokenizer, max_prompt_len=recipe.max_prompt_len, room=room, where=names)
+        out = encode_prompts(rows, tokenizer, max_prompt_len=recipe.max_prompt_len, room=room, where=names,
+                             tools=tools)
         return {"prompt": [r["prompt"] for r in rows], **out}
 
     fp = cache_fingerprint(PIPELINE_VERSION, PROMPT_VERSION, ds._fingerprint, tokenizer_fingerprint(tokenizer),
-                           recipe.max_prompt_len, room, spec.columns, spec.roles)
+                           recipe.max_prompt_len, room, spec.columns, spec.roles, *([tools] if tools else []))
     return ds.map(encode, batched=True, with_indices=True, remove_columns=[source], new_fingerprint=fp,
                   num_proc=num_processes(recipe, len(ds)), desc=f"tokenize prompts {where}")
+
+
+def tool_schemas(recipe: Recipe) -> list[dict] | None:
+    """The JSON schemas of a multi-turn rollout's tools (finetune/tools.py), which every prompt shows; None
+    without tools."""
+    if not getattr(recipe, "tools", ()) and not getattr(recipe, "environment_factory", None):
+        return None
+    from finetune.tools import Toolbox
+
+    return Toolbox.from_recipe(recipe).schemas
 
 
 class _Named:

@@ -29,15 +29,24 @@ def fit_prompt(ids: list[int], bos: list[int], max_prompt_len: int) -> list[int]
     return ids[:keep] + ids[len(ids) - (max_prompt_len - keep):]
 
 
+def as_messages(prompt) -> list[dict]:
+    """A prompt as a conversation: a text prompt is one user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
 def encode_prompts(rows: list[dict], tokenizer, *, max_prompt_len: int = 0, room: int = 0,
-                   where: list[str] | None = None) -> dict:
+                   where: list[str] | None = None, tools: list[dict] | None = None) -> dict:
     """PROMPT_COLUMNS of checked prompt rows: text prompts in one tokenizer call, conversations rendered
     in one template call. room: the most tokens a prompt may keep when max_prompt_len is 0
-    (max_seq_len - max_completion_len; 0: no limit); a longer one is an error naming its row."""
+    (max_seq_len - max_completion_len; 0: no limit); a longer one is an error naming its row. tools: the
+    JSON schemas of a multi-turn rollout's tools, which the template shows in every conversation (as
+    TRL's apply_chat_template(..., tools=...)); a text prompt is then the user's message of one."""
     texts = [k for k, r in enumerate(rows) if isinstance(r["prompt"], str)]
     chats = [k for k, r in enumerate(rows) if not isinstance(r["prompt"], str)]
     ids: list = [None] * len(rows)
     bos = bos_ids(tokenizer)
+    if tools:  # a multi-turn rollout's prompts are conversations: a text prompt is the user's message
+        texts, chats = [], list(range(len(rows)))
     if texts:
         enc = tokenizer([rows[k]["prompt"] for k in texts], add_special_tokens=False).input_ids
         for k, e in zip(texts, enc):
@@ -46,7 +55,8 @@ def encode_prompts(rows: list[dict], tokenizer, *, max_prompt_len: int = 0, room
         if not getattr(tokenizer, "chat_template", None):
             raise DataError("prompts given as messages need a tokenizer with a chat_template; set chat_template=... (a "
                             "file or the template itself), tokenizer=... to one that has it, or give prompts as text")
-        rendered = render_chats(tokenizer, [rows[k]["prompt"] for k in chats], generation_prompt=True)
+        rendered = render_chats(tokenizer, [as_messages(rows[k]["prompt"]) for k in chats], generation_prompt=True,
+                                tools=tools)
         enc = tokenizer(rendered, add_special_tokens=False).input_ids
         for k, e in zip(chats, enc):
             ids[k] = e

@@ -101,28 +101,30 @@ def _template_failed(tokenizer, error: Exception) -> DataError:
                      "fix the template (or set the recipe's chat_template to one that renders this data), or the data")
 
 
-def render_chat(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False):
+def render_chat(tokenizer, messages: list[dict], generation_prompt: bool, spans: bool = False, tools=None):
     """The chat template's text (and, with spans=True, its {% generation %} character spans), rendered
-    the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables."""
+    the way `apply_chat_template` renders it, with the tokenizer's special tokens as variables (and the
+    tools' JSON schemas, where given)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=[messages], chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
-            add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+            add_generation_prompt=generation_prompt, tools=tools or None, **tokenizer.special_tokens_map)
     except Exception as e:  # a template bug, or one that refuses this conversation (roles, order)
         raise _template_failed(tokenizer, e) from None
     return (texts[0], [tuple(s) for s in indices[0]]) if spans else texts[0]
 
 
-def render_chats(tokenizer, conversations: list[list[dict]], spans: bool = False, generation_prompt: bool = False):
+def render_chats(tokenizer, conversations: list[list[dict]], spans: bool = False, generation_prompt: bool = False,
+                 tools=None):
     """render_chat of many conversations in one call (one template lookup and setup for the batch)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     try:
         texts, indices = render_jinja_template(
             conversations=conversations, chat_template=tokenizer.chat_template, return_assistant_tokens_mask=spans,
-            add_generation_prompt=generation_prompt, **tokenizer.special_tokens_map)
+            add_generation_prompt=generation_prompt, tools=tools or None, **tokenizer.special_tokens_map)
     except Exception as e:
         raise _template_failed(tokenizer, e) from None
     return [(t, [tuple(s) for s in i]) for t, i in zip(texts, indices)] if spans else list(texts)

@@ -18,8 +18,11 @@ GRPO_FIELDS = ("reward_funcs", "reward_weights", "num_generations", "temperature
                "mask_truncated_completions", "use_bias_correction_kl", "importance_sampling_level",
                "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
                "vespo_lambda_neg", "cast_lm_head_to_fp32", "normalize_advantages", "dynamic_sampling",
-               "max_generation_batches", "entropy_coef", *rollout_split.FIELDS)
-GRPO_LISTS = ("reward_funcs", "reward_weights")
+               "max_generation_batches", "entropy_coef", "tools", "environment_factory", "max_tool_calling_iterations",
+               "tool_timeout", *rollout_split.FIELDS)
+GRPO_LISTS = ("reward_funcs", "reward_weights", "tools")
+GRPO_OBJECTS = ("environment_factory",)  # a callable or a module:name, checked here (check_tools)
+TOOL_SETTINGS = ("max_tool_calling_iterations", "tool_timeout")
 FIELDS, LISTS = GRPO_FIELDS, GRPO_LISTS
 SHARES = ("max_prompt_len",)
 ROWS = ("prompt",)
@@ -53,13 +56,16 @@ def check(r, strategy) -> None:
     """With objective=grpo: reward functions that import, one weight each, groups of 2 or more."""
     from finetune import rewards
 
-    if not r.reward_funcs:
+    toolbox = check_tools(r)
+    extra = int(toolbox is not None and toolbox.environment is not None and rewards.has_get_reward(toolbox.environment))
+    if not r.reward_funcs and not extra:
         raise RecipeError("objective=grpo needs reward functions: reward_funcs=module:function,... (or callables in "
                           "the recipe file); built in: finetune.rewards:exact_match, finetune.rewards:math_answer, "
-                          "finetune.rewards:think_format")
+                          "finetune.rewards:think_format (or an environment_factory whose class has get_reward)")
     try:
         rewards.resolve_all(r.reward_funcs)
-        rewards.weights(r.reward_weights, len(r.reward_funcs))
+        if not (extra and len(r.reward_weights) == len(r.reward_funcs) + 1):  # the environment's reward weighed too
+            rewards.weights(r.reward_weights, len(r.reward_funcs))
     except rewards.RewardSpecError as e:
         raise RecipeError(str(e)) from None
     if r.num_generations < 2:
@@ -162,6 +168,28 @@ def loss_settings_named(r) -> str | None:
         return None
     return (f"{' and '.join(changed)} {'enters' if len(changed) == 1 else 'enter'} this loss and can make it blow up: "
             "try the default first")
+
+
+def check_tools(r):
+    """tools and environment_factory (finetune/tools.py): each one a function the model can be shown (type hints and
+    a docstring), an environment class with reset; the tool settings only with them; what the multi-turn rollout
+    is not built for refused. The Toolbox, or None without tools."""
+    from finetune.tools import Toolbox, ToolSpecError
+
+    try:
+        toolbox = Toolbox.from_recipe(r)
+    except ToolSpecError as e:
+        raise RecipeError(str(e)) from None
+    if toolbox is None:
+        changed = [k for k in TOOL_SETTINGS if getattr(r, k) != default(r, k)]
+        if changed:
+            raise RecipeError(f"{changed[0]}={getattr(r, changed[0])} applies to a rollout with tools only; set "
+                              f"tools=module:function (or environment_factory=module:Class), or leave {changed[0]} out")
+        return None
+    if r.sequence_parallel > 1:
+        raise RecipeError(f"tools with sequence_parallel={r.sequence_parallel}: not tried (every rank of a group would "
+                          "run the same tool calls); set sequence_parallel=1")
+    return toolbox
 
 
 # GRPO's keys that loss_type=rloo (TRL's RLOOTrainer) has no use for, and normalize_advantages, rloo's only

@@ -47,8 +47,8 @@ class OwnGenerator:
     def __init__(self, generate):
         self.generate = generate
 
-    def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int, stop=None) -> list:
-        return self.generate(run, prompts, seeds, stop)
+    def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int, stop=None, turns=None) -> list:
+        return self.generate(run, prompts, seeds, stop, turns)
 
     def sleep(self) -> None:
         """Nothing to give back: the weights gathered for generation were released after it."""
@@ -77,20 +77,30 @@ class EngineGenerator:
         self.timeout = r.vllm_push_timeout
         self.tolerance = r.vllm_logp_tolerance or LOGP_TOLERANCE[self.dtype]
 
-    def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int, stop=None) -> list:
+    def __call__(self, run, prompts: list[list[int]], seeds: list[int], updates: int, stop=None, turns=None) -> list:
         """The completions of these prompts by the policy after `updates` optimizer steps (a collective:
         every rank calls it, with no prompts too, since a push gathers sharded weights). A stop request is
-        read after the engine's call, by the reward scoring (the engine's generation is not cut)."""
+        read after the engine's call, by the reward scoring (the engine's generation is not cut). turns: a
+        multi-turn rollout's conversations (finetune/training/agent.py): each turn a request of its own."""
         self.sync(run, updates)
         r = run.recipe
         if not prompts:
             return []
         sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
         model = run.accelerator.unwrap_model(run.model)
-        return self.engine.generate(prompts, sampling, stop_ids=stop_ids(run.tokenizer, model, run.generation_config),
-                                    context=context_length(run.config),
-                                    seeds=seeds if sampling.temperature > 0 else None, logprobs=True,
-                                    vocab_size=len(run.tokenizer))
+        kw = dict(stop_ids=stop_ids(run.tokenizer, model, run.generation_config), context=context_length(run.config),
+                  logprobs=True, vocab_size=len(run.tokenizer))
+        seeds = seeds if sampling.temperature > 0 else None
+        if turns is None:
+            return self.engine.generate(prompts, sampling, seeds=seeds, **kw)
+        from finetune.training.agent import converse
+        from finetune.vllm_engine import EngineCompletion
+
+        made = converse(lambda asked, budgets, turn_seeds: self.engine.generate(asked, sampling, seeds=turn_seeds,
+                                                                                budgets=budgets, **kw),
+                        prompts, [min(r.max_completion_len, kw["context"] - len(p)) if kw["context"] else
+                                  r.max_completion_len for p in prompts], turns, seeds)
+        return [EngineCompletion(t, s, mask=m, logprobs=lp) for t, s, m, lp in made]
 
     def sync(self, run, updates: int) -> None:
         """Push the policy's weights if the engine's are older (module docstring)."""

@@ -232,7 +232,7 @@ def setup(plan: Plan) -> tuple[Run, LoopState]:
     sp = parallel.sp
     objective = objective_for(r)
     datasets, schedule, total_steps, eval_rows, prompts = load_data(plan, accelerator, tokenizer, sp, objective)
-    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets)
+    generation_config, stops = stop_tokens(accelerator, model_path, config, tokenizer, datasets, objective.converses)
     context = Context(plan, accelerator, model_path, config, tokenizer, datasets,
                       identity=weights_identity(r, objective, accelerator, model_path),
                       weights_on_this_rank=parallel.strategy.reads_weights(accelerator), to_device=to_device,
@@ -285,11 +285,12 @@ def load_data(plan: Plan, accelerator, tokenizer, sp: SP.Layout, objective: Obje
     return datasets, schedule, total_steps, eval_rows, prompts
 
 
-def stop_tokens(accelerator, model_path: str, config, tokenizer, datasets) -> tuple:
+def stop_tokens(accelerator, model_path: str, config, tokenizer, datasets, converses: bool = False) -> tuple:
     """The generation config final/ and every checkpoint's hf/ save, whose stop tokens include a chat
-    run's end-of-turn token, and those stop tokens in words."""
+    run's end-of-turn token (a run whose objective converses, GRPO with tools, too), and those stop tokens
+    in words."""
     generation_config, turn = with_end_of_turn(base_generation_config(model_path, config), tokenizer,
-                                               trains_chats(s["format"] for s in datasets.sources))
+                                               converses or trains_chats(s["format"] for s in datasets.sources))
     stops = describe(turn, generation_config)
     if turn is not None and accelerator.is_main_process:
         (log.info if turn.ids else log.warning)(f"end of turn: {stops}")

@@ -9,7 +9,8 @@ What a rollout gives the loop, per micro-batch (rollout_batch builds it):
     input_ids, attention_mask   [rows, length]: prompt then completion, right-padded
     labels                      [rows, length]: the completion's tokens where they count in the loss,
                                 IGNORE elsewhere (prompt, padding, a truncated completion when
-                                mask_truncated_completions)
+                                mask_truncated_completions, a tool's answer fed between turns: the
+                                tool mask's 0s, finetune/training/agent.py)
     advantages                  [rows] float32 (rl_losses.group_advantages, on the whole global batch)
     real                        [rows] bool: False for a placeholder row keeping ranks in lock-step
     old_logps                   [rows, length] fp32 laid out as the labels (loss.token_logps under
@@ -28,6 +29,7 @@ from finetune.objective_rules.grpo import IN_FLIGHT_ROLLOUT
 from finetune.recipe import RecipeError
 from finetune.rl_losses import group_advantages, nanstd
 from finetune.rewards import weighted_rewards
+from finetune.tools import TOOL_METRICS, tool_metrics
 from finetune.training.metrics import json_values, log
 
 def rollout_metrics(per_func: torch.Tensor, weights: torch.Tensor, names: list[str], zero_std: torch.Tensor,
@@ -60,11 +62,12 @@ def real_rows(batch: dict) -> torch.Tensor:
 
 def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stopped: list[bool],
                   advantages: torch.Tensor, pad_id: int, *, mask_truncated: bool = False,
-                  real: list[bool] | None = None) -> dict:
+                  real: list[bool] | None = None, masks: list | None = None) -> dict:
     """One micro-batch of the rollout as the loss reads it: each row the prompt's tokens then the
     completion's, right-padded; the completion's tokens as labels, none for a truncated completion
-    (not stopped) when mask_truncated. old_logps / ref_logps are added by the caller (token_logps of
-    this batch under no_grad)."""
+    (not stopped) when mask_truncated, none where a completion's tool mask (masks: one list of 0/1 per
+    completion, or None) is 0. old_logps / ref_logps are added by the caller (token_logps of this batch
+    under no_grad)."""
     rows = [p + c for p, c in zip(prompts, completions, strict=True)]
     length = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
@@ -74,7 +77,10 @@ def rollout_batch(prompts: list[list[int]], completions: list[list[int]], stoppe
         input_ids[i, :len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
         attention[i, :len(p) + len(c)] = 1
         if not (mask_truncated and not stopped[i]):
-            labels[i, len(p):len(p) + len(c)] = torch.tensor(c, dtype=torch.long)
+            trained = torch.tensor(c, dtype=torch.long)
+            if masks is not None and masks[i] is not None:
+                trained = trained.masked_fill(torch.tensor(masks[i]) == 0, IGNORE)
+            labels[i, len(p):len(p) + len(c)] = trained
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels,
             "advantages": advantages.float(),
             "real": torch.tensor([True] * len(rows) if real is None else real, dtype=torch.bool)}
@@ -84,11 +90,24 @@ ROLLOUTS = "rollouts.jsonl"
 CACHE_DIR = "rollout-cache"
 
 
-def rollout_metric_names(reward_names: list[str]) -> tuple[str, ...]:
+def rollout_metric_names(reward_names: list[str], tools: bool = False) -> tuple[str, ...]:
     per_func = tuple(f"rewards/{n}/{s}" for n in reward_names for s in ("mean", "std"))
     return per_func + ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length",
                        "completions/min_length", "completions/max_length", "completions/clipped_ratio",
-                       "rollout_seconds")
+                       "rollout_seconds") + (TOOL_METRICS if tools else ())
+
+
+def model_lengths(tokens: list[list[int]], talk: list) -> torch.Tensor:
+    """Each completion's length as TRL counts it: the tokens the model drew (a tool mask's 1s), all of them
+    without tools (talk: each completion's conversation record, or None)."""
+    return torch.tensor([sum(t["tool_mask"]) if t is not None and t["tool_mask"] is not None else len(ids)
+                         for ids, t in zip(tokens, talk)])
+
+
+def talk_of(parts: list) -> list:
+    """The ranks' gathered conversation records (the sixth item of each part), one per completion (None
+    without tools)."""
+    return [t for p in parts for t in (p[5] if len(p) > 5 and p[5] is not None else [None] * len(p[0]))]
 
 
 def padded_rows(rows: list[list[float]], shape, fill: float = 0.0) -> torch.Tensor:
@@ -120,24 +139,26 @@ def eval_metrics(batches: list[list], weights: torch.Tensor, names: list[str], g
     gathered parts in rank order ((tokens, stopped, [completions, functions] rewards, failure) per rank):
     the completions in their global order (batch, then rank: each rank's share is contiguous), so the
     values do not depend on how many ranks generated them."""
-    tokens, stopped, per_func = joined([p for batch in batches for p in batch], len(names))
+    parts = [p for batch in batches for p in batch]
+    tokens, stopped, per_func = joined(parts, len(names))
+    talk = talk_of(parts)
     _, zero_std = group_advantages(per_func, weights, g, scale_rewards)
-    return rollout_metrics(per_func, weights, names, zero_std, torch.tensor([len(t) for t in tokens]),
-                           ~torch.tensor(stopped, dtype=torch.bool))
+    return rollout_metrics(per_func, weights, names, zero_std, model_lengths(tokens, talk),
+                           ~torch.tensor(stopped, dtype=torch.bool)) | (tool_metrics(talk) if any(talk) else {})
 
 
-def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=None) -> list:
+def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=None, turns=None) -> list:
     """This rank's completions of its prompts (each repeated num_generations times), the weights gathered
     once for the whole batch (a collective: every rank calls it), in eval mode, back to train after. A
     rank without prompts (an eval batch's uneven split) runs one forward of a one-token prompt, its token
     discarded: FSDP2 gathers each module's weights at its first forward, which every rank must join. A
     stop request (stop) ends the generation before its next token, from the second on (the first
-    forward is that collective)."""
+    forward is that collective). turns: a multi-turn rollout's conversations (finetune/training/agent.py)."""
     r, model, accelerator = run.recipe, run.model, run.accelerator
     sampling = Sampling(r.max_completion_len, r.temperature, r.top_p, r.top_k)
     idle = not prompts
     if idle:
-        prompts, seeds, sampling = [[pad_id_for(run.tokenizer)]], None, Sampling(1)
+        prompts, seeds, sampling, turns = [[pad_id_for(run.tokenizer)]], None, Sampling(1), None
     was_training = model.training
     asked = []  # should_stop's calls: none before the first token
 
@@ -152,7 +173,8 @@ def generate_completions(run, prompts: list[list[int]], seeds: list[int], stop=N
             out = generate(whole, prompts, sampling, stop_ids=stop_ids(run.tokenizer, whole, run.generation_config),
                            pad_id=pad_id_for(run.tokenizer), context=context_length(whole.config),
                            seeds=seeds if sampling.temperature > 0 else None, should_stop=should_stop,
-                           vocab_size=len(run.tokenizer), compiled=decode_compiled(r.generation_compile, accelerator.device))
+                           vocab_size=len(run.tokenizer), compiled=decode_compiled(r.generation_compile, accelerator.device),
+                           turns=turns)
             return [] if idle else out
     finally:
         model.train(was_training)
@@ -206,12 +228,14 @@ def rollouts_summary(path) -> dict:
 
 def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, tokens, texts, stopped,
                    names: list[str], per_func: torch.Tensor, rewards: torch.Tensor, advantages: torch.Tensor,
-                   vocab: int | None = None, version: int = 0):
+                   vocab: int | None = None, version: int = 0, talk: list | None = None):
     """One line per completion: the step that generated it, its rollout and the policy version (the optimizer
     steps the weights that generated it had taken), its prompt (dataset row and value), the
     row's other columns as the reward functions received them (`answer`, ...), its text and token ids,
     how many of those ids the tokenizer cannot decode (past its `vocab` tokens), whether it stopped, each
-    function's reward (None: not scored), the weighted reward and the advantage."""
+    function's reward (None: not scored), the weighted reward and the advantage; with tools (talk: each
+    completion's conversation record) every turn (what the model wrote, the calls read from it, each
+    tool's answer and error) and the tool mask (1: a token the model drew, 0: one it was fed)."""
     import json
 
     data = ds[rows]
@@ -228,9 +252,15 @@ def write_rollouts(path, step: int, rollout: int, rows: list[int], ds, g: int, t
                                 "undecodable_ids": undecodable_ids[i],
                                 "completion": text, "completion_ids": t, "stopped": stopped[i],
                                 "rewards": {n: number(per_func[i, j]) for j, n in enumerate(names)},
-                                "reward": number(rewards[i]), "advantage": float(advantages[i])}) + "\n"
+                                "reward": number(rewards[i]), "advantage": float(advantages[i]),
+                                **conversation(talk[i] if talk else None)}) + "\n"
                     for i, (t, text) in enumerate(zip(tokens, texts)))
     append_lines(path, step, lines)
+
+
+def conversation(talk: dict | None) -> dict:
+    """A completion's turns and tool mask for its rollouts.jsonl line ({} without tools)."""
+    return {} if talk is None else {"turns": talk["turns"], "tool_mask": talk["tool_mask"]}
 
 
 def append_lines(path, step: int, lines: str) -> None:
@@ -265,6 +295,8 @@ def rollout_state(k: int, record: dict) -> tuple[dict, dict]:
         tensors["is_ratio"], tensors["is_ratio_lengths"] = ragged(record["is_ratio"], torch.float32)
     data = {"rollout": k, "rows": [int(r) for r in record["rows"]], "stopped": [bool(s) for s in record["stopped"]],
             "values": {name: (None if v is None else float(v)) for name, v in record["values"].items()}}
+    if any(t is not None for t in record.get("talk") or ()):  # with tools: each conversation and its tool mask
+        data["talk"] = record["talk"]
     return tensors, data
 
 
@@ -279,13 +311,13 @@ def rollout_record(tensors: dict, data: dict, what: str) -> dict:
                   "tokens": unragged(tensors["tokens"], tensors["token_lengths"]),
                   "old_logps": unragged(tensors["old_logps"], tensors["old_logp_lengths"]),
                   "is_ratio": unragged(tensors["is_ratio"], tensors["is_ratio_lengths"]) if "is_ratio" in tensors
-                  else None}
+                  else None, "talk": list(data["talk"]) if data.get("talk") is not None else None}
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise RecipeError(f"{what} is damaged: its rollout lacks {e} or holds it in another form; nothing was "
                           "loaded; resume from an earlier checkpoint with --resume PATH") from None
     n = len(record["tokens"])
     if not (len(record["stopped"]) == len(record["old_logps"]) == record["rewards"].shape[0]
-            == record["advantages"].shape[0] == n):
+            == record["advantages"].shape[0] == n) or (record["talk"] is not None and len(record["talk"]) != n):
         raise RecipeError(f"{what} is damaged: its rollout's parts disagree on the number of completions; nothing "
                           "was loaded; resume from an earlier checkpoint with --resume PATH")
     return record
@@ -402,31 +434,32 @@ def signal_groups(per_func: torch.Tensor, weights: torch.Tensor, g: int) -> torc
     return ~(torch.isnan(std) | torch.isclose(std, torch.zeros_like(std)))
 
 
-def fill_groups(batches: list[tuple[list[int], list, list, torch.Tensor]], wanted: int,
-                weights: torch.Tensor, g: int) -> tuple[list[int], list, list, torch.Tensor, int, list[tuple[int, int]]]:
+def fill_groups(batches: list[tuple[list[int], list, list, torch.Tensor, list]], wanted: int,
+                weights: torch.Tensor, g: int) -> tuple[list[int], list, list, torch.Tensor, list, int, list[tuple[int, int]]]:
     """Dynamic sampling's batch from its generation batches (each: its prompt rows, every completion's
-    tokens, whether each stopped, [completions, functions] rewards; the whole batch, every rank's in
-    order): the first `wanted` groups with a learning signal in generation order; when fewer were found,
-    dropped groups (advantage 0: they train on nothing) in generation order after them. Returns the rows,
-    tokens, stopped, rewards of the batch, how many of its groups have a signal, and the (batch, group)
-    of every dropped group that is not in it."""
+    tokens, whether each stopped, [completions, functions] rewards, conversation records; the whole batch,
+    every rank's in order): the first `wanted` groups with a learning signal in generation order; when
+    fewer were found, dropped groups (advantage 0: they train on nothing) in generation order after them.
+    Returns the rows, tokens, stopped, rewards, conversation records of the batch, how many of its groups
+    have a signal, and the (batch, group) of every dropped group that is not in it."""
     kept, dropped = [], []
-    for b, (rows, tokens, stopped, rewards) in enumerate(batches):
+    for b, (rows, tokens, stopped, rewards, _) in enumerate(batches):
         signal = signal_groups(rewards, weights, g).tolist()
         for i, row in enumerate(rows):
             (kept if signal[i] else dropped).append((b, i))
     chosen = kept[:wanted]
     found = len(chosen)
     chosen += dropped[:wanted - found]
-    out_rows, out_tokens, out_stopped, out_rewards = [], [], [], []
+    out_rows, out_tokens, out_stopped, out_rewards, out_talk = [], [], [], [], []
     for b, i in chosen:
-        rows, tokens, stopped, rewards = batches[b]
+        rows, tokens, stopped, rewards, talk = batches[b]
         out_rows.append(rows[i])
         out_tokens += tokens[i * g:(i + 1) * g]
         out_stopped += stopped[i * g:(i + 1) * g]
         out_rewards.append(rewards[i * g:(i + 1) * g])
+        out_talk += talk[i * g:(i + 1) * g]
     left_out = [d for d in dropped if d not in chosen]
-    return out_rows, out_tokens, out_stopped, torch.cat(out_rewards), found, left_out
+    return out_rows, out_tokens, out_stopped, torch.cat(out_rewards), out_talk, found, left_out
 
 
 def write_dropped(path, step: int, rollout: int, batches: list, dropped: list[tuple[int, int]], ds, g: int,

@@ -117,6 +117,7 @@ class Basic:
     identifies_model = False
     makes_batches = False  # True: rollout() makes the step's batches itself (GRPO), the loop fetches no rows
     evaluates = True  # False: the loop runs no eval
+    converses = False  # True: prompts are conversations whose turns end at the chat template's end-of-turn token
     sums: torch.Tensor | None = None
     maxed = 0  # the last `maxed` of take_metrics' sums are reduced over ranks by max, not summed (a min negated)
 

@@ -25,6 +25,7 @@ from finetune import data as D
 from finetune import sequence_parallel as SP
 from finetune.data import IGNORE
 from finetune.loss import token_logps, token_logps_entropy, token_logps_within
+from finetune.model import context_length
 from finetune.checkpointing.resume import kept_checkpoint
 from finetune.training.objectives.base import Basic
 from finetune.training.generators import (ENGINE_METRICS, check_installed, engine_logps_rows, gather_objects,
@@ -36,16 +37,23 @@ from finetune.training.rollout_group import RolloutGroup, metric_names as rollou
 from finetune.training.rollouts import (CACHE_DIR, DYNAMIC_METRICS, IN_FLIGHT_ROLLOUT, ROLLOUTS, completion_seed,
                                         eval_metrics, eval_prompt_batches, eval_seed, eval_share, fill_groups,
                                         first_failure, generate_completions, joined, keep_rollouts, load_recorded,
-                                        padded_rows, rank_prompts, real_rows, refill_schedule, rollout_batch,
-                                        rollout_metric_names, rollout_metrics, rollout_record, rollout_state,
-                                        rollouts_summary, save_recorded, prompt_schedule, signal_groups,
-                                        warn_undecodable, write_dropped, write_rollouts)
+                                        model_lengths, padded_rows, rank_prompts, real_rows, refill_schedule,
+                                        rollout_batch, rollout_metric_names, rollout_metrics, rollout_record,
+                                        rollout_state, rollouts_summary, save_recorded, prompt_schedule,
+                                        signal_groups, talk_of, warn_undecodable, write_dropped, write_rollouts)
+from finetune.training import agent
 from finetune.faults import fault_point
 from finetune.training.stopping import Interrupted
 from finetune.recipe import RecipeError
-from finetune.rewards import RewardError, Rewards, weighted_rewards
+from finetune.rewards import RewardError, Rewards, has_get_reward, weighted_rewards
+from finetune.tools import Toolbox, environment_reward, tool_metrics
 from finetune.rl_losses import (CLIPPED, MAXED, TOKEN_COUNTED, LossSettings, group_advantages, merged_sums, metric_names,
                                 metric_values, policy_loss, rloo_advantages)
+
+
+def masks_of(talk: list) -> list | None:
+    """Each completion's tool mask from its conversation record (None without tools)."""
+    return [t["tool_mask"] if t is not None else None for t in talk] if any(t is not None for t in talk) else None
 
 
 def gather_rows(obj) -> list:
@@ -82,10 +90,16 @@ class GRPO(Basic):
         self.max_completion_len = recipe.max_completion_len
         self.num_iterations, self.num_generations = recipe.num_iterations, recipe.num_generations
         self.loss_impl, self.chunk = recipe.loss_impl, recipe.loss_chunk_tokens or None
-        self.rewards = Rewards.from_recipe(recipe)
+        # tools (finetune/training/agent.py): the rollout's conversations, read by the chat template (before_model)
+        self.toolbox, self.template = Toolbox.from_recipe(recipe), None
+        self.converses = self.toolbox is not None  # the chat template's end-of-turn token ends a turn
+        environment = self.toolbox.environment if self.toolbox is not None else None
+        self.rewards = Rewards.from_recipe(recipe, [environment_reward(environment)]
+                                          if environment is not None and has_get_reward(environment) else [])
         # rloo's kl is the rollout's (its penalty is in the reward), the others' the loss's
         self.rollout_names = (("kl",) if self.loss_type == "rloo" and self.beta != 0.0 else ()) + \
-            rollout_metric_names(self.rewards.names) + (DYNAMIC_METRICS if recipe.dynamic_sampling else ()) + (
+            rollout_metric_names(self.rewards.names, self.toolbox is not None) + (
+            DYNAMIC_METRICS if recipe.dynamic_sampling else ()) + (
             ENGINE_METRICS if recipe.generation_backend == "vllm" else ()) + (
             rollout_group_metrics(recipe) if recipe.rollout_processes else ())
         self.generator = None  # finetune's generator or a vLLM engine, chosen by the recipe (after_prepare)
@@ -101,7 +115,8 @@ class GRPO(Basic):
                        ("entropy of the sampled distribution", "nats (mean per completion token)", "entropy"),
                        *([("clipped ratios", "share of completion tokens clipped", "clip_ratio/region_mean")]
                          if self.loss_type in CLIPPED else []),
-                       *([("KL to the reference", "KL (mean per completion token)", "kl")] if self.beta else []))
+                       *([("KL to the reference", "KL (mean per completion token)", "kl")] if self.beta else []),
+                       *(agent.PANELS if self.toolbox is not None else ()))
         self.identifies_model = bool(self.beta)  # a resume reads the frozen reference from the model again
         self.reference = None
         self.cached = None  # (rollout index, this rank's micro-batches, the rollout's metrics)
@@ -139,9 +154,13 @@ class GRPO(Basic):
 
         check_installed(context.recipe)  # generation_backend=vllm where vLLM imports, before the model loads
         self.check_reward_models()
+        if self.toolbox is not None:  # the chat template renders tool turns as the model writes them (agent.py)
+            self.template = agent.template_for(context.tokenizer, self.toolbox.schemas,
+                                               agent.chat_stops(context.model_path, context.config, context.tokenizer),
+                                               context.recipe.model)
         train = context.datasets.train
         columns = [c for c in train.column_names if c not in ("prompt", *D.PROMPT_COLUMNS)]
-        problem = missing_column_problem(self.rewards, train[0], columns) if len(train) else None
+        problem = missing_column_problem(self.rewards, train[0], columns, self.toolbox) if len(train) else None
         if problem:
             raise RecipeError(problem)
         warning = grpo_rules.no_signal(self.recipe, getattr(context.config, "vocab_size", None))
@@ -200,26 +219,27 @@ class GRPO(Basic):
     def generation_batch(self, run, k: int, b: int, rows: list[int], step: int, stop=None):
         """Generation batch b of rollout k: this rank's share of the prompt rows sampled (a collective) and
         scored, gathered: (every completion's tokens, whether each stopped, [completions, functions]
-        rewards, the generation's seconds), or None where a stop request cut it."""
+        rewards, the generation's seconds, each completion's conversation record or None without tools), or
+        None where a stop request cut it."""
         r, sp, g = run.recipe, run.parallel.sp, self.num_generations
         mine = rank_prompts(rows, sp.dp_rank, sp.dp_size)
         seeds = [completion_seed(r.seed, k, row, j, batch=b) for row in mine for j in range(g)]
-        prompt_ids, tokens, stopped, per_func, error, seconds, cut = self.sample(run, run.datasets.train, mine, seeds,
-                                                                                 step + 1, updates=step, stop=stop)
-        parts = gather_rows((tokens, stopped, per_func.tolist(), error, cut))
+        prompt_ids, tokens, stopped, per_func, error, seconds, cut, talk = self.sample(
+            run, run.datasets.train, mine, seeds, step + 1, updates=step, stop=stop)
+        parts = gather_rows((tokens, stopped, per_func.tolist(), error, cut, talk))
         if any(p[4] for p in parts):
             return None
         failed = first_failure(parts)
         if failed is not None:
             raise RecipeError(f"{failed}; the run stopped before step {step + 1}'s update, {kept_checkpoint(run.out)}: "
                               "fix the function and continue with --resume auto")
-        return (*joined(parts, len(self.rewards.names)), seconds)
+        return (*joined(parts, len(self.rewards.names)), seconds, talk_of(parts))
 
     def dynamic_batch(self, run, k: int, step: int, rows: list[int], stop=None):
         """dynamic_sampling=true (rollouts.py, "dynamic sampling"): generation batches until the step's groups
         with a learning signal fill it or max_generation_batches were generated; the dropped groups' lines
-        in rollouts.jsonl. (rows, tokens, stopped, rewards, seconds, counts) of the batch, or None (a stop
-        request)."""
+        in rollouts.jsonl. (rows, tokens, stopped, rewards, conversation records, seconds, counts) of the
+        batch, or None (a stop request)."""
         r, g = run.recipe, self.num_generations
         made, seconds = [], 0.0
         for b in range(r.max_generation_batches):
@@ -229,11 +249,12 @@ class GRPO(Basic):
             out = self.generation_batch(run, k, b, rows, step, stop)
             if out is None:
                 return None
-            made.append((rows, *out[:3]))
+            made.append((rows, *out[:3], out[4]))
             seconds += out[3]
             if int(sum(signal_groups(m[3], self.rewards.weights, g).sum() for m in made)) >= len(rows):
                 break
-        batch_rows, tokens, stopped, rewards, found, dropped = fill_groups(made, len(rows), self.rewards.weights, g)
+        batch_rows, tokens, stopped, rewards, talk, found, dropped = fill_groups(made, len(rows), self.rewards.weights,
+                                                                                g)
         if run.accelerator.is_main_process:
             write_dropped(run.out / ROLLOUTS, step + 1, k, made, dropped, run.datasets.train, g, self.rewards.names,
                           self.rewards.weights)
@@ -243,7 +264,7 @@ class GRPO(Basic):
                             f"training on them and {len(rows) - found} groups of equal rewards (advantage 0)")
         counts = dict(zip(DYNAMIC_METRICS, (float(len(made)), float(len(made) * len(rows) - found),
                                             float(len(rows) - found))))
-        return batch_rows, tokens, stopped, rewards, seconds, counts
+        return batch_rows, tokens, stopped, rewards, talk, seconds, counts
 
     def new_rollout(self, run, k: int, step: int, stop=None) -> tuple[list[dict], dict] | None:
         r, accelerator = run.recipe, run.accelerator
@@ -252,17 +273,17 @@ class GRPO(Basic):
             made = self.dynamic_batch(run, k, step, rows, stop)
         elif self.rollout_group is not None:  # generated and scored by the generating processes
             made = self.rollout_group.receive(run, k, stop)
-            if made is not None:
-                made = (rows, *made, {})
+            if made is not None:  # no tools with the split (rollout_split.check refuses them): no conversations
+                made = (rows, *made[:3], [None] * len(made[0]), made[3], {})
         else:
             made = self.generation_batch(run, k, 0, rows, step, stop)
             if made is not None:
-                made = (rows, *made, {})
+                made = (rows, *made[:3], made[4], made[3], {})
         if made is None:
             return None
-        rows, all_tokens, all_stopped, all_rewards, seconds, counts = made
+        rows, all_tokens, all_stopped, all_rewards, all_talk, seconds, counts = made
         prompt_ids, share = self.rank_share(run, rows)
-        tokens, stopped = all_tokens[share], all_stopped[share]
+        tokens, stopped, talk = all_tokens[share], all_stopped[share], all_talk[share]
         if torch.isnan(all_rewards).all() and not self.said_unscored and accelerator.is_main_process:
             self.said_unscored = True
             log.warning(f"step {step + 1}: no reward function scored any of the {len(all_tokens)} completions (every "
@@ -275,16 +296,16 @@ class GRPO(Basic):
         old = self.rollout_group.old_rows(prompt_ids, behaviour) if behaviour is not None else None
         # the micro-batches (old and reference log-probs) before the advantages: rloo's penalise the reward by them
         batches = self.batches(run, prompt_ids, tokens, stopped, torch.zeros(len(tokens)), old_rows=old,
-                               engine_logps=self.sampled_logps if engine else None if old else behaviour)
+                               engine_logps=self.sampled_logps if engine else None if old else behaviour,
+                               masks=masks_of(talk))
         advantages, zero_std, kl = self.advantages(all_rewards, batches)
         for b, part in zip(batches, advantages[share].split(r.micro_batch_size)):
             b["advantages"] = part.clone()
         values = rollout_metrics(all_rewards, self.rewards.weights, self.rewards.names, zero_std,
-                                 torch.tensor([len(t) for t in all_tokens]),
-                                 ~torch.tensor(all_stopped, dtype=torch.bool))
+                                 model_lengths(all_tokens, all_talk), ~torch.tensor(all_stopped, dtype=torch.bool))
         values["rollout_seconds"] = seconds
-        values |= counts
-        self.micro_batch_count = self.count_per_micro_batch(all_tokens, all_stopped)
+        values |= counts | (tool_metrics(all_talk) if self.toolbox is not None else {})
+        self.micro_batch_count = self.count_per_micro_batch(all_tokens, all_stopped, all_talk)
         if kl is not None:
             values["kl"] = kl
         if engine:
@@ -303,13 +324,13 @@ class GRPO(Basic):
             if accelerator.is_main_process:
                 self.kept = (k, {"values": values, "old_logps": olds, "is_ratio": ratios, "rows": rows,
                                  "tokens": all_tokens, "stopped": all_stopped, "rewards": all_rewards,
-                                 "advantages": advantages})
+                                 "advantages": advantages, "talk": all_talk})
                 if engine:  # the engine's rollouts back to the last checkpoint's: a resumed run trains on them
                     save_recorded(run.out, k, self.kept[1], run.checkpoints.latest_id,
                                   keep=max(2, -(-r.save_every // self.num_iterations) + 1))
         if accelerator.is_main_process:
             self.record(run, step + 1, k, rows, all_tokens, all_stopped, all_rewards, advantages,
-                        self.rollout_group.version(k) if self.rollout_group is not None else step)
+                        self.rollout_group.version(k) if self.rollout_group is not None else step, all_talk)
             self.warned = warn_undecodable(step + 1, all_tokens, len(run.tokenizer), self.warned)
         return batches, values
 
@@ -322,13 +343,14 @@ class GRPO(Basic):
         return [p for p in run.datasets.train[mine]["prompt_input_ids"] for _ in range(g)], \
             slice(sp.dp_rank * n, (sp.dp_rank + 1) * n)
 
-    def count_per_micro_batch(self, tokens: list, stopped: list) -> float:
+    def count_per_micro_batch(self, tokens: list, stopped: list, talk: list | None = None) -> float:
         """What the loss averages over (counts), of the whole rollout (every rank's completions), per
         micro-batch: the entropy bonus's unit (rl_losses.entropy_bonus)."""
         m = self.recipe.micro_batch_size
         if self.loss_type not in TOKEN_COUNTED:
             return float(m)
-        counted = sum(len(t) for t, s in zip(tokens, stopped) if s or not self.recipe.mask_truncated_completions)
+        lengths = model_lengths(tokens, talk or [None] * len(tokens)).tolist()
+        counted = sum(n for n, s in zip(lengths, stopped) if s or not self.recipe.mask_truncated_completions)
         return counted * m / len(tokens)
 
     def advantages(self, rewards: torch.Tensor, batches: list[dict]) -> tuple[torch.Tensor, torch.Tensor, float | None]:
@@ -350,13 +372,14 @@ class GRPO(Basic):
                                                r.normalize_advantages)
         return advantages, zero_std, metric
 
-    def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages, version: int) -> None:
-        """Rank 0: rollout k's completions, their rewards and advantages into rollouts.jsonl, under `step`
-        (1-based), with the policy version (optimizer steps) that generated them."""
+    def record(self, run, step: int, k: int, rows: list[int], tokens, stopped, rewards, advantages, version: int,
+               talk) -> None:
+        """Rank 0: rollout k's completions, their rewards and advantages (and conversations) into
+        rollouts.jsonl, under `step` (1-based), with the policy version (optimizer steps) that generated them."""
         write_rollouts(run.out / ROLLOUTS, step, k, rows, run.datasets.train, self.num_generations, tokens,
                        run.tokenizer.batch_decode(tokens, skip_special_tokens=True), stopped, self.rewards.names,
                        rewards, weighted_rewards(rewards, self.rewards.weights), advantages, len(run.tokenizer),
-                       version=version)
+                       version=version, talk=talk if self.toolbox is not None else None)
 
     def sample(self, run, ds, mine: list[int], seeds: list[int], step: int, updates: int, stop=None) -> tuple:
         """This rank's prompts (rows `mine` of ds), num_generations completions each sampled with `seeds` (a
@@ -372,14 +395,34 @@ class GRPO(Basic):
         t0, g = time.perf_counter(), self.num_generations
         cols = ds[mine] if mine else {c: [] for c in ds.column_names}
         prompt_ids = [p for p in cols["prompt_input_ids"] for _ in range(g)]
+        extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
+        turns = None
+        if self.toolbox is not None and mine:  # the conversations, between turns (finetune/training/agent.py)
+            rows = [{"prompt": p} | {c: v[i] for c, v in extra.items()}
+                    for i, p in enumerate(p for p in cols["prompt"] for _ in range(g))]
+            r = run.recipe
+            rank = run.accelerator.process_index
+            context = context_length(run.config)
+            if r.generation_backend == "vllm":  # the engine's max_model_len
+                context = min(context or r.max_seq_len, r.max_seq_len)
+            turns = agent.Conversations(self.template, self.toolbox, rows, seeds, prompt_ids,
+                                        r.max_tool_calling_iterations, r.tool_timeout,
+                                        between=lambda: fault_point("turn", rank, step),  # a kill between turns
+                                        context=context)
         with SP.whole_sequences():  # every rank of an SP group samples its group's prompts whole
-            outs = self.generator(run, prompt_ids, seeds, updates, stop)
+            outs = self.generator(run, prompt_ids, seeds, updates, stop, **({"turns": turns} if turns else {}))
         self.generator.sleep()  # a vLLM engine on GPUs gives its memory back to the step (vllm_enable_sleep_mode)
         tokens, stopped = [o.tokens for o in outs], [o.stopped for o in outs]
         self.sampled_logps = [o.logprobs for o in outs] if self.generator.logprobs else []
         texts = run.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        talk = None
+        if turns is not None:  # TRL's completions with tools: each conversation's messages
+            talk, texts = turns.finish(outs), turns.messages
+            if self.toolbox.environment is not None:
+                extra["environments"] = turns.environments
+        elif self.toolbox is not None:
+            talk = []
         seconds = time.perf_counter() - t0
-        extra = {c: [v for v in cols[c] for _ in range(g)] for c in cols if c not in ("prompt", *D.PROMPT_COLUMNS)}
         error, per_func = None, torch.full((len(tokens), len(self.rewards.names)), float("nan"))
         cut = stop is not None and bool(stop.requested)
         if tokens and not cut:
@@ -391,7 +434,7 @@ class GRPO(Basic):
                 error = str(e)
             except Interrupted:
                 cut = True
-        return prompt_ids, tokens, stopped, per_func, error, seconds, cut
+        return prompt_ids, tokens, stopped, per_func, error, seconds, cut, talk
 
     def evaluate(self, run, step: int, stop, loss_eval) -> tuple[None, dict] | None:
         """TRL's GRPO eval: each eval prompt (the first eval_max_samples eval rows, all if 0) gets
@@ -418,8 +461,9 @@ class GRPO(Basic):
                 return None
             mine = eval_share(rows, sp.dp_rank, sp.dp_size)
             seeds = [eval_seed(r.seed, row, j) for row in mine for j in range(g)]
-            _, tokens, stopped, per_func, error, _, cut = self.sample(run, ds, mine, seeds, step, updates=step, stop=stop)
-            parts = gather_rows((tokens, stopped, per_func.tolist(), error, cut))
+            _, tokens, stopped, per_func, error, _, cut, talk = self.sample(run, ds, mine, seeds, step, updates=step,
+                                                                             stop=stop)
+            parts = gather_rows((tokens, stopped, per_func.tolist(), error, cut, talk))
             if any(p[4] for p in parts):
                 return None
             failed = first_failure(parts)
@@ -468,22 +512,24 @@ class GRPO(Basic):
         rows = saved["rows"]
         prompt_ids, share = self.rank_share(run, rows)
         ratios = saved.get("is_ratio")
-        self.micro_batch_count = self.count_per_micro_batch(saved["tokens"], saved["stopped"])
+        talk = saved.get("talk") or [None] * len(saved["tokens"])
+        self.micro_batch_count = self.count_per_micro_batch(saved["tokens"], saved["stopped"], talk)
         batches = self.batches(run, prompt_ids, saved["tokens"][share],
                                saved["stopped"][share], saved["advantages"][share], saved["old_logps"][share],
-                               is_rows=ratios[share] if ratios is not None else None)
+                               is_rows=ratios[share] if ratios is not None else None, masks=masks_of(talk[share]))
         if first and run.accelerator.is_main_process:
             self.record(run, step + 1, k, rows, saved["tokens"], saved["stopped"], saved["rewards"],
-                        saved["advantages"], step)
+                        saved["advantages"], step, talk)
         return batches, saved["values"]
 
     def batches(self, run, prompts, tokens, stopped, advantages, old_rows=None, engine_logps=None,
-                is_rows=None) -> list[dict]:
+                is_rows=None, masks=None) -> list[dict]:
         """This rank's completions as micro-batches of micro_batch_size, with the old log-probs
         (num_iterations > 1 or a vLLM engine's completions: computed now, or the saved rows) and the
         reference's (beta > 0). engine_logps: the engine's log-probs of the completions (one list each), for
         the importance weights (is_ratio, vllm_importance_sampling_correction) and the push check
-        (self.engine_sums); is_rows: the weights saved with a recorded rollout."""
+        (self.engine_sums); is_rows: the weights saved with a recorded rollout; masks: each completion's tool
+        mask (its fed tokens out of every term), or None."""
         r, model = run.recipe, run.model
         m = r.micro_batch_size
         # rloo with beta > 0 penalises the reward by the KL of the old log-probs (also with one iteration)
@@ -494,7 +540,8 @@ class GRPO(Basic):
         with SP.whole_sequences():  # the old and reference log-probs of whole sequences (every rank of an SP group)
             for a in range(0, len(tokens), m):
                 b = rollout_batch(prompts[a:a + m], tokens[a:a + m], stopped[a:a + m], advantages[a:a + m],
-                                  run.tokenizer.pad_token_id, mask_truncated=r.mask_truncated_completions)
+                                  run.tokenizer.pad_token_id, mask_truncated=r.mask_truncated_completions,
+                                  masks=masks[a:a + m] if masks is not None else None)
                 if keep_old or self.reference is not None:
                     device_batch = {k: v.to(run.accelerator.device) for k, v in b.items()}
                     if keep_old and old_rows is None:
