@@ -234,8 +234,13 @@ def serve(args, index: int) -> int:
     except RecipeError as e:  # what the trainers refuse too: they say it
         code = _failed(generator, index, str(e), user=True)
     except Exception as e:  # a bug or a machine fault: said as this rank's, published for the trainers
-        traceback.print_exc()
         rank = os.environ.get("RANK", "?")
+        if generator is not None and not _store_reachable(generator.store):
+            # trainer 0, which hosts the store, has gone: the trainers stopped the run and said why
+            print(f"rollout process rank {rank}: the training processes are gone ({type(e).__name__}); stopping",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+        traceback.print_exc()
         code = _failed(generator, index, f"rollout process rank {rank} failed: {type(e).__name__}: {e}; the run "
                                          "stopped, its last checkpoint is intact", user=False)
     # no teardown of the link group (a gloo group's destructor can block on its worker threads: see
@@ -246,6 +251,14 @@ def serve(args, index: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _store_reachable(store) -> bool:
+    try:
+        store.check(["failed/probe"])
+        return True
+    except Exception:  # noqa: BLE001 - any failure to reach it means it is gone
+        return False
 
 
 def _failed(generator, index: int, line: str, user: bool) -> int:
