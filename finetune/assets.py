@@ -1,8 +1,8 @@
 """The embedded default: a tiny Llama-style model, a character-level tokenizer and a small task
 dataset, all made locally so that the project runs and is tested with no model or dataset hub.
 
-The model is written with `save_pretrained` and read back by the same `from_pretrained` call a hub
-id takes, so the tiny run exercises the real loading path. Assets are written once into
+The model is written as `save_pretrained` writes it (config.json, model.safetensors) and read back by the
+same `from_pretrained` call a hub id takes, so the tiny run exercises the real loading path. Assets are written once into
 FINETUNE_CACHE (default ~/.cache/finetune) through a temporary directory and a rename, so that
 concurrent ranks never see half-written files.
 """
@@ -53,9 +53,19 @@ def cache_root() -> Path:
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune")).expanduser()
 
 
-def _publish(build, target: Path) -> Path:
-    """Build into a temporary sibling and publish it; the first writer wins."""
+def _publish(build, target: Path, complete=None) -> Path:
+    """Build into a temporary sibling and publish it; the first writer wins. complete(target): whether an
+    existing target is whole (a model directory without its config.json, left by an older finetune whose
+    rank 1 published its builtin model first, is built again and replaces it)."""
+    if target.exists() and (complete is None or complete(target)):
+        return target
     if target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            publish(build(tmp), target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -103,6 +113,21 @@ def build_tokenizer(tools: bool = False):
     return tok
 
 
+def write_model(model, out: Path) -> None:
+    """config.json, generation_config.json and model.safetensors as save_pretrained writes them, on whichever
+    rank asks: save_pretrained writes nothing on a rank other than 0 of an initialized process group, and a
+    builtin model is built by whichever rank of a launch asks first (a distillation run's teacher), so that
+    rank 1's directory, tokenizer files alone, could be the one published."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.to_json_file(out / "config.json")
+    model.generation_config.to_json_file(out / "generation_config.json")
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+
+
 def tiny_model_dir(name: str = "tiny-llama") -> Path:
     """The builtin model `name` (BUILTIN_MODELS), built once in the cache. tiny-llama: 2 layers, hidden 64,
     4 heads of 16; tiny-llama-h64: the same tokenizer and depth, hidden 128 in 2 query heads of 64 (one
@@ -131,11 +156,12 @@ def tiny_model_dir(name: str = "tiny-llama") -> Path:
             torch.manual_seed(0)
             model = LlamaForCausalLM(config)
         out = tmp / "model"
-        model.save_pretrained(out)
+        write_model(model, out)
         tok.save_pretrained(out)
         return out
 
-    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_MODELS[name])
+    return _publish(build, cache_root() / ASSET_VERSION / BUILTIN_MODELS[name],
+                    complete=lambda d: (d / "config.json").is_file() and (d / "model.safetensors").is_file())
 
 
 def _task(rng: random.Random) -> dict:

@@ -63,3 +63,49 @@ def test_staging_never_takes_or_removes_an_existing_name(tmp_path):
     assert not failed.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".model.tmp", "model", "model.tmp"]
     assert all((tmp_path / n / "file.txt").read_text() == "the user's" for n in ("model.tmp", ".model.tmp"))
+
+
+def _build_on_rank(rank: int, world: int, init: str, cache: str, name: str) -> None:
+    import torch.distributed as dist
+
+    os.environ["FINETUNE_CACHE"] = cache
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        if rank == 1:  # rank 1 alone asks: transformers' save_pretrained writes nothing on it
+            from finetune.assets import tiny_model_dir
+
+            tiny_model_dir(name)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_builtin_model_built_by_rank_1_is_whole(tmp_path):
+    """A 2-process distillation run's builtin teacher is built by whichever rank asks first; built by rank 1
+    it was published with its tokenizer files alone (save_pretrained writes on rank 0 only), and every later
+    run in that cache failed to read its config. Built on rank 1 of a real gloo group, it is whole, equal to
+    the one built outside any group, and an older cache's tokenizer-only directory is built again."""
+    import torch
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from finetune.assets import ASSET_VERSION, tiny_model_dir
+
+    cache = tmp_path / "cache"
+    mp.start_processes(_build_on_rank, args=(2, f"file://{tmp_path / 'store'}", str(cache), "tiny-llama-h64"),
+                       nprocs=2, start_method="spawn")
+    built = cache / ASSET_VERSION / "tiny-llama-h64"
+    assert (built / "config.json").is_file() and (built / "model.safetensors").is_file()
+    os.environ["FINETUNE_CACHE"], before = str(tmp_path / "alone"), os.environ.get("FINETUNE_CACHE")
+    try:
+        alone = tiny_model_dir("tiny-llama-h64")
+        a, b = (AutoModelForCausalLM.from_pretrained(d) for d in (built, alone))
+        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+        for f in ("config.json", "generation_config.json", "model.safetensors"):  # an older cache's leftover
+            (alone / f).unlink()
+        assert (tiny_model_dir("tiny-llama-h64") / "config.json").is_file()
+    finally:
+        if before is None:
+            os.environ.pop("FINETUNE_CACHE", None)
+        else:
+            os.environ["FINETUNE_CACHE"] = before
