@@ -404,3 +404,15 @@ def test_the_bounds_are_where_adamw_stops_being_finite(foreach):
         assert "overflow" in str(e)
     assert torch.isfinite(_first_adamw_step(lr=1e30, weight_decay=1e8 * 0.3, foreach=foreach)).all()
     assert resolve("tiny", ["lr=1e30", "weight_decay=3e7"]).weight_decay == 3e7
+
+
+def test_every_recipe_value_is_one_a_tracker_takes():
+    """TensorBoard's hyper-parameters take int, float, str or bool: a recipe with a mapping (columns) or a
+    None in it failed at the trackers' start (report_to=tensorboard) before its first step."""
+    from finetune.training.metrics import tracker_value
+
+    r = Recipe(columns={"label": "thumbs"}, objective="kto", dataset="data.jsonl")
+    values = {k: tracker_value(v) for k, v in r.to_dict().items()}
+    assert all(isinstance(v, bool | int | float | str) for v in values.values()), \
+        {k: v for k, v in values.items() if not isinstance(v, bool | int | float | str)}
+    assert values["columns"] == '{"label": "thumbs"}'

@@ -223,6 +223,18 @@ class Progress:
 # ---------------------------------------------------------------- trackers
 
 
+def tracker_value(v):
+    """A recipe value as the trackers' hyper-parameters take it (TensorBoard: int, float, str or bool only):
+    lists joined by commas, mappings as JSON, None and anything else as text."""
+    if isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, list | tuple):
+        return ",".join(map(str, v))
+    if isinstance(v, dict):
+        return json.dumps(v, sort_keys=True, default=str)
+    return str(v)
+
+
 def start_trackers(accelerator, recipe, output_dir: Path) -> None:
     """Accelerate's trackers, named after output_dir. A resumed run continues the same tracker run
     where the tracker allows it: TensorBoard appends to the same log directory, Weights & Biases
@@ -242,8 +254,7 @@ def start_trackers(accelerator, recipe, output_dir: Path) -> None:
         init_kwargs["wandb"] = {"id": id_file.read_text().strip(), "resume": "allow", "name": output_dir.name}
     if "mlflow" in trackers:
         init_kwargs["mlflow"] = {"run_name": output_dir.name}
-    config = {k: (",".join(map(str, v)) if isinstance(v, (list, tuple)) else v)
-              for k, v in recipe.to_dict().items()}
+    config = {k: tracker_value(v) for k, v in recipe.to_dict().items()}
     # project "finetune": the W&B project / MLflow experiment; TensorBoard writes to output_dir/finetune/
     accelerator.init_trackers("finetune", config=config, init_kwargs=init_kwargs)
 
