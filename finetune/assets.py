@@ -57,20 +57,13 @@ def _publish(build, target: Path, complete=None) -> Path:
     """Build into a temporary sibling and publish it; the first writer wins. complete(target): whether an
     existing target is whole (a model directory without its config.json, left by an older finetune whose
     rank 1 published its builtin model first, is built again and replaces it)."""
-    if target.exists() and (complete is None or complete(target)):
-        return target
-    if target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-        try:
-            publish(build(tmp), target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    stale = target.exists()
+    if stale and (complete is None or complete(target)):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        publish(build(tmp), target, first_wins=True)
+        publish(build(tmp), target, first_wins=not stale)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -80,7 +80,7 @@ def _build_on_rank(rank: int, world: int, init: str, cache: str, name: str) -> N
         dist.destroy_process_group()
 
 
-def test_a_builtin_model_built_by_rank_1_is_whole(tmp_path):
+def test_a_builtin_model_built_by_rank_1_is_whole(tmp_path, monkeypatch):
     """A 2-process distillation run's builtin teacher is built by whichever rank asks first; built by rank 1
     it was published with its tokenizer files alone (save_pretrained writes on rank 0 only), and every later
     run in that cache failed to read its config. Built on rank 1 of a real gloo group, it is whole, equal to
@@ -96,16 +96,10 @@ def test_a_builtin_model_built_by_rank_1_is_whole(tmp_path):
                        nprocs=2, start_method="spawn")
     built = cache / ASSET_VERSION / "tiny-llama-h64"
     assert (built / "config.json").is_file() and (built / "model.safetensors").is_file()
-    os.environ["FINETUNE_CACHE"], before = str(tmp_path / "alone"), os.environ.get("FINETUNE_CACHE")
-    try:
-        alone = tiny_model_dir("tiny-llama-h64")
-        a, b = (AutoModelForCausalLM.from_pretrained(d) for d in (built, alone))
-        assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-        for f in ("config.json", "generation_config.json", "model.safetensors"):  # an older cache's leftover
-            (alone / f).unlink()
-        assert (tiny_model_dir("tiny-llama-h64") / "config.json").is_file()
-    finally:
-        if before is None:
-            os.environ.pop("FINETUNE_CACHE", None)
-        else:
-            os.environ["FINETUNE_CACHE"] = before
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "alone"))
+    alone = tiny_model_dir("tiny-llama-h64")
+    a, b = (AutoModelForCausalLM.from_pretrained(d) for d in (built, alone))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    for f in ("config.json", "generation_config.json", "model.safetensors"):  # an older cache's leftover
+        (alone / f).unlink()
+    assert (tiny_model_dir("tiny-llama-h64") / "config.json").is_file()
