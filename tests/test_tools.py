@@ -305,6 +305,55 @@ def test_the_tiny_tools_model_renders_and_reads_its_calls():
                       skip_special_tokens=False) == "<|tool|>12<|end|><|assistant|>"
 
 
+def test_the_caller_warm_up_is_deterministic_and_sees_the_recipes_prompt():
+    """builtin:tiny-llama-caller's warm-up (finetune/assets.py): its conversations list the tool as
+    recipes/tiny_grpo_tools.py's calculator does, so they render the recipe's prompts; and a warm-up from the same
+    weights gives the same weights (a few steps here; the build runs CALLER_STEPS)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from finetune import assets
+    from recipes.tiny_grpo_tools import Calculator as RecipeCalculator
+
+    assert T.schema(RecipeCalculator().mul) == assets.CALLER_TOOL
+    tok = assets.build_tokenizer(tools=True)
+    config = LlamaConfig(vocab_size=128, num_hidden_layers=1, hidden_size=16, intermediate_size=32,
+                         num_attention_heads=2, num_key_value_heads=1, pad_token_id=tok.pad_token_id)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        runs.append((assets.warm_up_caller(model, tok, steps=3), model.state_dict()))
+    assert runs[0][0] == runs[1][0] and runs[0][0][-1] < runs[0][0][0]
+    assert all(torch.equal(v, runs[1][1][k]) for k, v in runs[0][1].items())
+
+
+def test_the_caller_model_sometimes_calls_the_calculator_and_copies_its_answer():
+    """builtin:tiny-llama-caller, as built: asked a product, it begins the calculator's call with some probability,
+    neither never nor always (what GRPO raises), a call once begun runs to its end, and once the calculator
+    answered, the answer's digits are the likeliest tokens (it copies them)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from finetune import assets
+
+    tok = assets.build_tokenizer(tools=True)
+    model = AutoModelForCausalLM.from_pretrained(assets.tiny_model_dir("tiny-llama-caller"), dtype=torch.float32)
+    for a, b in ((37, 59), (12, 88), (91, 23)):
+        prompt = render(tok, [{"role": "user", "content": f"{a}*{b}"}], True, [assets.CALLER_TOOL])
+        call = "[TOOL_CALLS]mul[ARGS]{}<|end|>"
+        answer = f"<|tool|>{a * b}<|end|><|assistant|>{a * b}<|end|>"
+        ids = tok(prompt + call + answer, add_special_tokens=False).input_ids
+        n, m = len(tok(prompt, add_special_tokens=False).input_ids), len(tok(call, add_special_tokens=False).input_ids)
+        with torch.no_grad():
+            probs = model(torch.tensor([ids])).logits[0, :-1].softmax(-1)
+        drawn = [probs[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+        called, copied = drawn[n - 1:n - 1 + m], drawn[-len(str(a * b)) - 1:]
+        assert 0.03 < called[0] < 0.6 and min(called[1:]) > 0.5, (a, b, called)
+        assert all(p == probs[i].max().item() for p, i in zip(copied, range(len(ids) - len(copied) - 1, len(ids) - 1))), \
+            (a, b, copied)
+
+
 def test_the_builtin_calculator_computes_arithmetic_and_nothing_else():
     assert [T.calculator(e) for e in ("(12.5 + 3) * 4 ** 2", "7/2", "2**10", "-3 % 5", "10 // 4")] == \
         ["248", "3.5", "1024", "2", "2"]
