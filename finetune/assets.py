@@ -199,8 +199,6 @@ def warm_up_caller(model, tok, steps: int | None = None, seed: int = 0) -> list[
     same weights whichever rank builds it, whatever its thread count). Returns the losses. About 10 s on a CPU core."""
     import torch
 
-    from finetune.data.tokenization import render_chats
-
     steps = CALLER_STEPS if steps is None else steps
     rng = random.Random(seed)
     start, end = tok.convert_tokens_to_ids("<|assistant|>"), tok.convert_tokens_to_ids("<|end|>")
@@ -220,7 +218,8 @@ def warm_up_caller(model, tok, steps: int | None = None, seed: int = 0) -> list[
         return (torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in part]),
                 torch.tensor([l + [-100] * (width - len(l)) for _, l in part]))
 
-    chats = rows(render_chats(tok, [_caller_conversation(rng) for _ in range(steps * CALLER_BATCH)], tools=[CALLER_TOOL]))
+    chats = rows(tok.apply_chat_template([_caller_conversation(rng) for _ in range(steps * CALLER_BATCH)],
+                                         tools=[CALLER_TOOL], tokenize=False))
     copies = rows([f"<|tool|>{n}<|end|><|assistant|>{n}<|end|>" for n in
                    (rng.randint(100, 9801) for _ in range(steps * CALLER_COPY_BATCH))])
     threads = torch.get_num_threads()

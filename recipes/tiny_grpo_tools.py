@@ -9,13 +9,22 @@ the product (3.0 at most).
 
 The model, builtin:tiny-llama-caller, starts where agent RL starts, from a model that knows its tool-call format
 and calls now and then: the tiny Llama after a 150-step supervised warm-up made when it is first built (about
-10 s of CPU, finetune/assets.py warm_up_caller) on conversations of which a quarter call the calculator and copy
-its answer and the rest guess a number. It calls in about a quarter of its completions and, having called,
-copies the answer about two times in three; it cannot compute a product, so a guess is almost never right.
-GRPO must raise the call share and the copying. (From the untrained builtin:tiny-llama-tools, 100 GRPO steps at
-lr 1e-2 taught only the call's first tokens: no eval completion wrote a whole call.)
+10 s of one CPU core, seeded: finetune/assets.py warm_up_caller) on conversations of which a quarter call the
+calculator and copy its answer and the rest guess a number, with short copy drills besides. It calls in about a
+quarter of its completions and, having called, copies the answer about two times in three; it cannot compute a
+product, so a guess is almost never right. GRPO raises the call share and the copying. (From the untrained
+builtin:tiny-llama-tools, 100 GRPO steps at lr 1e-2 taught only the call's first tokens: no eval completion
+wrote a whole call.)
 
-MEASURED
+MEASURED (2026-11-29, the first command below from an empty FINETUNE_CACHE on 2 CPU cores shared with other
+jobs: 224 s in all, the model's build and warm-up included; 137 s of training), on the 32 eval prompts x 8:
+                                     step 0   step 20   step 40   step 60
+    eval reward (3.0 at most)        0.719    2.448     2.727     2.830
+    completions calling right        25.8%    93.4%     96.1%     98.0%   (tools/calling_share)
+    exact_match (the product)        0.168    0.711     0.844     0.895
+tools/call_frequency equals the calling share at steps 0 and 60 (0.258, 0.980): one call a completion, none
+failed; the rest of the eval completions guess. Bit for bit the same in a second run.
+
     finetune train tiny_grpo_tools --num_processes 2
     python finetune/run.py --recipe tiny_grpo_tools strategy=ddp          # one process
 
