@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import importlib.util
 import json
 import math
@@ -491,9 +492,15 @@ def unknown_key_message(key: str) -> str:
 # ---------------------------------------------------------------- overrides
 
 
+@functools.cache
+def _recipe_types() -> dict:
+    """Recipe's field types, resolved once (typing.get_type_hints evaluates every annotation of the class on each
+    call: validating a recipe called it per field, a second of each process's start)."""
+    return typing.get_type_hints(Recipe)
+
+
 def _type_of(name: str):
-    hints = typing.get_type_hints(Recipe)
-    return hints[name]
+    return _recipe_types()[name]
 
 
 def parse_value(key: str, text: str):

@@ -2,19 +2,36 @@
 # Set up .venv for finetune on a fresh machine (idempotent; re-running is cheap).
 #   bash scripts/setup.sh          the environment: enough for every strategy and CPU offload
 #   bash scripts/setup.sh --nvme   also NVMe offload: libaio and DeepSpeed's async_io op (minutes to compile)
+#   bash scripts/setup.sh --nvme --no-build   libaio only; the op compiles on first use (or with --build-ops)
+#   bash scripts/setup.sh --build-ops   only compile DeepSpeed's CPU ops the tests use (async_io, cpu_adam) in .venv
+#                                       (.ci/run does it beside the suite; a run that needs one waits for its build)
 # On a machine without an NVIDIA GPU the CPU build of torch is installed first; a bare `torch`
 # requirement would otherwise pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-nvme=0
+nvme=0 build=1 ops_only=0
 for arg in "$@"; do
   case "$arg" in
     --nvme) nvme=1 ;;
-    -h|--help) sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-    *) echo "error: unknown option $arg (scripts/setup.sh [--nvme])" >&2; exit 2 ;;
+    --no-build) build=0 ;;
+    --build-ops) ops_only=1 ;;
+    -h|--help) sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "error: unknown option $arg (scripts/setup.sh [--nvme [--no-build]] [--build-ops])" >&2; exit 2 ;;
   esac
 done
 say() { echo "setup: $*"; }
+if [ "$ops_only" = 1 ]; then
+  [ -x .venv/bin/python ] || { echo "error: no .venv: run bash scripts/setup.sh first" >&2; exit 2; }
+  . .venv/bin/activate
+  start=$(date +%s)
+  # .venv/bin (its ninja) first on PATH, as every run builds: another ninja discards the build log and compiles again
+  DS_ACCELERATOR=cpu timeout 1500 python -c "
+from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+CPUAdamBuilder().load(verbose=False)
+AsyncIOBuilder().load(verbose=False)"
+  echo "setup: DeepSpeed's cpu_adam and async_io ops ready ($(( $(date +%s) - start )) s)"
+  exit 0
+fi
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   say "creating .venv/ (a virtual environment of $("$PY" --version 2>&1)): everything installs there, nothing system-wide"
@@ -66,7 +83,7 @@ PY
 }
 clear_build_locks
 ext_root=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}
-if [ "$nvme" = 1 ] && [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+if [ "$nvme" = 1 ] && [ "$build" = 1 ] && [ -z "${problem:-}" ] && ! command -v nvidia-smi >/dev/null 2>&1; then
   say "compiling DeepSpeed's async_io op for NVMe offload (about 4 minutes on 2 cores, once: cached in $ext_root)"
   start=$(date +%s)
   if DS_ACCELERATOR=cpu timeout 1200 python -c "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load()" >/dev/null 2>&1; then

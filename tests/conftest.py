@@ -8,6 +8,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.* (bench.helpers.held, bench.studies...)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Under pytest-xdist (.ci/run: `pytest -n 3`) each worker compiles into an inductor cache of its own (launches
+# inherit it): two processes compiling one kernel into one cache at once can load a half-written .so
+# ("invalid ELF header", seen with two test runs on one machine).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import tempfile
+
+    _inductor = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "torchinductor")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{_inductor}-{os.environ['PYTEST_XDIST_WORKER']}"
 
 import pytest  # noqa: E402
 

@@ -52,20 +52,44 @@ class Run:
         return [r["loss"] for r in self.train_records]
 
 
+def run_root(tmp_path_factory) -> Path:
+    """A directory every pytest process of this run shares: under pytest-xdist (.ci/run runs `pytest -n 3`) the
+    parent of the workers' own temporary directories, which is this run's alone; otherwise this session's."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def run_lock(path: Path):
+    """An exclusive lock on `path` among the pytest processes of this run (held until the block ends)."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
 def launch_env(tmp_path_factory) -> dict:
-    """One cache for every launch of the session: the tiny assets and tokenized data are made once."""
+    """One cache for every launch of the run (every xdist worker's): the tiny assets and tokenized data are
+    made once, and a run one worker launched resumes in another with the same model files."""
     from finetune import assets
 
-    cache = tmp_path_factory.mktemp("finetune-cache")
+    cache = run_root(tmp_path_factory) / "finetune-cache"
+    cache.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, FINETUNE_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_DATASETS_CACHE=str(cache / "datasets"), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO))
     old = os.environ.get("FINETUNE_CACHE")
     os.environ["FINETUNE_CACHE"] = str(cache)
     try:
-        assets.tiny_model_dir()
-        assets.tiny_tasks_file()
+        with run_lock(cache / ".lock"):
+            assets.tiny_model_dir()
+            assets.tiny_tasks_file()
     finally:
         if old is None:
             os.environ.pop("FINETUNE_CACHE")
@@ -133,10 +157,12 @@ def launch(launch_env, tmp_path_factory):
     ranks as forks of tests/distributed/forkserver.py (the imports paid once per session: a 2-process tiny
     run costs about 8 CPU-seconds instead of 28), with the environment and the handling of a failed rank
     that `accelerate launch` gives. The real command (`accelerate launch ...`) runs for the first
-    multi-process launch of each recipe (each objective) and of each strategy in the session, for real=True,
+    multi-process launch of each strategy in the run, for real=True,
     front=True, and an extra_env the server cannot give a forked rank (forkserver.forkable)."""
     server = ForkServer(launch_env, tmp_path_factory.mktemp("forkserver"))
-    launched_for_real: set[tuple[str, str]] = set()  # ("recipe", name), ("strategy", name) a real launch trained
+    # the strategies a real launch trained, in any pytest process of this run: a file each
+    launched_for_real = run_root(tmp_path_factory) / "launched-for-real"
+    launched_for_real.mkdir(exist_ok=True)
 
     def run(nprocs: int, *overrides: str, recipe: str = "tiny", output_dir: Path | None = None,
             check: bool = True, timeout: int = 600, extra_env: dict | None = None, front: bool = False,
@@ -154,11 +180,14 @@ def launch(launch_env, tmp_path_factory):
                    str(nprocs), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                    "--main_process_port", str(_free_port()), "finetune/run.py", *args]
         env = dict(launch_env, **(extra_env or {}))
-        # the launch path itself is checked too: the first multi-process launch of each recipe (each objective)
-        # and of each strategy in the session is real, and so is every launch that the server cannot give
-        strategy = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("strategy=")), "")
-        keys = {("recipe", recipe)} | ({("strategy", strategy)} if strategy else set())
-        real = real or (nprocs > 1 and not keys <= launched_for_real)
+        # the launch path itself is checked too: the first multi-process launch of each strategy in the run is
+        # real, and so is every launch that the server cannot give. Not one per recipe: every rank imports every
+        # objective's code (finetune.commands.train) before it reads its recipe, so a recipe changes nothing a
+        # forked rank starts from; the launches whose launcher itself matters (a kill of the launcher, the
+        # launcher's store under a split of processes) pass real=True.
+        strategy = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("strategy=")), None)
+        marker = launched_for_real / (strategy or default_strategy(recipe))
+        real = real or (nprocs > 1 and not marker.exists())
         forked = not (real or front or ALL_REAL or not forkable(extra_env or {}))
         shm_before = set(SHM.glob(SHM_LEFT))
         started, children = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -173,7 +202,7 @@ def launch(launch_env, tmp_path_factory):
             cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
         log_launch(nprocs, forked, time.monotonic() - started, cpu, code)
         if not forked and nprocs > 1 and code == 0:
-            launched_for_real.update(keys)
+            marker.touch()
         left = sorted(set(SHM.glob(SHM_LEFT)) - shm_before)
         for path in left:  # removed before failing: each holds 64 MiB of the machine's RAM
             path.unlink(missing_ok=True)
@@ -188,6 +217,13 @@ def launch(launch_env, tmp_path_factory):
 
     yield run
     server.stop()
+
+
+def default_strategy(recipe: str) -> str:
+    """The strategy a recipe runs when a launch does not override it."""
+    from finetune.recipe import load_recipe_module
+
+    return load_recipe_module(recipe).strategy
 
 
 def log_launch(nprocs: int, forked: bool, wall: float, cpu: float, code: int) -> None:
@@ -294,10 +330,37 @@ def once(make):
     return get
 
 
+def once_per_run(root: Path, name: str, make):
+    """once(make), shared by every pytest process of the run (pytest-xdist's workers, run_root): the first
+    process that asks launches the run, holding a lock on its slot, and writes the Run beside it; a process
+    that asks later, or while it runs, waits for the lock and reads that Run. For the session's shared
+    launches, which tests in several modules (so in several workers) read."""
+    import hashlib
+
+    signature = inspect.signature(make)
+
+    def make_shared(*args):
+        slot = root / "shared-runs" / f"{name}-{hashlib.sha1(repr(args).encode()).hexdigest()[:12]}"
+        with run_lock(slot.with_suffix(".lock")):
+            saved = slot.with_suffix(".json")
+            if saved.exists():
+                fields = json.loads(saved.read_text())
+                return Run(Path(fields.pop("output_dir")), **fields)
+            run = make(*args)
+            fields = {"output_dir": str(run.output_dir), "returncode": run.returncode, "stdout": run.stdout,
+                      "stderr": run.stderr, "env": run.env}
+            saved.write_text(json.dumps(fields))
+            return run
+
+    make_shared.__signature__ = signature
+    return once(make_shared)
+
+
 @pytest.fixture(scope="session")
-def strategy_run(launch):
-    """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per session."""
-    return once(lambda name, nprocs=2: launch(nprocs, *STRATEGIES[name], *SAVE))
+def strategy_run(launch, tmp_path_factory):
+    """strategy_run(name, nprocs=2) -> the Run of STRATEGIES[name] with SAVE, launched once per run."""
+    return once_per_run(run_root(tmp_path_factory), "strategy",
+                        lambda name, nprocs=2: launch(nprocs, *STRATEGIES[name], *SAVE))
 
 
 # The run a person watching it sees (test_run_experience: tracker files, loss plot, summary, quiet logs),
@@ -311,17 +374,18 @@ WATCHED = ["strategy=zero3", "offload_params=cpu", "offload_optimizer=cpu", "lr=
 
 
 @pytest.fixture(scope="session")
-def watched_run(launch):
-    """The WATCHED run, launched once per session through `finetune train`."""
-    return launch(2, *WATCHED, front=True)
+def watched_run(launch, tmp_path_factory):
+    """The WATCHED run, launched once per run through `finetune train`."""
+    return once_per_run(run_root(tmp_path_factory), "watched", lambda: launch(2, *WATCHED, front=True))()
 
 
 @pytest.fixture(scope="session")
-def reference(launch):
+def reference(launch, tmp_path_factory):
     """One process, plain PyTorch data parallel of one, with the loss from the full logits (the loss
     before finetune/loss.py): the curve every strategy must reproduce with the chunked loss, so that
     the chunked and full losses agree under each strategy, sharded output projection included."""
-    return launch(1, "strategy=ddp", "loss_impl=full")
+    return once_per_run(run_root(tmp_path_factory), "reference",
+                        lambda: launch(1, "strategy=ddp", "loss_impl=full"))()
 
 
 def pytest_collection_modifyitems(items):

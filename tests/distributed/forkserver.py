@@ -15,8 +15,8 @@ about 8 CPU-seconds per process here), and the `accelerate launch` process impor
 (3.5 more). Measured on this 2-core machine (FINETUNE_TEST_LAUNCH_LOG, tests/distributed/test_reward.py):
 its 2-process launch took 28.0 CPU-seconds launched for real and 7.7 forked, its 1-process one 11.1 and 2.5;
 the server's own imports (about 10 CPU-seconds) are paid once per session. The real launch path stays in the
-suite (tests/distributed/conftest.py decides): the first multi-process launch of each recipe (each objective)
-and of each strategy in a session, every `finetune train` (front=True), every launch marked real=True and every
+suite (tests/distributed/conftest.py decides): the first multi-process launch of each strategy in a run (all
+pytest-xdist workers together), every `finetune train` (front=True), every launch marked real=True and every
 launch with an environment this server cannot give a forked rank (forkable()). FINETUNE_TEST_LAUNCH=real sends
 every launch through the real path.
 
