@@ -168,7 +168,7 @@ def tiny_model_dir(name: str = "tiny-llama") -> Path:
 # quarter of the conversations call the calculator ([TOOL_CALLS]mul[ARGS]{}<|end|>) and copy its answer, the rest
 # guess a number. Besides, each step has short copy drills (<|tool|>2183<|end|><|assistant|>2183<|end|>): in whole
 # conversations alone a 2-layer model takes some 500 steps to find the copy, in short ones under 100. After its
-# CALLER_STEPS the model calls about once in five and, having called, mostly copies the answer; GRPO raises the
+# CALLER_STEPS the model calls about once in four and, having called, mostly copies the answer; GRPO raises the
 # call share (an untrained model never wrote a whole call in 100 GRPO steps).
 CALLER_TOOL = {"type": "function", "function": {"name": "mul", "description": "The product of the question's two numbers.",
                                                  "parameters": {"type": "object", "properties": {}},
