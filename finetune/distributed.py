@@ -60,11 +60,27 @@ def deepspeed_cpu_local_size() -> None:
     buffer per rank in /dev/shm (64 MiB each, for inference_all_reduce, which training never calls)
     that nothing removes when the process ends: every run left 128 MiB of RAM behind until the
     machine ran out (tests/distributed/conftest.py checks each launch leaves none). The zero strategies now keep
-    that op from being built at all (strategy/zero.py no_shared_memory_allreduce)."""
+    that op from being built at all (no_shared_memory_allreduce below)."""
     import deepspeed.comm as dist
 
     if dist.is_initialized():
         os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def no_shared_memory_allreduce() -> None:
+    """On CPU, DeepSpeed's communication starts by building its shared-memory allreduce op
+    (deepspeed/comm/torch.py build_shm_op: deepspeed_shm_comm, a C++ build of one to four minutes on 2 cores
+    the first time on a machine, and again for every path DeepSpeed is imported from) for
+    inference_all_reduce, which training never calls, and with it a 64 MiB buffer per rank in /dev/shm that nothing
+    removes. Without the op DeepSpeed's inference_all_reduce takes the process group's all_reduce, and every
+    collective training uses is the gloo group's as before. Called before deepspeed.comm starts: by the zero
+    strategies and by sequence parallelism under fsdp and ddp (Ulysses runs on deepspeed.comm). tests/test_plan.py
+    checks that DeepSpeed still builds it by that name (a rename would bring the build back, not break a run)."""
+    import importlib
+
+    # not `import deepspeed.comm.torch as`: that finds deepspeed.comm's attribute `torch`, which is torch itself
+    backend = importlib.import_module("deepspeed.comm.torch")
+    backend.build_shm_op = lambda: None
 
 
 def build_accelerator(plan, config):

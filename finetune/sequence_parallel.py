@@ -288,9 +288,12 @@ def start(recipe, model) -> None:
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from finetune.distributed import no_shared_memory_allreduce
     from finetune.unwrap import hf_model
 
-    # deepspeed.comm over the existing group (ZeRO's Accelerator has made it already; fsdp and ddp not)
+    # deepspeed.comm over the existing group (ZeRO's Accelerator has made it already; fsdp and ddp not), without
+    # its shared-memory op (left 128 MiB in /dev/shm after every fsdp run with sequence_parallel=2)
+    no_shared_memory_allreduce()
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
     impl = recipe.attn_implementation
     own = ALL_ATTENTION_FUNCTIONS[impl]

@@ -467,7 +467,7 @@ def test_zero_on_cpu_builds_no_shared_memory_allreduce(monkeypatch):
 
     backend = importlib.import_module("deepspeed.comm.torch")
 
-    from finetune.strategy.zero import no_shared_memory_allreduce
+    from finetune.distributed import no_shared_memory_allreduce
 
     assert "build_shm_op()" in inspect.getsource(backend.TorchBackend.__init__)
     monkeypatch.setattr(backend, "build_shm_op", backend.build_shm_op)  # put back after the test

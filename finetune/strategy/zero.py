@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 
+from finetune.distributed import no_shared_memory_allreduce
 from finetune.strategy.base import Strategy
 
 
@@ -302,21 +303,6 @@ class Zero3(Zero):
 # rollouts and final weights are identical with either size (scripts/compare_runs.py, cmp); with more
 # ranks the summation order of an element may follow its place in the bucket (last bits).
 REDUCE_BUCKET_MIN = 10**6
-
-
-def no_shared_memory_allreduce() -> None:
-    """On CPU, DeepSpeed's communication starts by building its shared-memory allreduce op
-    (deepspeed/comm/torch.py build_shm_op: deepspeed_shm_comm, a C++ build of one to four minutes on 2 cores
-    the first time on a machine, and again for every path DeepSpeed is imported from) for
-    inference_all_reduce, which training never calls, and with it a 64 MiB buffer per rank in /dev/shm.
-    Without the op DeepSpeed's inference_all_reduce takes the process group's all_reduce, and every
-    collective training uses is the gloo group's as before. tests/test_plan.py checks that
-    DeepSpeed still builds it by that name (a rename would bring the build back, not break a run)."""
-    import importlib
-
-    # not `import deepspeed.comm.torch as`: that finds deepspeed.comm's attribute `torch`, which is torch itself
-    backend = importlib.import_module("deepspeed.comm.torch")
-    backend.build_shm_op = lambda: None
 
 
 def reduce_bucket(hidden_size: int) -> int:
