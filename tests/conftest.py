@@ -28,9 +28,9 @@ collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_backend"]
 def finetune_cache(tmp_path_factory):
     """FINETUNE_CACHE in a temporary directory, so that tests never write into ~/.cache; under pytest-xdist one
     for all the run's workers (the parent of theirs, this run's alone), so that each builtin model is built once
-    (finetune.assets publishes what it builds atomically, the first build kept)."""
+    (finetune.assets publishes what it builds atomically, the first build kept); the launches use it too (launch_env)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        path = tmp_path_factory.getbasetemp().parent / "finetune-cache"  # the launches' too (launch_env)
+        path = tmp_path_factory.getbasetemp().parent / "finetune-cache"
         path.mkdir(exist_ok=True)
     else:
         path = tmp_path_factory.mktemp("finetune-cache")

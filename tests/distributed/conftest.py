@@ -3,6 +3,7 @@ command a CPU user types. The tiny model, tokenizer and data are built once per 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -74,27 +75,19 @@ def run_lock(path: Path):
 
 
 @pytest.fixture(scope="session")
-def launch_env(tmp_path_factory) -> dict:
-    """One cache for every launch of the run (every xdist worker's): the tiny assets and tokenized data are
-    made once, and a run one worker launched resumes in another with the same model files."""
+def launch_env(finetune_cache) -> dict:
+    """The session's cache (tests/conftest.py finetune_cache: under pytest-xdist one for every worker of the run)
+    for every launch: the tiny assets and tokenized data are made once, and a run one worker launched resumes in
+    another with the same model files."""
     from finetune import assets
 
-    cache = run_root(tmp_path_factory) / "finetune-cache"
-    cache.mkdir(parents=True, exist_ok=True)
+    cache = finetune_cache
     env = dict(os.environ, FINETUNE_CACHE=str(cache), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                HF_DATASETS_CACHE=str(cache / "datasets"), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1",
                PYTHONPATH=str(REPO))
-    old = os.environ.get("FINETUNE_CACHE")
-    os.environ["FINETUNE_CACHE"] = str(cache)
-    try:
-        with run_lock(cache / ".lock"):
-            assets.tiny_model_dir()
-            assets.tiny_tasks_file()
-    finally:
-        if old is None:
-            os.environ.pop("FINETUNE_CACHE")
-        else:
-            os.environ["FINETUNE_CACHE"] = old
+    with run_lock(cache / ".lock"):
+        assets.tiny_model_dir()
+        assets.tiny_tasks_file()
     return env
 
 
@@ -347,9 +340,7 @@ def once_per_run(root: Path, name: str, make):
                 fields = json.loads(saved.read_text())
                 return Run(Path(fields.pop("output_dir")), **fields)
             run = make(*args)
-            fields = {"output_dir": str(run.output_dir), "returncode": run.returncode, "stdout": run.stdout,
-                      "stderr": run.stderr, "env": run.env}
-            saved.write_text(json.dumps(fields))
+            saved.write_text(json.dumps(dataclasses.asdict(run), default=str))
             return run
 
     make_shared.__signature__ = signature
