@@ -54,8 +54,22 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "NCCL
                         "TOKENIZERS", "ACCELERATE", "DS_", "DEEPSPEED", "PYTHON", "LD_", "MALLOC", "ARROW", "JE_", "VLLM")
 
 
+# Import-time variables that a forked rank is given all the same, because the library re-reads them when asked:
+# torch's logging settings (torch._logging reads TORCH_LOGS as torch is imported; _init_logs reads it again).
+REREAD_AFTER_FORK = ("TORCH_LOGS",)
+
+
 def forkable(extra_env: dict) -> bool:
-    return all(key == "PYTHONPATH" or not key.startswith(IMPORT_TIME_PREFIXES) for key in extra_env)
+    return all(key == "PYTHONPATH" or key in REREAD_AFTER_FORK or not key.startswith(IMPORT_TIME_PREFIXES)
+               for key in extra_env)
+
+
+def _reread(before: dict) -> None:
+    """In the forked child, once its environment is the launch's: re-read what changed of REREAD_AFTER_FORK."""
+    if os.environ.get("TORCH_LOGS") != before.get("TORCH_LOGS"):
+        import torch._logging
+
+        torch._logging._init_logs()
 
 
 # What every rank imports before it trains (FINETUNE_FORKSERVER_TRACE=DIR writes what a forked rank still
@@ -94,9 +108,11 @@ def _rank(request: dict, rank: int, out: int, err: int, closing: list[int]) -> N
         os.close(err)
         sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+        before = dict(os.environ)
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(rank_env(rank, request["nprocs"], request["port"]))
+        _reread(before)
         os.chdir(request["cwd"])
         sys.argv = ["finetune/run.py", *request["args"]]
         sys.path[0] = os.path.join(request["cwd"], "finetune")  # as `python finetune/run.py` starts
