@@ -1,6 +1,7 @@
 """pytest -p pytest_costs: per test (setup+call+teardown) wall seconds and CPU seconds of this process and
-its waited-for children (launches), one JSON line each to $COSTS_OUT."""
-import json, os, resource, time
+its waited-for children (launches), its start and end (epoch seconds t0, t1), pytest-xdist worker and venv,
+one JSON line each to $COSTS_OUT."""
+import json, os, resource, sys, time
 import pytest
 
 def _cpu():
@@ -15,9 +16,13 @@ def pytest_runtest_protocol(item, nextitem):
     w1, (s1, c1) = time.monotonic(), _cpu()
     path = os.environ.get("COSTS_OUT")
     if path:
+        end = time.time()
         with open(path, "a") as f:
             f.write(json.dumps({"id": item.nodeid, "wall": round(w1 - w0, 2), "self_cpu": round(s1 - s0, 2),
-                                "child_cpu": round(c1 - c0, 2), "load1": round(l0, 2)}) + "\n")
+                                "child_cpu": round(c1 - c0, 2), "load1": round(l0, 2),
+                                "t0": round(end - (w1 - w0), 1), "t1": round(end, 1),
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+                                "venv": os.path.basename(sys.prefix)}) + "\n")
 
 
 # every launch (subprocess.run of finetune/run.py, accelerate launch, finetune.cli): argv, wall, child CPU
