@@ -54,9 +54,15 @@ IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "OMP_", "MKL", "KMP_", "CUDA", "NCCL
                         "TOKENIZERS", "ACCELERATE", "DS_", "DEEPSPEED", "PYTHON", "LD_", "MALLOC", "ARROW", "JE_", "VLLM")
 
 
-# Import-time variables that a forked rank is given all the same, because the library re-reads them when asked:
-# torch's logging settings (torch._logging reads TORCH_LOGS as torch is imported; _init_logs reads it again).
-REREAD_AFTER_FORK = ("TORCH_LOGS",)
+def _reread_torch_logs() -> None:
+    import torch._logging
+
+    torch._logging._init_logs()  # what torch runs as it is imported: reads TORCH_LOGS
+
+
+# Import-time variables that a forked rank is given all the same, each with the call that makes its library read
+# it again: torch's logging settings (torch._logging reads TORCH_LOGS as torch is imported).
+REREAD_AFTER_FORK = {"TORCH_LOGS": _reread_torch_logs}
 
 
 def forkable(extra_env: dict) -> bool:
@@ -66,10 +72,9 @@ def forkable(extra_env: dict) -> bool:
 
 def _reread(before: dict) -> None:
     """In the forked child, once its environment is the launch's: re-read what changed of REREAD_AFTER_FORK."""
-    if os.environ.get("TORCH_LOGS") != before.get("TORCH_LOGS"):
-        import torch._logging
-
-        torch._logging._init_logs()
+    for key, reread in REREAD_AFTER_FORK.items():
+        if os.environ.get(key) != before.get(key):
+            reread()
 
 
 # What every rank imports before it trains (FINETUNE_FORKSERVER_TRACE=DIR writes what a forked rank still
